@@ -1,0 +1,26 @@
+"""Deferred-RoPE paged attention kernels (DESIGN.md section 2).
+
+The kernels know nothing about models: they take raw queries, a paged K/V pool
+whose keys are stored rotated at their own stored angle, and per-logical-page
+metadata saying where each page sits and by how much it is shifted.
+"""
+
+from pallas_kernels.lazy_attention import (
+    check_lazy_attention_shapes,
+    check_lazy_attention_values,
+    lazy_attention,
+    resolve_impl,
+)
+from pallas_kernels.reference import lazy_attention_reference
+from pallas_kernels.rope import MAX_ROPE_POSITION, RopeConfig, apply_rope
+
+__all__ = [
+    "MAX_ROPE_POSITION",
+    "RopeConfig",
+    "apply_rope",
+    "check_lazy_attention_shapes",
+    "check_lazy_attention_values",
+    "lazy_attention",
+    "lazy_attention_reference",
+    "resolve_impl",
+]

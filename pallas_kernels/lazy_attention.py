@@ -1,0 +1,174 @@
+"""Public entry point of the lazy (deferred-RoPE) paged attention contract.
+
+Validates shapes and dtypes at trace time, then dispatches to one of:
+  "xla" - pure XLA (pallas_kernels/xla_attention.py), the CPU path;
+  "gpu" - Pallas/Triton decode (T == 1) and prefill (T > 1) kernels;
+  "tpu" - Pallas/Mosaic TPU decode and prefill kernels;
+  "auto" - by jax.default_backend().
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.rope import MAX_ROPE_POSITION, RopeConfig
+
+IMPLS = ("auto", "xla", "gpu", "tpu")
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def resolve_impl(impl: str) -> str:
+  """Maps "auto" to the implementation for the default backend."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if impl != "auto":
+    return impl
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return "gpu"
+  if backend == "tpu":
+    return "tpu"
+  return "xla"
+
+
+def _shape_str(x) -> str:
+  return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+
+
+def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
+                                page_shift, page_len, q_pos):
+  """Raises ValueError naming the offending argument; works on tracers."""
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, N, H], got shape {q.shape}")
+  batch, q_len, num_heads, head_dim = q.shape
+  if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in _SUPPORTED_DTYPES]:
+    raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+  if k_pages.ndim != 4:
+    raise ValueError(
+        f"k_pages must be [K, num_pages, page_size, H], got shape {k_pages.shape}")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape "
+                     f"{k_pages.shape}")
+  for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if arr.dtype != q.dtype:
+      raise ValueError(f"{name} dtype {arr.dtype} must equal q dtype {q.dtype}")
+  num_kv_heads, _, _, kv_head_dim = k_pages.shape
+  if kv_head_dim != head_dim:
+    raise ValueError(f"k_pages head dim {kv_head_dim} must equal q head dim "
+                     f"{head_dim}")
+  if head_dim % 2:
+    raise ValueError(f"q head dim must be even for RoPE, got {head_dim}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"q heads ({num_heads}) must be a multiple of k_pages "
+                     f"heads ({num_kv_heads})")
+  if page_table.ndim != 2 or page_table.shape[0] != batch:
+    raise ValueError(f"page_table must be [B={batch}, M], got shape "
+                     f"{page_table.shape}")
+  for name, arr in (("page_table", page_table), ("page_pos", page_pos),
+                    ("page_shift", page_shift), ("page_len", page_len)):
+    if arr.shape != page_table.shape:
+      raise ValueError(f"{name} shape {arr.shape} must equal page_table shape "
+                       f"{page_table.shape}")
+    if arr.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32, got {arr.dtype}")
+  if q_pos.shape != (batch, q_len):
+    raise ValueError(f"q_pos shape {q_pos.shape} must be [B, T] = "
+                     f"{(batch, q_len)}")
+  if q_pos.dtype != jnp.int32:
+    raise ValueError(f"q_pos must be int32, got {q_pos.dtype}")
+
+
+def check_lazy_attention_values(k_pages, page_table, page_pos, page_shift,
+                                page_len, q_pos):
+  """Value checks on concrete (non-traced) metadata; raises ValueError."""
+  num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+  page_table, page_pos, page_shift, page_len, q_pos = (
+      np.asarray(a) for a in (page_table, page_pos, page_shift, page_len, q_pos))
+  if page_table.size and (page_table.min() < 0 or page_table.max() >= num_pages):
+    raise ValueError(f"page_table entries must lie in [0, {num_pages})")
+  if page_len.size and (page_len.min() < 0 or page_len.max() > page_size):
+    raise ValueError(f"page_len entries must lie in [0, {page_size}]")
+  if q_pos.size and (q_pos.min() < -1):
+    raise ValueError("q_pos entries must be >= 0, or -1 for padding rows")
+  for name, arr in (("q_pos", q_pos), ("page_pos", page_pos),
+                    ("page_shift", page_shift)):
+    if arr.size and np.abs(arr).max() >= MAX_ROPE_POSITION // 2:
+      raise ValueError(
+          f"{name} magnitude must stay below {MAX_ROPE_POSITION // 2}")
+
+
+def _is_concrete(*arrays) -> bool:
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+@functools.partial(jax.jit, static_argnames=("rope", "impl", "interpret"))
+def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
+                        page_len, q_pos, sm_scale, *, rope, impl, interpret):
+  if impl == "xla":
+    from pallas_kernels.xla_attention import lazy_attention_xla
+    return lazy_attention_xla(q, k_pages, v_pages, page_table, page_pos,
+                              page_shift, page_len, q_pos, rope=rope,
+                              sm_scale=sm_scale)
+  if impl == "gpu":
+    if q.shape[1] == 1:
+      from pallas_kernels.gpu_decode import lazy_decode_gpu as kernel
+    else:
+      from pallas_kernels.gpu_prefill import lazy_prefill_gpu as kernel
+  else:
+    if q.shape[1] == 1:
+      from pallas_kernels.tpu_decode import lazy_decode_tpu as kernel
+    else:
+      from pallas_kernels.tpu_prefill import lazy_prefill_tpu as kernel
+  return kernel(q, k_pages, v_pages, page_table, page_pos, page_shift,
+                page_len, q_pos, rope=rope, sm_scale=sm_scale,
+                interpret=interpret)
+
+
+def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
+                   page_len, q_pos, *, rope: RopeConfig, sm_scale=None,
+                   impl: str = "auto", interpret: bool = False):
+  """Paged attention with deferred RoPE (DESIGN.md section 2).
+
+  Score of query row (b, t, n) against slot i of logical page m:
+    <R(q_pos - page_shift) q, k_pages[n // G, page_table[b, m], i]> * sm_scale
+  kept where i < page_len[b, m] and page_pos[b, m] + i <= q_pos[b, t];
+  softmax over kept slots.  Padding rows (q_pos == -1) and rows that see no
+  key return zeros.
+
+  Args:
+    q: [B, T, N, H] raw query projections (not rotated).
+    k_pages: [K, num_pages, page_size, H] keys stored rotated at their
+      stored angle; N must be a multiple of K.
+    v_pages: [K, num_pages, page_size, H].
+    page_table: int32[B, M] physical page of each logical page.
+    page_pos: int32[B, M] logical position of slot 0 of each logical page.
+    page_shift: int32[B, M] logical position minus stored angle.
+    page_len: int32[B, M] valid slots in each page, 0..page_size.
+    q_pos: int32[B, T] logical position of each query row, -1 for padding.
+    rope: RopeConfig (static).
+    sm_scale: softmax scale (float or scalar array); default 1/sqrt(H).
+    impl: "auto", "xla", "gpu" or "tpu".
+    interpret: run the Pallas kernels in interpret mode (on CPU): generic
+      interpret for "gpu", TPU-semantics `pltpu.InterpretParams()` for "tpu".
+
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  if not isinstance(rope, RopeConfig):
+    raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
+  impl = resolve_impl(impl)
+  check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
+                              page_shift, page_len, q_pos)
+  if _is_concrete(page_table, page_pos, page_shift, page_len, q_pos):
+    check_lazy_attention_values(k_pages, page_table, page_pos, page_shift,
+                                page_len, q_pos)
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  sm_scale = jnp.asarray(sm_scale, jnp.float32)
+  return _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos,
+                             page_shift, page_len, q_pos, sm_scale, rope=rope,
+                             impl=impl, interpret=interpret)
