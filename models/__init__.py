@@ -1,0 +1,1 @@
+"""Flax (NNX) Llama whose attention calls the lazy attention kernel contract."""
