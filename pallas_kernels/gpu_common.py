@@ -1,0 +1,206 @@
+"""Pieces shared by the GPU (Pallas, Triton lowering) decode and prefill kernels.
+
+Both kernels stream the paged KV of one batch row and one kv head in blocks of
+`pages_per_block` logical pages and run an online (flash) softmax over them.
+What they share:
+
+- the query rows of one kv head, rotated once outside the kernel
+  (q_rot = R(q_pos) q * sm_scale * log2(e) and its rotate_half), turned into
+  R(q_pos - s) q for a page shift s with one cos/sin vector of length H
+  (`rotate_rows`);
+- the gather of one block of KV: per-column page metadata, the physical rows,
+  and masked loads that never touch an invalid slot (`load_kv_block`);
+- one online-softmax step in base 2 (`softmax_step`), written so that padding
+  slots holding NaN and rows that see nothing can never produce NaN;
+- host-side (XLA, metadata only) helpers that build the query-row layout.
+
+Scores are kept in base-2 units: log2(e) is folded into the rotated query, so
+the kernels call exp2 directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
+from pallas_kernels.rope import rotated_query
+
+LOG2_E = math.log2(math.e)
+# Running-max start value: finite, so a row that has seen only masked (-inf)
+# scores keeps exp2(-inf - NEG_INIT) = 0 and exp2(NEG_INIT - NEG_INIT) = 1.
+NEG_INIT = -1e30
+# Position given to a key column that no query row may see.
+NEVER_VISIBLE = 2**31 - 1
+# Query position of a padding row: below every key position.
+PADDING_ROW = -(2**31)
+
+
+def next_power_of_2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_power_of_2_head_dim(head_dim: int) -> None:
+  if head_dim < 16 or head_dim & (head_dim - 1):
+    raise ValueError(
+        "the gpu kernels need a power-of-two head dim >= 16 (Triton tiles), "
+        f"got q head dim {head_dim}; use impl='xla' for this shape")
+
+
+def kv_block_geometry(page_size: int, block_kv: int) -> tuple[int, int]:
+  """(pages_per_block, block_k): whole pages per step, columns padded to 2^k."""
+  pages_per_block = max(1, block_kv // page_size)
+  return pages_per_block, next_power_of_2(pages_per_block * page_size)
+
+
+def dot_precision(dtype):
+  """Full f32 for float32 inputs (Triton's default would be tf32)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return lax.Precision.HIGHEST
+  return None
+
+
+def compiler_params(block_sizes):
+  return plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                              num_stages=block_sizes.num_stages)
+
+
+def whole_array_spec(shape):
+  """BlockSpec handing every program the whole (small, metadata) array."""
+  return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+def load_chunk_rows(chunks_ref):
+  """The NUM_TURN_CHUNKS int32 rows [H] of rope.turn_chunks, from a ref."""
+  return [chunks_ref[j, :] for j in range(NUM_TURN_CHUNKS)]
+
+
+def rotate_rows(q_rot, q_rot_half, shift, chunk_rows, dtype):
+  """R(q_pos - shift) q for every row: one cos/sin vector [H] for all rows.
+
+  q_rot, q_rot_half: f32 [R, H]; shift: int32 scalar.  Returns [R, H] in
+  `dtype` (the KV dtype, the operand type of the score matmul).
+  """
+  cos, sin = cos_sin_from_chunks(shift, chunk_rows)  # each f32 [H]
+  return (q_rot * cos[None, :] - q_rot_half * sin[None, :]).astype(dtype)
+
+
+def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
+                  block, *, pages_per_block, page_size, block_k, num_pages,
+                  num_logical_pages, column_filter):
+  """Gathers one block of logical pages of one batch row and kv head.
+
+  Args:
+    k_ref, v_ref: [num_pages * page_size, H] refs (one kv head, pages
+      flattened into rows).
+    page_table_ref, page_pos_ref, page_len_ref: [M] refs of one batch row.
+    block: int32 scalar, index of the block of `pages_per_block` pages.
+    column_filter: fn(page, position) -> bool [block_k], an extra condition
+      on each column given its logical page index and logical position (shift
+      match, segment range, causal bound, ...).
+
+  Returns:
+    (k, v, position): k and v [block_k, H] with zeros in every column that is
+    not a valid slot passing `column_filter` (those are never loaded, so NaN
+    in unused pages or padding slots cannot leak); `position` int32
+    [block_k], the logical position of each column or NEVER_VISIBLE.
+  """
+  cols = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+  page_in_block = lax.div(cols, page_size)
+  slot = lax.rem(cols, page_size)
+  page = block * pages_per_block + page_in_block
+  in_range = (page_in_block < pages_per_block) & (page < num_logical_pages)
+  page = jnp.minimum(page, num_logical_pages - 1)  # keep the gathers in bounds
+  page_len = page_len_ref[page]
+  page_pos = page_pos_ref[page]
+  physical = jnp.clip(page_table_ref[page], 0, num_pages - 1)
+  position = page_pos + slot
+  ok = in_range & (slot < page_len) & column_filter(page, position)
+  # Both index arrays broadcast to [block_k, H] (array-only indexing is what
+  # both the Triton lowering and the interpreter support for a gather).
+  rows = (physical * page_size + slot)[:, None]
+  lanes = lax.broadcasted_iota(jnp.int32, (1, k_ref.shape[-1]), 1)
+  k = plgpu.load(k_ref.at[rows, lanes], mask=ok[:, None], other=0.0)
+  v = plgpu.load(v_ref.at[rows, lanes], mask=ok[:, None], other=0.0)
+  return k, v, jnp.where(ok, position, NEVER_VISIBLE)
+
+
+def softmax_step(carry, q_s, k, v, visible):
+  """One online-softmax step over a KV block, scores in base 2.
+
+  carry: (acc f32 [R, H], m f32 [R], l f32 [R]); q_s [R, H] and k, v
+  [block_k, H] in the KV dtype; visible bool [R, block_k].
+  """
+  acc, m_prev, l_prev = carry
+  precision = dot_precision(k.dtype)
+  scores = lax.dot_general(q_s, k, (((1,), (1,)), ((), ())),
+                           precision=precision,
+                           preferred_element_type=jnp.float32)
+  scores = jnp.where(visible, scores, -jnp.inf)
+  m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+  alpha = jnp.exp2(m_prev - m_next)
+  p = jnp.exp2(scores - m_next[:, None])
+  l_next = l_prev * alpha + jnp.sum(p, axis=1)
+  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                       precision=precision,
+                       preferred_element_type=jnp.float32)
+  return acc * alpha[:, None] + pv, m_next, l_next
+
+
+def softmax_init(rows: int, head_dim: int):
+  return (jnp.zeros((rows, head_dim), jnp.float32),
+          jnp.full((rows,), NEG_INIT, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
+                       rows_multiple):
+  """Rotated queries laid out as rows of one kv head (XLA, outside kernels).
+
+  Row r of kv head k is token t = r // G, query head n = k * G + r % G, so a
+  program that takes consecutive rows shares one stream of KV among the G
+  heads of a group.
+
+  Returns:
+    q_rot, q_rot_half: f32 [B, K, R_pad, H], sm_scale * log2(e) folded in;
+    row_pos: int32 [B, R_pad], q_pos of each row, PADDING_ROW for padding
+      rows (q_pos < 0 or past T * G).
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  group = num_heads // num_kv_heads
+  num_rows = q_len * group
+  padded_rows = -(-num_rows // rows_multiple) * rows_multiple
+  scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(LOG2_E)
+  q_rot, q_rot_half = rotated_query(q, q_pos, rope, scale)
+
+  def to_rows(x):  # [B, T, N, H] -> [B, K, T*G, H], padded
+    x = x.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    x = jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(
+        batch, num_kv_heads, num_rows, head_dim)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
+
+  row_pos = jnp.where(q_pos >= 0, q_pos, PADDING_ROW)
+  row_pos = jnp.repeat(row_pos, group, axis=1)
+  row_pos = jnp.pad(row_pos, ((0, 0), (0, padded_rows - num_rows)),
+                    constant_values=PADDING_ROW)
+  return to_rows(q_rot), to_rows(q_rot_half), row_pos
+
+
+def rows_to_heads(out, q_len, group):
+  """[B, K, R_pad, H] kernel rows back to [B, T, N, H]."""
+  batch, num_kv_heads, _, head_dim = out.shape
+  out = out[:, :, :q_len * group].reshape(batch, num_kv_heads, q_len, group,
+                                          head_dim)
+  return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(
+      batch, q_len, num_kv_heads * group, head_dim)
+
+
+def flat_pages(pages):
+  """[K, P, page_size, H] -> [K, P * page_size, H] (free, contiguous)."""
+  num_kv_heads, num_pages, page_size, head_dim = pages.shape
+  return pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
