@@ -1,0 +1,331 @@
+"""RAG serving benchmark: lazy vs full recompute, prefix caching, Block-Attention.
+
+Every mode runs in one process on the same request trace, one after another,
+with the same model and kernels.  Each mode gets a fresh cache and its own
+warm-up (the warm-up trace is replayed first so compilation happens there; the
+cache is then emptied and the measured trace runs).
+
+Example (CPU smoke):
+  python -m benchmarks.rag_serving --model tiny --num-docs 24 --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+MODES = ("lazy", "block", "prefix", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+  corpus: list  # list[list[int]]
+  requests: list  # list[(query tokens, doc indices)]
+  arrivals: np.ndarray | None  # seconds from start, Poisson; None = closed loop
+
+
+def zipf_probabilities(num_docs: int, exponent: float) -> np.ndarray:
+  ranks = np.arange(1, num_docs + 1, dtype=np.float64)
+  weights = ranks ** -exponent
+  return weights / weights.sum()
+
+
+def make_trace(args, vocab_size: int, num_requests: int, seed: int) -> Trace:
+  rng = np.random.default_rng(seed)
+  corpus_rng = np.random.default_rng(args.seed)  # same corpus for every trace
+  corpus = [corpus_rng.integers(1, vocab_size, size=args.doc_len).tolist()
+            for _ in range(args.num_docs)]
+  popularity = zipf_probabilities(args.num_docs, args.zipf)
+  # Popularity ranks are shuffled over document ids.
+  popularity = popularity[corpus_rng.permutation(args.num_docs)]
+  requests = []
+  for _ in range(num_requests):
+    docs = rng.choice(args.num_docs, size=args.docs_per_request, replace=False,
+                      p=popularity)
+    query = rng.integers(1, vocab_size, size=args.query_len).tolist()
+    requests.append((query, [int(d) for d in docs]))
+  arrivals = None
+  if args.rate:
+    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=num_requests))
+  return Trace(corpus, requests, arrivals)
+
+
+def build_model(args):
+  """Returns (config, model, dtype name)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  if args.model == "tiny":
+    config = dataclasses.replace(LlamaConfig.tiny(), max_position=1 << 16)
+    return config, Llama(config, rngs=nnx.Rngs(args.seed)), "float32"
+  if args.model == "llama3-8b-shape":
+    config = LlamaConfig.llama3_8b()
+    dtype = jnp.bfloat16
+    # Initialise on the device inside one jit: 8B parameters of random bf16.
+    @nnx.jit
+    def init():
+      return Llama(config, dtype=dtype, param_dtype=dtype,
+                   rngs=nnx.Rngs(args.seed))
+    return config, init(), "bfloat16"
+  if args.model == "smollm2":
+    from lazyattn_jax.default_model import default_gguf_path
+    from models.gguf_loader import load_gguf
+    loaded = load_gguf(default_gguf_path(), dtype=jnp.float32)
+    return loaded[0], loaded[1], "float32"
+  raise SystemExit(f"unknown --model {args.model!r}")
+
+
+def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
+  from lazyattn_jax.cache_state import CacheConfig
+  from lazyattn_jax.engine import LazyEngine
+  pages_per_doc = -(-args.doc_len // args.page_size)
+  cache_config = CacheConfig(
+      num_pages=cache_pages, page_size=args.page_size,
+      num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+      head_dim=config.head_dim, dtype=dtype,
+      max_docs=min(args.num_docs, cache_pages // pages_per_doc + 1) + 8,
+      max_pages_per_doc=max(pages_per_doc, 1))
+  return LazyEngine(config, model, cache_config, mode=mode, impl=args.impl,
+                    max_batch=args.max_batch, decode_steps=args.decode_steps,
+                    max_prefill_tokens=args.max_prefill_tokens)
+
+
+def run_trace(engine, trace: Trace, args, progress=None):
+  """Drives the engine through the trace; returns (results, seconds)."""
+  from lazyattn_jax.sampling import SamplingParams
+  sampling = SamplingParams(max_new_tokens=args.output_len, temperature=0.0,
+                            stop_token_ids=())
+  pending = list(range(len(trace.requests)))
+  results = []
+  start = time.perf_counter()
+
+  def submit(i, arrival=None):
+    query, docs = trace.requests[i]
+    engine.submit(query, [trace.corpus[d] for d in docs], sampling,
+                  arrival_time=arrival)
+
+  if trace.arrivals is None:
+    for i in pending[:args.concurrency]:
+      submit(i)
+    pending = pending[args.concurrency:]
+  while pending or engine.has_work():
+    if trace.arrivals is not None:
+      now = time.perf_counter() - start
+      while pending and trace.arrivals[pending[0]] <= now:
+        i = pending.pop(0)
+        submit(i, start + float(trace.arrivals[i]))
+      if not engine.has_work():
+        time.sleep(max(0.0, float(trace.arrivals[pending[0]]) -
+                       (time.perf_counter() - start)))
+        continue
+    done = engine.step()
+    results.extend(done)
+    if progress is not None:
+      progress.update(len(done))
+    if trace.arrivals is None:
+      for _ in done:
+        if pending:
+          submit(pending.pop(0))
+  return results, time.perf_counter() - start
+
+
+def summarize(mode, engine, results, seconds, extra) -> dict:
+  ttft = np.array([r.ttft_s for r in results])
+  tpot = np.array([r.decode_time_per_token_s for r in results
+                   if len(r.token_ids) > 1])
+  hits = [h for r in results for h in r.doc_hits]
+  tokens = sum(len(r.token_ids) for r in results)
+  return dict(
+      mode=mode, requests=len(results), seconds=seconds,
+      ttft_p50_s=float(np.percentile(ttft, 50)),
+      ttft_p90_s=float(np.percentile(ttft, 90)),
+      ttft_p99_s=float(np.percentile(ttft, 99)),
+      tpot_p50_s=float(np.percentile(tpot, 50)) if tpot.size else 0.0,
+      throughput_tok_s=tokens / seconds,
+      throughput_req_s=len(results) / seconds,
+      doc_hit_rate=float(np.mean(hits)) if hits else 0.0,
+      prefill_tokens_computed=engine.stats.prefill_tokens_computed,
+      kv_pages_written_for_cached_docs=engine.stats.kv_pages_written_for_cached_docs,
+      peak_pages_used=engine.stats.peak_pages_used,
+      compiles_total=engine.compile_count,
+      **extra)
+
+
+def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
+             compiled_engines):
+  from tqdm import tqdm
+  engine = compiled_engines.get(mode)
+  if engine is None or engine.cache_config.num_pages != cache_pages:
+    engine = make_engine(args, config, model, dtype, mode, cache_pages)
+    compiled_engines[mode] = engine
+  engine.reset_cache()
+  if warm.requests:
+    run_trace(engine, warm, args)
+    engine.reset_cache()
+  compiles_before = engine.compile_count
+  with tqdm(total=len(measured.requests), desc=f"{mode:>6}", file=sys.stderr,
+            disable=args.no_progress) as bar:
+    results, seconds = run_trace(engine, measured, args, bar)
+  return summarize(mode, engine, results, seconds, dict(
+      cache_pages=cache_pages, rate=args.rate, concurrency=args.concurrency,
+      compiles_during_measurement=engine.compile_count - compiles_before))
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="tiny",
+                 choices=["tiny", "smollm2", "llama3-8b-shape"])
+  p.add_argument("--num-docs", type=int, default=64)
+  p.add_argument("--docs-per-request", type=int, default=4)
+  p.add_argument("--doc-len", type=int, default=32)
+  p.add_argument("--query-len", type=int, default=8)
+  p.add_argument("--output-len", type=int, default=8)
+  p.add_argument("--zipf", type=float, default=1.1)
+  p.add_argument("--rate", type=float, default=0.0,
+                 help="Poisson arrivals per second (0 = closed loop)")
+  p.add_argument("--concurrency", type=int, default=8,
+                 help="requests in flight in closed-loop mode")
+  p.add_argument("--num-requests", type=int, default=32)
+  p.add_argument("--warmup-requests", type=int, default=8)
+  p.add_argument("--cache-pages", type=int, default=0,
+                 help="pool size in pages (0: --cache-fraction of the corpus)")
+  p.add_argument("--cache-fraction", type=float, default=1.0 / 3.0)
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--modes", default=",".join(MODES))
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--impl", default="auto")
+  p.add_argument("--max-batch", type=int, default=16)
+  p.add_argument("--decode-steps", type=int, default=8)
+  p.add_argument("--max-prefill-tokens", type=int, default=16384)
+  p.add_argument("--sweep-rates", default="",
+                 help="comma-separated Poisson rates for the TTFT-vs-rate plot")
+  p.add_argument("--sweep-cache-fractions", default="",
+                 help="comma-separated corpus fractions for throughput vs budget")
+  p.add_argument("--out", default="", help="JSON output path")
+  p.add_argument("--plot-dir", default="", help="where to write PNG plots")
+  p.add_argument("--no-progress", action="store_true")
+  args = p.parse_args(argv)
+  modes = [m for m in args.modes.split(",") if m]
+  bad = [m for m in modes if m not in MODES]
+  if bad:
+    p.error(f"unknown modes {bad}; choose from {MODES}")
+  args.mode_list = modes
+  return args
+
+
+def working_pages(args) -> int:
+  """Pages for in-flight requests' own tokens (and block-mode copies)."""
+  pages_per_doc = -(-args.doc_len // args.page_size)
+  per_request = (-(-(args.query_len + args.output_len +
+                     args.docs_per_request * args.doc_len) // args.page_size) +
+                 args.docs_per_request * pages_per_doc)
+  return per_request * args.max_batch
+
+
+def cache_pages_for(args, fraction: float) -> int:
+  corpus_pages = args.num_docs * -(-args.doc_len // args.page_size)
+  return max(1, int(round(fraction * corpus_pages))) + working_pages(args)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  import jax
+  config, model, dtype = build_model(args)
+  warm = make_trace(args, config.vocab_size, args.warmup_requests, args.seed + 1)
+  measured = make_trace(args, config.vocab_size, args.num_requests, args.seed + 2)
+  base_pages = args.cache_pages or cache_pages_for(args, args.cache_fraction)
+  engines: dict = {}
+  header = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d"), model=args.model,
+                command="python -m benchmarks.rag_serving " +
+                " ".join(argv if argv is not None else sys.argv[1:]))
+  runs = []
+  for mode in args.mode_list:
+    runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
+                         measured, engines))
+  sweeps = dict(rate=[], cache=[])
+  for rate in [float(r) for r in args.sweep_rates.split(",") if r]:
+    swept = argparse.Namespace(**vars(args))
+    swept.rate = rate
+    trace = make_trace(swept, config.vocab_size, args.num_requests, args.seed + 2)
+    for mode in args.mode_list:
+      sweeps["rate"].append(run_mode(swept, config, model, dtype, mode,
+                                     base_pages, warm, trace, engines))
+  for fraction in [float(f) for f in args.sweep_cache_fractions.split(",") if f]:
+    pages = cache_pages_for(args, fraction)
+    for mode in args.mode_list:
+      row = run_mode(args, config, model, dtype, mode, pages, warm, measured,
+                     engines)
+      row["cache_fraction"] = fraction
+      sweeps["cache"].append(row)
+  report = dict(header, args={k: v for k, v in vars(args).items()
+                              if k != "mode_list"},
+                runs=runs, sweeps=sweeps)
+  text = json.dumps(report, indent=2)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      f.write(text)
+  if args.plot_dir:
+    plot(report, args.plot_dir)
+  print(text if not args.out else json.dumps(runs, indent=2))
+  print_table(runs, file=sys.stderr)
+  return report
+
+
+def print_table(runs, file=sys.stdout):
+  cols = ["mode", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "throughput_tok_s",
+          "doc_hit_rate", "prefill_tokens_computed",
+          "kv_pages_written_for_cached_docs", "peak_pages_used"]
+  print(" | ".join(cols), file=file)
+  for r in runs:
+    print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
+                     for c in cols), file=file)
+
+
+def plot(report, plot_dir):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  os.makedirs(plot_dir, exist_ok=True)
+  title = f"{report['model']} on {report['device']} (jax {report['jax']}, {report['date']})"
+  if report["sweeps"]["rate"]:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r["mode"] for r in report["sweeps"]["rate"]}):
+      rows = sorted((r for r in report["sweeps"]["rate"] if r["mode"] == mode),
+                    key=lambda r: r["rate"])
+      ax.plot([r["rate"] for r in rows], [r["ttft_p50_s"] for r in rows],
+              marker="o", label=mode)
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "ttft_vs_rate.png"), dpi=120)
+  if report["sweeps"]["cache"]:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r["mode"] for r in report["sweeps"]["cache"]}):
+      rows = sorted((r for r in report["sweeps"]["cache"] if r["mode"] == mode),
+                    key=lambda r: r["cache_fraction"])
+      ax.plot([100 * r["cache_fraction"] for r in rows],
+              [r["throughput_tok_s"] for r in rows], marker="o", label=mode)
+    ax.set_xlabel("document cache budget (% of corpus)")
+    ax.set_ylabel("throughput (generated tokens/s)")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "throughput_vs_cache.png"), dpi=120)
+
+
+if __name__ == "__main__":
+  main()

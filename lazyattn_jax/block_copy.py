@@ -1,0 +1,36 @@
+"""Block-Attention's materialized copy: re-rotate cached document pages.
+
+The `block` baseline keeps each document encoded once from position 0, like
+`lazy`, but at use it writes a fresh copy of the document's keys rotated to the
+position of use (R(S_d) k) plus a copy of its values into newly allocated
+pages, then attends with shift 0.  This is the cost that `lazy` avoids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.rope import RopeConfig, apply_rope
+
+
+def rerotate_pages(k_cache, v_cache, src_pages, dst_pages, shifts,
+                   rope: RopeConfig):
+  """Copies pages src -> dst in every layer, rotating keys by `shifts`.
+
+  Args:
+    k_cache, v_cache: [L, K, num_pages, page_size, H] pools.
+    src_pages, dst_pages: int32[n]; a dst outside [0, num_pages) is dropped
+      (padding entries).
+    shifts: int32[n] rotation of each copied page (the document's logical
+      start position S_d).
+  Returns:
+    (k_cache, v_cache) with the copies written.
+  """
+  keys = jnp.moveaxis(k_cache[:, :, src_pages], 2, 0)  # [n, L, K, P, H]
+  keys = apply_rope(keys, shifts, rope).astype(k_cache.dtype)
+  values = v_cache[:, :, src_pages]  # [L, K, n, P, H]
+  k_cache = k_cache.at[:, :, dst_pages].set(jnp.moveaxis(keys, 0, 2),
+                                            mode="drop")
+  v_cache = v_cache.at[:, :, dst_pages].set(values, mode="drop")
+  return k_cache, v_cache

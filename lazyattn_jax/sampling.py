@@ -1,0 +1,95 @@
+"""Sampling parameters and the jit-compatible token sampler.
+
+Every row of a batch carries its own parameters as arrays, so requests with
+different settings share one compiled decode step.  A row's random stream is
+`fold_in(PRNGKey(seed), step)`: the same request with the same seed gives the
+same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from lazyattn_jax.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to pick tokens.
+
+  Attributes:
+    max_new_tokens: generate at most this many tokens (>= 1).
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep only the k most likely tokens (0 = no limit).
+    top_p: nucleus sampling: keep the smallest set of tokens whose
+      probability reaches top_p, in (0, 1].
+    seed: random seed of this request.
+    stop_token_ids: generation stops after emitting any of these (the stop
+      token is included in the output).  `None` means the model's defaults.
+  """
+
+  max_new_tokens: int = 64
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_token_ids: Sequence[int] | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise InvalidRequestError(
+          f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+    if not self.temperature >= 0:
+      raise InvalidRequestError(
+          f"temperature must be >= 0, got {self.temperature!r}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise InvalidRequestError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+    if self.stop_token_ids is not None:
+      object.__setattr__(self, "stop_token_ids",
+                         tuple(int(t) for t in self.stop_token_ids))
+
+
+def sample_tokens(logits, temperature, top_k, top_p, seed, step):
+  """Samples one token per row.
+
+  Args:
+    logits: float32[B, V].
+    temperature: float32[B]; rows with 0 take the argmax.
+    top_k: int32[B]; 0 = no limit.
+    top_p: float32[B] in (0, 1].
+    seed: int32[B] per-request seeds.
+    step: int32[B] index of the token being generated (0 for the first).
+
+  Returns:
+    int32[B] token ids.
+  """
+  vocab = logits.shape[-1]
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  safe_temp = jnp.where(temperature > 0, temperature, 1.0)
+  scaled = logits / safe_temp[:, None]
+  # Sort once; top-k and top-p are both prefix cuts of the sorted order.
+  order = jnp.argsort(-scaled, axis=-1)
+  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  rank = jnp.arange(vocab)[None, :]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  keep = rank < k[:, None]
+  probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  # Keep a token if the mass strictly before it is below top_p (so the first
+  # token is always kept).
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = keep & (mass_before < top_p[:, None])
+  masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+  def draw(seed_b, step_b, row):
+    key = jax.random.fold_in(jax.random.PRNGKey(seed_b), step_b)
+    return jax.random.categorical(key, row)
+
+  choice = jax.vmap(draw)(seed, step, masked)
+  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+  return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
