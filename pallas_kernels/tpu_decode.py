@@ -1,0 +1,300 @@
+"""Lazy (deferred-RoPE) paged attention, decode (T == 1), Pallas / Mosaic TPU.
+
+Decode is memory bound: the figure of merit is KV bytes read per second.
+  - One program per (batch row b, KV split); it streams the row's pages for
+    all K KV heads at once (one strided DMA per page and K/V), double
+    buffered, so the next block's DMAs overlap this block's compute, and the
+    DMA pipeline restarts only once per row.
+  - All G = N / K query heads of a KV head share one [G padded to 8, H]
+    query block; the K heads run one after another on the resident block.
+  - Only blocks up to the last page with page_pos <= q_pos are visited, and
+    inside them only pages that row can see are fetched.
+  - Rotation: the wrapper forms R(q_pos) q * sm_scale once; per distinct shift
+    s of a block the kernel applies one cos/sin row, R(-s), cached across
+    blocks while s does not change (shifts change per document, not per
+    page).  Keys are never rotated.
+  - A long row can be split over programs (megacore chips run them on both
+    TensorCores); partial softmax states are merged in XLA afterwards.
+Page metadata, per-block distinct-shift lists and per-row block counts are
+scalar-prefetched into SMEM; K/V pages stay in HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import tpu_common as tc
+from pallas_kernels.rope import RopeConfig, rotated_query
+from pallas_kernels.tpu_block_sizes import TpuDecodeBlockSizes
+
+
+def _decode_kernel(
+    # Scalar prefetch (SMEM).
+    num_blocks_ref,  # [B] KV blocks holding any key the row sees
+    q_limit_ref,  # [B] q_pos, or NO_QUERY for a padding row
+    page_ids_ref,  # [B * Mp]
+    page_start_ref,  # [B * Mp]
+    page_info_ref,  # [B * Mp]
+    block_shifts_ref,  # [B * Mp]
+    block_num_shifts_ref,  # [B * nb]
+    # Inputs.
+    chunks_ref,  # [6, H] int32 RoPE turn chunks
+    q_ref,  # [K, Gp, H] f32, R(q_pos) q * sm_scale
+    q_half_ref,  # [K, Gp, H] f32, rotate_half of q_ref
+    k_hbm,  # [K, num_pages, P, H] in HBM
+    v_hbm,
+    # Outputs (resident in VMEM for the whole program: the running state).
+    acc_ref,  # [K, Gp, H] f32 unnormalised output
+    m_ref,  # [K, Gp, STAT_LANES] f32 running max
+    l_ref,  # [K, Gp, STAT_LANES] f32 running sum
+    # Scratch.
+    k_buf,  # [2, K, ppb, P, H]
+    v_buf,
+    sems,  # DMA semaphores [2 (K, V), 2 slots]
+    q_shifted_ref,  # [K, Gp, H] compute dtype: R(q_pos - s) q for s cached
+    cached_shift_ref,  # SMEM [1]: the shift q_shifted_ref was rotated by
+    *,
+    pages_per_row: int,
+    blocks_per_split: int,
+    precision,
+):
+  b = pl.program_id(0)
+  split = pl.program_id(1)
+  _, num_kv_heads, pages_per_block, page_size, _ = k_buf.shape
+  blocks_per_row = pages_per_row // pages_per_block
+  first_page_of_row = b * pages_per_row
+  q_limit = q_limit_ref[b]
+  first_block = split * blocks_per_split
+  end_block = jnp.minimum(num_blocks_ref[b], first_block + blocks_per_split)
+
+  acc_ref[...] = jnp.zeros_like(acc_ref)
+  m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+  l_ref[...] = jnp.zeros_like(l_ref)
+  cached_shift_ref[0] = jnp.int32(tc.NO_SHIFT)
+
+  def block_pages(block):
+    return tc.read_block_pages(page_ids_ref, page_start_ref, page_info_ref,
+                               first_page_of_row + block * pages_per_block,
+                               pages_per_block, q_limit)
+
+  fetcher = tc.KvBlockFetcher(k_hbm, v_hbm, k_buf, v_buf, sems, head_start=0)
+
+  def rotate_queries(shift):
+    cos, sin = tc.shift_cos_sin(chunks_ref, shift)
+    return tc.rotate_by_minus_shift(q_ref[...], q_half_ref[...], cos[None],
+                                    sin[None])
+
+  def compute_block(block, slot, pages):
+    first_page = first_page_of_row + block * pages_per_block
+    slot_pos, slot_shift_index = tc.block_columns(pages, page_size)
+    keep = slot_pos <= q_limit  # [1, S], the same for every query head
+    num_shifts = block_num_shifts_ref[b * blocks_per_row + block]
+    first_shift = block_shifts_ref[first_page]
+
+    @pl.when(first_shift != cached_shift_ref[0])
+    def _():
+      q_shifted_ref[...] = rotate_queries(first_shift).astype(
+          q_shifted_ref.dtype)
+      cached_shift_ref[0] = first_shift
+
+    def head_step(h, carry):
+      k = tc.load_block_rows(k_buf, slot, h, q_shifted_ref.dtype)
+      scores = tc.dot_q_kt(q_shifted_ref[h], k, precision)
+
+      def other_shift(d, scores):
+        # Rare: a block that spans a document boundary.
+        cos, sin = tc.shift_cos_sin(chunks_ref,
+                                    block_shifts_ref[first_page + d])
+        q_d = tc.rotate_by_minus_shift(q_ref[h], q_half_ref[h], cos, sin)
+        return jnp.where(slot_shift_index == d,
+                         tc.dot_q_kt(q_d.astype(k.dtype), k, precision),
+                         scores)
+
+      scores = lax.fori_loop(1, num_shifts, other_shift, scores)
+      v = tc.load_block_rows(v_buf, slot, h, q_shifted_ref.dtype)
+      tc.online_softmax_update(scores, keep, v, m_ref.at[h], l_ref.at[h],
+                               acc_ref.at[h], precision=precision)
+      return carry
+
+    lax.fori_loop(0, num_kv_heads, head_step, 0)
+
+  @pl.when(first_block < end_block)
+  def _():
+    fetcher.start(block_pages(first_block), 0)
+
+    def block_step(block, carry):
+      slot = lax.rem(block - first_block, 2)
+
+      @pl.when(block + 1 < end_block)
+      def _():
+        fetcher.start(block_pages(block + 1), 1 - slot)
+
+      pages = block_pages(block)
+      fetcher.wait(pages, slot)
+      tc.zero_unfilled_value_slots(v_buf, slot, pages)
+      compute_block(block, slot, pages)
+      return carry
+
+    lax.fori_loop(first_block, end_block, block_step, 0)
+
+
+def _num_splits(block_sizes: TpuDecodeBlockSizes, batch: int,
+                blocks_per_row: int) -> int:
+  if block_sizes.num_splits is not None:
+    return max(1, min(block_sizes.num_splits, blocks_per_row))
+  if batch >= block_sizes.max_splits:
+    return 1  # the batch alone keeps every TensorCore busy
+  return max(1, min(block_sizes.max_splits,
+                    blocks_per_row // block_sizes.min_blocks_per_split))
+
+
+def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
+                    page_len, q_pos, *, rope: RopeConfig, sm_scale,
+                    interpret: bool, block_sizes: TpuDecodeBlockSizes | None =
+                    None):
+  """Decode step (T == 1) of `pallas_kernels.lazy_attention` on TPU.
+
+  Same arguments and result as `lazy_attention` (inputs already validated),
+  plus:
+    interpret: run with `pltpu.InterpretParams()` (TPU semantics, on CPU).
+    block_sizes: `TpuDecodeBlockSizes`; defaults when None.
+
+  Returns:
+    [B, 1, N, H] in q.dtype.
+  """
+  block_sizes = block_sizes or TpuDecodeBlockSizes()
+  batch, q_len, num_heads, head_dim = q.shape
+  if q_len != 1:
+    raise ValueError(f"lazy_decode_tpu needs q with T == 1, got shape "
+                     f"{q.shape}; use lazy_prefill_tpu")
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  tc.check_page_size(page_size)
+  group = num_heads // num_kv_heads
+  dtype, precision = tc.compute_dtype(q.dtype)
+  group_padded = tc.round_up(group, tc.sublane_rows(dtype))
+  num_logical = page_table.shape[1]
+  itemsize = jnp.dtype(k_pages.dtype).itemsize
+  ppb = tc.pages_per_block(
+      block_sizes.kv_tokens_per_block, page_size, num_logical,
+      buffer_bytes_per_page=4 * num_kv_heads * page_size * head_dim * itemsize,
+      buffer_budget=block_sizes.kv_buffer_bytes)
+
+  meta = tc.build_page_metadata(page_table, page_pos, page_shift, page_len,
+                                num_physical_pages=num_pages,
+                                pages_per_block=ppb)
+  pages_per_row = meta["padded_page_pos"].shape[1]
+  blocks_per_row = pages_per_row // ppb
+  q_pos = q_pos[:, 0]
+  q_limit = jnp.where(q_pos >= 0, q_pos, tc.NO_QUERY).astype(jnp.int32)
+  num_blocks = tc.visible_block_counts(meta["padded_page_pos"],
+                                       meta["padded_page_len"],
+                                       q_limit[:, None], ppb)[:, 0]
+  num_splits = _num_splits(block_sizes, batch, blocks_per_row)
+  blocks_per_split = tc.ceil_div(blocks_per_row, num_splits)
+
+  q_rot, q_rot_half = rotated_query(q, q_pos[:, None], rope, sm_scale)
+
+  def group_rows(x):  # [B, 1, N, H] -> [B, K, Gp, H]
+    x = x.reshape(batch, num_kv_heads, group, head_dim)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, group_padded - group), (0, 0)))
+
+  q_rot, q_rot_half = group_rows(q_rot), group_rows(q_rot_half)
+  chunks = tc.rope_chunks(rope, head_dim)
+
+  def per_row(shape):
+    return pl.BlockSpec((None,) + shape, lambda b, s, *_: (b,) + (0,) * len(
+        shape))
+
+  def per_program(shape):
+    return pl.BlockSpec((None, None) + shape,
+                        lambda b, s, *_: (b, s) + (0,) * len(shape))
+
+  q_block = (num_kv_heads, group_padded, head_dim)
+  stat_block = (num_kv_heads, group_padded, tc.STAT_LANES)
+  kernel = functools.partial(_decode_kernel, pages_per_row=pages_per_row,
+                             blocks_per_split=blocks_per_split,
+                             precision=precision)
+
+  def call(num_blocks, q_limit, page_ids, page_start, page_info, block_shifts,
+           block_num_shifts, q_rot, q_rot_half):
+    rows = q_rot.shape[0]
+    buf_shape = (2, num_kv_heads, ppb, page_size, head_dim)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=7,
+        grid=(rows, num_splits),
+        in_specs=[
+            pl.BlockSpec(chunks.shape, lambda b, s, *_: (0, 0)),
+            per_row(q_block),
+            per_row(q_block),
+            pl.BlockSpec(memory_space=tc.any_memory_space()),
+            pl.BlockSpec(memory_space=tc.any_memory_space()),
+        ],
+        out_specs=[per_program(q_block), per_program(stat_block),
+                   per_program(stat_block)],
+        scratch_shapes=[
+            pltpu.VMEM(buf_shape, k_pages.dtype),
+            pltpu.VMEM(buf_shape, v_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM(q_block, dtype),
+            pltpu.SMEM((1,), jnp.int32),
+        ],
+    )
+    out_shape = [
+        jax.ShapeDtypeStruct((rows, num_splits) + q_block, jnp.float32),
+        jax.ShapeDtypeStruct((rows, num_splits) + stat_block, jnp.float32),
+        jax.ShapeDtypeStruct((rows, num_splits) + stat_block, jnp.float32),
+    ]
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(num_blocks, q_limit, page_ids, page_start, page_info, block_shifts,
+      block_num_shifts, chunks, q_rot, q_rot_half, k_pages, v_pages)
+
+  def per_batch(x, per_row_len):
+    return x.reshape(batch, per_row_len)
+
+  batched = [
+      num_blocks, q_limit,
+      per_batch(meta["page_ids"], pages_per_row),
+      per_batch(meta["page_start"], pages_per_row),
+      per_batch(meta["page_info"], pages_per_row),
+      per_batch(meta["block_shifts"], pages_per_row),
+      per_batch(meta["block_num_shifts"], blocks_per_row),
+      q_rot, q_rot_half,
+  ]
+
+  def flat_call(num_blocks, q_limit, page_ids, page_start, page_info,
+                block_shifts, block_num_shifts, q_rot, q_rot_half):
+    return call(num_blocks, q_limit, page_ids.reshape(-1),
+                page_start.reshape(-1), page_info.reshape(-1),
+                block_shifts.reshape(-1), block_num_shifts.reshape(-1), q_rot,
+                q_rot_half)
+
+  rows_per_call = tc.batch_rows_per_call(pages_per_row, blocks_per_row,
+                                         block_sizes.max_metadata_bytes)
+  acc, m, l = tc.run_in_batch_chunks(flat_call, batched, batch, rows_per_call)
+  out = _merge_splits(acc, m[..., 0], l[..., 0])  # [B, K, Gp, H]
+  out = out[:, :, :group].reshape(batch, 1, num_heads, head_dim)
+  return out.astype(q.dtype)
+
+
+def _merge_splits(acc, m, l):
+  """Merges per-split softmax states [B, S, ...] into normalised outputs."""
+  m_max = jnp.max(m, axis=1, keepdims=True)
+  m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+  weight = jnp.exp(m - m_max)  # 0 for splits that saw nothing
+  numerator = jnp.sum(weight[..., None] * acc, axis=1)
+  denominator = jnp.sum(weight * l, axis=1)[..., None]
+  return jnp.where(denominator > 0,
+                   numerator / jnp.where(denominator > 0, denominator, 1.0),
+                   0.0)
