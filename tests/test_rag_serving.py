@@ -1,0 +1,67 @@
+"""CPU check of the serving benchmark (issue 5): properties of its JSON."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+  out = tmp_path_factory.mktemp("rag") / "rag.json"
+  plots = out.parent / "plots"
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "20",
+         "--query-len", "6", "--output-len", "3", "--num-requests", "10",
+         "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
+         "--cache-fraction", "1.0", "--modes", "lazy,block,prefix,full",
+         "--sweep-cache-fractions", "1.0", "--out", str(out),
+         "--plot-dir", str(plots), "--no-progress"]
+  subprocess.run(cmd, check=True, timeout=900,
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
+  return json.loads(out.read_text()), plots
+
+
+def test_json_has_every_mode_and_field(report):
+  data, _ = report
+  runs = {r["mode"]: r for r in data["runs"]}
+  assert set(runs) == {"lazy", "block", "prefix", "full"}
+  for r in runs.values():
+    for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s",
+                "throughput_tok_s", "throughput_req_s", "doc_hit_rate",
+                "prefill_tokens_computed", "kv_pages_written_for_cached_docs",
+                "peak_pages_used"):
+      assert key in r, key
+    assert r["requests"] == 10
+    assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"]
+    assert r["compiles_during_measurement"] == 0
+  for key in ("device", "jax", "date", "command"):
+    assert data[key]
+
+
+def test_reuse_properties(report):
+  data, _ = report
+  runs = {r["mode"]: r for r in data["runs"]}
+  # With a cache that holds the whole corpus, lazy and block hit the same
+  # documents, and both reuse more than exact-prefix caching can.
+  assert runs["lazy"]["doc_hit_rate"] == runs["block"]["doc_hit_rate"]
+  assert runs["lazy"]["doc_hit_rate"] > runs["prefix"]["doc_hit_rate"]
+  assert runs["full"]["doc_hit_rate"] == 0
+  assert runs["lazy"]["kv_pages_written_for_cached_docs"] == 0
+  assert runs["block"]["kv_pages_written_for_cached_docs"] > 0
+  # lazy computes the fewest prefill tokens (block, which caches the same
+  # documents, ties with it; its extra work is the copies counted above).
+  lazy = runs["lazy"]["prefill_tokens_computed"]
+  assert lazy <= runs["block"]["prefill_tokens_computed"]
+  assert lazy < runs["prefix"]["prefill_tokens_computed"]
+  assert lazy < runs["full"]["prefill_tokens_computed"]
+  assert runs["lazy"]["peak_pages_used"] < runs["block"]["peak_pages_used"]
+
+
+def test_plot_written(report):
+  _, plots = report
+  assert (plots / "throughput_vs_cache.png").stat().st_size > 1000
