@@ -132,6 +132,23 @@ def combine_splits(acc, m, l):
                    0.0)
 
 
+def decode_prologue(q, page_pos, page_shift, page_len, q_pos, *,
+                    rope: RopeConfig, sm_scale, num_kv_heads, rows,
+                    pages_per_block):
+  """The XLA work before the kernel: query rows and the work items.
+
+  Returns (q_rot, q_rot_half, row_pos, items, num_items); see
+  gpu_common.grouped_query_rows and decode_work_items.
+  """
+  q_rot, q_rot_half, row_pos = common.grouped_query_rows(
+      q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=rows)
+  newest = q_pos[:, 0]
+  live = ((page_len > 0) & (page_pos <= newest[:, None])
+          & (newest[:, None] >= 0))
+  items, num_items = decode_work_items(page_shift, live, pages_per_block)
+  return q_rot, q_rot_half, row_pos, items, num_items
+
+
 def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
                     interpret: bool = False,
@@ -161,12 +178,9 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                num_blocks=num_blocks)
   rows = max(16, common.next_power_of_2(group))
 
-  q_rot, q_rot_half, row_pos = common.grouped_query_rows(
-      q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=rows)
-  newest = q_pos[:, 0]
-  live = ((page_len > 0) & (page_pos <= newest[:, None])
-          & (newest[:, None] >= 0))
-  items, num_items = decode_work_items(page_shift, live, pages_per_block)
+  q_rot, q_rot_half, row_pos, items, num_items = decode_prologue(
+      q, page_pos, page_shift, page_len, q_pos, rope=rope, sm_scale=sm_scale,
+      num_kv_heads=num_kv_heads, rows=rows, pages_per_block=pages_per_block)
   chunks = jnp.asarray(rope.turn_chunks(head_dim))
 
   kernel = functools.partial(

@@ -1,0 +1,1 @@
+"""Benchmarks: kernel timings (kernels.py) and RAG serving (rag_serving.py)."""

@@ -1,0 +1,619 @@
+"""GPU kernel benchmark: lazy decode and prefill against their baselines.
+
+Run on a GPU machine from the repository root:
+  python -m benchmarks.kernels [--json results.json] [--quick]
+
+Everything is measured side by side in one run and printed as one table,
+last.  What is measured (issue 2):
+
+Decode, bf16, Hq/Hkv 32/8, H 128, page 16, documents of 512 tokens (so the
+shift changes every 32 pages), B in {8, 32, 64}, context in {4096, 8192}:
+  lazy        lazy_decode_gpu with the real per-document shifts;
+  lazy-shift0 the same kernel and block sizes with every shift 0;
+  jax-paged   jax.experimental.pallas.ops.gpu.paged_attention on the same
+              pool, read as pre-rotated keys (defaults, and a second setting;
+              the faster is reported);
+  xla-dense   a dense XLA decode over contiguous pre-rotated K/V.
+TB/s counts the K and V bytes a decode step needs: B * context * Hkv * H *
+2 (K and V) * 2 bytes, read once.
+
+Prefill, bf16, same heads: a chunk of 128 or 512 query tokens against 8192
+tokens of context held in 16 documents of 512 (each at its own shift) plus
+the chunk's own pages; and a causal document prefill of 2048 tokens against
+its own pages (shift 0).  The baseline is cuDNN flash attention
+(jax.nn.dot_product_attention(implementation="cudnn")) on the equivalent
+dense, pre-rotated inputs: for the chunk, K/V of context + chunk with no mask
+(cuDNN's causal mask is aligned to the top-left corner, which is not the
+chunk's mask; the chunk's own triangle is 1% or 3% of the pairs, so cuDNN does
+that much extra work); for the document, is_causal=True.  FLOPs are counted
+the same way for both: 4 * H * Hq per visible (query, key) pair, pairs
+counted from the lazy inputs' causal mask.
+
+Timing: each measured function runs in a jitted step that calls it several
+times in a chain (every call's query, and the lazy path's q_pos, depend on the
+previous output through a zero-valued scalar, so XLA can neither merge calls
+nor hoist the lazy path's per-call metadata work out of the chain), cycling
+over enough independent input sets that one cycle reads several times the
+60 MB L2.  Steps are dispatched back to back, then synchronised; the reported
+time is the median over repeats of (elapsed / calls).  The lazy times include
+everything the public API does per call: query rotation, work lists, the
+kernel and (decode) the split combine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gpu_block_sizes import GpuBlockSizes
+from pallas_kernels.gpu_decode import decode_prologue, lazy_decode_gpu
+from pallas_kernels.gpu_prefill import lazy_prefill_gpu
+from pallas_kernels.rope import RopeConfig
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+PAGE_SIZE, DOC_LEN = 16, 512
+DTYPE = jnp.bfloat16
+ROPE = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position=8192)
+SM_SCALE = HEAD_DIM ** -0.5
+L2_BYTES = 60e6
+# One cycle over the input sets reads at least this much KV.
+MIN_CYCLE_BYTES = 4 * L2_BYTES
+
+DECODE_SHAPES = [(8, 4096), (8, 8192), (32, 4096), (32, 8192), (64, 4096),
+                 (64, 8192)]
+# Every variant runs at these shapes; the one with the lowest geometric-mean
+# time there runs at the others and is the one the bars judge.
+DECODE_TUNING_SHAPES = [(8, 4096), (64, 8192)]
+PREFILL_TUNING_SHAPE = "chunk512"
+# (batch, query tokens, context tokens held in documents)
+PREFILL_SHAPES = [("chunk128", 8, 128, 8192), ("chunk512", 4, 512, 8192),
+                  ("doc2048", 4, 2048, 0)]
+
+DECODE_VARIANTS = {
+    "d128w4s2": GpuBlockSizes(block_kv=128, num_warps=4, num_stages=2),
+    "d128w4s3": GpuBlockSizes(block_kv=128, num_warps=4, num_stages=3),
+    "d64w4s2": GpuBlockSizes(block_kv=64, num_warps=4, num_stages=2),
+    "d64w4s3": GpuBlockSizes(block_kv=64, num_warps=4, num_stages=3),
+}
+PREFILL_VARIANTS = {
+    "q128k64w8s2": GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
+                                 num_stages=2),
+    "q128k64w8s3": GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
+                                 num_stages=3),
+    "q64k64w4s3": GpuBlockSizes(block_q=64, block_kv=64, num_warps=4,
+                                num_stages=3),
+}
+
+
+@dataclasses.dataclass
+class Result:
+  section: str  # "decode" or "prefill"
+  shape: str
+  method: str
+  seconds: float | None
+  bytes: float = 0.0  # KV bytes needed (decode)
+  flops: float = 0.0  # useful FLOPs (prefill)
+  note: str = ""
+
+  @property
+  def tb_per_s(self):
+    return self.bytes / self.seconds / 1e12 if self.seconds else None
+
+  @property
+  def tflop_per_s(self):
+    return self.flops / self.seconds / 1e12 if self.seconds else None
+
+
+# --------------------------------------------------------------------------
+# Timing
+
+
+def time_per_call(fn, arg_sets, perturb, *, target_total_s=0.15,
+                  repeats=5):
+  """Median seconds per call of fn(*args), cycling over arg_sets.
+
+  perturb(args, zero) returns args made to depend on `zero`, an f32 scalar
+  that is 0 at run time but computed from the previous call's output.  One
+  jitted step calls fn once per set; steps are dispatched asynchronously back
+  to back (a step is >= ~0.1 ms of device work at every measured shape, well
+  above the dispatch cost), then synchronised.
+  """
+
+  def step(zero, sets):
+    for args in sets:
+      out = fn(*perturb(args, zero))
+      zero = zero + jnp.float32(0) * jnp.sum(out.astype(jnp.float32))
+    return zero
+
+  jitted = jax.jit(step)
+  zero = jnp.float32(0)
+  jax.block_until_ready(jitted(zero, arg_sets))  # compile, warm up
+  start = time.perf_counter()
+  jax.block_until_ready(jitted(zero, arg_sets))
+  per_step = time.perf_counter() - start
+  steps = max(3, math.ceil(target_total_s / per_step))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(steps):
+      zero = jitted(zero, arg_sets)
+    jax.block_until_ready(zero)
+    samples.append((time.perf_counter() - start) / (steps * len(arg_sets)))
+  return statistics.median(samples)
+
+
+def _perturb_query(args, zero):
+  q, *rest = args
+  return (q + zero.astype(q.dtype), *rest)
+
+
+def _perturb_lazy(args, zero):
+  q, k, v, table, pos, shift, length, q_pos = args
+  bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA
+  return (q + zero.astype(q.dtype), k, v, table, pos, shift, length,
+          q_pos + bump)
+
+
+def _perturb_paged(args, zero):
+  q, k, v, table, lengths = args
+  bump = (zero > 1e30).astype(jnp.int32)
+  return (q + zero.astype(q.dtype), k, v, table, lengths + bump)
+
+
+# --------------------------------------------------------------------------
+# Inputs
+
+
+def _page_metadata(rng, batch, doc_tokens, own_tokens):
+  """Logical pages of each row: documents of DOC_LEN (shift = their start),
+  then `own_tokens` written in place (shift 0).  Every row reads its own
+  physical pages, in shuffled order, so bytes read are real HBM traffic."""
+  doc_pages = doc_tokens // PAGE_SIZE
+  pages = doc_pages + own_tokens // PAGE_SIZE
+  page = np.arange(pages)
+  page_pos = np.broadcast_to(page * PAGE_SIZE, (batch, pages))
+  doc_start = (page * PAGE_SIZE) // DOC_LEN * DOC_LEN
+  page_shift = np.broadcast_to(np.where(page < doc_pages, doc_start, 0),
+                               (batch, pages))
+  page_len = np.full((batch, pages), PAGE_SIZE)
+  page_table = rng.permutation(batch * pages).reshape(batch, pages)
+  as_i32 = lambda a: jnp.asarray(np.ascontiguousarray(a), jnp.int32)
+  return (as_i32(page_table), as_i32(page_pos), as_i32(page_shift),
+          as_i32(page_len))
+
+
+def _random(key, shape):
+  return jax.random.normal(key, shape, jnp.float32).astype(DTYPE)
+
+
+def _num_sets(kv_bytes):
+  return max(1, min(8, math.ceil(MIN_CYCLE_BYTES / kv_bytes)))
+
+
+def _dense_from_pages(pages, page_table):
+  """[K, P, ps, H] pool, [B, M] table -> contiguous [B, M * ps, K, H]."""
+  gathered = pages[:, page_table]  # [K, B, M, ps, H]
+  k, b, m, ps, h = gathered.shape
+  return jnp.transpose(gathered.reshape(k, b, m * ps, h), (1, 2, 0, 3))
+
+
+# --------------------------------------------------------------------------
+# Baselines
+
+
+def dense_decode(q, k, v):
+  """q [B, N, H]; k, v [B, S, K, H] pre-rotated; plain XLA."""
+  batch, heads, dim = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+  scores = jnp.einsum("bkgh,bskh->bkgs", qg, k,
+                      preferred_element_type=jnp.float32) * SM_SCALE
+  weights = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgs,bskh->bkgh", weights.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, heads, dim).astype(q.dtype)
+
+
+def _jax_paged(settings):
+  from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+  def run(q, k_pages, v_pages, table, lengths):
+    return paged_attention(q, k_pages, v_pages, table, lengths, **settings)
+  return run
+
+
+JAX_PAGED_SETTINGS = {
+    "defaults": {},
+    "ppcb16_splits8": dict(pages_per_compute_block=16, k_splits=8),
+}
+
+
+# --------------------------------------------------------------------------
+# Sections
+
+
+class Budget:
+
+  def __init__(self, seconds):
+    self.deadline = time.perf_counter() + seconds
+
+  def left(self):
+    return self.deadline - time.perf_counter()
+
+
+def _measure(results, section, shape, method, fn, sets, perturb, *, nbytes=0,
+             flops=0, note="", budget=None, log=print):
+  if budget is not None and budget.left() < 0:
+    results.append(Result(section, shape, method, None, nbytes, flops,
+                          "skipped: time budget"))
+    return results[-1]
+  try:
+    seconds = time_per_call(fn, sets, perturb)
+    result = Result(section, shape, method, seconds, nbytes, flops, note)
+  except Exception as e:  # keep going: report the failure in the table
+    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    log(f"  FAILED {method}: {msg}")
+    traceback.print_exc(file=sys.stdout)
+    result = Result(section, shape, method, None, nbytes, flops,
+                    "failed: " + msg)
+  results.append(result)
+  if result.seconds:
+    rate = (f"{result.tb_per_s:.2f} TB/s" if nbytes else
+            f"{result.tflop_per_s:.1f} TFLOP/s")
+    log(f"  {shape:>14s} {method:<24s} {result.seconds * 1e3:8.3f} ms "
+        f"{rate}", flush=True)
+  return result
+
+
+def _lazy_fn(kernel, block_sizes):
+  def run(*args):
+    return kernel(*args, rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
+                  interpret=False, block_sizes=block_sizes)
+  return run
+
+
+def _geomean_best(results, section, names, shapes):
+  """Variant name with the lowest geometric-mean time over `shapes`."""
+  best = None
+  for name in names:
+    times = [r.seconds for r in results if r.section == section
+             and r.method == f"lazy[{name}]" and r.shape in shapes
+             and r.seconds]
+    if len(times) != len(shapes):
+      continue
+    score = math.exp(sum(math.log(t) for t in times) / len(times))
+    if best is None or score < best[1]:
+      best = (name, score)
+  return best[0] if best else None
+
+
+def _decode_shape_name(batch, context):
+  return f"B{batch}/ctx{context}"
+
+
+def _decode_prologue_fn(block_sizes):
+  """Diagnostic: only the XLA work lazy decode does before its kernel."""
+  pages_per_block = max(1, block_sizes.block_kv // PAGE_SIZE)
+
+  def run(q, k, v, table, pos, shift, length, q_pos):
+    del k, v, table
+    outs = decode_prologue(q, pos, shift, length, q_pos, rope=ROPE,
+                           sm_scale=jnp.float32(SM_SCALE),
+                           num_kv_heads=NUM_KV_HEADS, rows=16,
+                           pages_per_block=pages_per_block)
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in outs)
+  return run
+
+
+def run_decode(results, variants, shapes, tuning_shapes, budget):
+  """Measures every decode row; returns the chosen variant name (or None).
+
+  Tuning shapes run first with every variant; the variant with the lowest
+  geometric-mean time over them then runs at the other shapes, and its
+  shift-0 twin at every shape.
+  """
+  print("# decode", flush=True)
+  key = jax.random.PRNGKey(0)
+  rng = np.random.default_rng(0)
+  tuning_names = [_decode_shape_name(*s) for s in tuning_shapes if s in shapes]
+  ordered = ([s for s in shapes if s in tuning_shapes]
+             + [s for s in shapes if s not in tuning_shapes])
+  chosen = None
+  shift0_later = []  # tuning shapes: shift-0 inputs kept until chosen is known
+
+  def measure_shift0(shape, shift0_sets, kv_bytes):
+    _measure(results, "decode", shape, f"lazy-shift0[{chosen}]",
+             _lazy_fn(lazy_decode_gpu, variants[chosen]), shift0_sets,
+             _perturb_lazy, nbytes=kv_bytes)
+
+  for batch, context in ordered:
+    shape = _decode_shape_name(batch, context)
+    tuning = (batch, context) in tuning_shapes
+    if not tuning and chosen is None:
+      chosen = _geomean_best(results, "decode", variants, tuning_names)
+      print(f"  chosen decode variant: {chosen}", flush=True)
+      for pending in shift0_later:
+        if chosen:
+          measure_shift0(*pending)
+      shift0_later.clear()
+    table, pos, shift, length = _page_metadata(rng, batch, context, 0)
+    num_pages = batch * (context // PAGE_SIZE)
+    kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+    pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
+    sets = []
+    for _ in range(_num_sets(kv_bytes)):
+      key, kq, kk, kv = jax.random.split(key, 4)
+      sets.append((_random(kq, (batch, 1, NUM_HEADS, HEAD_DIM)),
+                   _random(kk, pool_shape), _random(kv, pool_shape)))
+    q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
+    lazy_sets = [(q, k, v, table, pos, shift, length, q_pos)
+                 for q, k, v in sets]
+    zero_shift = jnp.zeros_like(shift)
+    shift0_sets = [(q, k, v, table, pos, zero_shift, length, q_pos)
+                   for q, k, v in sets]
+    names = list(variants) if tuning else ([chosen] if chosen else [])
+    for name in names:
+      _measure(results, "decode", shape, f"lazy[{name}]",
+               _lazy_fn(lazy_decode_gpu, variants[name]), lazy_sets,
+               _perturb_lazy, nbytes=kv_bytes, budget=budget)
+    if tuning:
+      shift0_later.append((shape, shift0_sets, kv_bytes))
+      first = next(iter(variants))
+      _measure(results, "decode", shape, f"diag:prologue-only[{first}]",
+               _decode_prologue_fn(variants[first]), lazy_sets,
+               _perturb_lazy, note="XLA work before the kernel")
+    elif chosen:
+      measure_shift0(shape, shift0_sets, kv_bytes)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    paged_sets = [(q[:, 0], k, v, table, lengths) for q, k, v in sets]
+    for name, settings in JAX_PAGED_SETTINGS.items():
+      _measure(results, "decode", shape, f"jax-paged[{name}]",
+               _jax_paged(settings), paged_sets, _perturb_paged,
+               nbytes=kv_bytes)
+    dense_sets = [(q[:, 0], _dense_from_pages(k, table),
+                   _dense_from_pages(v, table)) for q, k, v in sets]
+    _measure(results, "decode", shape, "xla-dense", dense_decode, dense_sets,
+             _perturb_query, nbytes=kv_bytes)
+    del sets, lazy_sets, shift0_sets, paged_sets, dense_sets
+  if chosen is None:
+    chosen = _geomean_best(results, "decode", variants, tuning_names)
+    for pending in shift0_later:
+      if chosen:
+        measure_shift0(*pending)
+  return chosen
+
+
+def _visible_pairs(q_pos, page_pos, page_len):
+  slot_pos = (np.asarray(page_pos)[:, :, None]
+              + np.arange(PAGE_SIZE)[None, None, :])
+  valid = np.arange(PAGE_SIZE)[None, None, :] < np.asarray(page_len)[:, :,
+                                                                     None]
+  slot_pos = np.where(valid, slot_pos, np.iinfo(np.int32).max).reshape(
+      slot_pos.shape[0], -1)
+  q_pos = np.asarray(q_pos)
+  return int(sum(np.sum(slot_pos[b][None, :] <= q_pos[b][:, None])
+                 for b in range(q_pos.shape[0])))
+
+
+def run_prefill(results, variants, shapes, tuning_shape, budget):
+  """Measures every prefill row; returns the chosen variant name (or None).
+
+  The tuning shape runs first with every variant; the fastest there runs at
+  the other shapes.
+  """
+  print("# prefill", flush=True)
+  key = jax.random.PRNGKey(1)
+  rng = np.random.default_rng(1)
+  ordered = ([s for s in shapes if s[0] == tuning_shape]
+             + [s for s in shapes if s[0] != tuning_shape])
+  chosen = None
+  for shape, batch, q_len, context in ordered:
+    if shape != tuning_shape and chosen is None:
+      chosen = _geomean_best(results, "prefill", variants, [tuning_shape])
+      print(f"  chosen prefill variant: {chosen}", flush=True)
+    table, pos, shift, length = _page_metadata(rng, batch, context, q_len)
+    num_pages = table.size
+    pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
+    key, kq, kk, kv = jax.random.split(key, 4)
+    q = _random(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
+    k_pages, v_pages = _random(kk, pool_shape), _random(kv, pool_shape)
+    q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
+                             (batch, q_len))
+    flops = 4.0 * HEAD_DIM * NUM_HEADS * _visible_pairs(q_pos, pos, length)
+    lazy_sets = [(q, k_pages, v_pages, table, pos, shift, length, q_pos)]
+    names = (list(variants) if shape == tuning_shape
+             else [chosen] if chosen else [])
+    for name in names:
+      _measure(results, "prefill", shape, f"lazy[{name}]",
+               _lazy_fn(lazy_prefill_gpu, variants[name]), lazy_sets,
+               _perturb_lazy, flops=flops, budget=budget)
+    k_dense = _dense_from_pages(k_pages, table)
+    v_dense = _dense_from_pages(v_pages, table)
+    causal = context == 0
+
+    def cudnn(q, k, v, causal=causal):
+      return jax.nn.dot_product_attention(q, k, v, scale=SM_SCALE,
+                                          is_causal=causal,
+                                          implementation="cudnn")
+    note = "causal" if causal else "no mask over context+chunk"
+    _measure(results, "prefill", shape, "cudnn", cudnn,
+             [(q, k_dense, v_dense)], _perturb_query, flops=flops, note=note)
+    del lazy_sets, k_dense, v_dense, k_pages, v_pages
+  if chosen is None:
+    chosen = _geomean_best(results, "prefill", variants, [tuning_shape])
+  return chosen
+
+
+# --------------------------------------------------------------------------
+# Report
+
+
+def _find(results, section, shape, method):
+  for r in results:
+    if (r.section, r.shape, r.method) == (section, shape, method):
+      return r if r.seconds else None
+  return None
+
+
+def _fastest(results, section, shape, prefix):
+  timed = [r for r in results if r.section == section and r.shape == shape
+           and r.method.startswith(prefix) and r.seconds]
+  return min(timed, key=lambda r: r.seconds) if timed else None
+
+
+def report(results, decode_shapes, prefill_shapes, decode_variant,
+           prefill_variant):
+  """Prints the table and the bar verdicts (judged on the chosen variants)."""
+  lines = []
+  out = lines.append
+  out("")
+  out("=" * 78)
+  out(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}   "
+      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
+  out(f"{'section':8s} {'shape':14s} {'method':28s} {'ms':>9s} {'rate':>14s}"
+      "  note")
+  order = ([("decode", _decode_shape_name(*s)) for s in decode_shapes]
+           + [("prefill", s[0]) for s in prefill_shapes])
+  for section, shape in order:
+    for r in results:
+      if (r.section, r.shape) != (section, shape):
+        continue
+      if r.seconds:
+        rate = (f"{r.tb_per_s:8.2f} TB/s" if r.section == "decode" else
+                f"{r.tflop_per_s:6.1f} TFLOP/s")
+        ms = f"{r.seconds * 1e3:9.3f}"
+      else:
+        rate, ms = "", "-"
+      out(f"{r.section:8s} {r.shape:14s} {r.method:28s} {ms:>9s} {rate:>14s}"
+          f"  {r.note}")
+  out(f"chosen variants: decode {decode_variant}, prefill {prefill_variant}")
+  out("bars (issue 2), judged on the chosen variants:")
+  verdict = lambda ok: "PASS" if ok else "MISS"
+  ratios, speedups = [], []
+  for batch, context in decode_shapes:
+    shape = _decode_shape_name(batch, context)
+    lazy = _find(results, "decode", shape, f"lazy[{decode_variant}]")
+    shift0 = _find(results, "decode", shape, f"lazy-shift0[{decode_variant}]")
+    paged = _fastest(results, "decode", shape, "jax-paged[")
+    ratios.append((shape, lazy.seconds / shift0.seconds
+                   if lazy and shift0 else None))
+    speedups.append((shape, paged.seconds / lazy.seconds
+                     if lazy and paged else None))
+  if ratios and all(r is not None for _, r in ratios):
+    worst = max(ratios, key=lambda x: x[1])
+    out(f"  lazy / shift-0 time <= 1.05 at every decode shape: "
+        f"{verdict(worst[1] <= 1.05)} (worst {worst[1]:.3f} at {worst[0]})")
+  else:
+    out(f"  lazy / shift-0 time <= 1.05: MISS (not measured: {ratios})")
+  if speedups and all(r is not None for _, r in speedups):
+    worst = min(speedups, key=lambda x: x[1])
+    out(f"  lazy >= 1.3x faster than jax paged_attention (its faster "
+        f"setting) at every decode shape: {verdict(worst[1] >= 1.3)} "
+        f"(worst {worst[1]:.2f}x at {worst[0]})")
+  else:
+    out(f"  lazy >= 1.3x faster than jax paged_attention: MISS (not "
+        f"measured: {speedups})")
+  big = _find(results, "decode", "B64/ctx8192", f"lazy[{decode_variant}]")
+  if big:
+    out(f"  >= 2.5 TB/s KV read at B64/ctx8192: {verdict(big.tb_per_s >= 2.5)}"
+        f" ({big.tb_per_s:.2f} TB/s)")
+  else:
+    out("  >= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)")
+  lazy = _find(results, "prefill", "chunk512", f"lazy[{prefill_variant}]")
+  cudnn = _find(results, "prefill", "chunk512", "cudnn")
+  if lazy and cudnn:
+    ratio = lazy.tflop_per_s / cudnn.tflop_per_s
+    out(f"  lazy prefill >= 0.7x cuDNN TFLOP/s at chunk512: "
+        f"{verdict(ratio >= 0.7)} ({ratio:.2f}x: {lazy.tflop_per_s:.1f} vs "
+        f"{cudnn.tflop_per_s:.1f})")
+  else:
+    out("  lazy prefill >= 0.7x cuDNN at chunk512: MISS (not measured)")
+  print("\n".join(lines), flush=True)
+
+
+def compile_once():
+  rng = np.random.default_rng(2)
+  key = jax.random.PRNGKey(2)
+  for kernel, batch, q_len, context in ((lazy_decode_gpu, 8, 1, 4096),
+                                        (lazy_prefill_gpu, 4, 512, 8192)):
+    own = 0 if q_len == 1 else q_len
+    table, pos, shift, length = _page_metadata(rng, batch, context, own)
+    pool_shape = (NUM_KV_HEADS, table.size, PAGE_SIZE, HEAD_DIM)
+    key, kq, kk, kv = jax.random.split(key, 4)
+    q = _random(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
+    q_pos = jnp.broadcast_to(
+        (context - 1 if q_len == 1 else context)
+        + jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
+    out = jax.jit(_lazy_fn(kernel, None))(q, _random(kk, pool_shape),
+                                          _random(kv, pool_shape), table, pos,
+                                          shift, length, q_pos)
+    print(kernel.__name__, "ok, finite:",
+          bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), flush=True)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", help="also write all results to this file")
+  parser.add_argument("--quick", action="store_true",
+                      help="two decode shapes, one prefill shape, 2 variants")
+  parser.add_argument("--time-budget", type=float, default=480.0,
+                      help="seconds after which remaining lazy variants are "
+                      "skipped (baselines still run)")
+  parser.add_argument("--compile-once", action="store_true",
+                      help="only run lazy decode (B8/ctx4096) and prefill "
+                      "(chunk512) once with the default block sizes, e.g. "
+                      "under XLA_FLAGS=--xla_dump_to=DIR to read the PTX")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("benchmarks.kernels needs a GPU (jax.default_backend() "
+                     f"is {jax.default_backend()!r})")
+  decode_shapes, prefill_shapes = DECODE_SHAPES, PREFILL_SHAPES
+  decode_variants, prefill_variants = DECODE_VARIANTS, PREFILL_VARIANTS
+  if args.quick:
+    decode_shapes = DECODE_TUNING_SHAPES
+    prefill_shapes = [s for s in PREFILL_SHAPES if s[0] == PREFILL_TUNING_SHAPE]
+    decode_variants = dict(list(DECODE_VARIANTS.items())[:2])
+    prefill_variants = dict(list(PREFILL_VARIANTS.items())[:2])
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}",
+        flush=True)
+  if args.compile_once:
+    compile_once()
+    return
+  budget = Budget(args.time_budget)
+  results: list[Result] = []
+  decode_variant = run_decode(results, decode_variants, decode_shapes,
+                              DECODE_TUNING_SHAPES, budget)
+  prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
+                                PREFILL_TUNING_SHAPE, budget)
+  report(results, decode_shapes, prefill_shapes, decode_variant,
+         prefill_variant)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({
+          "device": jax.devices()[0].device_kind,
+          "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+          "decode_variant": decode_variant,
+          "decode_block_sizes": (dataclasses.asdict(
+              decode_variants[decode_variant]) if decode_variant else None),
+          "prefill_variant": prefill_variant,
+          "prefill_block_sizes": (dataclasses.asdict(
+              prefill_variants[prefill_variant]) if prefill_variant else None),
+          "results": [dataclasses.asdict(r) for r in results],
+      }, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
