@@ -1,0 +1,138 @@
+"""Shape and hyper-parameters of a Llama-architecture decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.rope import MAX_ROPE_POSITION, RopeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama-3 frequency scaling (HF `rope_type: llama3`), hashable."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """A Llama decoder: embeddings, RMSNorm, GQA attention with RoPE, SwiGLU.
+
+  Attributes:
+    vocab_size: number of token ids.
+    hidden_size: width of the residual stream (D).
+    num_layers: decoder blocks (L).
+    num_heads: query heads (N).
+    num_kv_heads: key/value heads (K); N must be a multiple of K.
+    head_dim: per-head width (H), even.
+    intermediate_size: SwiGLU hidden width (I).
+    rope_theta: RoPE base.
+    rope_scaling: Llama-3 frequency scaling, or None for plain RoPE.
+    rms_norm_eps: epsilon of every RMSNorm.
+    tie_word_embeddings: the output projection is the embedding table.
+    max_position: longest logical position the model is used at.
+    bos_token_id, eos_token_id: optional special ids (informational).
+  """
+
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  intermediate_size: int
+  rope_theta: float = 10000.0
+  rope_scaling: Llama3RopeScaling | None = None
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+  max_position: int = 8192
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "intermediate_size",
+                 "max_position"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"LlamaConfig.{name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of "
+          f"num_kv_heads ({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(
+          f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    if not self.rope_theta > 1.0:
+      raise ValueError(
+          f"LlamaConfig.rope_theta must be > 1, got {self.rope_theta!r}")
+    if not self.rms_norm_eps > 0.0:
+      raise ValueError(
+          f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+    if self.max_position > MAX_ROPE_POSITION // 2:
+      raise ValueError(
+          f"LlamaConfig.max_position must be below {MAX_ROPE_POSITION // 2} "
+          f"(the kernels' exact RoPE range), got {self.max_position}")
+    if self.rope_scaling is not None and not isinstance(
+        self.rope_scaling, Llama3RopeScaling):
+      raise ValueError(
+          "LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, got "
+          f"{type(self.rope_scaling).__name__}")
+    for name in ("bos_token_id", "eos_token_id"):
+      value = getattr(self, name)
+      if value is not None and not 0 <= value < self.vocab_size:
+        raise ValueError(
+            f"LlamaConfig.{name} must lie in [0, {self.vocab_size}), got "
+            f"{value!r}")
+    # RopeConfig validates the scaling parameters; fail here, not at first use.
+    try:
+      self.rope  # pylint: disable=pointless-statement
+    except ValueError as e:
+      raise ValueError(f"LlamaConfig.rope_scaling is invalid: {e}") from e
+
+  @property
+  def rope(self) -> RopeConfig:
+    """The kernels' RoPE description of this model."""
+    if self.rope_scaling is None:
+      return RopeConfig(theta=float(self.rope_theta))
+    s = self.rope_scaling
+    return RopeConfig(theta=float(self.rope_theta), factor=float(s.factor),
+                      low_freq_factor=float(s.low_freq_factor),
+                      high_freq_factor=float(s.high_freq_factor),
+                      original_max_position=int(s.original_max_position))
+
+  @property
+  def group_size(self) -> int:
+    """Query heads per key/value head (G)."""
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **changes) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def tiny(cls, **overrides) -> "LlamaConfig":
+    """A small random test model (fast on CPU)."""
+    fields = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, intermediate_size=128,
+                  rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, max_position=4096)
+    fields.update(overrides)
+    return cls(**fields)
+
+  @classmethod
+  def llama3_8b(cls, **overrides) -> "LlamaConfig":
+    """The shape of Meta-Llama-3-8B (Llama-3 RoPE scaling as in 3.1)."""
+    fields = dict(vocab_size=128256, hidden_size=4096, num_layers=32,
+                  num_heads=32, num_kv_heads=8, head_dim=128,
+                  intermediate_size=14336, rope_theta=500000.0,
+                  rope_scaling=Llama3RopeScaling(
+                      factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position=8192),
+                  rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  max_position=8192, bos_token_id=128000, eos_token_id=128001)
+    fields.update(overrides)
+    return cls(**fields)

@@ -1,0 +1,102 @@
+"""Dense reference forward pass: the same weights, no pages, explicit mask.
+
+Parity tests compare the paged/lazy path against this.  It shares the model's
+projections, norms and MLP (`run_decoder_layers`) but not its attention: here
+queries and keys are rotated at the given positions and attend through a
+plain masked softmax over the given sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.llama import Llama, run_decoder_layers
+from pallas_kernels.rope import apply_rope
+
+
+def dense_attention(q, k, v, positions, mask, rope, dtype):
+  """Masked GQA attention with RoPE at `positions`.
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, T, K, H] raw projections.
+    positions: int32[B, T] RoPE position of each token.
+    mask: bool[B, T, T]; mask[b, t, s] lets query t see key s.
+    rope: RopeConfig.
+    dtype: compute dtype.
+
+  Returns:
+    [B, T, N, H] in `dtype`; rows that see nothing are zeros.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  q_rot = apply_rope(q, positions, rope)
+  # Keys go through the compute dtype, as they would when stored in the pool.
+  k_rot = apply_rope(k, positions, rope).astype(dtype)
+  q_rot = q_rot.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  is_f32 = jnp.dtype(dtype) == jnp.float32
+  precision = jax.lax.Precision.HIGHEST if is_f32 else jax.lax.Precision.DEFAULT
+  if not is_f32:
+    q_rot = q_rot.astype(dtype)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q_rot, k_rot, precision=precision,
+                      preferred_element_type=jnp.float32) * (head_dim ** -0.5)
+  visible = mask[:, None, None, :, :]
+  scores = jnp.where(visible, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
+  denom = jnp.sum(weights, axis=-1, keepdims=True)
+  weights = weights / jnp.where(denom > 0, denom, 1.0)
+  out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v,
+                   precision=precision, preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, num_heads, head_dim).astype(dtype)
+
+
+def dense_forward(model: Llama, tokens, positions, mask) -> jax.Array:
+  """Logits float32 [B, T, V] of `model` over `tokens` with an explicit mask.
+
+  Args:
+    model: a models.llama.Llama.
+    tokens: int32[B, T].
+    positions: int32[B, T] RoPE position of each token (e.g. contiguous
+      logical positions with padding removed).
+    mask: bool[B, T, T]; mask[b, t, s] lets token t attend to token s
+      (causal: s <= t; block-diagonal over documents for lazy parity).
+  """
+  tokens = jnp.asarray(tokens)
+  positions = jnp.asarray(positions, jnp.int32)
+  mask = jnp.asarray(mask, bool)
+  batch, q_len = tokens.shape
+  if positions.shape != (batch, q_len):
+    raise ValueError(f"positions shape {positions.shape} must equal tokens "
+                     f"shape {tokens.shape}")
+  if mask.shape != (batch, q_len, q_len):
+    raise ValueError(f"mask shape {mask.shape} must be [B, T, T] = "
+                     f"{(batch, q_len, q_len)}")
+  graphdef, state = nnx.split(model)
+  return _dense_forward_jit(graphdef, state, tokens, positions, mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_forward_jit(graphdef, state, tokens, positions, mask):
+  model = nnx.merge(graphdef, state)
+  config, dtype = model.config, model.dtype
+
+  def attend(layer, q, k, v, carry):
+    del layer
+    return dense_attention(q, k, v, positions, mask, config.rope, dtype), carry
+
+  x = model.embed(tokens)
+  x, _ = run_decoder_layers(model.layers.stacked(), x, (), attend,
+                            config=config, dtype=dtype)
+  return model.output_logits(x)
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+  """bool[B, T, T] lower-triangular mask."""
+  tri = jnp.tril(jnp.ones((length, length), bool))
+  return jnp.broadcast_to(tri, (batch, length, length))

@@ -1,0 +1,397 @@
+"""Flax NNX Llama whose attention runs through the lazy paged-attention contract.
+
+Layer weights are stacked along a leading layer axis and the decoder blocks run
+as one `jax.lax.scan`, so a 30-layer model traces and compiles one block, not
+thirty.  The paged K/V pool travels through the scan as carry and is updated
+in place: per layer, the step's new keys (rotated at their own position) and
+values are scattered into their pages, then `pallas_kernels.lazy_attention`
+attends over the pages with the raw (unrotated) queries.
+
+Parameter layout (the pure dict of `nnx.split(model)[1]`), matrices as
+[in, out] so that a projection is `x @ w`:
+  embed_tokens            [V, D]
+  layers.attn_norm        [L, D]
+  layers.q_proj           [L, D, N*H]
+  layers.k_proj           [L, D, K*H]
+  layers.v_proj           [L, D, K*H]
+  layers.o_proj           [L, N*H, D]
+  layers.mlp_norm         [L, D]
+  layers.gate_proj        [L, D, I]
+  layers.up_proj          [L, D, I]
+  layers.down_proj        [L, I, D]
+  final_norm              [D]
+  lm_head                 [D, V]   (absent when tie_word_embeddings)
+
+Pure-function use (what the engine jits, with the pool donated):
+  graphdef, state = split_model(model)
+  step = jax.jit(functools.partial(forward, graphdef, impl="auto"),
+                 donate_argnums=(2, 3))
+  logits, k_cache, v_cache = step(state, tokens, k_cache, v_cache, inputs)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.paged_inputs import PagedAttentionInputs
+from pallas_kernels.lazy_attention import lazy_attention
+from pallas_kernels.rope import apply_rope
+
+LAYER_PARAM_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
+                     "mlp_norm", "gate_proj", "up_proj", "down_proj")
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, Any]:
+  """Nested dict of the parameter shapes of `Llama(config)`."""
+  c = config
+  L, D, I = c.num_layers, c.hidden_size, c.intermediate_size
+  q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  shapes = {
+      "embed_tokens": (c.vocab_size, D),
+      "layers": {
+          "attn_norm": (L, D),
+          "q_proj": (L, D, q_width),
+          "k_proj": (L, D, kv_width),
+          "v_proj": (L, D, kv_width),
+          "o_proj": (L, q_width, D),
+          "mlp_norm": (L, D),
+          "gate_proj": (L, D, I),
+          "up_proj": (L, D, I),
+          "down_proj": (L, I, D),
+      },
+      "final_norm": (D,),
+  }
+  if not c.tie_word_embeddings:
+    shapes["lm_head"] = (D, c.vocab_size)
+  return shapes
+
+
+def kv_cache_shape(config: LlamaConfig, num_pages: int,
+                   page_size: int) -> tuple[int, int, int, int, int]:
+  """Shape of the K (and V) pool: [L, K, num_pages, page_size, H]."""
+  return (config.num_layers, config.num_kv_heads, num_pages, page_size,
+          config.head_dim)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def init_params(key: jax.Array, config: LlamaConfig, param_dtype) -> dict:
+  """Random parameters of `Llama(config)` (pure dict) from one PRNG key.
+
+  LeCun-normal projections (std = fan_in^-1/2): activations keep unit scale,
+  so a random model's logits are far from uniform and parity tests can see
+  errors.  Norm weights are ones.  Each layer's matrices are cut from one
+  normal draw inside a map over layers, and the embedding/output tables from
+  one more: XLA compiles two random-number programs instead of one per
+  parameter shape (which costs seconds per model on CPU), and peak memory
+  stays one layer above the parameters.
+  """
+  c = config
+  shapes = param_shapes(config)
+  fan_in = {"q_proj": c.hidden_size, "k_proj": c.hidden_size,
+            "v_proj": c.hidden_size, "o_proj": c.num_heads * c.head_dim,
+            "gate_proj": c.hidden_size, "up_proj": c.hidden_size,
+            "down_proj": c.intermediate_size, "embed_tokens": c.hidden_size,
+            "lm_head": c.hidden_size}
+
+  def cut(flat, named_shapes):
+    out, offset = {}, 0
+    for name, shape in named_shapes.items():
+      size = int(np.prod(shape))
+      out[name] = (flat[offset:offset + size].reshape(shape) *
+                   jnp.asarray(fan_in[name] ** -0.5, param_dtype))
+      offset += size
+    return out
+
+  matrices = {name: shapes["layers"][name][1:] for name in LAYER_PARAM_NAMES
+              if not name.endswith("norm")}
+  per_layer = sum(int(np.prod(shape)) for shape in matrices.values())
+
+  def one_layer(layer_key):
+    return cut(jax.random.normal(layer_key, (per_layer,), param_dtype),
+               matrices)
+
+  layer_key, table_key = jax.random.split(key)
+  layers = jax.lax.map(one_layer, jax.random.split(layer_key, c.num_layers))
+  for name in LAYER_PARAM_NAMES:
+    if name.endswith("norm"):
+      layers[name] = jnp.ones(shapes["layers"][name], param_dtype)
+  tables = {name: shapes[name] for name in ("embed_tokens", "lm_head")
+            if name in shapes}
+  table_size = sum(int(np.prod(shape)) for shape in tables.values())
+  params = cut(jax.random.normal(table_key, (table_size,), param_dtype),
+               tables)
+  params["layers"] = {name: layers[name] for name in LAYER_PARAM_NAMES}
+  params["final_norm"] = jnp.ones(shapes["final_norm"], param_dtype)
+  return params
+
+
+class DecoderLayers(nnx.Module):
+  """All decoder blocks' weights, stacked along a leading layer axis [L, ...]."""
+
+  def __init__(self, arrays: Mapping[str, jax.Array]):
+    for name in LAYER_PARAM_NAMES:
+      setattr(self, name, nnx.Param(arrays[name]))
+
+  def stacked(self) -> dict[str, jax.Array]:
+    """The stacked arrays, keyed by LAYER_PARAM_NAMES (scan input)."""
+    return {name: getattr(self, name)[...] for name in LAYER_PARAM_NAMES}
+
+
+def rms_norm(x, weight, eps: float, dtype):
+  """HF LlamaRMSNorm: normalise in float32, cast, then scale."""
+  x32 = x.astype(jnp.float32)
+  variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
+  return normed * weight.astype(dtype)
+
+
+def _precision(dtype):
+  # Float32 models are parity references: keep full float32 matmuls (no TF32).
+  return (jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else
+          jax.lax.Precision.DEFAULT)
+
+
+def _project(x, w, dtype):
+  return jnp.einsum("...i,io->...o", x, w.astype(dtype),
+                    precision=_precision(dtype)).astype(dtype)
+
+
+# attend(layer_index, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], carry)
+#   -> (attention output [B,T,N,H], carry)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any],
+                    tuple[jax.Array, Any]]
+
+
+def run_decoder_layers(layers: Mapping[str, jax.Array], x, carry,
+                       attend: AttendFn, *, config: LlamaConfig, dtype,
+                       unroll: int | bool = 1):
+  """Scans the decoder blocks over the stacked weights.
+
+  Args:
+    layers: stacked layer weights (DecoderLayers.stacked()).
+    x: [B, T, D] residual stream in `dtype`.
+    carry: whatever `attend` threads through the layers (the paged pool).
+    attend: the attention of one block; gets the raw projections.
+    config: model config.
+    dtype: compute dtype.
+    unroll: passed to jax.lax.scan.
+
+  Returns:
+    (x [B, T, D], carry).
+  """
+  c = config
+  batch, q_len, _ = x.shape
+
+  def block(state, xs):
+    x, carry = state
+    layer_index, p = xs
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
+    q = _project(h, p["q_proj"], dtype).reshape(batch, q_len, c.num_heads,
+                                                c.head_dim)
+    k = _project(h, p["k_proj"], dtype).reshape(batch, q_len, c.num_kv_heads,
+                                                c.head_dim)
+    v = _project(h, p["v_proj"], dtype).reshape(batch, q_len, c.num_kv_heads,
+                                                c.head_dim)
+    attn, carry = attend(layer_index, q, k, v, carry)
+    attn = attn.astype(dtype).reshape(batch, q_len, c.num_heads * c.head_dim)
+    x = x + _project(attn, p["o_proj"], dtype)
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, dtype)
+    gated = jax.nn.silu(_project(h, p["gate_proj"], dtype)) * _project(
+        h, p["up_proj"], dtype)
+    x = x + _project(gated, p["down_proj"], dtype)
+    return (x, carry), None
+
+  layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+  (x, carry), _ = jax.lax.scan(block, (x, carry), (layer_ids, dict(layers)),
+                               unroll=unroll)
+  return x, carry
+
+
+class Llama(nnx.Module):
+  """Llama decoder (embeddings, RMSNorm, GQA attention with RoPE, SwiGLU).
+
+  Args:
+    config: the model's LlamaConfig.
+    dtype: compute dtype (activations, K/V pool, attention).
+    param_dtype: storage dtype of the weights.
+    rngs: random initialisation (`nnx.Rngs(seed)`).
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if not isinstance(config, LlamaConfig):
+      raise ValueError(
+          f"config must be a LlamaConfig, got {type(config).__name__}")
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    self.param_dtype = jnp.dtype(param_dtype)
+    params = init_params(rngs.params(), config, self.param_dtype)
+    self.embed_tokens = nnx.Param(params["embed_tokens"])
+    self.layers = DecoderLayers(params["layers"])
+    self.final_norm = nnx.Param(params["final_norm"])
+    if not config.tie_word_embeddings:
+      self.lm_head = nnx.Param(params["lm_head"])
+
+  # --- pieces shared with the dense reference ---------------------------------
+  def embed(self, tokens) -> jax.Array:
+    """[B, T] int32 -> [B, T, D] in the compute dtype."""
+    return self.embed_tokens[...][tokens].astype(self.dtype)
+
+  def output_logits(self, x) -> jax.Array:
+    """Final RMSNorm and output projection; [..., D] -> float32 [..., V]."""
+    x = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.dtype)
+    precision = _precision(self.dtype)
+    if self.config.tie_word_embeddings:
+      return jnp.einsum("...d,vd->...v", x,
+                        self.embed_tokens[...].astype(self.dtype),
+                        precision=precision,
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", x, self.lm_head[...].astype(self.dtype),
+                      precision=precision, preferred_element_type=jnp.float32)
+
+  # --- the paged forward pass -------------------------------------------------
+  def __call__(self, tokens, k_cache, v_cache, inputs: PagedAttentionInputs,
+               *, impl: str = "auto", logits_index=None, unroll: int | bool = 1):
+    """One step over the paged pool: prefill (T > 1) or decode (T == 1).
+
+    Args:
+      tokens: int32[B, T] token ids (any id on padding rows).
+      k_cache: [L, K, num_pages, page_size, H] key pool in the compute dtype;
+        keys are stored rotated at their own position (`inputs.q_pos`).
+      v_cache: same shape and dtype, values.
+      inputs: page metadata (models/paged_inputs.py).
+      impl: attention implementation for `pallas_kernels.lazy_attention`.
+      logits_index: optional int32[B]: return only row `logits_index[b]`'s
+        logits ([B, V]) instead of every row's ([B, T, V]).
+      unroll: layer-scan unroll factor (True unrolls fully).
+
+    Returns:
+      (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools with
+      this step's K/V written at (inputs.write_page, inputs.write_slot).
+    """
+    self._check_call(tokens, k_cache, v_cache, inputs, logits_index)
+    c = self.config
+    rope = c.rope
+    num_pages, page_size = k_cache.shape[2], k_cache.shape[3]
+    # Negative indices would wrap in a scatter; move them out of range so that
+    # mode="drop" discards them like any other out-of-range write.
+    write_page = jnp.where(inputs.write_page < 0, num_pages, inputs.write_page)
+    write_slot = jnp.where(inputs.write_slot < 0, page_size, inputs.write_slot)
+    key_pos = jnp.maximum(inputs.q_pos, 0)
+
+    def attend(layer, q, k, v, pools):
+      k_pool, v_pool = pools
+      k_rot = apply_rope(k, key_pos, rope).astype(k_pool.dtype)
+      # [L, K, P#, S, H].at[l, :, page[B,T], slot[B,T]] selects [B, T, K, H].
+      k_pool = k_pool.at[layer, :, write_page, write_slot].set(k_rot,
+                                                               mode="drop")
+      v_pool = v_pool.at[layer, :, write_page, write_slot].set(
+          v.astype(v_pool.dtype), mode="drop")
+      out = lazy_attention(q, k_pool[layer], v_pool[layer], inputs.page_table,
+                           inputs.page_pos, inputs.page_shift, inputs.page_len,
+                           inputs.q_pos, rope=rope, impl=impl)
+      return out, (k_pool, v_pool)
+
+    x = self.embed(tokens)
+    x, (k_cache, v_cache) = run_decoder_layers(
+        self.layers.stacked(), x, (k_cache, v_cache), attend, config=c,
+        dtype=self.dtype, unroll=unroll)
+    if logits_index is not None:
+      x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
+    return self.output_logits(x), k_cache, v_cache
+
+  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index):
+    c = self.config
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(
+          f"tokens must be int[B, T], got {tokens.shape} {tokens.dtype}")
+    if k_cache.ndim != 5 or (k_cache.shape[0], k_cache.shape[1],
+                             k_cache.shape[4]) != (c.num_layers,
+                                                   c.num_kv_heads, c.head_dim):
+      raise ValueError(
+          "k_cache must be [L, K, num_pages, page_size, H] = "
+          f"[{c.num_layers}, {c.num_kv_heads}, *, *, {c.head_dim}], got "
+          f"{k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+      raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache "
+                       f"shape {k_cache.shape}")
+    for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
+      if pool.dtype != self.dtype:
+        raise ValueError(f"{name} dtype {pool.dtype} must equal the model's "
+                         f"compute dtype {self.dtype}")
+    if not isinstance(inputs, PagedAttentionInputs):
+      raise ValueError("inputs must be a PagedAttentionInputs, got "
+                       f"{type(inputs).__name__}")
+    for name in ("q_pos", "write_page", "write_slot"):
+      arr = getattr(inputs, name)
+      if arr.shape != tokens.shape:
+        raise ValueError(f"inputs.{name} shape {arr.shape} must equal tokens "
+                         f"shape {tokens.shape}")
+    if logits_index is not None and logits_index.shape != tokens.shape[:1]:
+      raise ValueError(f"logits_index shape {logits_index.shape} must be "
+                       f"[B] = {tokens.shape[:1]}")
+
+
+def split_model(model: Llama):
+  """(graphdef, state) of a model; `nnx.merge(graphdef, state)` rebuilds it.
+
+  The graphdef is static (hashable, carries the config and dtypes); the state
+  is a pytree of parameter arrays to pass into jitted functions.
+  """
+  return nnx.split(model)
+
+
+def forward(graphdef, state, tokens, k_cache, v_cache,
+            inputs: PagedAttentionInputs, *, impl: str = "auto",
+            logits_index=None, unroll: int | bool = 1):
+  """Pure-function form of `Llama.__call__` for jit (donate k_cache, v_cache)."""
+  return nnx.merge(graphdef, state)(tokens, k_cache, v_cache, inputs,
+                                    impl=impl, logits_index=logits_index,
+                                    unroll=unroll)
+
+
+def llama_from_params(config: LlamaConfig, params: Mapping[str, Any], *,
+                      dtype=jnp.float32, param_dtype=None) -> Llama:
+  """Builds a Llama from a nested dict of arrays in the documented layout.
+
+  No random initialisation happens (the module is built abstractly, then
+  filled).  Arrays are converted to `param_dtype` (default: `dtype`).
+
+  Raises:
+    ValueError: a parameter is missing, unexpected, or has the wrong shape.
+  """
+  param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+  expected = param_shapes(config)
+
+  def convert(expected_tree, given_tree, prefix):
+    if set(given_tree) != set(expected_tree):
+      missing = sorted(set(expected_tree) - set(given_tree))
+      extra = sorted(set(given_tree) - set(expected_tree))
+      raise ValueError(f"params{prefix}: missing {missing}, unexpected {extra}")
+    out = {}
+    for name, shape in expected_tree.items():
+      if isinstance(shape, dict):
+        out[name] = convert(shape, given_tree[name], f"{prefix}.{name}")
+        continue
+      value = given_tree[name]
+      if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"params{prefix}.{name} has shape {tuple(value.shape)},"
+                         f" expected {tuple(shape)}")
+      if isinstance(value, np.ndarray):
+        value = np.asarray(value, param_dtype)  # one host-side conversion
+      out[name] = jnp.asarray(value, param_dtype)
+    return out
+
+  arrays = convert(expected, params, "")
+  abstract = nnx.eval_shape(lambda: Llama(
+      config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  nnx.replace_by_pure_dict(state, arrays)
+  return nnx.merge(graphdef, state)
