@@ -1,0 +1,404 @@
+"""The paged KV cache as a functional pytree, and its pure transitions.
+
+`CacheState` holds the K/V page pool, a refcount per page, and the document
+table.  Every transition here is a pure, jit-compatible function: state in, new
+state out (`state.replace(...)`), no hidden mutation, no host sync, and no
+per-page Python or `fori_loop` iteration: allocation, release, sharing and
+eviction are a handful of vectorized scans, sorts and scatters.
+
+Ownership model (the invariant every transition keeps):
+- `page_refcount[p]` is the number of holders of page `p`.  A cached document
+  holds each of its pages once (the document table's reference); every live
+  request that reads the document holds each of its pages once more (once per
+  time it lists the document); a request's private pages (query and generated
+  tokens) are held once by that request.
+- A page is free iff its refcount is 0.  The free list is derived from the
+  refcounts, never stored on its own, so the two cannot disagree.
+- A page belongs to at most one document.  So a document nobody reads
+  (`doc_users == 0`) has all its pages at refcount 1, and evicting it frees
+  exactly `doc_num_pages` pages.
+- There is no reserved sentinel page: -1 marks "no page" / "no slot" in every
+  index array, and scatters route -1 out of bounds and drop it.
+
+Transitions never touch `k`/`v` (the model writes those), which lets
+`PagedKVCache` run them on a copy of the state whose `k`/`v` are `None`, so
+the pool is never copied (see paged_cache.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "CacheConfig",
+    "CacheState",
+    "init_cache_state",
+    "lookup_documents",
+    "allocate_pages",
+    "release_pages",
+    "insert_document",
+    "insert_documents",
+    "acquire_documents",
+    "release_documents",
+    "evict_documents",
+    "free_page_count",
+    "evictable_page_count",
+    "free_doc_slot_count",
+]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+  """Static shape of the cache (hashable, so it can be a jit static argument).
+
+  Attributes:
+    num_pages: pages in the pool (N).
+    page_size: token slots per page (P).
+    num_layers: transformer layers (L).
+    num_kv_heads: KV heads per layer (K).
+    head_dim: head dimension (H).
+    dtype: dtype of the K/V pool, stored as its canonical name (e.g.
+      "bfloat16"); any `jnp.dtype`-compatible value is accepted.
+    max_docs: rows of the document table.
+    max_pages_per_doc: pages one document may occupy, so a document holds at
+      most `max_pages_per_doc * page_size` tokens.
+  """
+
+  num_pages: int
+  page_size: int = 16
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: Any
+  max_docs: int = 1024
+  max_pages_per_doc: int
+
+  def __post_init__(self):
+    for name in ("num_pages", "page_size", "num_layers", "num_kv_heads",
+                 "head_dim", "max_docs", "max_pages_per_doc"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"CacheConfig.{name} must be an int, got {type(value).__name__}")
+      if value < 1:
+        raise ValueError(f"CacheConfig.{name} must be >= 1, got {value}")
+      object.__setattr__(self, name, int(value))
+    # Token positions inside the pool and page indices are int32 on device.
+    if self.num_pages * self.page_size > _INT32_MAX:
+      raise ValueError(
+          "CacheConfig.num_pages * page_size must fit in int32, got "
+          f"{self.num_pages} * {self.page_size}")
+    if self.max_pages_per_doc * self.page_size > _INT32_MAX:
+      raise ValueError(
+          "CacheConfig.max_pages_per_doc * page_size must fit in int32, got "
+          f"{self.max_pages_per_doc} * {self.page_size}")
+    try:
+      dtype = jnp.dtype(self.dtype)
+    except TypeError as e:
+      raise ValueError(
+          f"CacheConfig.dtype is not a dtype: {self.dtype!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(
+          f"CacheConfig.dtype must be a floating dtype, got {dtype.name}")
+    object.__setattr__(self, "dtype", dtype.name)
+
+  @property
+  def max_doc_tokens(self) -> int:
+    """The longest document the table can hold."""
+    return self.max_pages_per_doc * self.page_size
+
+  @property
+  def pool_shape(self) -> tuple[int, int, int, int, int]:
+    """Shape of `CacheState.k` and `.v`: [L, K, num_pages, page_size, H]."""
+    return (self.num_layers, self.num_kv_heads, self.num_pages,
+            self.page_size, self.head_dim)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+  """The paged KV pool, page refcounts and document table (all device arrays).
+
+  `k`/`v` may be `None` in the copy `PagedKVCache` hands to its jitted
+  transitions; every transition here leaves them untouched.
+  """
+
+  k: jax.Array | None  # [L, K, num_pages, page_size, H] keys, rotated at stored angle
+  v: jax.Array | None  # [L, K, num_pages, page_size, H] values
+  page_refcount: jax.Array  # int32[num_pages] holders of each page; 0 = free
+  doc_key: jax.Array  # int32[max_docs, 2] document_key of each slot
+  doc_valid: jax.Array  # bool[max_docs] slot holds a cached document
+  doc_len: jax.Array  # int32[max_docs] true token length
+  doc_num_pages: jax.Array  # int32[max_docs] pages the document occupies
+  doc_pages: jax.Array  # int32[max_docs, max_pages_per_doc] page ids, -1 padded
+  doc_users: jax.Array  # int32[max_docs] live requests reading the document
+  doc_last_used: jax.Array  # int32[max_docs] clock of the last acquire
+  clock: jax.Array  # int32[] LRU clock, advanced by every acquire
+
+  def replace(self, **changes) -> "CacheState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def num_pages(self) -> int:
+    return self.page_refcount.shape[0]
+
+  @property
+  def max_docs(self) -> int:
+    return self.doc_valid.shape[0]
+
+  @property
+  def max_pages_per_doc(self) -> int:
+    return self.doc_pages.shape[1]
+
+
+def init_cache_state(config: CacheConfig) -> CacheState:
+  """An empty cache: zeroed pool, every page free, no documents."""
+  D, M = config.max_docs, config.max_pages_per_doc
+  return CacheState(
+      k=jnp.zeros(config.pool_shape, config.dtype),
+      v=jnp.zeros(config.pool_shape, config.dtype),
+      page_refcount=jnp.zeros((config.num_pages,), jnp.int32),
+      doc_key=jnp.zeros((D, 2), jnp.int32),
+      doc_valid=jnp.zeros((D,), jnp.bool_),
+      doc_len=jnp.zeros((D,), jnp.int32),
+      doc_num_pages=jnp.zeros((D,), jnp.int32),
+      doc_pages=jnp.full((D, M), -1, jnp.int32),
+      doc_users=jnp.zeros((D,), jnp.int32),
+      doc_last_used=jnp.zeros((D,), jnp.int32),
+      clock=jnp.zeros((), jnp.int32),
+  )
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _histogram(indices: jax.Array, length: int) -> jax.Array:
+  """int32[length]: how often each index in [0, length) occurs in `indices`.
+
+  Entries outside [0, length) (in particular -1) are ignored: they are routed
+  to `length` and dropped, because a negative index would otherwise wrap.
+  """
+  indices = jnp.asarray(indices, jnp.int32).reshape(-1)
+  in_range = (indices >= 0) & (indices < length)
+  safe = jnp.where(in_range, indices, length)
+  return jnp.zeros((length,), jnp.int32).at[safe].add(1, mode="drop")
+
+
+def _doc_page_rows(state: CacheState, slots: jax.Array) -> jax.Array:
+  """int32[n, max_pages_per_doc]: page rows of `slots`, all -1 for slot -1."""
+  slots = jnp.asarray(slots, jnp.int32)
+  present = (slots >= 0) & (slots < state.max_docs)
+  rows = state.doc_pages[jnp.where(present, slots, 0)]
+  return jnp.where(present[:, None], rows, -1)
+
+
+def _evictable(state: CacheState) -> jax.Array:
+  """bool[max_docs]: cached documents that no live request reads."""
+  return state.doc_valid & (state.doc_users == 0)
+
+
+# ------------------------------------------------------------- transitions
+
+
+def lookup_documents(state: CacheState, keys: jax.Array) -> jax.Array:
+  """int32[n]: the document slot holding each key of int32[n, 2], or -1."""
+  keys = jnp.asarray(keys, jnp.int32)
+  match = jnp.all(state.doc_key[None, :, :] == keys[:, None, :], axis=-1)
+  match &= state.doc_valid[None, :]  # [n, max_docs]
+  return jnp.where(jnp.any(match, axis=1),
+                   jnp.argmax(match, axis=1).astype(jnp.int32), -1)
+
+
+def free_page_count(state: CacheState) -> jax.Array:
+  """int32[]: pages with refcount 0."""
+  return jnp.sum(state.page_refcount == 0, dtype=jnp.int32)
+
+
+def evictable_page_count(state: CacheState) -> jax.Array:
+  """int32[]: pages that evicting every unread document would free."""
+  return jnp.sum(jnp.where(_evictable(state), state.doc_num_pages, 0),
+                 dtype=jnp.int32)
+
+
+def free_doc_slot_count(state: CacheState) -> jax.Array:
+  """int32[]: document table rows not holding a document."""
+  return jnp.sum(~state.doc_valid, dtype=jnp.int32)
+
+
+def allocate_pages(state: CacheState, count: jax.Array, max_count: int
+                   ) -> tuple[CacheState, jax.Array, jax.Array]:
+  """Takes the `count` lowest-numbered free pages and sets their refcount to 1.
+
+  Args:
+    state: the cache.
+    count: int32[] pages wanted (traced); must be in [0, max_count].
+    max_count: static length of the returned page array.
+
+  Returns:
+    (state, pages, ok): `pages` is int32[max_count] with the allocated page
+    ids first and -1 after them.  If fewer than `count` pages are free (or
+    `count` is outside [0, max_count]), `ok` is False, `pages` is all -1 and
+    the state is returned unchanged.
+  """
+  count = jnp.asarray(count, jnp.int32)
+  free = state.page_refcount == 0
+  ok = (count >= 0) & (count <= max_count) & (jnp.sum(free) >= count)
+  (lowest_free,) = jnp.nonzero(free, size=max_count, fill_value=-1)
+  wanted = (jnp.arange(max_count) < count) & ok
+  pages = jnp.where(wanted, lowest_free, -1).astype(jnp.int32)
+  refcount = state.page_refcount + _histogram(pages, state.num_pages)
+  return state.replace(page_refcount=refcount), pages, ok
+
+
+def release_pages(state: CacheState, pages: jax.Array) -> CacheState:
+  """Drops one reference to each listed page (-1 entries are ignored).
+
+  A page listed twice loses two references.  Releasing a page nobody holds
+  is a caller bug; it is not clamped, so invariant checks can see it.
+  """
+  refcount = state.page_refcount - _histogram(pages, state.num_pages)
+  return state.replace(page_refcount=refcount)
+
+
+def insert_documents(state: CacheState, keys: jax.Array, lengths: jax.Array,
+                     pages: jax.Array) -> tuple[CacheState, jax.Array, jax.Array]:
+  """Registers freshly allocated pages as cached documents, one per row.
+
+  The pages must already have refcount 1 (from `allocate_pages`); that
+  reference now belongs to the document table.  Rows with `lengths < 1` are
+  padding and ignored.  Free document slots are used lowest first.
+
+  Args:
+    keys: int32[m, 2] document keys (not already in the table).
+    lengths: int32[m] true token lengths.
+    pages: int32[m, max_pages_per_doc] page ids, -1 padded at the end.
+
+  Returns:
+    (state, slots int32[m] (-1 for padding rows), ok): ok is False, slots all
+    -1 and the state unchanged if fewer document slots are free than rows to
+    insert.
+  """
+  keys = jnp.asarray(keys, jnp.int32)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  pages = jnp.asarray(pages, jnp.int32)
+  m = lengths.shape[0]
+  real = lengths >= 1
+  (free_slots,) = jnp.nonzero(~state.doc_valid, size=m, fill_value=-1)
+  rank = jnp.cumsum(real) - 1
+  ok = jnp.sum(real) <= jnp.sum(~state.doc_valid)
+  slots = jnp.where(real & ok, free_slots[jnp.clip(rank, 0, m - 1)], -1)
+  slots = slots.astype(jnp.int32)
+  target = jnp.where(slots >= 0, slots, state.max_docs)  # dropped when -1
+
+  def put(table, rows):
+    return table.at[target].set(rows, mode="drop")
+
+  return state.replace(
+      doc_key=put(state.doc_key, keys),
+      doc_valid=put(state.doc_valid, jnp.ones((m,), jnp.bool_)),
+      doc_len=put(state.doc_len, lengths),
+      doc_num_pages=put(state.doc_num_pages,
+                        jnp.sum(pages >= 0, axis=1, dtype=jnp.int32)),
+      doc_pages=put(state.doc_pages, pages),
+      doc_users=put(state.doc_users, jnp.zeros((m,), jnp.int32)),
+      doc_last_used=put(state.doc_last_used,
+                        jnp.broadcast_to(state.clock, (m,))),
+  ), slots, ok
+
+
+def insert_document(state: CacheState, key: jax.Array, length: jax.Array,
+                    pages: jax.Array) -> tuple[CacheState, jax.Array, jax.Array]:
+  """Registers one document (see `insert_documents`).
+
+  Args:
+    key: int32[2]; length: int32[] (>= 1); pages: int32[max_pages_per_doc].
+
+  Returns:
+    (state, slot int32[], ok bool[]): ok is False (state unchanged, slot -1)
+    if no document slot is free or `length < 1`.
+  """
+  state, slots, ok = insert_documents(
+      state, jnp.asarray(key, jnp.int32)[None],
+      jnp.asarray(length, jnp.int32)[None],
+      jnp.asarray(pages, jnp.int32)[None])
+  return state, slots[0], ok & (slots[0] >= 0)
+
+
+def acquire_documents(state: CacheState, slots: jax.Array) -> CacheState:
+  """A request starts reading these documents (-1 entries ignored).
+
+  Each listed slot gains a user and each of its pages a reference; a slot
+  listed twice is acquired twice.  The listed documents become the most
+  recently used, and the clock advances by one.
+  """
+  slots = jnp.asarray(slots, jnp.int32)
+  rows = _doc_page_rows(state, slots)
+  target = jnp.where(slots >= 0, slots, state.max_docs)
+  return state.replace(
+      doc_users=state.doc_users + _histogram(slots, state.max_docs),
+      page_refcount=state.page_refcount + _histogram(rows, state.num_pages),
+      doc_last_used=state.doc_last_used.at[target].set(state.clock,
+                                                       mode="drop"),
+      clock=state.clock + 1,
+  )
+
+
+def release_documents(state: CacheState, slots: jax.Array) -> CacheState:
+  """Inverse of `acquire_documents` for users and refcounts (-1 ignored).
+
+  `doc_last_used` keeps the acquire time: recency is "last started reading".
+  """
+  slots = jnp.asarray(slots, jnp.int32)
+  rows = _doc_page_rows(state, slots)
+  return state.replace(
+      doc_users=state.doc_users - _histogram(slots, state.max_docs),
+      page_refcount=state.page_refcount - _histogram(rows, state.num_pages),
+  )
+
+
+def evict_documents(state: CacheState, pages_needed: jax.Array,
+                    slots_needed: jax.Array | int = 0) -> CacheState:
+  """Evicts unread documents, least recently used first, until enough is free.
+
+  Stops at the shortest LRU prefix of the evictable documents (`doc_users ==
+  0`) after which at least `pages_needed` pages and `slots_needed` document
+  slots are free, or after all of them if even that is not enough (the caller
+  compares `free_page_count` afterwards).  Evicting drops the document table's
+  reference to each page; pages reaching refcount 0 become free.  Ties in
+  `doc_last_used` are broken by slot index.
+  """
+  pages_needed = jnp.asarray(pages_needed, jnp.int32)
+  slots_needed = jnp.asarray(slots_needed, jnp.int32)
+  page_deficit = pages_needed - free_page_count(state)
+  slot_deficit = slots_needed - free_doc_slot_count(state)
+
+  evictable = _evictable(state)
+  order = jnp.argsort(jnp.where(evictable, state.doc_last_used, _INT32_MAX),
+                      stable=True)
+  sorted_evictable = evictable[order]
+  sorted_pages = jnp.where(sorted_evictable, state.doc_num_pages[order], 0)
+  # Pages / slots freed by evicting everything before position i.
+  pages_before = jnp.cumsum(sorted_pages) - sorted_pages
+  docs_before = jnp.cumsum(sorted_evictable) - sorted_evictable
+  evict_sorted = sorted_evictable & ((pages_before < page_deficit) |
+                                     (docs_before < slot_deficit))
+  evict = jnp.zeros_like(evictable).at[order].set(evict_sorted)
+
+  rows = jnp.where(evict[:, None], state.doc_pages, -1)
+  return state.replace(
+      page_refcount=state.page_refcount - _histogram(rows, state.num_pages),
+      doc_key=jnp.where(evict[:, None], 0, state.doc_key),
+      doc_valid=state.doc_valid & ~evict,
+      doc_len=jnp.where(evict, 0, state.doc_len),
+      doc_num_pages=jnp.where(evict, 0, state.doc_num_pages),
+      doc_pages=jnp.where(evict[:, None], -1, state.doc_pages),
+      doc_users=state.doc_users,
+      doc_last_used=jnp.where(evict, 0, state.doc_last_used),
+  )
