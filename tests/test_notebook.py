@@ -1,0 +1,22 @@
+"""CI executes the example notebook on CPU."""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "rag_demo.ipynb"
+
+
+def test_rag_demo_notebook_runs_and_plots():
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  NotebookClient(nb, timeout=900, kernel_name="python3",
+                 resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+  outputs = [o for cell in nb.cells if cell.cell_type == "code"
+             for o in cell.get("outputs", [])]
+  assert not [o for o in outputs if o.output_type == "error"]
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "cache hits: [True, True, True]" in text
+  assert any("image/png" in o.get("data", {}) for o in outputs)
