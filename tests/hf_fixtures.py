@@ -187,16 +187,28 @@ def hf_smollm2(smollm2_gguf_path):
 def hf_greedy(model, prompt, num_tokens: int):
   """Greedy tokens and per-step logits from an HF causal LM (no EOS stop).
 
-  Recomputes the whole sequence every step (no HF cache), so each step is
-  the plain full-attention forward pass.
+  Prompt in one forward pass, then one token per step through HF's own KV
+  cache, as HF generation does.  Runs torch on one thread: single-token
+  steps are too small to gain from more, and on a busy 2-core CI machine
+  torch's spinning worker threads made each step 10x slower (measured).
   """
+  import inspect
   import torch
-  ids = list(int(t) for t in prompt)
+  # transformers 5 renamed `past_key_values` to `cache` (argument and output).
+  cache_name = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                else "past_key_values")
   tokens, logits = [], []
-  with torch.no_grad():
-    for _ in range(num_tokens):
-      out = model(torch.tensor([ids])).logits[0, -1].float().numpy()
-      logits.append(out)
-      tokens.append(int(np.argmax(out)))
-      ids.append(tokens[-1])
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  try:
+    with torch.no_grad():
+      out = model(torch.tensor([[int(t) for t in prompt]]), use_cache=True)
+      for _ in range(num_tokens):
+        step = out.logits[0, -1].float().numpy()
+        logits.append(step)
+        tokens.append(int(np.argmax(step)))
+        out = model(torch.tensor([[tokens[-1]]]), use_cache=True,
+                    **{cache_name: getattr(out, cache_name)})
+  finally:
+    torch.set_num_threads(threads)
   return tokens, np.stack(logits)
