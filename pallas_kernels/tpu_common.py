@@ -54,6 +54,17 @@ def any_memory_space():
   return pltpu.MemorySpace.ANY  # pragma: no cover - newer jax
 
 
+def interpret_params(interpret):
+  """pallas_call's `interpret` argument for the TPU kernels.
+
+  True -> TPU-semantics interpretation with default settings; an
+  InterpretParams instance is used as given; False -> the Mosaic kernel.
+  """
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
+  return pltpu.InterpretParams() if interpret else False
+
+
 def compute_dtype(dtype):
   """(MXU operand dtype, dot precision) for K/V pages of `dtype`.
 

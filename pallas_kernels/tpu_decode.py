@@ -156,13 +156,15 @@ def _num_splits(block_sizes: TpuDecodeBlockSizes, batch: int,
 
 def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
-                    interpret: bool, block_sizes: TpuDecodeBlockSizes | None =
+                    interpret, block_sizes: TpuDecodeBlockSizes | None =
                     None):
   """Decode step (T == 1) of `pallas_kernels.lazy_attention` on TPU.
 
   Same arguments and result as `lazy_attention` (inputs already validated),
   plus:
-    interpret: run with `pltpu.InterpretParams()` (TPU semantics, on CPU).
+    interpret: True runs with `pltpu.InterpretParams()` (TPU semantics, on
+      CPU); a `pltpu.InterpretParams` instance runs with those settings (for
+      example race detection); False compiles the Mosaic kernel.
     block_sizes: `TpuDecodeBlockSizes`; defaults when None.
 
   Returns:
@@ -256,7 +258,7 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=tc.interpret_params(interpret),
     )(num_blocks, q_limit, page_ids, page_start, page_info, block_shifts,
       block_num_shifts, chunks, q_rot, q_rot_half, k_pages, v_pages)
 

@@ -154,13 +154,15 @@ def _query_tokens_per_tile(block_sizes: TpuPrefillBlockSizes, q_len: int,
 
 def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      page_len, q_pos, *, rope: RopeConfig, sm_scale,
-                     interpret: bool,
+                     interpret,
                      block_sizes: TpuPrefillBlockSizes | None = None):
   """Prefill (T > 1) of `pallas_kernels.lazy_attention` on TPU.
 
   Same arguments and result as `lazy_attention` (inputs already validated),
   plus:
-    interpret: run with `pltpu.InterpretParams()` (TPU semantics, on CPU).
+    interpret: True runs with `pltpu.InterpretParams()` (TPU semantics, on
+      CPU); a `pltpu.InterpretParams` instance runs with those settings (for
+      example race detection); False compiles the Mosaic kernel.
     block_sizes: `TpuPrefillBlockSizes`; defaults when None.
 
   Returns:
@@ -247,7 +249,7 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
         out_shape=jax.ShapeDtypeStruct(q_rot.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=tc.interpret_params(interpret),
     )(tile_blocks.reshape(-1), tile_q_max.reshape(-1), page_ids.reshape(-1),
       page_start.reshape(-1), page_info.reshape(-1), block_shifts.reshape(-1),
       block_num_shifts.reshape(-1), chunks, q_rot, q_rot_half, row_limit,
