@@ -15,8 +15,10 @@ scheduler (`LazyEngine.step`):
   5. retire finished requests, releasing their pages and document references.
 Requests join and leave between decode loops; the others go on.
 
-Shapes are bucketed to powers of two (batch rows, prompt lengths, logical
-pages), so a steady workload compiles a bounded number of programs.
+Shapes are bucketed (lazyattn_jax/buckets.py: prefill rows and logical pages
+to powers of two, prompt lengths to powers of two then multiples of 1024;
+decode always runs max_batch rows), so a steady workload compiles a bounded
+number of programs.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyattn_jax.block_copy import rerotate_pages
-from lazyattn_jax.buckets import power_of_two_bucket
+from lazyattn_jax.buckets import length_bucket, power_of_two_bucket
 from lazyattn_jax.cache_state import CacheConfig, init_cache_state
 from lazyattn_jax.doc_key import document_key
 from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
@@ -594,8 +596,7 @@ class LazyEngine:
                    samplings):
     """One batched prefill call: row b runs plans[b] against rows[b]."""
     batch = power_of_two_bucket(len(rows))
-    length = power_of_two_bucket(max(len(p.tokens) for p in plans),
-                                 _MIN_PREFILL_LEN)
+    length = length_bucket(max(len(p.tokens) for p in plans), _MIN_PREFILL_LEN)
     num_logical = power_of_two_bucket(max(map(len, rows)))
     num_pages = self.cache_config.num_pages
     tokens = np.zeros((batch, length), np.int32)
@@ -636,8 +637,8 @@ class LazyEngine:
     batch: list = []
     for i in order:
       rows = power_of_two_bucket(len(batch) + 1)
-      width = power_of_two_bucket(max([lengths[j] for j in batch] + [lengths[i]]),
-                                  _MIN_PREFILL_LEN)
+      width = length_bucket(max([lengths[j] for j in batch] + [lengths[i]]),
+                            _MIN_PREFILL_LEN)
       if batch and rows * width > self.max_prefill_tokens:
         yield [items[j] for j in batch]
         batch = []
@@ -747,7 +748,9 @@ class LazyEngine:
   # --- decode ------------------------------------------------------------------
   def _decode_live(self):
     live = [l for l in self._live if not l.done]
-    batch = power_of_two_bucket(len(live), maximum=power_of_two_bucket(self.max_batch))
+    # Decode always runs max_batch rows: one program per page bucket, and the
+    # step is memory-bound (weights), so idle rows cost little.
+    batch = self.max_batch
     num_logical = power_of_two_bucket(max(len(l.row) for l in live))
     table, pos, shift, plen = pack_rows([l.row for l in live], num_logical, batch)
     private_start = np.zeros((batch,), np.int32)
