@@ -69,15 +69,23 @@ DEFAULTS = {
                                  num_stages=2),
     ("decode", 4): GpuBlockSizes(block_q=16, block_kv=32, num_warps=4,
                                  num_stages=2),
-    ("prefill", 2): GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
-                                  num_stages=2),
+    ("prefill", 2): GpuBlockSizes(block_q=64, block_kv=64, num_warps=4,
+                                  num_stages=3),
     ("prefill", 4): GpuBlockSizes(block_q=32, block_kv=32, num_warps=4,
                                   num_stages=2),
 }
 
-# Tuned on an H200 (jax 0.11.2) by benchmarks/kernels.py.  Key:
-# (kernel, dtype name, head dim H, group G = N / K, page size).
-TUNED: dict[tuple[str, str, int, int, int], GpuBlockSizes] = {}
+# Tuned on an H200 (jax 0.11.2) by benchmarks/kernels.py (numbers in
+# benchmarks/kernel_notes.md).  Key: (kernel, dtype name, head dim H,
+# group G = N / K, page size).
+TUNED: dict[tuple[str, str, int, int, int], GpuBlockSizes] = {
+    # Llama-3-8B-like decode: 4.0 TB/s at B64/ctx8192 (d128w4s2).
+    ("decode", "bfloat16", 128, 4, 16): GpuBlockSizes(
+        block_kv=128, num_warps=4, num_stages=2),
+    # 512-token chunk against 8K context: q64k64w4s3 beat q128 tiles.
+    ("prefill", "bfloat16", 128, 4, 16): GpuBlockSizes(
+        block_q=64, block_kv=64, num_warps=4, num_stages=3),
+}
 
 
 def block_sizes_for(kernel: str, *, dtype, head_dim: int, group: int,

@@ -4,17 +4,15 @@ Both kernels stream the paged KV of one batch row and one kv head in blocks of
 `pages_per_block` logical pages and run an online (flash) softmax over them.
 What they share:
 
-- the query rows of one kv head, rotated once outside the kernel
-  (q_rot = R(q_pos) q * sm_scale * log2(e) and its rotate_half), turned into
-  R(q_pos - s) q for a page shift s with one cos/sin vector of length H
-  (`rotate_rows`);
+- the rotation of query rows by -s for a page shift s with one cos/sin
+  vector for all rows (`rotate_row_halves`);
 - the gather of one block of KV: per-column page metadata, the physical rows,
   and masked loads that never touch an invalid slot (`load_kv_block`);
 - one online-softmax step in base 2 (`softmax_step`), written so that padding
   slots holding NaN and rows that see nothing can never produce NaN;
-- host-side (XLA, metadata only) helpers that build the query-row layout.
+- host-side (XLA) helpers that build the grouped query-row layout.
 
-Scores are kept in base-2 units: log2(e) is folded into the rotated query, so
+Scores are kept in base-2 units: log2(e) is folded into the query scale, so
 the kernels call exp2 directly.
 """
 
@@ -75,24 +73,31 @@ def whole_array_spec(shape):
   return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
-def load_chunk_rows(chunks_ref):
-  """The NUM_TURN_CHUNKS int32 rows [H] of rope.turn_chunks, from a ref."""
-  return [chunks_ref[j, :] for j in range(NUM_TURN_CHUNKS)]
+def load_chunk_rows(chunks_ref, columns=None):
+  """The NUM_TURN_CHUNKS int32 rows of rope.turn_chunks, from a ref (all H
+  columns, or the first `columns`)."""
+  columns = chunks_ref.shape[1] if columns is None else columns
+  return [chunks_ref[j, pl.ds(0, columns)] for j in range(NUM_TURN_CHUNKS)]
 
 
-def rotate_rows(q_rot, q_rot_half, shift, chunk_rows, dtype):
-  """R(q_pos - shift) q for every row: one cos/sin vector [H] for all rows.
+def rotate_row_halves(q_lo, q_hi, shift, chunk_rows_lo, dtype):
+  """R(-shift) applied to rows given as their two head-dim halves.
 
-  q_rot, q_rot_half: f32 [R, H]; shift: int32 scalar.  Returns [R, H] in
-  `dtype` (the KV dtype, the operand type of the score matmul).
+  With x = [x1, x2] and rotate_half(x) = [-x2, x1]:
+  R(-s) x = x cos(s) - rotate_half(x) sin(s) = [x1 c + x2 s, x2 c - x1 s].
+  q_lo, q_hi: f32 [R, H/2]; shift: int32 scalar; chunk_rows_lo: the first
+  H/2 columns of the turn chunks (the halves share frequencies).  Returns the
+  two halves of the rotated rows in `dtype`.
   """
-  cos, sin = cos_sin_from_chunks(shift, chunk_rows)  # each f32 [H]
-  return (q_rot * cos[None, :] - q_rot_half * sin[None, :]).astype(dtype)
+  cos, sin = cos_sin_from_chunks(shift, chunk_rows_lo)  # each f32 [H/2]
+  cos, sin = cos[None, :], sin[None, :]
+  return ((q_lo * cos + q_hi * sin).astype(dtype),
+          (q_hi * cos - q_lo * sin).astype(dtype))
 
 
 def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
                   block, *, pages_per_block, page_size, block_k, num_pages,
-                  num_logical_pages, column_filter):
+                  num_logical_pages, column_filter, key_parts=1):
   """Gathers one block of logical pages of one batch row and kv head.
 
   Args:
@@ -103,12 +108,15 @@ def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
     column_filter: fn(page, position) -> bool [block_k], an extra condition
       on each column given its logical page index and logical position (shift
       match, segment range, causal bound, ...).
+    key_parts: K comes back as this many column slices [block_k, H / parts]
+      (the prefill scores each half of the head dim with its own dot).
 
   Returns:
-    (k, v, position): k and v [block_k, H] with zeros in every column that is
-    not a valid slot passing `column_filter` (those are never loaded, so NaN
-    in unused pages or padding slots cannot leak); `position` int32
-    [block_k], the logical position of each column or NEVER_VISIBLE.
+    (k_parts, v, position): a tuple of K slices and v [block_k, H], zero in
+    every column that is not a valid slot passing `column_filter` (those are
+    never loaded, so NaN in unused pages or padding slots cannot leak);
+    `position` int32 [block_k], the logical position of each column or
+    NEVER_VISIBLE.
   """
   cols = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
   page_in_block = lax.div(cols, page_size)
@@ -124,23 +132,37 @@ def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
   # Both index arrays broadcast to [block_k, H] (array-only indexing is what
   # both the Triton lowering and the interpreter support for a gather).
   rows = (physical * page_size + slot)[:, None]
-  lanes = lax.broadcasted_iota(jnp.int32, (1, k_ref.shape[-1]), 1)
-  k = plgpu.load(k_ref.at[rows, lanes], mask=ok[:, None], other=0.0)
+  head_dim = k_ref.shape[-1]
+  part = head_dim // key_parts
+  lanes = lax.broadcasted_iota(jnp.int32, (1, part), 1)
+  k_parts = tuple(
+      plgpu.load(k_ref.at[rows, lanes + j * part], mask=ok[:, None],
+                 other=0.0) for j in range(key_parts))
+  lanes = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
   v = plgpu.load(v_ref.at[rows, lanes], mask=ok[:, None], other=0.0)
-  return k, v, jnp.where(ok, position, NEVER_VISIBLE)
+  return k_parts, v, jnp.where(ok, position, NEVER_VISIBLE)
 
 
-def softmax_step(carry, q_s, k, v, visible):
+def block_scores(q_parts, k_parts):
+  """sum_j q_parts[j] @ k_parts[j]^T, f32 [R, block_k] (base-2 scores)."""
+  precision = dot_precision(k_parts[0].dtype)
+  scores = None
+  for q_j, k_j in zip(q_parts, k_parts):
+    s_j = lax.dot_general(q_j, k_j, (((1,), (1,)), ((), ())),
+                          precision=precision,
+                          preferred_element_type=jnp.float32)
+    scores = s_j if scores is None else scores + s_j
+  return scores
+
+
+def softmax_step(carry, scores, v, visible):
   """One online-softmax step over a KV block, scores in base 2.
 
-  carry: (acc f32 [R, H], m f32 [R], l f32 [R]); q_s [R, H] and k, v
-  [block_k, H] in the KV dtype; visible bool [R, block_k].
+  carry: (acc f32 [R, H], m f32 [R], l f32 [R]); scores f32 [R, block_k];
+  v [block_k, H] in the KV dtype; visible bool [R, block_k].
   """
   acc, m_prev, l_prev = carry
-  precision = dot_precision(k.dtype)
-  scores = lax.dot_general(q_s, k, (((1,), (1,)), ((), ())),
-                           precision=precision,
-                           preferred_element_type=jnp.float32)
+  precision = dot_precision(v.dtype)
   scores = jnp.where(visible, scores, -jnp.inf)
   m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
   alpha = jnp.exp2(m_prev - m_next)
@@ -167,7 +189,8 @@ def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
   heads of a group.
 
   Returns:
-    q_rot, q_rot_half: f32 [B, K, R_pad, H], sm_scale * log2(e) folded in;
+    q_rot: f32 [B, K, R_pad, H], R(q_pos) q with sm_scale * log2(e) folded
+      in (zero for padding rows);
     row_pos: int32 [B, R_pad], q_pos of each row, PADDING_ROW for padding
       rows (q_pos < 0 or past T * G).
   """
@@ -176,7 +199,7 @@ def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
   num_rows = q_len * group
   padded_rows = -(-num_rows // rows_multiple) * rows_multiple
   scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(LOG2_E)
-  q_rot, q_rot_half = rotated_query(q, q_pos, rope, scale)
+  q_rot, _ = rotated_query(q, q_pos, rope, scale)
 
   def to_rows(x):  # [B, T, N, H] -> [B, K, T*G, H], padded
     x = x.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -188,7 +211,7 @@ def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
   row_pos = jnp.repeat(row_pos, group, axis=1)
   row_pos = jnp.pad(row_pos, ((0, 0), (0, padded_rows - num_rows)),
                     constant_values=PADDING_ROW)
-  return to_rows(q_rot), to_rows(q_rot_half), row_pos
+  return to_rows(q_rot), row_pos
 
 
 def rows_to_heads(out, q_len, group):

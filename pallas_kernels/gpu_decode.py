@@ -1,23 +1,30 @@
 """Lazy (deferred-RoPE) paged attention decode on GPU: Pallas, Triton lowering.
 
 Decode (T == 1) is memory bound: the figure of merit is KV bytes read per
-second.  The layout of the work:
+second.  A decode step is small (tens of microseconds at small batch), so
+besides streaming KV well the step must not spend its time in a chain of small
+XLA kernels: everything but the final split combine happens in one kernel.
 
 - Grid (kv_splits, K, B).  A program takes the G query heads of one kv head
   of one batch row as the rows of its tiles (GQA grouping: each KV byte is
   read once for all G heads), padded to at least 16 rows for the tensor-core
   dot, and streams a slice of that row's KV.
-- The KV of a row is cut into blocks of `pages_per_block` logical pages.  The
-  wrapper (XLA, metadata only) lists the *work items* of each row: one per
-  (block, distinct page shift among the block's live pages), in page order.
+- The KV of a row is cut into blocks of `pages_per_block` logical pages.  A
+  *work item* is a (block, distinct shift among the block's live pages) pair.
   Shifts change per document, not per page, so a block almost always has one
   item; a block where two documents meet has two, each scoring only its own
   columns.  Pages no query can see (unused, or past q_pos) make no item, so
   their blocks are never read.
-- A program runs one flat loop over its share of the items (no nested loop,
-  so Triton can software-pipeline the KV loads): rotate the query rows by
-  -shift with one cos/sin vector, gather the block's K and V with masked loads
-  (invalid slots are never read), online softmax in base 2.
+- Prologue (in the kernel): scan the row's page metadata in chunks, mark the
+  item leaders, compact the items with a prefix sum into a per-program scratch
+  list in global memory.  Every program of a row does this redundantly; it
+  reads a few KB of metadata against hundreds of KB of KV.
+- Main loop: one flat loop over the program's share of the items (no nested
+  loop, so Triton can software-pipeline the KV loads).  Per item the query
+  rows are rotated to R(q_pos - shift) q with one cos/sin vector of length H
+  (exact range reduction, rope.cos_sin_from_chunks), the block's K and V are
+  gathered with masked loads (invalid slots are never read) and an online
+  softmax in base 2 is updated.  Keys are never rotated.
 - Programs write unnormalised partial results (acc, running max m, sum l);
   XLA combines the splits.
 """
@@ -25,6 +32,7 @@ second.  The layout of the work:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,86 +43,120 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import (GpuBlockSizes, block_sizes_for,
                                             decode_kv_splits)
-from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
+from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 
 
-def decode_work_items(page_shift, live, pages_per_block):
-  """Work items of each batch row: (block, shift) pairs, in page order.
+def scan_pages_for(pages_per_block: int) -> int:
+  """Pages the prologue scans per step: a power-of-two multiple of
+  pages_per_block, about 256, with the [pages, pages_per_block] leader test
+  kept near 4K elements so long contexts cost steps, not registers."""
+  return max(pages_per_block,
+             min(256, common.next_power_of_2(4096 // pages_per_block)))
 
-  Args:
-    page_shift: int32 [B, M].
-    live: bool [B, M], pages some query row may see (valid and not after it).
-    pages_per_block: pages per KV block.
 
-  Returns:
-    items: int32 [B, M, 2], (block index, shift) of item i in items[:, i];
-      entries past num_items are 0 and never read.
-    num_items: int32 [B].
+def _list_work_items(q_pos, page_pos_ref, page_len_ref, page_shift_ref,
+                     item_block_ref, item_shift_ref, *, pages_per_block,
+                     num_logical_pages):
+  """Writes this row's work items, in page order; returns their count.
+
+  A live page (valid, not after q_pos) leads an item unless an earlier live
+  page of its block has the same shift.  item_block_ref / item_shift_ref hold
+  num_logical_pages + 1 entries; the last is a dump slot for masked lanes.
   """
-  batch, num_pages = page_shift.shape
-  page = jnp.arange(num_pages, dtype=jnp.int32)
-  slot_in_block = page % pages_per_block
-  # A live page leads an item unless an earlier live page of its block has
-  # the same shift.  At most pages_per_block - 1 shifted compares, one fusion.
-  leader = live
-  for d in range(1, pages_per_block):
-    prev_shift = jnp.pad(page_shift, ((0, 0), (d, 0)))[:, :num_pages]
-    prev_live = jnp.pad(live, ((0, 0), (d, 0)))[:, :num_pages]
-    same = prev_live & (prev_shift == page_shift) & (slot_in_block >= d)
-    leader = leader & ~same
-  position = jnp.cumsum(leader.astype(jnp.int32), axis=1) - 1
-  num_items = position[:, -1] + 1
-  dest = jnp.where(leader, position, num_pages)  # non-leaders are dropped
-  values = jnp.stack(
-      [jnp.broadcast_to(page // pages_per_block, page_shift.shape),
-       page_shift], axis=-1)
-  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
-  items = jnp.zeros((batch, num_pages, 2), jnp.int32).at[rows, dest].set(
-      values, mode="drop")
-  return items, num_items
+  scan_pages = scan_pages_for(pages_per_block)
+  blocks_per_scan = scan_pages // pages_per_block
+  num_scans = -(-num_logical_pages // scan_pages)
+  block_in_scan = lax.broadcasted_iota(jnp.int32, (blocks_per_scan,
+                                                   pages_per_block), 0)
+  slot = lax.broadcasted_iota(jnp.int32, (blocks_per_scan, pages_per_block),
+                              1)
+  earlier = (lax.broadcasted_iota(jnp.int32, (1, pages_per_block,
+                                              pages_per_block), 2)
+             < lax.broadcasted_iota(jnp.int32, (1, pages_per_block,
+                                                pages_per_block), 1))
+
+  def scan_body(scan, count):
+    block = scan * blocks_per_scan + block_in_scan
+    page = block * pages_per_block + slot  # [blocks, pages_per_block]
+    in_row = page < num_logical_pages
+    page = jnp.minimum(page, num_logical_pages - 1)
+    shift = page_shift_ref[page]
+    live = (in_row & (page_len_ref[page] > 0) & (page_pos_ref[page] <= q_pos)
+            & (q_pos >= 0))
+    same = ((shift[:, :, None] == shift[:, None, :]) & live[:, None, :]
+            & earlier)
+    leader = live & (jnp.max(same.astype(jnp.int32), axis=2) == 0)
+    leader = leader.reshape(scan_pages)
+    rank = jnp.cumsum(leader.astype(jnp.int32)) - 1
+    dest = jnp.where(leader, count + rank, num_logical_pages)
+    plgpu.store(item_block_ref.at[dest], block.reshape(scan_pages),
+                mask=leader)
+    plgpu.store(item_shift_ref.at[dest], shift.reshape(scan_pages),
+                mask=leader)
+    return count + jnp.sum(leader.astype(jnp.int32))
+
+  return lax.fori_loop(0, num_scans, scan_body, jnp.int32(0))
 
 
-def _decode_kernel(num_items_ref, items_ref, row_pos_ref, q_rot_ref,
-                   q_rot_half_ref, chunks_ref, page_table_ref, page_pos_ref,
-                   page_len_ref, page_shift_ref, k_ref, v_ref,
-                   acc_ref, m_ref, l_ref, *, kv_splits, group,
-                   pages_per_block, page_size, block_k, num_pages,
-                   num_logical_pages):
+def _decode_kernel(scale_ref, q_pos_ref, q_ref, chunks_ref, page_table_ref,
+                   page_pos_ref, page_len_ref, page_shift_ref, k_ref, v_ref,
+                   acc_ref, m_ref, l_ref, item_block_ref, item_shift_ref, *,
+                   kv_splits, group, rows, pages_per_block, page_size,
+                   block_k, num_pages, num_logical_pages, interpret):
   split = pl.program_id(0)
   batch_row = pl.program_id(2)
-  num_items = num_items_ref[batch_row]
+  q_pos = q_pos_ref[batch_row, 0]
+
+  num_items = _list_work_items(
+      q_pos, page_pos_ref, page_len_ref, page_shift_ref, item_block_ref,
+      item_shift_ref, pages_per_block=pages_per_block,
+      num_logical_pages=num_logical_pages)
+  if not interpret:
+    # The item list is read back by other threads of this program.
+    plgpu.debug_barrier()
   per_split = lax.div(num_items + (kv_splits - 1), kv_splits)
   first = split * per_split
   end = jnp.minimum(first + per_split, num_items)
 
-  q_rot = q_rot_ref[...]  # f32 [R, H]
-  q_rot_half = q_rot_half_ref[...]
-  row_pos = row_pos_ref[...]  # int32 [R]
-  newest = jnp.max(row_pos)  # the token's q_pos (rows are its G heads)
+  # Query rows (the G heads of this kv head, padded) and their rotate_half,
+  # read through a column permutation: rotate_half(x)[h] = -x[h + H/2] for
+  # h < H/2, x[h - H/2] otherwise.
+  head_dim = q_ref.shape[-1]
+  row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+  lane = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+  real_row = row < group
+  row_index = jnp.minimum(row, group - 1)
+  scale = scale_ref[0]  # sm_scale * log2(e): scores in base 2
+  q = plgpu.load(q_ref.at[row_index, lane], mask=real_row,
+                 other=0.0).astype(jnp.float32) * scale
+  partner = plgpu.load(q_ref.at[row_index, (lane + head_dim // 2) % head_dim],
+                       mask=real_row, other=0.0).astype(jnp.float32) * scale
+  q_half = jnp.where(lane < head_dim // 2, -partner, partner)
   chunk_rows = common.load_chunk_rows(chunks_ref)
-  rows, head_dim = q_rot.shape
 
   def body(i, carry):
-    block = items_ref[i, 0]
-    shift = items_ref[i, 1]
-    q_s = common.rotate_rows(q_rot, q_rot_half, shift, chunk_rows,
-                             k_ref.dtype)
-    k, v, position = common.load_kv_block(
+    block = item_block_ref[i]
+    shift = item_shift_ref[i]
+    # R(q_pos - shift) q = q cos(a) + rotate_half(q) sin(a), a exact in int32.
+    cos, sin = cos_sin_from_chunks(q_pos - shift, chunk_rows)
+    q_s = (q * cos[None, :] + q_half * sin[None, :]).astype(k_ref.dtype)
+    (k,), v, position = common.load_kv_block(
         k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref, block,
         pages_per_block=pages_per_block, page_size=page_size,
         block_k=block_k, num_pages=num_pages,
         num_logical_pages=num_logical_pages,
         column_filter=lambda page, pos: ((page_shift_ref[page] == shift)
-                                         & (pos <= newest)))
-    visible = position[None, :] <= row_pos[:, None]
-    return common.softmax_step(carry, q_s, k, v, visible)
+                                         & (pos <= q_pos)))
+    visible = jnp.broadcast_to(position[None, :] <= q_pos, (rows, block_k))
+    return common.softmax_step(carry, common.block_scores((q_s,), (k,)), v,
+                               visible)
 
   acc, m, l = lax.fori_loop(first, end, body,
                             common.softmax_init(rows, head_dim))
-  real_row = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
-  plgpu.store(acc_ref, acc, mask=real_row[:, None])
-  plgpu.store(m_ref, m, mask=real_row)
-  plgpu.store(l_ref, l, mask=real_row)
+  real = real_row[:, 0]
+  plgpu.store(acc_ref, acc, mask=real_row)
+  plgpu.store(m_ref, m, mask=real)
+  plgpu.store(l_ref, l, mask=real)
 
 
 def combine_splits(acc, m, l):
@@ -130,23 +172,6 @@ def combine_splits(acc, m, l):
   safe_l = jnp.where(l_total > 0, l_total, 1.0)
   return jnp.where((l_total > 0)[..., None], acc_total / safe_l[..., None],
                    0.0)
-
-
-def decode_prologue(q, page_pos, page_shift, page_len, q_pos, *,
-                    rope: RopeConfig, sm_scale, num_kv_heads, rows,
-                    pages_per_block):
-  """The XLA work before the kernel: query rows and the work items.
-
-  Returns (q_rot, q_rot_half, row_pos, items, num_items); see
-  gpu_common.grouped_query_rows and decode_work_items.
-  """
-  q_rot, q_rot_half, row_pos = common.grouped_query_rows(
-      q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=rows)
-  newest = q_pos[:, 0]
-  live = ((page_len > 0) & (page_pos <= newest[:, None])
-          & (newest[:, None] >= 0))
-  items, num_items = decode_work_items(page_shift, live, pages_per_block)
-  return q_rot, q_rot_half, row_pos, items, num_items
 
 
 def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
@@ -172,63 +197,67 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                   group=group, page_size=page_size)
   pages_per_block, block_k = common.kv_block_geometry(page_size,
                                                       block_sizes.block_kv)
+  # The prologue scans whole blocks in power-of-two steps.
+  pages_per_block = 1 << (pages_per_block.bit_length() - 1)
+  block_k = common.next_power_of_2(pages_per_block * page_size)
   num_blocks = -(-num_logical_pages // pages_per_block)
   kv_splits = decode_kv_splits(block_sizes, batch=batch,
                                num_kv_heads=num_kv_heads,
                                num_blocks=num_blocks)
   rows = max(16, common.next_power_of_2(group))
-
-  q_rot, q_rot_half, row_pos, items, num_items = decode_prologue(
-      q, page_pos, page_shift, page_len, q_pos, rope=rope, sm_scale=sm_scale,
-      num_kv_heads=num_kv_heads, rows=rows, pages_per_block=pages_per_block)
+  scale = (jnp.asarray(sm_scale, jnp.float32)
+           * jnp.float32(math.log2(math.e))).reshape(1)
   chunks = jnp.asarray(rope.turn_chunks(head_dim))
 
   kernel = functools.partial(
-      _decode_kernel, kv_splits=kv_splits, group=group,
+      _decode_kernel, kv_splits=kv_splits, group=group, rows=rows,
       pages_per_block=pages_per_block, page_size=page_size, block_k=block_k,
-      num_pages=num_pages, num_logical_pages=num_logical_pages)
-  per_row = lambda shape: pl.BlockSpec((None,) + shape,
-                                       lambda s, h, b: (b,) + (0,) * len(shape))
-  per_row_head = pl.BlockSpec((None, None, rows, head_dim),
-                              lambda s, h, b: (b, h, 0, 0))
+      num_pages=num_pages, num_logical_pages=num_logical_pages,
+      interpret=interpret)
+  row_meta = pl.BlockSpec((None, num_logical_pages), lambda s, h, b: (b, 0))
   kv_spec = pl.BlockSpec((None, num_pages * page_size, head_dim),
                          lambda s, h, b: (h, 0, 0))
-  acc, m, l = pl.pallas_call(
+  program_out = lambda *shape: pl.BlockSpec(
+      (None, None, None) + shape, lambda s, h, b: (b, h, s) + (0,) * len(shape))
+  partial_shape = lambda *shape: jax.ShapeDtypeStruct(
+      (batch, num_kv_heads, kv_splits) + shape, jnp.float32)
+  scratch_shape = jax.ShapeDtypeStruct(
+      (batch, num_kv_heads, kv_splits, num_logical_pages + 1), jnp.int32)
+  acc, m, l, _, _ = pl.pallas_call(
       kernel,
       grid=(kv_splits, num_kv_heads, batch),
       in_specs=[
-          common.whole_array_spec((batch,)),  # num_items
-          per_row((num_logical_pages, 2)),  # items
-          per_row((rows,)),  # row_pos
-          per_row_head,  # q_rot
-          per_row_head,  # q_rot_half
+          common.whole_array_spec((1,)),  # scale
+          common.whole_array_spec((batch, 1)),  # q_pos
+          pl.BlockSpec((None, None, group, head_dim),
+                       lambda s, h, b: (b, h, 0, 0)),  # q as [B, K, G, H]
           common.whole_array_spec((NUM_TURN_CHUNKS, head_dim)),
-          per_row((num_logical_pages,)),  # page_table
-          per_row((num_logical_pages,)),  # page_pos
-          per_row((num_logical_pages,)),  # page_len
-          per_row((num_logical_pages,)),  # page_shift
+          row_meta,  # page_table
+          row_meta,  # page_pos
+          row_meta,  # page_len
+          row_meta,  # page_shift
           kv_spec,
           kv_spec,
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, rows, head_dim),
-                       lambda s, h, b: (b, h, s, 0, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
+          program_out(rows, head_dim),  # acc
+          program_out(rows),  # m
+          program_out(rows),  # l
+          program_out(num_logical_pages + 1),  # item blocks (scratch)
+          program_out(num_logical_pages + 1),  # item shifts (scratch)
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, num_kv_heads, kv_splits, rows,
-                                head_dim), jnp.float32),
-          jax.ShapeDtypeStruct((batch, num_kv_heads, kv_splits, rows),
-                               jnp.float32),
-          jax.ShapeDtypeStruct((batch, num_kv_heads, kv_splits, rows),
-                               jnp.float32),
+          partial_shape(rows, head_dim),
+          partial_shape(rows),
+          partial_shape(rows),
+          scratch_shape,
+          scratch_shape,
       ],
       compiler_params=common.compiler_params(block_sizes),
       interpret=interpret,
       name="lazy_decode",
-  )(num_items, items, row_pos, q_rot, q_rot_half, chunks, page_table,
-    page_pos, page_len, page_shift, common.flat_pages(k_pages),
+  )(scale, q_pos, q.reshape(batch, num_kv_heads, group, head_dim), chunks,
+    page_table, page_pos, page_len, page_shift, common.flat_pages(k_pages),
     common.flat_pages(v_pages))
 
   out = combine_splits(acc[:, :, :, :group], m[..., :group], l[..., :group])

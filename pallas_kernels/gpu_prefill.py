@@ -11,11 +11,12 @@ matmul peak.  The layout of the work:
   consecutive live pages with one shift (in practice: one document, or the
   query's own pages).  The wrapper (XLA, metadata only) lists them.
 - A program loops over segments; per segment it rotates its query tile once
-  by -shift (one cos/sin vector of length H for all rows, from the f32
-  R(q_pos) q the wrapper computed) and casts it to the KV dtype; an inner loop
-  then streams the segment's KV in blocks of `pages_per_block` pages, flash
-  style (online softmax, base 2).  The inner loop has no nested loop, so
-  Triton software-pipelines its loads.
+  by -shift (one cos/sin vector for all rows, applied to the f32 R(q_pos) q
+  the wrapper computed, in two head-dim halves) and casts it to the KV dtype;
+  an inner loop then streams the segment's KV in blocks of `pages_per_block`
+  pages, flash style (online softmax, base 2; scores as the sum of one dot
+  per head-dim half).  The inner loop has no nested loop, so Triton
+  software-pipelines its loads.  Keys are never rotated.
 - Causal skipping: the wrapper computes, per row tile, the last logical page
   that any row of the tile can see (page_pos <= the tile's largest q_pos), for
   any page order; the program stops there.  The per-element mask keeps
@@ -75,9 +76,9 @@ def prefill_segments(page_shift, live):
 
 
 def _prefill_kernel(tile_end_ref, segments_ref, segment_of_page_ref,
-                    row_pos_ref, q_rot_ref, q_rot_half_ref, chunks_ref,
-                    page_table_ref, page_pos_ref, page_len_ref, k_ref, v_ref,
-                    o_ref, *, pages_per_block, page_size, block_k, num_pages,
+                    row_pos_ref, q_rot_ref, chunks_ref, page_table_ref,
+                    page_pos_ref, page_len_ref, k_ref, v_ref, o_ref, *,
+                    pages_per_block, page_size, block_k, num_pages,
                     num_logical_pages):
   # Pages [0, tile_end) hold every page a row of this tile can see.
   tile_end = tile_end_ref[pl.program_id(2), pl.program_id(0)]
@@ -85,27 +86,33 @@ def _prefill_kernel(tile_end_ref, segments_ref, segment_of_page_ref,
   num_segments = jnp.where(tile_end > 0, last_segment + 1, 0)
   row_pos = row_pos_ref[...]  # int32 [R]
   rows, head_dim = o_ref.shape
-  chunk_rows = common.load_chunk_rows(chunks_ref)
+  half = head_dim // 2
+  chunk_rows = common.load_chunk_rows(chunks_ref, half)
 
   def segment_body(j, carry):
     first_page = segments_ref[j, 0]
     end_page = jnp.minimum(segments_ref[j, 1], tile_end)
     shift = segments_ref[j, 2]
-    # Re-read the f32 query tile here rather than keep it in registers
-    # across the KV loop: only the rotated tile in the KV dtype stays live.
-    q_s = common.rotate_rows(q_rot_ref[...], q_rot_half_ref[...], shift,
-                             chunk_rows, k_ref.dtype)
+    # Rotate the query tile by -shift once per segment.  It is re-read here
+    # (from L2) in two head-dim halves rather than kept in registers across
+    # the KV loop, and scored against K in the same halves, so only the
+    # rotated halves in the KV dtype stay live.
+    q_parts = common.rotate_row_halves(
+        q_rot_ref[:, pl.ds(0, half)], q_rot_ref[:, pl.ds(half, half)],
+        shift, chunk_rows, k_ref.dtype)
 
     def block_body(block, carry):
-      k, v, position = common.load_kv_block(
+      k_parts, v, position = common.load_kv_block(
           k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref, block,
           pages_per_block=pages_per_block, page_size=page_size,
           block_k=block_k, num_pages=num_pages,
           num_logical_pages=num_logical_pages,
           column_filter=lambda page, pos: ((page >= first_page)
-                                           & (page < end_page)))
+                                           & (page < end_page)),
+          key_parts=2)
       visible = position[None, :] <= row_pos[:, None]
-      return common.softmax_step(carry, q_s, k, v, visible)
+      return common.softmax_step(carry, common.block_scores(q_parts, k_parts),
+                                 v, visible)
 
     first_block = lax.div(first_page, pages_per_block)
     end_block = lax.div(end_page + (pages_per_block - 1), pages_per_block)
@@ -155,7 +162,7 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   block_q = min(block_sizes.block_q,
                 max(16, common.next_power_of_2(q_len * group)))
 
-  q_rot, q_rot_half, row_pos = common.grouped_query_rows(
+  q_rot, row_pos = common.grouped_query_rows(
       q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=block_q)
   num_rows = row_pos.shape[1]
   num_tiles = num_rows // block_q
@@ -185,7 +192,6 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
           per_row((num_logical_pages,)),  # segment_of_page
           pl.BlockSpec((None, block_q), lambda t, h, b: (b, t)),  # row_pos
           tile_rows,  # q_rot
-          tile_rows,  # q_rot_half
           common.whole_array_spec((NUM_TURN_CHUNKS, head_dim)),
           per_row((num_logical_pages,)),  # page_table
           per_row((num_logical_pages,)),  # page_pos
@@ -199,7 +205,7 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       compiler_params=common.compiler_params(block_sizes),
       interpret=interpret,
       name="lazy_prefill",
-  )(tile_end, segments, segment_of_page, row_pos, q_rot, q_rot_half, chunks,
+  )(tile_end, segments, segment_of_page, row_pos, q_rot, chunks,
     page_table, page_pos, page_len, common.flat_pages(k_pages),
     common.flat_pages(v_pages))
   return common.rows_to_heads(out, q_len, group)

@@ -23,7 +23,7 @@ from jax import export
 
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
-from pallas_kernels.gpu_decode import decode_work_items, lazy_decode_gpu
+from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu, prefill_segments
 from tests.kernel_cases import make_case, numpy_truth, relative_error
 
@@ -140,19 +140,6 @@ def test_page_size_not_power_of_two_interpret():
                    head_dim=32, page_size=12, max_doc_len=30)
   out = _call_kernel(lazy_prefill_gpu, lazy, PLAIN, None, interpret=True)
   assert relative_error(out, numpy_truth(lazy, PLAIN)) <= 1e-5
-
-
-def test_decode_work_items():
-  # Row 0: pages with shifts [5, 5, 7, 7 | 7, 0, 9(dead), 0]; blocks of 4.
-  shift = jnp.array([[5, 5, 7, 7, 7, 0, 9, 0],
-                     [3, 3, 3, 3, 3, 3, 3, 3]], jnp.int32)
-  live = jnp.array([[1, 1, 1, 1, 1, 1, 0, 1],
-                    [0, 0, 0, 0, 0, 1, 1, 0]], bool)
-  items, num_items = jax.jit(decode_work_items, static_argnums=2)(shift, live,
-                                                                  4)
-  assert num_items.tolist() == [4, 1]
-  assert items[0, :4].tolist() == [[0, 5], [0, 7], [1, 7], [1, 0]]
-  assert items[1, :1].tolist() == [[1, 3]]
 
 
 def test_prefill_segments():
