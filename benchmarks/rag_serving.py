@@ -88,11 +88,13 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
   from lazyattn_jax.cache_state import CacheConfig
   from lazyattn_jax.engine import LazyEngine
   pages_per_doc = -(-args.doc_len // args.page_size)
+  # prefix mode caches one entry per full page of prompt.
+  max_docs = (cache_pages if mode == "prefix" else
+              min(args.num_docs, cache_pages // pages_per_doc + 1) + 8)
   cache_config = CacheConfig(
       num_pages=cache_pages, page_size=args.page_size,
       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-      head_dim=config.head_dim, dtype=dtype,
-      max_docs=min(args.num_docs, cache_pages // pages_per_doc + 1) + 8,
+      head_dim=config.head_dim, dtype=dtype, max_docs=max_docs,
       max_pages_per_doc=max(pages_per_doc, 1))
   return LazyEngine(config, model, cache_config, mode=mode, impl=args.impl,
                     max_batch=args.max_batch, decode_steps=args.decode_steps,
@@ -156,6 +158,8 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
       prefill_tokens_computed=engine.stats.prefill_tokens_computed,
       kv_pages_written_for_cached_docs=engine.stats.kv_pages_written_for_cached_docs,
       peak_pages_used=engine.stats.peak_pages_used,
+      decode_tok_s=(engine.stats.generated_tokens /
+                    max(engine.stats.decode_seconds, 1e-9)),
       compiles_total=engine.compile_count,
       **extra)
 
@@ -190,7 +194,8 @@ def parse_args(argv=None):
   p.add_argument("--doc-len", type=int, default=32)
   p.add_argument("--query-len", type=int, default=8)
   p.add_argument("--output-len", type=int, default=8)
-  p.add_argument("--zipf", type=float, default=1.1)
+  p.add_argument("--zipf", type=float, default=1.1,
+                 help="popularity exponent (0 = uniform)")
   p.add_argument("--rate", type=float, default=0.0,
                  help="Poisson arrivals per second (0 = closed loop)")
   p.add_argument("--concurrency", type=int, default=8,
@@ -202,7 +207,13 @@ def parse_args(argv=None):
                       "measured run)")
   p.add_argument("--cache-pages", type=int, default=0,
                  help="pool size in pages (0: --cache-fraction of the corpus)")
-  p.add_argument("--cache-fraction", type=float, default=1.0 / 3.0)
+  p.add_argument("--cache-fraction", type=float, default=1.0 / 3.0,
+                 help="pool size as a fraction of the corpus's pages; every "
+                      "mode's in-flight pages (query, output, block copies) "
+                      "come out of the same pool")
+  p.add_argument("--add-working-pages", action="store_true",
+                 help="add room for max_batch in-flight requests (including "
+                      "block-mode copies) on top of --cache-fraction")
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--seed", type=int, default=0)
@@ -237,7 +248,8 @@ def working_pages(args) -> int:
 
 def cache_pages_for(args, fraction: float) -> int:
   corpus_pages = args.num_docs * -(-args.doc_len // args.page_size)
-  return max(1, int(round(fraction * corpus_pages))) + working_pages(args)
+  pages = max(1, int(round(fraction * corpus_pages)))
+  return pages + (working_pages(args) if args.add_working_pages else 0)
 
 
 def main(argv=None):
@@ -289,6 +301,7 @@ def main(argv=None):
 
 def print_table(runs, file=sys.stdout):
   cols = ["mode", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "throughput_tok_s",
+          "decode_tok_s", "throughput_req_s",
           "doc_hit_rate", "prefill_tokens_computed",
           "kv_pages_written_for_cached_docs", "peak_pages_used"]
   print(" | ".join(cols), file=file)

@@ -159,6 +159,7 @@ class EngineStats:
   peak_pages_used: int = 0
   decode_steps: int = 0
   generated_tokens: int = 0
+  decode_seconds: float = 0.0  # wall time inside decode loops (device synced)
 
 
 class LazyEngine:
@@ -747,6 +748,7 @@ class LazyEngine:
 
   # --- decode ------------------------------------------------------------------
   def _decode_live(self):
+    started = time.perf_counter()
     live = [l for l in self._live if not l.done]
     # Decode always runs max_batch rows: one program per page bucket, and the
     # step is memory-bound (weights), so idle rows cost little.
@@ -784,6 +786,7 @@ class LazyEngine:
     self.state = self.state.replace(k=k, v=v)
     out, emitted, done = jax.device_get((out, emitted, carry[4]))
     now = time.perf_counter()
+    self.stats.decode_seconds += now - started
     self.stats.decode_steps += self.decode_steps
     for b, l in enumerate(live):
       new_tokens = [int(t) for t, e in zip(out[b], emitted[b]) if e]

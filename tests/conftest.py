@@ -14,6 +14,17 @@ def _has_gpu() -> bool:
     return False
 
 
+def pytest_addoption(parser):
+  parser.addoption("--engine-impl", default="xla",
+                   help="attention impl for the engine tests (xla on CPU CI; "
+                        "gpu to rerun them on a GPU with the Pallas kernels)")
+
+
+@pytest.fixture(scope="session")
+def engine_impl(request):
+  return request.config.getoption("--engine-impl")
+
+
 def pytest_collection_modifyitems(config, items):
   if _has_gpu():
     return

@@ -22,21 +22,21 @@ PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def model_and_config():
+def model_and_config(engine_impl):
   config = dataclasses.replace(LlamaConfig.tiny(), max_position=512)
   model = Llama(config, rngs=nnx.Rngs(0))
-  return model, config
+  return model, config, engine_impl
 
 
 def make_engine(model_and_config, *, num_pages=96, max_batch=4,
                 decode_steps=4, mode="lazy"):
-  model, config = model_and_config
+  model, config, impl = model_and_config
   cache_config = CacheConfig(num_pages=num_pages, page_size=PAGE,
                              num_layers=config.num_layers,
                              num_kv_heads=config.num_kv_heads,
                              head_dim=config.head_dim, dtype="float32",
                              max_docs=32, max_pages_per_doc=16)
-  return LazyEngine(config, model, cache_config, mode=mode, impl="xla",
+  return LazyEngine(config, model, cache_config, mode=mode, impl=impl,
                     max_batch=max_batch, decode_steps=decode_steps)
 
 
@@ -49,7 +49,7 @@ def greedy(n):
 
 
 def test_lazy_generation_matches_dense_block_diagonal_reference(model_and_config):
-  model, config = model_and_config
+  model, config, _ = model_and_config
   rng = np.random.default_rng(1)
   docs = [random_tokens(rng, n, config.vocab_size) for n in (7, 12, 5)]
   query = random_tokens(rng, 6, config.vocab_size)
@@ -64,7 +64,7 @@ def test_lazy_generation_matches_dense_block_diagonal_reference(model_and_config
 
 
 def test_reuse_in_new_order_and_position_equals_fresh_encoding(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(2)
   a, b, c = (random_tokens(rng, n, config.vocab_size) for n in (9, 6, 11))
   query = random_tokens(rng, 5, config.vocab_size)
@@ -81,7 +81,7 @@ def test_reuse_in_new_order_and_position_equals_fresh_encoding(model_and_config)
 
 
 def test_cache_hit_writes_no_kv_and_shares_pages(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(3)
   doc = random_tokens(rng, 10, config.vocab_size)
   engine = make_engine(model_and_config)
@@ -125,7 +125,7 @@ def test_cache_hit_writes_no_kv_and_shares_pages(model_and_config):
 
 
 def test_concurrent_requests_prefill_a_shared_missing_document_once(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(4)
   shared = random_tokens(rng, 8, config.vocab_size)
   other = random_tokens(rng, 5, config.vocab_size)
@@ -144,7 +144,7 @@ def test_concurrent_requests_prefill_a_shared_missing_document_once(model_and_co
 
 
 def test_continuous_batching_join_and_leave(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(5)
   docs = [random_tokens(rng, 6, config.vocab_size) for _ in range(3)]
   queries = [random_tokens(rng, 5, config.vocab_size) for _ in range(3)]
@@ -173,7 +173,7 @@ def test_continuous_batching_join_and_leave(model_and_config):
 
 
 def test_compile_count_is_bounded_over_varied_requests(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(6)
   engine = make_engine(model_and_config, num_pages=160)
   corpus = [random_tokens(rng, int(n), config.vocab_size)
@@ -200,7 +200,7 @@ def test_compile_count_is_bounded_over_varied_requests(model_and_config):
 
 
 def test_sampling_seed_topk_topp_and_stop(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(7)
   doc = random_tokens(rng, 6, config.vocab_size)
   query = random_tokens(rng, 4, config.vocab_size)
@@ -246,7 +246,7 @@ def _state_leaves(engine):
     dict(query=[], error=InvalidRequestError, match="query is empty"),
 ])
 def test_bad_input_raises_typed_error_and_leaves_state(model_and_config, bad):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   engine = make_engine(model_and_config, num_pages=40)
   engine.generate([5, 6, 7], [[1, 2, 3, 4, 5]], greedy(2))
   before = _state_leaves(engine)
@@ -264,7 +264,7 @@ def test_bad_input_raises_typed_error_and_leaves_state(model_and_config, bad):
 
 
 def test_request_larger_than_pool_is_refused_at_admission(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   engine = make_engine(model_and_config, num_pages=12)
   rng = np.random.default_rng(8)
   docs = [random_tokens(rng, 16, config.vocab_size) for _ in range(3)]

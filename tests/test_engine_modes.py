@@ -17,7 +17,7 @@ def _run(model_and_config, mode, requests, **kw):
 
 @pytest.fixture(scope="module")
 def workload(model_and_config):
-  _, config = model_and_config
+  _, config, _ = model_and_config
   rng = np.random.default_rng(21)
   a, b, c = (random_tokens(rng, n, config.vocab_size) for n in (9, 14, 6))
   q1, q2, q3 = (random_tokens(rng, n, config.vocab_size) for n in (5, 7, 4))
@@ -62,7 +62,7 @@ def test_full_mode_is_plain_causal_attention(model_and_config, workload):
   """full differs from lazy exactly by the block-diagonal document mask."""
   from models.dense_reference import dense_forward
   import jax.numpy as jnp
-  model, _ = model_and_config
+  model, _, _ = model_and_config
   q, docs, _ = workload[0]
   _, (result,) = _run(model_and_config, "full", [(q, docs, 1)])
   seq = [t for d in docs for t in d] + q

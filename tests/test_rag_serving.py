@@ -18,7 +18,8 @@ def report(tmp_path_factory):
          "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "20",
          "--query-len", "6", "--output-len", "3", "--num-requests", "10",
          "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
-         "--cache-fraction", "1.0", "--modes", "lazy,block,prefix,full",
+         "--cache-fraction", "1.0", "--add-working-pages",
+         "--modes", "lazy,block,prefix,full",
          "--sweep-cache-fractions", "1.0", "--out", str(out),
          "--plot-dir", str(plots), "--no-progress"]
   subprocess.run(cmd, check=True, timeout=900,
