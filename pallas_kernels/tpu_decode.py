@@ -5,8 +5,9 @@ Decode is memory bound: the figure of merit is KV bytes read per second.
     all K KV heads at once (one strided DMA per page and K/V), double
     buffered, so the next block's DMAs overlap this block's compute, and the
     DMA pipeline restarts only once per row.
-  - All G = N / K query heads of a KV head share one [G padded to 8, H]
-    query block; the K heads run one after another on the resident block.
+  - All G = N / K query heads of a KV head share one [Gp, H] query block (G
+    padded to whole sublane tiles); the K heads run one after another on the
+    resident KV block.
   - Only blocks up to the last page with page_pos <= q_pos are visited, and
     inside them only pages that row can see are fetched.
   - Rotation: the wrapper forms R(q_pos) q * sm_scale once; per distinct shift

@@ -81,7 +81,8 @@ CASES = [
          padding_rows=(0,)),
     Case("prefill-f32-T7-32/8-h64-p8-2^20-llama3", 7, 32, 8, 64, 8,
          np.float32, 1 << 20, LLAMA3,
-         TpuPrefillBlockSizes(kv_tokens_per_block=16), max_doc_len=24),
+         TpuPrefillBlockSizes(kv_tokens_per_block=16, max_metadata_bytes=1),
+         max_doc_len=24),  # one row per kernel call
     Case("prefill-bf16-T64-9/3-h128-p16", 64, 9, 3, 128, 16, jnp.bfloat16, 0,
          PLAIN, TpuPrefillBlockSizes(q_tokens_per_block=32,
                                      kv_tokens_per_block=32),
