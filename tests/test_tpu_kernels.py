@@ -166,7 +166,8 @@ def test_blocks_spanning_documents_are_exercised():
                      base_position=case.base_position)
     ppb = case.block_sizes.kv_tokens_per_block // case.page_size
     meta = _page_metadata(lazy.page_table, lazy.page_pos, lazy.page_shift,
-                          lazy.page_len, num_physical_pages=lazy.k_pages.shape[1],
+                          lazy.page_len,
+                          num_physical_pages=lazy.k_pages.shape[1],
                           pages_per_block=ppb)
     assert int(jnp.max(meta["block_num_shifts"])) > 1, case.name
 
