@@ -73,11 +73,21 @@ def param_shapes(config: LlamaConfig) -> dict[str, Any]:
   return shapes
 
 
-def kv_cache_shape(config: LlamaConfig, num_pages: int,
-                   page_size: int) -> tuple[int, int, int, int, int]:
-  """Shape of the K (and V) pool: [L, K, num_pages, page_size, H]."""
-  return (config.num_layers, config.num_kv_heads, num_pages, page_size,
-          config.head_dim)
+KV_LAYOUTS = ("layers_first", "heads_first")
+
+
+def kv_cache_shape(config: LlamaConfig, num_pages: int, page_size: int,
+                   kv_layout: str = "layers_first"
+                   ) -> tuple[int, int, int, int, int]:
+  """Shape of the K (and V) pool: [L, K, num_pages, page_size, H], or
+  [K, L, num_pages, page_size, H] for kv_layout "heads_first"."""
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got "
+                     f"{kv_layout!r}")
+  lead = ((config.num_layers, config.num_kv_heads)
+          if kv_layout == "layers_first" else
+          (config.num_kv_heads, config.num_layers))
+  return lead + (num_pages, page_size, config.head_dim)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -258,67 +268,113 @@ class Llama(nnx.Module):
 
   # --- the paged forward pass -------------------------------------------------
   def __call__(self, tokens, k_cache, v_cache, inputs: PagedAttentionInputs,
-               *, impl: str = "auto", logits_index=None, unroll: int | bool = 1):
+               *, impl: str = "auto", logits_index=None, unroll: int | bool = 1,
+               kv_layout: str = "layers_first"):
     """One step over the paged pool: prefill (T > 1) or decode (T == 1).
 
     Args:
       tokens: int32[B, T] token ids (any id on padding rows).
-      k_cache: [L, K, num_pages, page_size, H] key pool in the compute dtype;
-        keys are stored rotated at their own position (`inputs.q_pos`).
+      k_cache: key pool in the compute dtype, [L, K, num_pages, page_size, H]
+        (kv_layout "layers_first") or [K, L, num_pages, page_size, H]
+        ("heads_first"); keys are stored rotated at their own position
+        (`inputs.q_pos`).  Page ids are per layer, in [0, num_pages).
       v_cache: same shape and dtype, values.
       inputs: page metadata (models/paged_inputs.py).
       impl: attention implementation for `pallas_kernels.lazy_attention`.
       logits_index: optional int32[B]: return only row `logits_index[b]`'s
         logits ([B, V]) instead of every row's ([B, T, V]).
       unroll: layer-scan unroll factor (True unrolls fully).
+      kv_layout: see k_cache.  "heads_first" is zero-copy: the pool is viewed
+        (a free reshape) as one [K, L * num_pages, P, H] page array and layer
+        l uses pages l * num_pages + page, so the attention kernel reads the
+        pool in place.  With "layers_first" every layer passes the slice
+        k_cache[l] to the kernel, and XLA materialises that slice (a copy of
+        the layer's whole pool, every step; measured on an H200).
 
     Returns:
       (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools with
       this step's K/V written at (inputs.write_page, inputs.write_slot).
     """
-    self._check_call(tokens, k_cache, v_cache, inputs, logits_index)
+    if kv_layout not in KV_LAYOUTS:
+      raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got "
+                       f"{kv_layout!r}")
+    self._check_call(tokens, k_cache, v_cache, inputs, logits_index,
+                     kv_layout)
     c = self.config
     rope = c.rope
     num_pages, page_size = k_cache.shape[2], k_cache.shape[3]
-    # Negative indices would wrap in a scatter; move them out of range so that
-    # mode="drop" discards them like any other out-of-range write.
-    write_page = jnp.where(inputs.write_page < 0, num_pages, inputs.write_page)
-    write_slot = jnp.where(inputs.write_slot < 0, page_size, inputs.write_slot)
+    # Writes outside [0, num_pages) x [0, page_size) are dropped.  Point them
+    # past the end explicitly: a scatter would wrap negative indices, and in
+    # the heads_first view an out-of-range page would land in another layer.
+    write_ok = ((inputs.write_page >= 0) & (inputs.write_page < num_pages) &
+                (inputs.write_slot >= 0) & (inputs.write_slot < page_size))
     key_pos = jnp.maximum(inputs.q_pos, 0)
 
-    def attend(layer, q, k, v, pools):
-      k_pool, v_pool = pools
-      k_rot = apply_rope(k, key_pos, rope).astype(k_pool.dtype)
-      # [L, K, P#, S, H].at[l, :, page[B,T], slot[B,T]] selects [B, T, K, H].
-      k_pool = k_pool.at[layer, :, write_page, write_slot].set(k_rot,
-                                                               mode="drop")
-      v_pool = v_pool.at[layer, :, write_page, write_slot].set(
-          v.astype(v_pool.dtype), mode="drop")
-      out = lazy_attention(q, k_pool[layer], v_pool[layer], inputs.page_table,
-                           inputs.page_pos, inputs.page_shift, inputs.page_len,
-                           inputs.q_pos, rope=rope, impl=impl)
-      return out, (k_pool, v_pool)
+    if kv_layout == "layers_first":
+      write_page = jnp.where(write_ok, inputs.write_page, num_pages)
+
+      def attend(layer, q, k, v, pools):
+        k_pool, v_pool = pools
+        k_rot = apply_rope(k, key_pos, rope).astype(k_pool.dtype)
+        # [L, K, N, P, H].at[l, :, page[B,T], slot[B,T]] is [B, T, K, H].
+        k_pool = k_pool.at[layer, :, write_page, inputs.write_slot].set(
+            k_rot, mode="drop")
+        v_pool = v_pool.at[layer, :, write_page, inputs.write_slot].set(
+            v.astype(v_pool.dtype), mode="drop")
+        out = lazy_attention(q, k_pool[layer], v_pool[layer],
+                             inputs.page_table, inputs.page_pos,
+                             inputs.page_shift, inputs.page_len, inputs.q_pos,
+                             rope=rope, impl=impl)
+        return out, (k_pool, v_pool)
+
+      pools = (k_cache, v_cache)
+    else:
+      num_kv_heads, num_layers = k_cache.shape[0], k_cache.shape[1]
+      all_pages = num_layers * num_pages
+      flat_shape = (num_kv_heads, all_pages, page_size, c.head_dim)
+
+      def attend(layer, q, k, v, pools):
+        k_pool, v_pool = pools
+        offset = layer * num_pages
+        page = jnp.where(write_ok, inputs.write_page + offset, all_pages)
+        k_rot = apply_rope(k, key_pos, rope).astype(k_pool.dtype)
+        # [K, L*N, P, H].at[:, page[B,T], slot[B,T]] is [K, B, T, H].
+        k_pool = k_pool.at[:, page, inputs.write_slot].set(
+            jnp.moveaxis(k_rot, 2, 0), mode="drop")
+        v_pool = v_pool.at[:, page, inputs.write_slot].set(
+            jnp.moveaxis(v.astype(v_pool.dtype), 2, 0), mode="drop")
+        out = lazy_attention(q, k_pool, v_pool, inputs.page_table + offset,
+                             inputs.page_pos, inputs.page_shift,
+                             inputs.page_len, inputs.q_pos, rope=rope,
+                             impl=impl)
+        return out, (k_pool, v_pool)
+
+      pools = (k_cache.reshape(flat_shape), v_cache.reshape(flat_shape))
 
     x = self.embed(tokens)
-    x, (k_cache, v_cache) = run_decoder_layers(
-        self.layers.stacked(), x, (k_cache, v_cache), attend, config=c,
-        dtype=self.dtype, unroll=unroll)
+    x, (k_out, v_out) = run_decoder_layers(
+        self.layers.stacked(), x, pools, attend, config=c, dtype=self.dtype,
+        unroll=unroll)
     if logits_index is not None:
       x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
-    return self.output_logits(x), k_cache, v_cache
+    return (self.output_logits(x), k_out.reshape(k_cache.shape),
+            v_out.reshape(v_cache.shape))
 
-  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index):
+  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index,
+                  kv_layout):
     c = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
           f"tokens must be int[B, T], got {tokens.shape} {tokens.dtype}")
-    if k_cache.ndim != 5 or (k_cache.shape[0], k_cache.shape[1],
-                             k_cache.shape[4]) != (c.num_layers,
-                                                   c.num_kv_heads, c.head_dim):
+    lead = ((c.num_layers, c.num_kv_heads) if kv_layout == "layers_first" else
+            (c.num_kv_heads, c.num_layers))
+    if k_cache.ndim != 5 or (k_cache.shape[:2], k_cache.shape[4]) != (
+        lead, c.head_dim):
+      names = "L, K" if kv_layout == "layers_first" else "K, L"
       raise ValueError(
-          "k_cache must be [L, K, num_pages, page_size, H] = "
-          f"[{c.num_layers}, {c.num_kv_heads}, *, *, {c.head_dim}], got "
-          f"{k_cache.shape}")
+          f"k_cache must be [{names}, num_pages, page_size, H] = "
+          f"[{lead[0]}, {lead[1]}, *, *, {c.head_dim}] for kv_layout "
+          f"{kv_layout!r}, got {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
       raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache "
                        f"shape {k_cache.shape}")
@@ -350,11 +406,12 @@ def split_model(model: Llama):
 
 def forward(graphdef, state, tokens, k_cache, v_cache,
             inputs: PagedAttentionInputs, *, impl: str = "auto",
-            logits_index=None, unroll: int | bool = 1):
+            logits_index=None, unroll: int | bool = 1,
+            kv_layout: str = "layers_first"):
   """Pure-function form of `Llama.__call__` for jit (donate k_cache, v_cache)."""
   return nnx.merge(graphdef, state)(tokens, k_cache, v_cache, inputs,
                                     impl=impl, logits_index=logits_index,
-                                    unroll=unroll)
+                                    unroll=unroll, kv_layout=kv_layout)
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, Any], *,
