@@ -134,11 +134,14 @@ def test_small_blocks_interpret(kernel, q_len, block_sizes):
   assert relative_error(out, numpy_truth(lazy, PLAIN)) <= 1e-5
 
 
-def test_page_size_not_power_of_two_interpret():
+@pytest.mark.parametrize("kernel,q_len", [(lazy_decode_gpu, 1),
+                                          (lazy_prefill_gpu, 5)],
+                         ids=["decode", "prefill"])
+def test_page_size_not_power_of_two_interpret(kernel, q_len):
   rng = np.random.default_rng(11)
-  lazy = make_case(rng, batch=2, q_len=5, num_heads=4, num_kv_heads=2,
+  lazy = make_case(rng, batch=2, q_len=q_len, num_heads=4, num_kv_heads=2,
                    head_dim=32, page_size=12, max_doc_len=30)
-  out = _call_kernel(lazy_prefill_gpu, lazy, PLAIN, None, interpret=True)
+  out = _call_kernel(kernel, lazy, PLAIN, None, interpret=True)
   assert relative_error(out, numpy_truth(lazy, PLAIN)) <= 1e-5
 
 
