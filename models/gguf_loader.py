@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF Llama file: config, dequantized weights, tokenizer data.
+"""Load a llama.cpp GGUF Llama: config, dequantized weights, tokenizer data.
 
 Through the `gguf` package (GGUFReader and gguf.quants.dequantize).  Two things
 llama.cpp's converter (convert_hf_to_gguf.py) does to Llama weights are undone
@@ -35,7 +35,7 @@ SUPPORTED_TENSOR_TYPES = (
     gguf.GGMLQuantizationType.Q4_1,
 )
 
-# GGUF per-block tensor name -> (our stacked name, needs transpose to [in, out]).
+# GGUF per-block tensor name -> (our stacked name, transpose to [in, out]?).
 _BLOCK_TENSORS = {
     "attn_norm": ("attn_norm", False),
     "attn_q": ("q_proj", True),
@@ -92,6 +92,19 @@ class GgufMetadata:
   add_space_prefix: bool | None
   chat_template: str | None
   fields: dict[str, Any]
+
+  def key_values(self) -> dict[str, Any]:
+    """Every key/value of the file under its GGUF key, tokenizer arrays
+    included: what `models.tokenizer.LlamaTokenizer.from_gguf_metadata`
+    takes, so a caller of `load_gguf` need not parse the file again."""
+    values = dict(self.fields)
+    for key, value in (("tokenizer.ggml.tokens", self.tokens),
+                       ("tokenizer.ggml.token_type", self.token_types),
+                       ("tokenizer.ggml.merges", self.merges),
+                       ("tokenizer.ggml.scores", self.scores)):
+      if value:
+        values[key] = list(value)
+    return values
 
 
 def _field_value(field) -> Any:
@@ -241,9 +254,10 @@ def _llama3_scaling_from_rope_freqs(freq_divisors: np.ndarray, head_dim: int,
     (low, high), *_ = np.linalg.lstsq(
         a, original_max_position / wavelen[smoothed], rcond=None)
   try:
-    scaling = Llama3RopeScaling(factor=factor, low_freq_factor=float(low),
-                                high_freq_factor=float(high),
-                                original_max_position=int(original_max_position))
+    scaling = Llama3RopeScaling(
+        factor=factor, low_freq_factor=float(low),
+        high_freq_factor=float(high),
+        original_max_position=int(original_max_position))
     config = LlamaConfig(vocab_size=1, hidden_size=head_dim, num_layers=1,
                          num_heads=1, num_kv_heads=1, head_dim=head_dim,
                          intermediate_size=1, rope_theta=theta,

@@ -1,4 +1,4 @@
-"""Flax NNX Llama whose attention runs through the lazy paged-attention contract.
+"""Flax NNX Llama whose attention runs through the lazy attention contract.
 
 Layer weights are stacked along a leading layer axis and the decoder blocks run
 as one `jax.lax.scan`, so a 30-layer model traces and compiles one block, not
@@ -143,7 +143,7 @@ def init_params(key: jax.Array, config: LlamaConfig, param_dtype) -> dict:
 
 
 class DecoderLayers(nnx.Module):
-  """All decoder blocks' weights, stacked along a leading layer axis [L, ...]."""
+  """All decoder blocks' weights, stacked on a leading layer axis [L, ...]."""
 
   def __init__(self, arrays: Mapping[str, jax.Array]):
     for name in LAYER_PARAM_NAMES:
@@ -408,7 +408,7 @@ def forward(graphdef, state, tokens, k_cache, v_cache,
             inputs: PagedAttentionInputs, *, impl: str = "auto",
             logits_index=None, unroll: int | bool = 1,
             kv_layout: str = "layers_first"):
-  """Pure-function form of `Llama.__call__` for jit (donate k_cache, v_cache)."""
+  """Pure-function `Llama.__call__` for jit (donate k_cache and v_cache)."""
   return nnx.merge(graphdef, state)(tokens, k_cache, v_cache, inputs,
                                     impl=impl, logits_index=logits_index,
                                     unroll=unroll, kv_layout=kv_layout)
@@ -439,8 +439,8 @@ def llama_from_params(config: LlamaConfig, params: Mapping[str, Any], *,
         continue
       value = given_tree[name]
       if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"params{prefix}.{name} has shape {tuple(value.shape)},"
-                         f" expected {tuple(shape)}")
+        raise ValueError(f"params{prefix}.{name} has shape "
+                         f"{tuple(value.shape)}, expected {tuple(shape)}")
       if isinstance(value, np.ndarray):
         value = np.asarray(value, param_dtype)  # one host-side conversion
       out[name] = jnp.asarray(value, param_dtype)

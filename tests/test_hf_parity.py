@@ -5,11 +5,10 @@ float32) loading the same file, on a full-attention prompt."""
 import numpy as np
 import pytest
 
-from tests.hf_fixtures import (greedy_generate_paged, hf_greedy, hf_smollm2,
-                               smollm2_gguf_path, smollm2_ours)
-
-# Fixtures imported for pytest; named here so linters see them used.
-__all__ = ["hf_smollm2", "smollm2_gguf_path", "smollm2_ours"]
+# Fixtures are imported so that pytest finds them (smollm2_gguf_path is what
+# the other two depend on).
+from tests.hf_fixtures import (greedy_generate_paged, hf_greedy,  # noqa: F401
+                               hf_smollm2, smollm2_gguf_path, smollm2_ours)
 
 NUM_GREEDY = 32
 PROMPT = [{"role": "user",
@@ -42,6 +41,11 @@ def test_config_read_from_gguf(smollm2_ours):
   assert metadata.tokenizer_model == "gpt2"
   assert len(metadata.tokens) == 49152 and len(metadata.merges) > 40000
   assert "<|im_start|>" in metadata.chat_template
+  # The tokenizer can be built from what load_gguf already read.
+  from models.tokenizer import LlamaTokenizer
+  tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
+  assert tokenizer.encode("The capital of France is") == [504, 3575, 282,
+                                                          4649, 314]
 
 
 def test_full_prompt_logits_and_greedy_tokens_match_hf(

@@ -13,7 +13,6 @@ from models.config import Llama3RopeScaling, LlamaConfig
 from models.dense_reference import causal_mask, dense_forward
 from models.llama import (Llama, forward, kv_cache_shape, llama_from_params,
                           rms_norm, split_model)
-from models.paged_inputs import PagedAttentionInputs
 from pallas_kernels.rope import apply_rope
 from tests.hf_fixtures import contiguous_paged_inputs, greedy_generate_paged
 

@@ -23,7 +23,8 @@ from models.safetensors_loader import config_from_hf, load_safetensors
 Q = gguf.GGMLQuantizationType
 TOKENS = [f"tok{i}" for i in range(256)]
 MERGES = ["t o", "to k"]
-CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>"
+                 "{{ m['content'] }}{% endfor %}")
 
 
 def _rel(a, b):
@@ -229,6 +230,10 @@ def test_gguf_metadata_for_the_tokenizer(tmp_path):
   assert md.chat_template == CHAT_TEMPLATE
   assert md.fields["llama.rope.freq_base"] == pytest.approx(10000.0)
   assert "tokenizer.ggml.tokens" not in md.fields
+  everything = md.key_values()
+  assert everything["tokenizer.ggml.tokens"] == TOKENS
+  assert everything["tokenizer.ggml.merges"] == MERGES
+  assert everything["tokenizer.chat_template"] == CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
@@ -275,7 +280,7 @@ def test_gguf_missing_file_and_wrong_architecture(tmp_path):
     load_gguf(tmp_path / "gpt2.gguf")
 
 
-# --- HF safetensors -------------------------------------------------------------
+# --- HF safetensors ----------------------------------------------------------
 def _hf_model(tied: bool, llama3: bool):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
