@@ -19,16 +19,16 @@ for part in $parts; do
         --engine-impl gpu -k "dense or block_matches" \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$out/engine_tests_gpu.txt" ;;
     smoke)
-      timeout 170 python3 -m benchmarks.rag_serving --model llama3-8b-shape \
+      timeout 150 python3 -m benchmarks.rag_serving --model llama3-8b-shape \
         --num-docs 64 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
         --zipf 0 --concurrency 64 --max-batch 64 --num-requests 64 --modes lazy \
         --cache-fraction 1.0 --add-working-pages --decode-steps 16 --no-progress \
-        --out "$out/smoke_llama3_8b.json" 2>&1 | tail -8 ;;
+        --out "$out/smoke_llama3_8b.json" 2>&1 | grep -v Warning | tail -6 ;;
     paper)
-      timeout ${PAPER_TIMEOUT:-260} python3 -m benchmarks.rag_serving --model llama3-8b-shape \
+      timeout ${PAPER_TIMEOUT:-380} python3 -m benchmarks.rag_serving --model llama3-8b-shape \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
-        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 96 \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
         --cache-fraction 0.3333 --modes ${MODES:-lazy,block,prefix,full} --decode-steps 16 \
-        --no-progress --out "$out/rag_paper_like.json" 2>&1 | tail -8 ;;
+        --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
   esac
 done

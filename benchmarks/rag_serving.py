@@ -269,6 +269,10 @@ def main(argv=None):
   for mode in args.mode_list:
     runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
                          measured, engines))
+    if args.out:  # partial results survive a run cut short
+      with open(args.out + ".partial.jsonl", "a") as f:
+        f.write(json.dumps(dict(header, **runs[-1])) + "\n")
+    print_table(runs[-1:], file=sys.stderr)
   sweeps = dict(rate=[], cache=[])
   for rate in [float(r) for r in args.sweep_rates.split(",") if r]:
     swept = argparse.Namespace(**vars(args))

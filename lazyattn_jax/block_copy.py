@@ -19,7 +19,8 @@ def rerotate_pages(k_cache, v_cache, src_pages, dst_pages, shifts,
   """Copies pages src -> dst in every layer, rotating keys by `shifts`.
 
   Args:
-    k_cache, v_cache: [L, K, num_pages, page_size, H] pools.
+    k_cache, v_cache: [K, L, num_pages, page_size, H] pools (any layout
+      with pages on axis 2).
     src_pages, dst_pages: int32[n]; a dst outside [0, num_pages) is dropped
       (padding entries).
     shifts: int32[n] rotation of each copied page (the document's logical
@@ -27,9 +28,9 @@ def rerotate_pages(k_cache, v_cache, src_pages, dst_pages, shifts,
   Returns:
     (k_cache, v_cache) with the copies written.
   """
-  keys = jnp.moveaxis(k_cache[:, :, src_pages], 2, 0)  # [n, L, K, P, H]
+  keys = jnp.moveaxis(k_cache[:, :, src_pages], 2, 0)  # [n, K, L, P, H]
   keys = apply_rope(keys, shifts, rope).astype(k_cache.dtype)
-  values = v_cache[:, :, src_pages]  # [L, K, n, P, H]
+  values = v_cache[:, :, src_pages]  # [K, L, n, P, H]
   k_cache = k_cache.at[:, :, dst_pages].set(jnp.moveaxis(keys, 0, 2),
                                             mode="drop")
   v_cache = v_cache.at[:, :, dst_pages].set(values, mode="drop")

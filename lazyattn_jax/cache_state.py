@@ -116,8 +116,13 @@ class CacheConfig:
 
   @property
   def pool_shape(self) -> tuple[int, int, int, int, int]:
-    """Shape of `CacheState.k` and `.v`: [L, K, num_pages, page_size, H]."""
-    return (self.num_layers, self.num_kv_heads, self.num_pages,
+    """Shape of `CacheState.k` and `.v`: [K, L, num_pages, page_size, H].
+
+    Heads first, so the model can view a pool as one [K, L * num_pages, P, H]
+    page array (a free reshape) and hand it to the attention kernel in place;
+    with layers first, every layer's slice k[l] would be copied each step.
+    """
+    return (self.num_kv_heads, self.num_layers, self.num_pages,
             self.page_size, self.head_dim)
 
 
@@ -130,8 +135,8 @@ class CacheState:
   transitions; every transition here leaves them untouched.
   """
 
-  k: jax.Array | None  # [L, K, num_pages, page_size, H] keys, rotated at stored angle
-  v: jax.Array | None  # [L, K, num_pages, page_size, H] values
+  k: jax.Array | None  # [K, L, num_pages, page_size, H] keys, rotated at stored angle
+  v: jax.Array | None  # [K, L, num_pages, page_size, H] values
   page_refcount: jax.Array  # int32[num_pages] holders of each page; 0 = free
   doc_key: jax.Array  # int32[max_docs, 2] document_key of each slot
   doc_valid: jax.Array  # bool[max_docs] slot holds a cached document

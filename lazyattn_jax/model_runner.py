@@ -19,6 +19,11 @@ from flax import nnx
 from lazyattn_jax.sampling import sample_tokens
 from models.paged_inputs import PagedAttentionInputs
 
+# The cache pool is heads first ([K, L, N, P, H], CacheConfig.pool_shape), so
+# the model hands the kernels the whole pool in place instead of a per-layer
+# slice that XLA would copy every step.
+KV_LAYOUT = "heads_first"
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"),
                    donate_argnames=("k_cache", "v_cache"))
@@ -26,7 +31,8 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                   sampling, *, graphdef, impl):
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
-                                   impl=impl, logits_index=logits_index)
+                                   impl=impl, logits_index=logits_index,
+                                   kv_layout=KV_LAYOUT)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
                         jnp.zeros_like(seed))
@@ -65,7 +71,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
         write_slot=(written % page_size)[:, None])
     logits, k_cache, v_cache = model(
         tokens[:, None], k_cache, v_cache, inputs, impl=impl,
-        logits_index=jnp.zeros((batch,), jnp.int32))
+        logits_index=jnp.zeros((batch,), jnp.int32), kv_layout=KV_LAYOUT)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
     stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
     generated_after = generated + step_live
