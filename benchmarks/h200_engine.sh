@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Engine runs on the H200 (issues 3 and 5), in one device call:
-#   1. engine parity tests with the Pallas GPU kernels;
-#   2. throughput smoke: Llama-3-8B shape, 64 concurrent requests;
-#   3. the RAG serving comparison at the paper-like load.
-# Usage: bash benchmarks/h200_engine.sh OUTDIR [parts...]  (parts: tests smoke paper)
+#   tests - engine parity tests with the Pallas GPU kernels;
+#   probe - compiled memory of the 8B prefill step, picks the pool carry;
+#   smoke - throughput smoke: Llama-3-8B shape, 64 concurrent requests;
+#   paper - the RAG serving comparison at the paper-like load.
+# Usage: bash benchmarks/h200_engine.sh OUTDIR [parts...]
 set -uo pipefail
 out=${1:-/tmp/out}; shift || true
-parts=${*:-tests smoke paper}
+parts=${*:-tests probe smoke paper}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/device.txt"
+bits=""
+fraction=0.3333
 for part in $parts; do
   echo "== $part $(date +%T)"
   case $part in
@@ -18,17 +21,27 @@ for part in $parts; do
       timeout 150 python3 -m pytest -q -x tests/test_engine.py tests/test_engine_modes.py \
         --engine-impl gpu -k "dense or block_matches" \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$out/engine_tests_gpu.txt" ;;
+    probe)
+      timeout 150 python3 -m benchmarks.memory_probe 2>&1 | grep -v Warning | tee "$out/memory_probe.txt" | tail -6
+      best=$(grep -o 'BEST=[a-z]*' "$out/memory_probe.txt" | cut -d= -f2)
+      copies=$(grep -o 'COPIES=[0-9.]*' "$out/memory_probe.txt" | cut -d= -f2)
+      [ "$best" = bits ] && bits="--pool-as-bits"
+      # 15 GiB of weights + the pool and its copies must fit in ~125 GiB.
+      if [ -n "$copies" ] && python3 -c "import sys; sys.exit(0 if float('$copies') > 1.5 else 1)"; then
+        fraction=0.2
+      fi
+      echo "pool carry: ${best:-native} (${copies:-?} pool copies); paper cache fraction $fraction" ;;
     smoke)
-      timeout 150 python3 -m benchmarks.rag_serving --model llama3-8b-shape \
+      timeout 150 python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 64 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
         --zipf 0 --concurrency 64 --max-batch 64 --num-requests 64 --modes lazy \
-        --cache-fraction 1.0 --add-working-pages --decode-steps 16 --no-progress \
+        --cache-pages 3072 --decode-steps 16 --no-progress \
         --out "$out/smoke_llama3_8b.json" 2>&1 | grep -v Warning | tail -6 ;;
     paper)
-      timeout ${PAPER_TIMEOUT:-380} python3 -m benchmarks.rag_serving --model llama3-8b-shape \
+      timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
         --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
-        --cache-fraction 0.3333 --modes ${MODES:-lazy,block,prefix,full} --decode-steps 16 \
+        --cache-fraction $fraction --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
   esac
 done

@@ -98,7 +98,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
       max_pages_per_doc=max(pages_per_doc, 1))
   return LazyEngine(config, model, cache_config, mode=mode, impl=args.impl,
                     max_batch=args.max_batch, decode_steps=args.decode_steps,
-                    max_prefill_tokens=args.max_prefill_tokens)
+                    max_prefill_tokens=args.max_prefill_tokens,
+                    pool_as_bits=args.pool_as_bits)
 
 
 def run_trace(engine, trace: Trace, args, progress=None):
@@ -228,6 +229,8 @@ def parse_args(argv=None):
   p.add_argument("--out", default="", help="JSON output path")
   p.add_argument("--plot-dir", default="", help="where to write PNG plots")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--pool-as-bits", action="store_true",
+                 help="carry a 16-bit KV pool as uint16 through the layer loop")
   args = p.parse_args(argv)
   modes = [m for m in args.modes.split(",") if m]
   bad = [m for m in modes if m not in MODES]

@@ -186,12 +186,15 @@ class LazyEngine:
     model_id: identifies the weights and tokenizer in document keys.
     max_prefill_tokens: token budget of one prefill call (rows x length).
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
+    pool_as_bits: carry a 16-bit pool through the model's layer loop as uint16
+      bit patterns (avoids XLA widening the KV write scatter to float32).
   """
 
   def __init__(self, config, model, cache_config: CacheConfig, mode: str = "lazy",
                *, impl: str = "auto", max_batch: int = 16,
                decode_steps: int = 8, model_id: str | None = None,
-               max_prefill_tokens: int = 8192, tokenizer=None):
+               max_prefill_tokens: int = 8192, tokenizer=None,
+               pool_as_bits: bool = False):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for field, want in (("num_layers", config.num_layers),
@@ -210,7 +213,7 @@ class LazyEngine:
     self.decode_steps = decode_steps
     self.max_prefill_tokens = max_prefill_tokens
     self.model_id = model_id or f"llama:{hash(config) & 0xFFFFFFFF:08x}"
-    self.runner = ModelRunner(model, impl)
+    self.runner = ModelRunner(model, impl, pool_as_bits)
     self.cache = PagedKVCache(cache_config)
     self.state = init_cache_state(cache_config)
     self.stats = EngineStats()

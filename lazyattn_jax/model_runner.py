@@ -25,24 +25,27 @@ from models.paged_inputs import PagedAttentionInputs
 KV_LAYOUT = "heads_first"
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"),
-                   donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "pool_as_bits"),
+                   donate_argnums=(1, 2))
 def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
-                  sampling, *, graphdef, impl):
+                  sampling, *, graphdef, impl, pool_as_bits=False):
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
                                    impl=impl, logits_index=logits_index,
-                                   kv_layout=KV_LAYOUT)
+                                   kv_layout=KV_LAYOUT,
+                                   pool_as_bits=pool_as_bits)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
                         jnp.zeros_like(seed))
   return logits, first, k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "num_steps"),
-                   donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "impl", "num_steps",
+                                    "pool_as_bits"),
+                   donate_argnums=(1, 2))
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
-                 graphdef, impl, num_steps):
+                 graphdef, impl, num_steps, pool_as_bits=False):
   model = nnx.merge(graphdef, params)
   page_table, page_pos, page_shift, doc_page_len, private_start = pages
   temperature, top_k, top_p, seed = sampling
@@ -71,7 +74,8 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
         write_slot=(written % page_size)[:, None])
     logits, k_cache, v_cache = model(
         tokens[:, None], k_cache, v_cache, inputs, impl=impl,
-        logits_index=jnp.zeros((batch,), jnp.int32), kv_layout=KV_LAYOUT)
+        logits_index=jnp.zeros((batch,), jnp.int32), kv_layout=KV_LAYOUT,
+        pool_as_bits=pool_as_bits)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
     stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
     generated_after = generated + step_live
@@ -95,11 +99,13 @@ class ModelRunner:
   Args:
     model: a `models.llama.Llama` module.
     impl: attention implementation passed to `pallas_kernels.lazy_attention`.
+    pool_as_bits: carry 16-bit pools through the layer scan as uint16.
   """
 
-  def __init__(self, model, impl: str):
+  def __init__(self, model, impl: str, pool_as_bits: bool = False):
     self.graphdef, self.params = nnx.split(model)
     self.impl = impl
+    self.pool_as_bits = pool_as_bits
     self._programs: set = set()
 
   @property
@@ -127,7 +133,7 @@ class ModelRunner:
     self._note("prefill", k_cache, tokens, inputs)
     return _prefill_step(self.params, k_cache, v_cache, tokens, inputs,
                          logits_index, sampling, graphdef=self.graphdef,
-                         impl=self.impl)
+                         impl=self.impl, pool_as_bits=self.pool_as_bits)
 
   def decode(self, k_cache, v_cache, carry, pages, sampling, limits,
              num_steps: int):
@@ -144,4 +150,4 @@ class ModelRunner:
     self._note("decode", k_cache, pages, limits, num_steps=num_steps)
     return _decode_loop(self.params, k_cache, v_cache, carry, pages, sampling,
                         limits, graphdef=self.graphdef, impl=self.impl,
-                        num_steps=num_steps)
+                        num_steps=num_steps, pool_as_bits=self.pool_as_bits)

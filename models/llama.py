@@ -269,7 +269,7 @@ class Llama(nnx.Module):
   # --- the paged forward pass -------------------------------------------------
   def __call__(self, tokens, k_cache, v_cache, inputs: PagedAttentionInputs,
                *, impl: str = "auto", logits_index=None, unroll: int | bool = 1,
-               kv_layout: str = "layers_first"):
+               kv_layout: str = "layers_first", pool_as_bits: bool = False):
     """One step over the paged pool: prefill (T > 1) or decode (T == 1).
 
     Args:
@@ -284,6 +284,8 @@ class Llama(nnx.Module):
       logits_index: optional int32[B]: return only row `logits_index[b]`'s
         logits ([B, V]) instead of every row's ([B, T, V]).
       unroll: layer-scan unroll factor (True unrolls fully).
+      pool_as_bits: with kv_layout "heads_first", carry 16-bit pools through
+        the layer scan as uint16 (see the comment in the code).
       kv_layout: see k_cache.  "heads_first" is zero-copy: the pool is viewed
         (a free reshape) as one [K, L * num_pages, P, H] page array and layer
         l uses pages l * num_pages + page, so the attention kernel reads the
@@ -331,25 +333,45 @@ class Llama(nnx.Module):
     else:
       num_kv_heads, num_layers = k_cache.shape[0], k_cache.shape[1]
       all_pages = num_layers * num_pages
-      flat_shape = (num_kv_heads, all_pages, page_size, c.head_dim)
+      all_rows = all_pages * page_size
+      page_shape = (num_kv_heads, all_pages, page_size, c.head_dim)
+      # The scan carries each pool as [K, L*N*P, H] token rows, so a step's
+      # writes are a plain row scatter (one index per token).  A scatter
+      # into [K, L*N, P, H] by (page, slot) gave XLA GPU room to pick another
+      # layout for the carried pool and copy it around the kernel call.
+      row_shape = (num_kv_heads, all_rows, c.head_dim)
+      # pool_as_bits: 16-bit float pools travel as their uint16 bit patterns.
+      # XLA may widen a 16-bit float scatter to float32 (on CPU it does: four
+      # pool-sized temporaries per step); an integer row scatter does not,
+      # at the price of bitcasts XLA may or may not fold.
+      pool_dtype = k_cache.dtype
+      carried = (jnp.uint16 if pool_as_bits and
+                 jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
+      to_carry = lambda x: jax.lax.bitcast_convert_type(x, carried)
+      to_pool = lambda x: jax.lax.bitcast_convert_type(x, pool_dtype)
 
       def attend(layer, q, k, v, pools):
         k_pool, v_pool = pools
         offset = layer * num_pages
-        page = jnp.where(write_ok, inputs.write_page + offset, all_pages)
-        k_rot = apply_rope(k, key_pos, rope).astype(k_pool.dtype)
-        # [K, L*N, P, H].at[:, page[B,T], slot[B,T]] is [K, B, T, H].
-        k_pool = k_pool.at[:, page, inputs.write_slot].set(
-            jnp.moveaxis(k_rot, 2, 0), mode="drop")
-        v_pool = v_pool.at[:, page, inputs.write_slot].set(
-            jnp.moveaxis(v.astype(v_pool.dtype), 2, 0), mode="drop")
-        out = lazy_attention(q, k_pool, v_pool, inputs.page_table + offset,
-                             inputs.page_pos, inputs.page_shift,
-                             inputs.page_len, inputs.q_pos, rope=rope,
-                             impl=impl)
+        rows = jnp.where(write_ok,
+                         (inputs.write_page + offset) * page_size +
+                         inputs.write_slot, all_rows).reshape(-1)
+        k_rot = apply_rope(k, key_pos, rope).astype(pool_dtype)
+        # [B, T, K, H] -> [K, B*T, H], one row per written token.
+        k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(num_kv_heads, -1, c.head_dim)
+        v_rows = jnp.moveaxis(v.astype(pool_dtype), 2, 0).reshape(
+            num_kv_heads, -1, c.head_dim)
+        k_pool = k_pool.at[:, rows].set(to_carry(k_rows), mode="drop")
+        v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
+        out = lazy_attention(q, to_pool(k_pool).reshape(page_shape),
+                             to_pool(v_pool).reshape(page_shape),
+                             inputs.page_table + offset, inputs.page_pos,
+                             inputs.page_shift, inputs.page_len, inputs.q_pos,
+                             rope=rope, impl=impl)
         return out, (k_pool, v_pool)
 
-      pools = (k_cache.reshape(flat_shape), v_cache.reshape(flat_shape))
+      pools = (to_carry(k_cache.reshape(row_shape)),
+               to_carry(v_cache.reshape(row_shape)))
 
     x = self.embed(tokens)
     x, (k_out, v_out) = run_decoder_layers(
@@ -357,6 +379,8 @@ class Llama(nnx.Module):
         unroll=unroll)
     if logits_index is not None:
       x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
+    if kv_layout != "layers_first":
+      k_out, v_out = to_pool(k_out), to_pool(v_out)
     return (self.output_logits(x), k_out.reshape(k_cache.shape),
             v_out.reshape(v_cache.shape))
 
