@@ -9,9 +9,11 @@ set -uo pipefail
 out=${1:-/tmp/out}; shift || true
 parts=${*:-tests probe smoke paper}
 export PYTHONUNBUFFERED=1
+# JAX takes 75% of the GPU by default; the pool is most of the rest.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.93}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/device.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 bits=""
 fraction=0.3333
 for part in $parts; do
@@ -43,5 +45,18 @@ for part in $parts; do
         --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
         --cache-fraction $fraction --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
+    rates)
+      timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
+        --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
+        --zipf 1.1 --max-batch 32 --num-requests 48 --skip-base --sweep-rates ${RATES:-2,8} \
+        --cache-fraction $fraction --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
+        --no-progress --out "$out/rag_rates.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;
+    budget)
+      timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
+        --num-docs 500 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 48 --skip-base \
+        --sweep-cache-fractions ${FRACTIONS:-0.05,0.33,1.0} \
+        --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
+        --no-progress --out "$out/rag_budget.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;
   esac
 done

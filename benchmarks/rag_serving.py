@@ -165,14 +165,19 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
       **extra)
 
 
-def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
-             compiled_engines):
+def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured):
+  """One mode on a fresh engine and pool (compiled programs are shared by
+  every engine on the model, so a new engine does not recompile); the pool is
+  freed before returning, so modes never hold two pools at once."""
   from tqdm import tqdm
-  engine = compiled_engines.get(mode)
-  if engine is None or engine.cache_config.num_pages != cache_pages:
-    engine = make_engine(args, config, model, dtype, mode, cache_pages)
-    compiled_engines[mode] = engine
-  engine.reset_cache()
+  engine = make_engine(args, config, model, dtype, mode, cache_pages)
+  try:
+    return _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm)
+  finally:
+    engine.close()
+
+
+def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm):
   if warm.requests:
     run_trace(engine, warm, args)
     engine.reset_cache()
@@ -226,6 +231,8 @@ def parse_args(argv=None):
                  help="comma-separated Poisson rates for the TTFT-vs-rate plot")
   p.add_argument("--sweep-cache-fractions", default="",
                  help="comma-separated corpus fractions for throughput vs budget")
+  p.add_argument("--skip-base", action="store_true",
+                 help="run only the sweeps")
   p.add_argument("--out", default="", help="JSON output path")
   p.add_argument("--plot-dir", default="", help="where to write PNG plots")
   p.add_argument("--no-progress", action="store_true")
@@ -263,19 +270,21 @@ def main(argv=None):
   warm = (measured if args.warmup_requests < 0 else
           make_trace(args, config.vocab_size, args.warmup_requests, args.seed + 1))
   base_pages = args.cache_pages or cache_pages_for(args, args.cache_fraction)
-  engines: dict = {}
   header = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d"), model=args.model,
                 command="python -m benchmarks.rag_serving " +
                 " ".join(argv if argv is not None else sys.argv[1:]))
-  runs = []
-  for mode in args.mode_list:
-    runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
-                         measured, engines))
+  def record(row, kind):
     if args.out:  # partial results survive a run cut short
       with open(args.out + ".partial.jsonl", "a") as f:
-        f.write(json.dumps(dict(header, **runs[-1])) + "\n")
-    print_table(runs[-1:], file=sys.stderr)
+        f.write(json.dumps(dict(header, kind=kind, **row)) + "\n")
+    print_table([row], file=sys.stderr)
+
+  runs = []
+  for mode in ([] if args.skip_base else args.mode_list):
+    runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
+                         measured))
+    record(runs[-1], "base")
   sweeps = dict(rate=[], cache=[])
   for rate in [float(r) for r in args.sweep_rates.split(",") if r]:
     swept = argparse.Namespace(**vars(args))
@@ -283,14 +292,16 @@ def main(argv=None):
     trace = make_trace(swept, config.vocab_size, args.num_requests, args.seed + 2)
     for mode in args.mode_list:
       sweeps["rate"].append(run_mode(swept, config, model, dtype, mode,
-                                     base_pages, warm, trace, engines))
+                                     base_pages, warm if args.warmup_requests >= 0
+                                     else trace, trace))
+      record(sweeps["rate"][-1], "rate")
   for fraction in [float(f) for f in args.sweep_cache_fractions.split(",") if f]:
     pages = cache_pages_for(args, fraction)
     for mode in args.mode_list:
-      row = run_mode(args, config, model, dtype, mode, pages, warm, measured,
-                     engines)
+      row = run_mode(args, config, model, dtype, mode, pages, warm, measured)
       row["cache_fraction"] = fraction
       sweeps["cache"].append(row)
+      record(row, "cache")
   report = dict(header, args={k: v for k, v in vars(args).items()
                               if k != "mode_list"},
                 runs=runs, sweeps=sweeps)

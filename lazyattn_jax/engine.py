@@ -322,8 +322,22 @@ class LazyEngine:
     """
     if self.has_work():
       raise RuntimeError("reset_cache() while requests are in flight")
+    self._free_pool()  # before allocating the new one: two pools may not fit
     self.state = init_cache_state(self.cache_config)
     self.stats = EngineStats()
+
+  def close(self):
+    """Frees the KV pool now (the engine cannot be used afterwards)."""
+    self._waiting.clear()
+    self._live.clear()
+    self._free_pool()
+
+  def _free_pool(self):
+    state, self.state = self.state, None
+    if state is not None:
+      for buffer in (state.k, state.v):
+        if buffer is not None and not buffer.is_deleted():
+          buffer.delete()
 
   def has_work(self) -> bool:
     return bool(self._waiting or self._live)
