@@ -30,6 +30,16 @@ def hf_lazy_greedy(model, documents, query, steps):
   import torch
   prompt = [t for d in documents for t in d] + list(query)
   lengths = [len(d) for d in documents]
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)  # small matmuls: threads only contend (2-core CI)
+  try:
+    return _greedy_loop(model, prompt, lengths, steps)
+  finally:
+    torch.set_num_threads(threads)
+
+
+def _greedy_loop(model, prompt, lengths, steps):
+  import torch
   tokens, first = [], None
   with torch.no_grad():
     for _ in range(steps):
