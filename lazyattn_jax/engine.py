@@ -258,8 +258,9 @@ class LazyEngine:
       model_id = f"hf:{os.path.abspath(path)}"
     else:
       from models.gguf_loader import load_gguf
-      config, model, _ = load_gguf(path, dtype=jdtype, progress=progress)
-      tokenizer = LlamaTokenizer.from_gguf(path)
+      config, model, metadata = load_gguf(path, dtype=jdtype, progress=progress)
+      # From the metadata already read: parsing the file again costs seconds.
+      tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
       model_id = f"gguf:{path.name}:{path.stat().st_size}"
     if cache_config is None:
       max_doc_pages = max(1, min(num_pages // 2, config.max_position // page_size))
