@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.llama import Llama, run_decoder_layers
+from pallas_kernels.masked_softmax import masked_softmax
 from pallas_kernels.rope import apply_rope
 
 
@@ -45,12 +46,7 @@ def dense_attention(q, k, v, positions, mask, rope, dtype):
   scores = jnp.einsum("btkgh,bskh->bkgts", q_rot, k_rot, precision=precision,
                       preferred_element_type=jnp.float32) * (head_dim ** -0.5)
   visible = mask[:, None, None, :, :]
-  scores = jnp.where(visible, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
-  denom = jnp.sum(weights, axis=-1, keepdims=True)
-  weights = weights / jnp.where(denom > 0, denom, 1.0)
+  weights = masked_softmax(scores, visible)
   out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v,
                    precision=precision, preferred_element_type=jnp.float32)
   return out.reshape(batch, q_len, num_heads, head_dim).astype(dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.masked_softmax import masked_softmax
 from pallas_kernels.rope import RopeConfig, cos_sin_from_chunks, rotate_half
 
 
@@ -68,12 +69,7 @@ def lazy_attention_reference(q, k_pages, v_pages, page_table, page_pos,
              (q_pos[:, :, None, None] >= 0))  # [B, T, M, Sp]
   visible = visible.reshape(batch, q_len, 1, 1, -1)
 
-  scores = jnp.where(visible, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
-  denom = jnp.sum(weights, axis=-1, keepdims=True)
-  weights = weights / jnp.where(denom > 0, denom, 1.0)
+  weights = masked_softmax(scores, visible)
   # Padding slots may hold garbage (even NaN): zero them so 0 * NaN cannot leak.
   v = jnp.where(slot_valid.reshape(batch, -1)[:, :, None, None], v, 0.0)
   out = jnp.einsum("btkgs,bskh->btkgh", weights, v,

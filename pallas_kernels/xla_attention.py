@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.masked_softmax import masked_softmax
 from pallas_kernels.rope import RopeConfig, apply_rope
 
 
@@ -52,12 +53,7 @@ def lazy_attention_xla(q, k_pages, v_pages, page_table, page_pos, page_shift,
   visible = (slot_valid[:, None, :] &
              (slot_pos[:, None, :] <= q_pos[:, :, None]) &
              (q_pos[:, :, None] >= 0))[:, :, None, None, :]  # [B,T,1,1,S]
-  scores = jnp.where(visible, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
-  denom = jnp.sum(weights, axis=-1, keepdims=True)
+  weights = masked_softmax(scores, visible)
   out = jnp.einsum("btkgs,bskh->btkgh", weights.astype(v.dtype), v,
                    precision=precision, preferred_element_type=jnp.float32)
-  out = out / jnp.where(denom > 0, denom, 1.0)
   return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
