@@ -1,6 +1,8 @@
 """lazyattn_jax: position-agnostic, zero-copy KV reuse for RAG (DESIGN.md).
 
-The cache manager (DESIGN.md section 3) is a functional pytree, `CacheState`,
+The user-facing engine is `LazyEngine` (`LazyEngine.from_pretrained(...)`,
+`generate`, `generate_batch`, `generate_stream`) with `SamplingParams` and
+`Request`.  The cache manager (DESIGN.md section 3) is a functional pytree, `CacheState`,
 with pure jit-compatible transitions in `lazyattn_jax.cache_state` and a
 host-side admission layer, `PagedKVCache`, in `lazyattn_jax.paged_cache`.
 """
@@ -27,9 +29,15 @@ from lazyattn_jax.errors import (
     InvalidRequestError,
     LazyAttnError,
 )
+from lazyattn_jax.engine import GenerationResult, LazyEngine, Request
 from lazyattn_jax.paged_cache import Admission, PagedKVCache
+from lazyattn_jax.sampling import SamplingParams
 
 __all__ = [
+    "GenerationResult",
+    "LazyEngine",
+    "Request",
+    "SamplingParams",
     "Admission",
     "CacheCapacityError",
     "CacheConfig",
