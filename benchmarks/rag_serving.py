@@ -99,7 +99,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
   return LazyEngine(config, model, cache_config, mode=mode, impl=args.impl,
                     max_batch=args.max_batch, decode_steps=args.decode_steps,
                     max_prefill_tokens=args.max_prefill_tokens,
-                    pool_as_bits=args.pool_as_bits)
+                    pool_as_bits=args.pool_as_bits,
+                    decode_layer_unroll=(True if args.decode_unroll else 1))
 
 
 def run_trace(engine, trace: Trace, args, progress=None):
@@ -236,6 +237,8 @@ def parse_args(argv=None):
   p.add_argument("--out", default="", help="JSON output path")
   p.add_argument("--plot-dir", default="", help="where to write PNG plots")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--decode-unroll", action="store_true",
+                 help="fully unroll the layer loop in decode steps")
   p.add_argument("--pool-as-bits", action="store_true",
                  help="carry a 16-bit KV pool as uint16 through the layer loop")
   args = p.parse_args(argv)

@@ -188,13 +188,16 @@ class LazyEngine:
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
     pool_as_bits: carry a 16-bit pool through the model's layer loop as uint16
       bit patterns (avoids XLA widening the KV write scatter to float32).
+    decode_layer_unroll: unroll factor of the model's layer loop inside the
+      decode loop (True: fully unrolled; faster steps, longer compiles).
   """
 
   def __init__(self, config, model, cache_config: CacheConfig, mode: str = "lazy",
                *, impl: str = "auto", max_batch: int = 16,
                decode_steps: int = 8, model_id: str | None = None,
                max_prefill_tokens: int = 8192, tokenizer=None,
-               pool_as_bits: bool = False):
+               pool_as_bits: bool = False,
+               decode_layer_unroll: int | bool = 1):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for field, want in (("num_layers", config.num_layers),
@@ -213,7 +216,7 @@ class LazyEngine:
     self.decode_steps = decode_steps
     self.max_prefill_tokens = max_prefill_tokens
     self.model_id = model_id or f"llama:{hash(config) & 0xFFFFFFFF:08x}"
-    self.runner = ModelRunner(model, impl, pool_as_bits)
+    self.runner = ModelRunner(model, impl, pool_as_bits, decode_layer_unroll)
     self.cache = PagedKVCache(cache_config)
     self.state = init_cache_state(cache_config)
     self.stats = EngineStats()

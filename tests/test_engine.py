@@ -29,7 +29,7 @@ def model_and_config(engine_impl):
 
 
 def make_engine(model_and_config, *, num_pages=96, max_batch=4,
-                decode_steps=4, mode="lazy"):
+                decode_steps=4, mode="lazy", **engine_kwargs):
   model, config, impl = model_and_config
   cache_config = CacheConfig(num_pages=num_pages, page_size=PAGE,
                              num_layers=config.num_layers,
@@ -37,7 +37,8 @@ def make_engine(model_and_config, *, num_pages=96, max_batch=4,
                              head_dim=config.head_dim, dtype="float32",
                              max_docs=32, max_pages_per_doc=16)
   return LazyEngine(config, model, cache_config, mode=mode, impl=impl,
-                    max_batch=max_batch, decode_steps=decode_steps)
+                    max_batch=max_batch, decode_steps=decode_steps,
+                    **engine_kwargs)
 
 
 def random_tokens(rng, n, vocab):
@@ -271,3 +272,14 @@ def test_request_larger_than_pool_is_refused_at_admission(model_and_config):
   with pytest.raises(CacheCapacityError, match="pages"):
     engine.generate(random_tokens(rng, 4, config.vocab_size), docs, greedy(4))
   assert not engine.has_work()
+
+
+def test_unrolled_decode_layers_give_the_same_tokens(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(9)
+  docs = [random_tokens(rng, 7, config.vocab_size)]
+  query = random_tokens(rng, 5, config.vocab_size)
+  scanned = make_engine(model_and_config).generate(query, docs, greedy(6))
+  unrolled = make_engine(model_and_config, decode_layer_unroll=True).generate(
+      query, docs, greedy(6))
+  assert unrolled.token_ids == scanned.token_ids
