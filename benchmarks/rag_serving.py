@@ -100,7 +100,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
                     max_batch=args.max_batch, decode_steps=args.decode_steps,
                     max_prefill_tokens=args.max_prefill_tokens,
                     pool_as_bits=args.pool_as_bits,
-                    decode_layer_unroll=(True if args.decode_unroll else 1))
+                    decode_layer_unroll=(True if args.decode_unroll else 1),
+                    prefill_tokens_per_step=args.prefill_tokens_per_step or None)
 
 
 def run_trace(engine, trace: Trace, args, progress=None):
@@ -237,6 +238,9 @@ def parse_args(argv=None):
   p.add_argument("--out", default="", help="JSON output path")
   p.add_argument("--plot-dir", default="", help="where to write PNG plots")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--prefill-tokens-per-step", type=int, default=0,
+                 help="admission budget of prefill tokens per scheduling "
+                      "step (0 = admit all that fit)")
   p.add_argument("--decode-unroll", action="store_true",
                  help="fully unroll the layer loop in decode steps")
   p.add_argument("--pool-as-bits", action="store_true",

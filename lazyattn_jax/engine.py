@@ -190,6 +190,10 @@ class LazyEngine:
       bit patterns (avoids XLA widening the KV write scatter to float32).
     decode_layer_unroll: unroll factor of the model's layer loop inside the
       decode loop (True: fully unrolled; faster steps, longer compiles).
+    prefill_tokens_per_step: stop admitting new requests in a scheduling
+      step once their prefill work (missing documents plus own tokens)
+      reaches this many tokens, so a burst of arrivals is prefilled over
+      several steps with decode loops in between (None: admit all that fit).
   """
 
   def __init__(self, config, model, cache_config: CacheConfig, mode: str = "lazy",
@@ -197,7 +201,8 @@ class LazyEngine:
                decode_steps: int = 8, model_id: str | None = None,
                max_prefill_tokens: int = 8192, tokenizer=None,
                pool_as_bits: bool = False,
-               decode_layer_unroll: int | bool = 1):
+               decode_layer_unroll: int | bool = 1,
+               prefill_tokens_per_step: int | None = None):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for field, want in (("num_layers", config.num_layers),
@@ -215,6 +220,9 @@ class LazyEngine:
     self.max_batch = max_batch
     self.decode_steps = decode_steps
     self.max_prefill_tokens = max_prefill_tokens
+    if prefill_tokens_per_step is not None and prefill_tokens_per_step < 1:
+      raise ValueError("prefill_tokens_per_step must be >= 1 or None")
+    self.prefill_tokens_per_step = prefill_tokens_per_step
     self.model_id = model_id or f"llama:{hash(config) & 0xFFFFFFFF:08x}"
     self.runner = ModelRunner(model, impl, pool_as_bits, decode_layer_unroll)
     self.cache = PagedKVCache(cache_config)
@@ -578,7 +586,11 @@ class LazyEngine:
 
   def _admit_waiting(self) -> list[_Live]:
     new: list[_Live] = []
+    round_tokens = 0
     while self._waiting and len(self._live) + len(new) < self.max_batch:
+      if (self.prefill_tokens_per_step is not None and new and
+          round_tokens >= self.prefill_tokens_per_step):
+        break  # the rest waits for the next step; decode keeps flowing
       request_id, request, submitted = self._waiting[0]
       keys, lengths, private_tokens = self._cache_request(request)
       try:
@@ -601,6 +613,7 @@ class LazyEngine:
                        stop_ids=stop_ids,
                        prefill_tokens=missing_tokens + len(layout["prefill"].tokens),
                        **layout))
+      round_tokens += new[-1].prefill_tokens
     return new
 
   # --- prefill -----------------------------------------------------------------

@@ -283,3 +283,23 @@ def test_unrolled_decode_layers_give_the_same_tokens(model_and_config):
   unrolled = make_engine(model_and_config, decode_layer_unroll=True).generate(
       query, docs, greedy(6))
   assert unrolled.token_ids == scanned.token_ids
+
+
+def test_prefill_budget_spreads_a_burst_over_steps(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(10)
+  requests = [Request(tuple(random_tokens(rng, 6, config.vocab_size)),
+                      (tuple(random_tokens(rng, 12, config.vocab_size)),),
+                      greedy(4)) for _ in range(4)]
+  engine = make_engine(model_and_config, prefill_tokens_per_step=20)
+  ids = [engine.submit(r.query, r.documents, r.sampling) for r in requests]
+  results = {r.request_id: r for r in engine.step()}
+  # 18 prefill tokens per request: the budget of 20 admits two per step.
+  assert len(engine._waiting) == 2
+  while engine.has_work():
+    for r in engine.step():
+      results[r.request_id] = r
+  alone = make_engine(model_and_config)
+  for request_id, r in zip(ids, requests):
+    assert results[request_id].token_ids == alone.generate(
+        r.query, r.documents, r.sampling).token_ids
