@@ -3,7 +3,10 @@
 #   tests - engine parity tests with the Pallas GPU kernels;
 #   probe - compiled memory of the 8B prefill step, picks the pool carry;
 #   smoke - throughput smoke: Llama-3-8B shape, 64 concurrent requests;
-#   paper - the RAG serving comparison at the paper-like load.
+#   paper - the RAG serving comparison at the paper-like load;
+#   tuned - the same with decode layers unrolled and a prefill budget per
+#           scheduling step (not yet measured);
+#   rates, budget - the TTFT-vs-rate and throughput-vs-budget sweeps.
 # Usage: bash benchmarks/h200_engine.sh OUTDIR [parts...]
 set -uo pipefail
 out=${1:-/tmp/out}; shift || true
@@ -45,6 +48,13 @@ for part in $parts; do
         --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
         --cache-fraction $fraction --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
+    tuned)
+      timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
+        --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
+        --cache-fraction $fraction --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
+        --decode-unroll --prefill-tokens-per-step ${PREFILL_BUDGET:-8192} \
+        --no-progress --out "$out/rag_paper_like_tuned.json" 2>&1 | grep -v Warning | tail -30 ;;
     rates)
       timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
