@@ -59,7 +59,6 @@ def make_trace(args, vocab_size: int, num_requests: int, seed: int) -> Trace:
 
 def build_model(args):
   """Returns (config, model, dtype name)."""
-  import jax
   import jax.numpy as jnp
   from flax import nnx
   from models.config import LlamaConfig

@@ -8,7 +8,6 @@ pages, then attends with shift 0.  This is the cost that `lazy` avoids.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.rope import RopeConfig, apply_rope

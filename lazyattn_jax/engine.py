@@ -24,10 +24,9 @@ number of programs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,7 +15,7 @@ from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
 from lazyattn_jax.sampling import SamplingParams
 from models.config import LlamaConfig
 from models.llama import Llama
-from tests.engine_helpers import dense_greedy, dense_lazy_logits
+from tests.engine_helpers import dense_greedy
 
 PAGE = 4
 

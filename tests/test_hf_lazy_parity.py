@@ -8,7 +8,6 @@ and places it by page shifts.  Both load the same SmolLM2 GGUF in float32.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from tests.engine_helpers import block_diagonal_mask
 from tests.hf_fixtures import hf_smollm2, smollm2_gguf_path  # noqa: F401
