@@ -340,34 +340,35 @@ def plot(report, plot_dir):
   import matplotlib.pyplot as plt
   os.makedirs(plot_dir, exist_ok=True)
   title = f"{report['model']} on {report['device']} (jax {report['jax']}, {report['date']})"
-  if report["sweeps"]["rate"]:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in sorted({r["mode"] for r in report["sweeps"]["rate"]}):
-      rows = sorted((r for r in report["sweeps"]["rate"] if r["mode"] == mode),
-                    key=lambda r: r["rate"])
-      ax.plot([r["rate"] for r in rows], [r["ttft_p50_s"] for r in rows],
-              marker="o", label=mode)
-    ax.set_xlabel("arrival rate (requests/s)")
-    ax.set_ylabel("TTFT p50 (s)")
-    ax.set_yscale("log")
-    ax.set_title(title, fontsize=8)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(plot_dir, "ttft_vs_rate.png"), dpi=120)
-  if report["sweeps"]["cache"]:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in sorted({r["mode"] for r in report["sweeps"]["cache"]}):
-      rows = sorted((r for r in report["sweeps"]["cache"] if r["mode"] == mode),
-                    key=lambda r: r["cache_fraction"])
-      ax.plot([100 * r["cache_fraction"] for r in rows],
-              [r["throughput_tok_s"] for r in rows], marker="o", label=mode)
-    ax.set_xlabel("document cache budget (% of corpus)")
-    ax.set_ylabel("throughput (generated tokens/s)")
-    ax.set_title(title, fontsize=8)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(plot_dir, "throughput_vs_cache.png"), dpi=120)
+  rate_rows, cache_rows = report["sweeps"]["rate"], report["sweeps"]["cache"]
+  if rate_rows:
+    _line_plot(plt, rate_rows, lambda r: r["rate"], "ttft_p50_s",
+               "arrival rate (requests/s)", "TTFT p50 (s)", title,
+               os.path.join(plot_dir, "ttft_vs_rate.png"), log_y=True)
+  if cache_rows:
+    _line_plot(plt, cache_rows, lambda r: 100 * r["cache_fraction"],
+               "throughput_tok_s", "document cache budget (% of corpus)",
+               "throughput (generated tokens/s)", title,
+               os.path.join(plot_dir, "throughput_vs_cache.png"))
 
+
+def _line_plot(plt, rows, x_of, y_key, x_label, y_label, title, path,
+               log_y=False):
+  """One line per mode of rows[y_key] against x_of(row), saved as a PNG."""
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for mode in sorted({r["mode"] for r in rows}):
+    line = sorted((r for r in rows if r["mode"] == mode), key=x_of)
+    ax.plot([x_of(r) for r in line], [r[y_key] for r in line], marker="o",
+            label=mode)
+  ax.set_xlabel(x_label)
+  ax.set_ylabel(y_label)
+  if log_y:
+    ax.set_yscale("log")
+  ax.set_title(title, fontsize=8)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 if __name__ == "__main__":
   main()
