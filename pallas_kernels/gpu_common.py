@@ -206,11 +206,19 @@ def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
         batch, num_kv_heads, num_rows, head_dim)
     return jnp.pad(x, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
 
+  return to_rows(q_rot), grouped_row_positions(q_pos, group, rows_multiple)
+
+
+def grouped_row_positions(q_pos, group, rows_multiple):
+  """int32 [B, R_pad]: q_pos of each grouped query row (see
+  grouped_query_rows), PADDING_ROW for padding rows."""
+  batch, q_len = q_pos.shape
+  num_rows = q_len * group
+  padded_rows = -(-num_rows // rows_multiple) * rows_multiple
   row_pos = jnp.where(q_pos >= 0, q_pos, PADDING_ROW)
   row_pos = jnp.repeat(row_pos, group, axis=1)
-  row_pos = jnp.pad(row_pos, ((0, 0), (0, padded_rows - num_rows)),
-                    constant_values=PADDING_ROW)
-  return to_rows(q_rot), row_pos
+  return jnp.pad(row_pos, ((0, 0), (0, padded_rows - num_rows)),
+                 constant_values=PADDING_ROW)
 
 
 def rows_to_heads(out, q_len, group):

@@ -2,7 +2,9 @@
 
 Validates shapes and dtypes at trace time, then dispatches to one of:
   "xla" - pure XLA (pallas_kernels/xla_attention.py), the CPU path;
-  "gpu" - Pallas/Triton decode (T == 1) and prefill (T > 1) kernels;
+  "gpu" - Pallas decode (T == 1, Triton lowering) and prefill (T > 1)
+          kernels; prefill runs the Mosaic GPU (TMA + wgmma) kernel on Hopper
+          for 16-bit inputs it supports, the Triton kernel otherwise;
   "tpu" - Pallas/Mosaic TPU decode and prefill kernels;
   "auto" - by jax.default_backend().
 """
@@ -101,13 +103,40 @@ def check_lazy_attention_values(k_pages, page_table, page_pos, page_shift,
           f"{name} magnitude must stay below {MAX_ROPE_POSITION // 2}")
 
 
+def _mosaic_gpu_target() -> bool:
+  """Whether GPU code should target Hopper (wgmma): the local GPU is compute
+  capability 9.x, or there is no local GPU (lowering for export, where
+  Hopper is the GPU this library tunes for)."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return True
+  capability = str(getattr(devices[0], "compute_capability", ""))
+  return capability.split(".")[0] == "9"
+
+
+def _gpu_prefill_kernel(q, k_pages, interpret: bool) -> str:
+  """"mosaic" where the Hopper prefill kernel applies, else "triton".
+
+  Interpret mode stays on the Triton kernel (generic interpreter); the
+  Mosaic kernel has its own interpreter tests.
+  """
+  from pallas_kernels.gpu_prefill_mgpu import mosaic_prefill_supported
+  if interpret or not mosaic_prefill_supported(q.dtype, q.shape[-1],
+                                                k_pages.shape[2]):
+    return "triton"
+  return "mosaic" if _mosaic_gpu_target() else "triton"
+
+
 def _is_concrete(*arrays) -> bool:
   return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-@functools.partial(jax.jit, static_argnames=("rope", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rope", "impl", "interpret",
+                                             "gpu_prefill"))
 def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
-                        page_len, q_pos, sm_scale, *, rope, impl, interpret):
+                        page_len, q_pos, sm_scale, *, rope, impl, interpret,
+                        gpu_prefill="triton"):
   if impl == "xla":
     from pallas_kernels.xla_attention import lazy_attention_xla
     return lazy_attention_xla(q, k_pages, v_pages, page_table, page_pos,
@@ -116,6 +145,11 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
   if impl == "gpu":
     if q.shape[1] == 1:
       from pallas_kernels.gpu_decode import lazy_decode_gpu as kernel
+    elif gpu_prefill == "mosaic":
+      from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
+      return lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos,
+                               page_shift, page_len, q_pos, rope=rope,
+                               sm_scale=sm_scale)
     else:
       from pallas_kernels.gpu_prefill import lazy_prefill_gpu as kernel
   else:
@@ -169,6 +203,9 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   sm_scale = jnp.asarray(sm_scale, jnp.float32)
+  gpu_prefill = (_gpu_prefill_kernel(q, k_pages, interpret)
+                 if impl == "gpu" and q.shape[1] > 1 else "triton")
   return _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos,
                              page_shift, page_len, q_pos, sm_scale, rope=rope,
-                             impl=impl, interpret=interpret)
+                             impl=impl, interpret=interpret,
+                             gpu_prefill=gpu_prefill)

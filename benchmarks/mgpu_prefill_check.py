@@ -1,0 +1,268 @@
+"""H200 check of the Mosaic GPU lazy prefill kernel (gpu_prefill_mgpu.py).
+
+Run on the GPU machine from the repository root:
+  python -m benchmarks.mgpu_prefill_check [--skip-parity] [--skip-timing]
+
+(a) Parity of lazy_prefill_mgpu against the jnp reference (and the float64
+    truth where small) on a few cases; each case is wrapped so that one
+    failure is printed and the others still run.
+(b) Timing, bf16, Hq/Hkv 32/8, H 128, page 16, context 8192 tokens in 16
+    documents of 512 (each at its own shift) plus the chunk's own pages
+    (benchmarks/kernels.py inputs): a 512-token chunk at B 4 and a 128-token
+    chunk at B 8, of
+      mgpu[...]   lazy_prefill_mgpu, a few block-size variants;
+      triton      lazy_attention(..., impl="gpu") (the Pallas Triton kernel);
+      cudnn       jax.nn.dot_product_attention(implementation="cudnn") on
+                  dense pre-rotated K/V of context + chunk, no mask
+                  (benchmarks/kernels.py explains why).
+    FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
+    include everything the lazy API does per call (query rotation, step
+    lists, kernel).  Median over 21 samples, each a chain of calls
+    (benchmarks.kernels.ChainTimer), after a warm-up run.
+Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.kernels import (DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
+                                PAGE_SIZE, ROPE, SM_SCALE, ChainTimer,
+                                _dense_from_pages, _page_metadata,
+                                _perturb_lazy, _perturb_planned,
+                                _perturb_query, _plan, _plan_only, _planned,
+                                _random, _visible_pairs)
+from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
+from pallas_kernels.gpu_prefill import lazy_prefill_gpu
+from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
+
+VARIANTS = {
+    "k64w2s3-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
+                                    num_stages=3, schedule_barrier=True),
+    "k64w2s2-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
+                                    num_stages=2, schedule_barrier=True),
+    "k64w2s2-nosched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
+                                      num_stages=2, schedule_barrier=False),
+    "k64w2s3-nosched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
+                                      num_stages=3, schedule_barrier=False),
+    "k128w1s2": MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2),
+}
+# (name, batch, query tokens, context tokens in documents)
+SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
+SAMPLES = 21
+
+
+def build_inputs(key, rng, *, batch, q_len, context):
+  """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]."""
+  table, pos, shift, length = _page_metadata(rng, batch, context, q_len)
+  pool_shape = (NUM_KV_HEADS, table.size, PAGE_SIZE, HEAD_DIM)
+  kq, kk, kv = jax.random.split(key, 3)
+  q = _random(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
+  k_pages, v_pages = _random(kk, pool_shape), _random(kv, pool_shape)
+  q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
+                           (batch, q_len))
+  return (q, k_pages, v_pages, table, pos, shift, length, q_pos,
+          _dense_from_pages(k_pages, table), _dense_from_pages(v_pages, table))
+
+
+# --------------------------------------------------------------------------
+# (a) parity
+
+
+def _parity_cases():
+  from tests.kernel_cases import make_case
+  plain = RopeConfig(theta=10000.0)
+  cases = []
+  for name, kwargs, rope, sizes in [
+      ("32-8_H128_p16_T64", dict(num_heads=32, num_kv_heads=8, head_dim=128,
+                                 page_size=16, q_len=64), plain, None),
+      ("32-8_H128_p16_T200_base2^20_llama3",
+       dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+            q_len=200, base_position=2**20), ROPE, None),
+      ("9-3_H64_p8_T37", dict(num_heads=9, num_kv_heads=3, head_dim=64,
+                              page_size=8, q_len=37), plain, None),
+      ("8-8_H128_p16_T130_k128w1s2",
+       dict(num_heads=8, num_kv_heads=8, head_dim=128, page_size=16,
+            q_len=130, base_position=60000), ROPE, VARIANTS["k128w1s2"]),
+  ]:
+    cases.append((name, lambda kwargs=kwargs: make_case(
+        np.random.default_rng(len(name)), batch=3, dtype=jnp.bfloat16,
+        docs_per_row=4, max_doc_len=300, **kwargs), rope, sizes))
+  return cases
+
+
+def run_parity():
+  from tests.kernel_cases import numpy_truth, relative_error
+  print("# parity (relative L2 error, bf16 tolerance 2e-2)", flush=True)
+  ok = True
+
+  def report(name, out, reference, truth_fn, padding):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    reference = np.asarray(jnp.asarray(reference).astype(jnp.float32))
+    nan = bool(np.isnan(out).any())
+    err = relative_error(out, reference.astype(np.float64))
+    max_abs = float(np.nanmax(np.abs(out - reference)))
+    line = (f"  {name:42s} max|err| {max_abs:.3e}  rel {err:.3e} (vs ref)")
+    if truth_fn is not None:
+      line += f"  rel {relative_error(out, truth_fn()):.3e} (vs f64 truth)"
+    pad_ok = padding is None or not padding.any() or bool(
+        np.all(out[padding] == 0.0))
+    good = (not nan) and err <= 2e-2 and pad_ok
+    line += f"  nan={nan} padding_zero={pad_ok}  {'OK' if good else 'FAIL'}"
+    print(line, flush=True)
+    return good
+
+  for name, make, rope, sizes in _parity_cases():
+    try:
+      lazy = make()
+      args = [jnp.asarray(a) for a in lazy.args()]
+      out = jax.jit(lambda *a: lazy_prefill_mgpu(
+          *a, rope=rope, sm_scale=jnp.float32(a[0].shape[-1] ** -0.5),
+          block_sizes=sizes))(*args)
+      reference = lazy_attention_reference(*args, rope=rope)
+      # The float64 truth is a Python loop: only for small cases.
+      rows = lazy.q.shape[0] * lazy.q.shape[1] * lazy.q.shape[2]
+      truth = (lambda: numpy_truth(lazy, rope)) if rows <= 1000 else None
+      ok &= report(name, out, reference, truth, lazy.q_pos < 0)
+    except Exception as e:  # keep going
+      ok = False
+      print(f"  {name:42s} FAILED: {type(e).__name__}: {e}", flush=True)
+      traceback.print_exc(file=sys.stdout)
+  # Benchmark layout (smaller), every variant.
+  try:
+    args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
+                        batch=2, q_len=256, context=2048)[:8]
+    reference = lazy_attention_reference(*args, rope=ROPE, sm_scale=SM_SCALE)
+  except Exception as e:
+    print(f"  benchmark-layout inputs FAILED: {e}", flush=True)
+    return False
+  for vname, sizes in VARIANTS.items():
+    try:
+      out = jax.jit(lambda *a, sizes=sizes: lazy_prefill_mgpu(
+          *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
+          block_sizes=sizes))(*args)
+      ok &= report(f"bench-layout B2 T256 ctx2048 [{vname}]", out,
+                   reference, None, None)
+    except Exception as e:
+      ok = False
+      print(f"  bench-layout [{vname}] FAILED: {type(e).__name__}: {e}",
+            flush=True)
+      traceback.print_exc(file=sys.stdout)
+  return ok
+
+
+# --------------------------------------------------------------------------
+# (b) timing
+
+
+def _time(fn, args, perturb):
+  timer = ChainTimer(fn, [args], perturb, target_total_s=0.04)
+  return statistics.median(timer.sample() for _ in range(SAMPLES))
+
+
+def run_timing(variants):
+  rows = []  # (shape, variant, seconds or None, flops, note)
+  for shape, batch, q_len, context in SHAPES:
+    print(f"# timing {shape}: B {batch}, T {q_len}, context {context}",
+          flush=True)
+    inputs = build_inputs(jax.random.PRNGKey(1), np.random.default_rng(1),
+                          batch=batch, q_len=q_len, context=context)
+    lazy_args, (k_dense, v_dense) = inputs[:8], inputs[8:]
+    flops = 4.0 * HEAD_DIM * NUM_HEADS * _visible_pairs(
+        lazy_args[7], lazy_args[4], lazy_args[6])
+    methods = []
+    for name, sizes in variants.items():
+      methods.append((f"mgpu[{name}]", lambda *a, sizes=sizes:
+                      lazy_prefill_mgpu(*a, rope=ROPE,
+                                        sm_scale=jnp.float32(SM_SCALE),
+                                        block_sizes=sizes), lazy_args,
+                      _perturb_lazy))
+    plan = tuple(jax.jit(_plan)(*lazy_args))
+    planned_args = (lazy_args[0], lazy_args[1], lazy_args[2], lazy_args[7],
+                    plan)
+    methods.append(("mgpu per-layer (plan once)", _planned, planned_args,
+                    _perturb_planned))
+    methods.append(("mgpu plan only (per batch)", _plan_only, lazy_args,
+                    _perturb_lazy))
+    methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
+        *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
+                    _perturb_lazy))
+    methods.append(("triton", lambda *a: lazy_prefill_gpu(
+        *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)), lazy_args,
+                    _perturb_lazy))
+    methods.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=SM_SCALE, implementation="cudnn"),
+                    (lazy_args[0], k_dense, v_dense), _perturb_query))
+    for method, fn, args, perturb in methods:
+      start = time.perf_counter()
+      try:
+        seconds = _time(fn, args, perturb)
+        note = ""
+        print(f"  {method:24s} {seconds * 1e3:8.3f} ms "
+              f"{flops / seconds / 1e12:6.1f} TFLOP/s "
+              f"({time.perf_counter() - start:.0f} s incl. compile)",
+              flush=True)
+      except Exception as e:  # keep going
+        seconds = None
+        note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        print(f"  {method:24s} {note}", flush=True)
+        traceback.print_exc(file=sys.stdout)
+      rows.append((shape, method, seconds, flops, note))
+    del inputs, lazy_args, k_dense, v_dense
+  return rows
+
+
+def print_table(rows):
+  print("\n" + "=" * 72)
+  print(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}")
+  print(f"{'shape':10s} {'variant':24s} {'ms':>9s} {'TFLOP/s':>9s} "
+        f"{'x cuDNN':>8s}")
+  for shape in dict.fromkeys(r[0] for r in rows):
+    cudnn = [r for r in rows if r[0] == shape and r[1] == "cudnn" and r[2]]
+    cudnn_rate = cudnn[0][3] / cudnn[0][2] if cudnn else None
+    for _, method, seconds, flops, note in (r for r in rows if r[0] == shape):
+      if seconds:
+        rate = flops / seconds
+        ratio = f"{rate / cudnn_rate:8.2f}" if cudnn_rate else f"{'-':>8s}"
+        print(f"{shape:10s} {method:24s} {seconds * 1e3:9.3f} "
+              f"{rate / 1e12:9.1f} {ratio}")
+      else:
+        print(f"{shape:10s} {method:24s} {'-':>9s} {'-':>9s} {'-':>8s}  "
+              f"{note}")
+  print("bar: lazy prefill >= 0.7x cuDNN TFLOP/s at chunk512")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--skip-parity", action="store_true")
+  parser.add_argument("--skip-timing", action="store_true")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="comma-separated subset of " + ",".join(VARIANTS))
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("needs a GPU (jax.default_backend() is "
+                     f"{jax.default_backend()!r})")
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}",
+        flush=True)
+  start = time.perf_counter()
+  if not args.skip_parity:
+    ok = run_parity()
+    print(f"parity: {'all OK' if ok else 'FAILURES (see above)'} "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
+  if not args.skip_timing:
+    names = [n for n in args.variants.split(",") if n]
+    rows = run_timing({n: VARIANTS[n] for n in names})
+    print_table(rows)
+  print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+  main()

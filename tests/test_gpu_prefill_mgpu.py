@@ -1,0 +1,294 @@
+"""Lazy prefill on Hopper through Pallas Mosaic GPU (gpu_prefill_mgpu.py).
+
+On CPU: the kernel is lowered for CUDA with jax.export (the Pallas Mosaic GPU
+lowering runs here and catches layout, shape and shared-memory errors), run
+in the Mosaic GPU interpreter on small cases (ring, barriers, TMA page
+copies, step records, rotation, masks and the V fix-up all execute; the two
+matmuls become jnp dots), and its metadata and argument checks are tested.
+On a GPU (`@pytest.mark.gpu`): parity with the jnp reference and the float64
+truth on cases with ragged documents, an empty page (page_len 0), NaN in
+every unused page and padding slot, padding rows (q_pos -1), shuffled
+physical pages and one physical document read by two rows at different
+shifts (tests/kernel_cases.make_case), plus a benchmark-like layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import RopeConfig, lazy_attention_reference
+from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
+                                             lazy_prefill_mgpu, step_records)
+from tests.kernel_cases import make_case, numpy_truth, relative_error
+
+PLAIN = RopeConfig(theta=10000.0)
+LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position=8192)
+BF16_TOLERANCE = 2e-2
+
+
+def _specs(batch, q_len, heads, kv_heads, head_dim, pages, page_size,
+           logical, dtype=jnp.bfloat16):
+  spec = jax.ShapeDtypeStruct
+  return ([spec((batch, q_len, heads, head_dim), dtype)]
+          + [spec((kv_heads, pages, page_size, head_dim), dtype)] * 2
+          + [spec((batch, logical), jnp.int32)] * 4
+          + [spec((batch, q_len), jnp.int32)])
+
+
+def _export(args, block_sizes=None):
+  fn = jax.jit(lambda *a: lazy_prefill_mgpu(
+      *a, rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=block_sizes))
+  return export.export(fn, platforms=["cuda"])(*args)
+
+
+# Benchmark shape: B 4, 512-token chunk, 8192 tokens of context in 16
+# documents of 512 plus the chunk's own 32 pages, Hq/Hkv 32/8, H 128, page 16.
+BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
+             pages=4 * 544, page_size=16, logical=544)
+
+
+@pytest.mark.parametrize("block_sizes", [
+    None,
+    MgpuBlockSizes(block_kv=64, num_compute_wgs=2, num_stages=2),
+    MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2),
+    MgpuBlockSizes(block_kv=64, num_compute_wgs=1, num_stages=4,
+                   mask_fast_path=False),
+], ids=["default", "k64w2s2", "k128w1s2", "k64w1s4_nofast"])
+def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
+  exported = _export(_specs(**BENCH), block_sizes)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (4, 512, 32, 128)
+  assert exported.out_avals[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("head_dim,page_size,dtype", [
+    (64, 8, jnp.bfloat16), (128, 16, jnp.float16), (64, 16, jnp.float16)])
+def test_export_lowers_for_cuda_small_shape(head_dim, page_size, dtype):
+  args = _specs(batch=2, q_len=7, heads=9, kv_heads=3, head_dim=head_dim,
+                pages=40, page_size=page_size, logical=20, dtype=dtype)
+  exported = _export(args)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (2, 7, 9, head_dim)
+
+
+def _call(args, *, rope=PLAIN, block_sizes=None, interpret=False):
+  head_dim = args[0].shape[-1]
+  return lazy_prefill_mgpu(*[jnp.asarray(a) for a in args], rope=rope,
+                           sm_scale=jnp.float32(head_dim ** -0.5),
+                           block_sizes=block_sizes, interpret=interpret)
+
+
+def test_argument_errors():
+  args = _specs(batch=1, q_len=4, heads=2, kv_heads=1, head_dim=128,
+                pages=4, page_size=16, logical=2)
+  zeros = lambda s, dtype=None: jnp.zeros(s.shape, dtype or s.dtype)
+  good = [zeros(a) for a in args]
+  f32 = [zeros(a, jnp.float32) if i < 3 else zeros(a)
+         for i, a in enumerate(args)]
+  with pytest.raises(ValueError, match="q dtype"):
+    _call(f32)
+  mixed = list(good)
+  mixed[1] = zeros(args[1], jnp.float16)
+  mixed[2] = zeros(args[2], jnp.float16)
+  with pytest.raises(ValueError, match="k_pages dtype"):
+    _call(mixed)
+  odd = [zeros(a) for a in _specs(batch=1, q_len=4, heads=2, kv_heads=1,
+                                  head_dim=96, pages=4, page_size=16,
+                                  logical=2)]
+  with pytest.raises(ValueError, match="head dim"):
+    _call(odd)
+  pages12 = [zeros(a) for a in _specs(batch=1, q_len=4, heads=2, kv_heads=1,
+                                      head_dim=128, pages=4, page_size=12,
+                                      logical=2)]
+  with pytest.raises(ValueError, match="page_size"):
+    _call(pages12)
+  pages32 = [zeros(a) for a in _specs(batch=1, q_len=4, heads=2, kv_heads=1,
+                                      head_dim=128, pages=4, page_size=128,
+                                      logical=2)]
+  with pytest.raises(ValueError, match="page_size"):
+    _call(pages32)  # 128-slot pages do not divide block_kv = 64
+  with pytest.raises(ValueError, match="shared memory"):
+    _call(good, block_sizes=MgpuBlockSizes(block_kv=128, num_compute_wgs=2,
+                                           num_stages=3))
+  with pytest.raises(ValueError, match="q_pos"):
+    _call(good[:-1] + [jnp.zeros((1, 3), jnp.int32)])
+  with pytest.raises(ValueError, match="block_kv"):
+    MgpuBlockSizes(block_kv=32)
+  with pytest.raises(ValueError, match="num_compute_wgs"):
+    MgpuBlockSizes(num_compute_wgs=3)
+  with pytest.raises(ValueError, match="num_stages"):
+    MgpuBlockSizes(num_stages=1)
+
+
+def test_step_records():
+  # Pages (ppb = 2): [0, 3) shift 5, page 3 dead, [4, 7) shift 0 with page 6
+  # half full; page 7 dead.
+  page_shift = jnp.array([[5, 5, 5, 5, 0, 0, 0, 0]], jnp.int32)
+  live = jnp.array([[1, 1, 1, 0, 1, 1, 1, 0]], bool)
+  page_len = jnp.array([[4, 4, 4, 4, 4, 4, 2, 4]], jnp.int32)
+  page_pos = jnp.arange(8, dtype=jnp.int32)[None] * 4
+  page_table = jnp.array([[7, 6, 5, 4, 3, 2, 1, 0]], jnp.int32)
+  records, num_steps, step_first, shift = jax.jit(functools_partial())(
+      page_table, page_pos, page_shift, page_len, live)
+  layout = RecordLayout(2)
+  records = np.asarray(records[0])
+  # Segment 0 = pages [0, 4) (dead page 3 ends it): blocks 0, 1.
+  # Segment 1 = pages [4, 7): blocks 2, 3.
+  assert int(num_steps[0]) == 4
+  assert np.asarray(step_first[0, :5]).tolist() == [0, 2, 4, 6, 2**31 - 1]
+  assert np.asarray(shift[0, :2]).tolist() == [5, 0]
+  lim = records[:4, layout.lim:layout.lim + 2].tolist()
+  assert lim == [[4, 4], [4, 0], [4, 4], [2, 0]]
+  assert records[:4, layout.phys:layout.phys + 2].tolist() == [
+      [7, 6], [5, 4], [3, 2], [1, 0]]
+  assert records[:4, layout.seg].tolist() == [0, 0, 1, 1]
+  assert records[:4, layout.new_seg].tolist() == [1, 0, 1, 0]
+  assert records[:4, layout.fixup].tolist() == [0, 1, 0, 1]
+  assert records[:4, layout.max_pos].tolist() == [7, 11, 23, 25]
+  assert layout.width % 32 == 0
+
+
+def functools_partial():
+  def fn(*args):
+    return step_records(*args, num_pages=8, page_size=4, pages_per_block=2)
+  return fn
+
+
+def _check(out, lazy, rope):
+  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+  assert out.shape == lazy.q.shape
+  assert not np.isnan(out).any(), "NaN leaked into the output"
+  reference = np.asarray(lazy_attention_reference(
+      *[jnp.asarray(a) for a in lazy.args()], rope=rope).astype(jnp.float32))
+  err_ref = relative_error(out, reference.astype(np.float64))
+  assert err_ref <= BF16_TOLERANCE, f"vs reference: {err_ref:.3g}"
+  if lazy.q.size <= 4096 * 64:
+    err_truth = relative_error(out, numpy_truth(lazy, rope))
+    assert err_truth <= BF16_TOLERANCE, f"vs float64 truth: {err_truth:.3g}"
+  padding = lazy.q_pos < 0
+  if padding.any():
+    assert np.all(out[padding] == 0.0), "padding rows must be exactly zero"
+
+
+def test_parity_interpret():
+  """Whole kernel in the Mosaic GPU interpreter (CPU), two warpgroups."""
+  rng = np.random.default_rng(0)
+  lazy = make_case(rng, batch=2, q_len=7, num_heads=8, num_kv_heads=2,
+                   head_dim=64, page_size=16, dtype=jnp.bfloat16)
+  _check(_call(lazy.args(), interpret=True), lazy, PLAIN)
+
+
+def _doc_layout_case(rng, *, num_docs, doc_len, q_len, num_heads, num_kv_heads,
+                     head_dim, page_size, dtype=jnp.bfloat16):
+  """Benchmark-like layout: whole-page documents stored from angle 0 at
+  shift = their start, then the chunk's own pages; shuffled physical pages.
+  Most KV steps take the fast path (full pages, fully visible)."""
+  from tests.kernel_cases import LazyCase
+  doc_pages = doc_len // page_size
+  own_pages = -(-q_len // page_size)
+  pages = num_docs * doc_pages + own_pages
+  page = np.arange(pages)
+  page_pos = (page * page_size)[None].astype(np.int32)
+  page_shift = np.where(page < num_docs * doc_pages,
+                        page * page_size // doc_len * doc_len, 0)
+  page_len = np.full((1, pages), page_size, np.int32)
+  page_len[0, -1] = q_len - (own_pages - 1) * page_size
+  table = rng.permutation(pages).astype(np.int32)[None]
+  shape = (num_kv_heads, pages, page_size, head_dim)
+  k = rng.standard_normal(shape).astype(np.float32)
+  v = rng.standard_normal(shape).astype(np.float32)
+  tail = table[0, -1]
+  k[:, tail, page_len[0, -1]:] = np.nan  # padding slots of the last page
+  v[:, tail, page_len[0, -1]:] = np.nan
+  q = rng.standard_normal((1, q_len, num_heads, head_dim)).astype(np.float32)
+  q_pos = (num_docs * doc_len + np.arange(q_len, dtype=np.int32))[None]
+  return LazyCase(q.astype(dtype), k.astype(dtype), v.astype(dtype), table,
+                  page_pos, page_shift[None].astype(np.int32), page_len,
+                  q_pos)
+
+
+def test_parity_interpret_fast_path():
+  """Documents in whole pages: unmasked steps (lax.cond fast path)."""
+  lazy = _doc_layout_case(np.random.default_rng(2), num_docs=2, doc_len=128,
+                          q_len=20, num_heads=4, num_kv_heads=1, head_dim=64,
+                          page_size=16)
+  _check(_call(lazy.args(), rope=LLAMA3, interpret=True), lazy, LLAMA3)
+
+
+@pytest.mark.slow
+def test_parity_interpret_one_warpgroup_page8():
+  """One warpgroup, 8-slot pages (8 pages per block, segments straddle
+  blocks), H 128, two row tiles."""
+  rng = np.random.default_rng(1)
+  lazy = make_case(rng, batch=2, q_len=40, num_heads=8, num_kv_heads=2,
+                   head_dim=128, page_size=8, dtype=jnp.bfloat16,
+                   base_position=60000)
+  out = _call(lazy.args(), rope=LLAMA3, interpret=True,
+              block_sizes=MgpuBlockSizes(num_compute_wgs=1, num_stages=2))
+  _check(out, lazy, LLAMA3)
+
+
+GPU_CASES = [
+    # (heads, head_dim, page_size, q_len, base_position, rope, block sizes)
+    ((32, 8), 128, 16, 64, 0, PLAIN, None),
+    ((32, 8), 128, 16, 200, 2**20, LLAMA3, None),
+    ((9, 3), 64, 8, 37, 60000, PLAIN, None),
+    ((8, 8), 128, 16, 130, 0, LLAMA3,
+     MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2)),
+    ((32, 8), 128, 16, 64, 5000, PLAIN,
+     MgpuBlockSizes(num_compute_wgs=1, num_stages=4, mask_fast_path=False)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
+    f"{c[0][0]}-{c[0][1]}_H{c[1]}_p{c[2]}_T{c[3]}_base{c[4]}_{c[6]}"))
+def test_parity_gpu(case):
+  heads, head_dim, page_size, q_len, base, rope, block_sizes = case
+  rng = np.random.default_rng(q_len + head_dim)
+  lazy = make_case(rng, batch=3, q_len=q_len, num_heads=heads[0],
+                   num_kv_heads=heads[1], head_dim=head_dim,
+                   page_size=page_size, dtype=jnp.bfloat16,
+                   docs_per_row=4, max_doc_len=300, base_position=base)
+  out = jax.jit(lambda *a: lazy_prefill_mgpu(
+      *a, rope=rope, sm_scale=jnp.float32(head_dim ** -0.5),
+      block_sizes=block_sizes))(*[jnp.asarray(a) for a in lazy.args()])
+  _check(out, lazy, rope)
+
+
+@pytest.mark.gpu
+def test_benchmark_layout_gpu():
+  """Documents of 512 at their own shifts + the chunk's own pages, like the
+  benchmark (smaller batch and context)."""
+  from benchmarks.mgpu_prefill_check import build_inputs
+  args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
+                      batch=2, q_len=256, context=2048)
+  lazy_args = args[:8]
+  out = jax.jit(lambda *a: lazy_prefill_mgpu(
+      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5)))(*lazy_args)
+  reference = lazy_attention_reference(*lazy_args, rope=LLAMA3,
+                                       sm_scale=128 ** -0.5)
+  out = np.asarray(out.astype(jnp.float32))
+  reference = np.asarray(reference.astype(jnp.float32)).astype(np.float64)
+  assert not np.isnan(out).any()
+  assert relative_error(out, reference) <= BF16_TOLERANCE
+
+
+def test_lazy_attention_picks_the_prefill_kernel():
+  """impl="gpu" prefill: Mosaic (Hopper) for the 16-bit shapes it handles;
+  Triton for float32, page sizes it cannot tile, and interpret mode.  On this
+  CPU-only machine there is no local GPU, so lowering targets Hopper."""
+  from pallas_kernels.lazy_attention import _gpu_prefill_kernel
+  q16 = jnp.zeros((1, 8, 4, 128), jnp.bfloat16)
+  pages16 = jnp.zeros((1, 4, 16, 128), jnp.bfloat16)
+  assert _gpu_prefill_kernel(q16, pages16, interpret=False) == "mosaic"
+  assert _gpu_prefill_kernel(q16, pages16, interpret=True) == "triton"
+  q32, pages32 = q16.astype(jnp.float32), pages16.astype(jnp.float32)
+  assert _gpu_prefill_kernel(q32, pages32, interpret=False) == "triton"
+  pages12 = jnp.zeros((1, 4, 12, 128), jnp.bfloat16)
+  assert _gpu_prefill_kernel(q16, pages12, interpret=False) == "triton"
