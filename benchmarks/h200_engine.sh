@@ -58,13 +58,13 @@ for part in $parts; do
     rates)
       timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
-        --zipf 1.1 --max-batch 32 --num-requests 48 --skip-base --sweep-rates ${RATES:-2,8} \
+        --zipf 1.1 --max-batch 32 --num-requests ${SWEEP_REQUESTS:-48} --skip-base --sweep-rates ${RATES:-2,8} \
         --cache-fraction $fraction --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_rates.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;
     budget)
       timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 500 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
-        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 48 --skip-base \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests ${SWEEP_REQUESTS:-48} --skip-base \
         --sweep-cache-fractions ${FRACTIONS:-0.05,0.33,1.0} \
         --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_budget.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;

@@ -2,9 +2,10 @@
 
 Every mode runs in one process on the same request trace, one after another,
 with the same model and kernels.  Each mode gets a fresh cache and its own
-warm-up: by default the measured trace is replayed once first, so every shape
-bucket it needs is compiled before timing; the cache is then emptied and the
-measured trace runs (`compiles_during_measurement` in the output checks it).
+warm-up: by default the measured trace is replayed first (again, up to
+MAX_WARMUP_REPLAYS times, while a replay still compiles), so every shape bucket
+it needs is compiled before timing; the cache is then emptied and the measured
+trace runs (`compiles_during_measurement` in the output checks it).
 
 Example (CPU smoke):
   python -m benchmarks.rag_serving --model tiny --num-docs 24 --num-requests 16
@@ -178,10 +179,19 @@ def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured):
     engine.close()
 
 
+# A warm-up replay that compiled something ran at a different pace than the
+# measured run will (compiles stall it), so its batches can differ; it is
+# replayed until one pass compiles nothing, at most this many times.
+MAX_WARMUP_REPLAYS = 3
+
+
 def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm):
-  if warm.requests:
+  for _ in range(MAX_WARMUP_REPLAYS if warm.requests else 0):
+    compiles_before = engine.compile_count
     run_trace(engine, warm, args)
     engine.reset_cache()
+    if engine.compile_count == compiles_before:
+      break
   compiles_before = engine.compile_count
   with tqdm(total=len(measured.requests), desc=f"{mode:>6}", file=sys.stderr,
             disable=args.no_progress) as bar:
@@ -242,6 +252,11 @@ def parse_args(argv=None):
                       "step (0 = admit all that fit)")
   p.add_argument("--decode-unroll", action="store_true",
                  help="fully unroll the layer loop in decode steps")
+  p.add_argument("--merge", nargs="+", default=[], metavar="JSONL",
+                 help="instead of running: merge the per-run rows of these "
+                      ".partial.jsonl files (a later row of the same kind, "
+                      "mode and sweep point replaces an earlier one) into "
+                      "--out and --plot-dir")
   p.add_argument("--pool-as-bits", action="store_true",
                  help="carry a 16-bit KV pool as uint16 through the layer loop")
   args = p.parse_args(argv)
@@ -268,8 +283,38 @@ def cache_pages_for(args, fraction: float) -> int:
   return pages + (working_pages(args) if args.add_working_pages else 0)
 
 
+def merge_rows(paths) -> dict:
+  """One report from .partial.jsonl rows of several runs (see --merge)."""
+  rows = {}
+  header = None
+  for path in paths:
+    with open(path) as f:
+      for line in f:
+        row = json.loads(line)
+        key = (row["kind"], row["mode"], row.get("rate"),
+               row.get("cache_fraction"))
+        rows[key] = row
+        header = header or {k: row[k] for k in ("device", "jax", "date",
+                                                "model")}
+  if header is None:
+    raise SystemExit(f"no rows in {paths}")
+  by_kind = {"base": [], "rate": [], "cache": []}
+  for row in rows.values():
+    by_kind[row["kind"]].append(row)
+  return dict(header, merged_from=list(paths), runs=by_kind["base"],
+              sweeps=dict(rate=by_kind["rate"], cache=by_kind["cache"]))
+
+
 def main(argv=None):
   args = parse_args(argv)
+  if args.merge:
+    report = merge_rows(args.merge)
+    if args.out:
+      with open(args.out, "w") as f:
+        f.write(json.dumps(report, indent=2))
+    if args.plot_dir:
+      plot(report, args.plot_dir)
+    return
   import jax
   config, model, dtype = build_model(args)
   measured = make_trace(args, config.vocab_size, args.num_requests, args.seed + 2)

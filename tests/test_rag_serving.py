@@ -66,3 +66,22 @@ def test_reuse_properties(report):
 def test_plot_written(report):
   _, plots = report
   assert (plots / "throughput_vs_cache.png").stat().st_size > 1000
+
+
+def test_merge_later_rows_replace_earlier(tmp_path):
+  from benchmarks.rag_serving import merge_rows
+  head = dict(device="d", jax="j", date="t", model="m")
+  first = tmp_path / "a.jsonl"
+  second = tmp_path / "b.jsonl"
+  first.write_text("\n".join(json.dumps(dict(head, **row)) for row in [
+      dict(kind="rate", mode="lazy", rate=2.0, ttft_p50_s=4.5),
+      dict(kind="rate", mode="block", rate=2.0, ttft_p50_s=0.25),
+      dict(kind="cache", mode="lazy", cache_fraction=0.05, ttft_p50_s=8.0),
+  ]) + "\n")
+  second.write_text(json.dumps(dict(head, kind="rate", mode="lazy", rate=2.0,
+                                    ttft_p50_s=0.3)) + "\n")
+  report = merge_rows([str(first), str(second)])
+  rates = {r["mode"]: r["ttft_p50_s"] for r in report["sweeps"]["rate"]}
+  assert rates == {"lazy": 0.3, "block": 0.25}
+  assert [r["cache_fraction"] for r in report["sweeps"]["cache"]] == [0.05]
+  assert report["runs"] == [] and report["device"] == "d"
