@@ -518,6 +518,19 @@ def _kernel(n_steps_ref, min_row_ref, rec_ref, cs_ref, row_pos_ref, q_ref,
     lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
 
 
+def _interpreter_params():
+  """jax's experimental Mosaic GPU interpreter (a private API, jax >= 0.10)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import (  # pylint: disable=g-import-not-at-top
+        InterpretGPUParams)
+  except ImportError as e:
+    raise NotImplementedError(
+        "interpret=True needs jax's Mosaic GPU interpreter "
+        "(jax._src.pallas.mosaic_gpu.interpret), which this jax "
+        f"{jax.__version__} does not have") from e
+  return InterpretGPUParams()
+
+
 def mosaic_prefill_supported(dtype, head_dim: int, page_size: int) -> bool:
   """Whether the default MgpuBlockSizes handle these inputs."""
   return (jnp.dtype(dtype) in [jnp.dtype(d) for d in SUPPORTED_DTYPES]
@@ -665,9 +678,7 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
                              layout=layout, interpret=interpret)
   extra = {}
   if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret.params import (  # pylint: disable=g-import-not-at-top
-        InterpretGPUParams)
-    extra["interpret"] = InterpretGPUParams()
+    extra["interpret"] = _interpreter_params()
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim),
