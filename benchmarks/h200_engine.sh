@@ -6,7 +6,10 @@
 #   paper - the RAG serving comparison at the paper-like load;
 #   tuned - the same with decode layers unrolled and a prefill budget per
 #           scheduling step (not yet measured);
-#   rates, budget - the TTFT-vs-rate and throughput-vs-budget sweeps.
+#   rates, budget - the TTFT-vs-rate and throughput-vs-budget sweeps;
+#   mgpu  - Mosaic GPU prefill kernel: per-call and per-layer (plan made
+#           once) timing against Triton and cuDNN (issue 2, ~40 s);
+#   kernels - the kernel table of record, decode and prefill (issue 2).
 # Usage: bash benchmarks/h200_engine.sh OUTDIR [parts...]
 set -uo pipefail
 out=${1:-/tmp/out}; shift || true
@@ -68,5 +71,11 @@ for part in $parts; do
         --sweep-cache-fractions ${FRACTIONS:-0.05,0.33,1.0} \
         --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_budget.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;
+    mgpu)
+      timeout ${MGPU_TIMEOUT:-120} python3 -m benchmarks.mgpu_prefill_check --skip-parity 2>&1 \
+        | grep -v Warning | tee "$out/mgpu_prefill.txt" | tail -20 ;;
+    kernels)
+      timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" 2>&1 \
+        | grep -v Warning | tee "$out/kernels.txt" | tail -45 ;;
   esac
 done
