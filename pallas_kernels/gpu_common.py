@@ -221,6 +221,22 @@ def grouped_row_positions(q_pos, group, rows_multiple):
                  constant_values=PADDING_ROW)
 
 
+def prefix_sum(x):
+  """Inclusive prefix sum over the last axis of an integer [..., M] array.
+
+  Written as one masked reduction ([..., M, M], which XLA fuses into a single
+  kernel) because jnp.cumsum lowers on GPU to a tree of reduce-window ops,
+  several launches each; the XLA work before the prefill kernels is launch
+  bound (benchmarks/kernel_notes.md), and the metadata rows here are short
+  (M logical pages), so the quadratic sum costs less than the launches.
+  """
+  m = x.shape[-1]
+  row = lax.broadcasted_iota(jnp.int32, (m, m), 0)
+  col = lax.broadcasted_iota(jnp.int32, (m, m), 1)
+  return jnp.sum(jnp.where(col <= row, x[..., None, :], 0), axis=-1,
+                 dtype=x.dtype)
+
+
 def rows_to_heads(out, q_len, group):
   """[B, K, R_pad, H] kernel rows back to [B, T, N, H]."""
   batch, num_kv_heads, _, head_dim = out.shape

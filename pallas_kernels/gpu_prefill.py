@@ -57,7 +57,7 @@ def prefill_segments(page_shift, live):
   prev_shift = jnp.pad(page_shift, ((0, 0), (1, 0)))[:, :num_pages]
   prev_live = jnp.pad(live, ((0, 0), (1, 0)))[:, :num_pages]
   starts = live & ~(prev_live & (prev_shift == page_shift))
-  segment_of_page = jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1
+  segment_of_page = common.prefix_sum(starts.astype(jnp.int32)) - 1
   num_segments = segment_of_page[:, -1] + 1
   last_live = jnp.max(jnp.where(live, page, -1), axis=1)
   dest = jnp.where(starts, segment_of_page, num_pages)

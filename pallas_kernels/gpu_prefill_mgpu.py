@@ -227,7 +227,7 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   first_block = first // ppb
   end_block = (end + ppb - 1) // ppb
   count = jnp.where(seg_valid, end_block - first_block, 0)
-  cum = jnp.cumsum(count, axis=1)
+  cum = common.prefix_sum(count.astype(jnp.int32))
   start = cum - count
   num_steps = cum[:, -1]
   s_max = max_steps(num_logical, ppb)

@@ -23,6 +23,7 @@ from jax import export
 
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
+from pallas_kernels.gpu_common import prefix_sum
 from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu, prefill_segments
 from tests.kernel_cases import make_case, numpy_truth, relative_error
@@ -154,6 +155,14 @@ def test_prefill_segments():
   assert segments[0, :4].tolist() == [[0, 2, 4], [2, 4, 9], [4, 5, 9],
                                       [5, 7, 0]]
   assert segment_of_page[0].tolist() == [0, 0, 1, 1, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("shape", [(1,), (9,), (3, 544), (2, 4, 33)])
+def test_prefix_sum_matches_cumsum(shape):
+  x = np.random.default_rng(3).integers(0, 50, size=shape).astype(np.int32)
+  got = jax.jit(prefix_sum)(jnp.asarray(x))
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, axis=-1))
 
 
 def test_block_sizes_validation_and_lookup():
