@@ -283,6 +283,49 @@ class KvBlockFetcher:
   def wait(self, pages, slot):
     self._for_needed_pages(pages, slot, lambda c: c.wait())
 
+  def stream(self, block_pages, first_block, end_block, compute_block):
+    """Runs compute_block(block, slot, pages) for blocks [first, end), each
+    block's pages fetched into slot (block - first) % 2 while the previous
+    block computes; V slots that must not count are zeroed first."""
+
+    @pl.when(first_block < end_block)
+    def _():
+      self.start(block_pages(first_block), 0)
+
+      def block_step(block, carry):
+        slot = lax.rem(block - first_block, 2)
+
+        @pl.when(block + 1 < end_block)
+        def _():
+          self.start(block_pages(block + 1), 1 - slot)
+
+        pages = block_pages(block)
+        self.wait(pages, slot)
+        zero_unfilled_value_slots(self._v_buf, slot, pages)
+        compute_block(block, slot, pages)
+        return carry
+
+      lax.fori_loop(first_block, end_block, block_step, 0)
+
+
+def reset_accumulators(acc_ref, m_ref, l_ref, cached_shift_ref):
+  """Online-softmax state at a program's start; no shifted queries cached."""
+  acc_ref[...] = jnp.zeros_like(acc_ref)
+  m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+  l_ref[...] = jnp.zeros_like(l_ref)
+  cached_shift_ref[0] = jnp.int32(NO_SHIFT)
+
+
+def ensure_shifted_queries(q_shifted_ref, cached_shift_ref, shift,
+                           rotate_queries):
+  """Rotates the queries by -shift unless they already are (consecutive
+  blocks of one document share a shift: one rotation per document)."""
+
+  @pl.when(shift != cached_shift_ref[0])
+  def _():
+    q_shifted_ref[...] = rotate_queries(shift).astype(q_shifted_ref.dtype)
+    cached_shift_ref[0] = shift
+
 
 def zero_unfilled_value_slots(v_buf, slot, pages):
   """Zeroes V slots past page_len, and whole pages that were not fetched.

@@ -74,10 +74,7 @@ def _decode_kernel(
   first_block = split * blocks_per_split
   end_block = jnp.minimum(num_blocks_ref[b], first_block + blocks_per_split)
 
-  acc_ref[...] = jnp.zeros_like(acc_ref)
-  m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
-  l_ref[...] = jnp.zeros_like(l_ref)
-  cached_shift_ref[0] = jnp.int32(tc.NO_SHIFT)
+  tc.reset_accumulators(acc_ref, m_ref, l_ref, cached_shift_ref)
 
   def block_pages(block):
     return tc.read_block_pages(page_ids_ref, page_start_ref, page_info_ref,
@@ -98,11 +95,8 @@ def _decode_kernel(
     num_shifts = block_num_shifts_ref[b * blocks_per_row + block]
     first_shift = block_shifts_ref[first_page]
 
-    @pl.when(first_shift != cached_shift_ref[0])
-    def _():
-      q_shifted_ref[...] = rotate_queries(first_shift).astype(
-          q_shifted_ref.dtype)
-      cached_shift_ref[0] = first_shift
+    tc.ensure_shifted_queries(q_shifted_ref, cached_shift_ref, first_shift,
+                              rotate_queries)
 
     def head_step(h, carry):
       k = tc.load_block_rows(k_buf, slot, h, q_shifted_ref.dtype)
@@ -125,24 +119,7 @@ def _decode_kernel(
 
     lax.fori_loop(0, num_kv_heads, head_step, 0)
 
-  @pl.when(first_block < end_block)
-  def _():
-    fetcher.start(block_pages(first_block), 0)
-
-    def block_step(block, carry):
-      slot = lax.rem(block - first_block, 2)
-
-      @pl.when(block + 1 < end_block)
-      def _():
-        fetcher.start(block_pages(block + 1), 1 - slot)
-
-      pages = block_pages(block)
-      fetcher.wait(pages, slot)
-      tc.zero_unfilled_value_slots(v_buf, slot, pages)
-      compute_block(block, slot, pages)
-      return carry
-
-    lax.fori_loop(first_block, end_block, block_step, 0)
+  fetcher.stream(block_pages, first_block, end_block, compute_block)
 
 
 def _num_splits(block_sizes: TpuDecodeBlockSizes, batch: int,

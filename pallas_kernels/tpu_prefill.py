@@ -74,10 +74,7 @@ def _prefill_kernel(
   num_blocks = tile_blocks_ref[b * num_tiles + tile]
   q_max = tile_q_max_ref[b * num_tiles + tile]
 
-  acc_ref[...] = jnp.zeros_like(acc_ref)
-  m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
-  l_ref[...] = jnp.zeros_like(l_ref)
-  cached_shift_ref[0] = jnp.int32(tc.NO_SHIFT)
+  tc.reset_accumulators(acc_ref, m_ref, l_ref, cached_shift_ref)
 
   def block_pages(block):
     return tc.read_block_pages(page_ids_ref, page_start_ref, page_info_ref,
@@ -98,11 +95,8 @@ def _prefill_kernel(
     num_shifts = block_num_shifts_ref[b * blocks_per_row + block]
     first_shift = block_shifts_ref[first_page]
 
-    @pl.when(first_shift != cached_shift_ref[0])
-    def _():
-      q_shifted_ref[...] = rotate_queries(first_shift).astype(
-          q_shifted_ref.dtype)
-      cached_shift_ref[0] = first_shift
+    tc.ensure_shifted_queries(q_shifted_ref, cached_shift_ref, first_shift,
+                              rotate_queries)
 
     k = tc.load_block_rows(k_buf, slot, 0, q_shifted_ref.dtype)
     scores = tc.dot_q_kt(q_shifted_ref[...], k, precision)
@@ -118,24 +112,7 @@ def _prefill_kernel(
     tc.online_softmax_update(scores, keep, v, m_ref, l_ref, acc_ref,
                              precision=precision)
 
-  @pl.when(num_blocks > 0)
-  def _():
-    fetcher.start(block_pages(0), 0)
-
-    def block_step(block, carry):
-      slot = lax.rem(block, 2)
-
-      @pl.when(block + 1 < num_blocks)
-      def _():
-        fetcher.start(block_pages(block + 1), 1 - slot)
-
-      pages = block_pages(block)
-      fetcher.wait(pages, slot)
-      tc.zero_unfilled_value_slots(v_buf, slot, pages)
-      compute_block(block, slot, pages)
-      return carry
-
-    lax.fori_loop(0, num_blocks, block_step, 0)
+  fetcher.stream(block_pages, 0, num_blocks, compute_block)
 
   l = l_ref[...][:, :1]
   out = acc_ref[...] / jnp.where(l > 0, l, 1.0)
