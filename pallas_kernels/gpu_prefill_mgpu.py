@@ -531,32 +531,38 @@ def _interpreter_params():
   return InterpretGPUParams()
 
 
+def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
+                 block_sizes: MgpuBlockSizes) -> str | None:
+  """Why this kernel cannot take these inputs, or None if it can."""
+  if jnp.dtype(q_dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+    return f"lazy_prefill_mgpu needs q dtype bfloat16 or float16, got {q_dtype}"
+  if jnp.dtype(k_dtype) != jnp.dtype(q_dtype):
+    return f"k_pages dtype {k_dtype} must equal q dtype {q_dtype}"
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return (f"lazy_prefill_mgpu needs q head dim in {SUPPORTED_HEAD_DIMS}, "
+            f"got {head_dim}")
+  if page_size % 8 or block_sizes.block_kv % page_size:
+    return (f"lazy_prefill_mgpu needs a k_pages page_size that is a multiple "
+            f"of 8 and divides block_kv={block_sizes.block_kv}, got "
+            f"{page_size}")
+  need = smem_bytes(block_sizes, head_dim)
+  if need > _SMEM_LIMIT - 4096:
+    return (f"block_sizes {block_sizes} need {need} bytes of shared memory "
+            f"(limit {_SMEM_LIMIT - 4096}); use fewer stages")
+  return None
+
+
 def mosaic_prefill_supported(dtype, head_dim: int, page_size: int) -> bool:
   """Whether the default MgpuBlockSizes handle these inputs."""
-  return (jnp.dtype(dtype) in [jnp.dtype(d) for d in SUPPORTED_DTYPES]
-          and head_dim in SUPPORTED_HEAD_DIMS and page_size % 8 == 0
-          and MgpuBlockSizes().block_kv % page_size == 0)
+  return _unsupported(dtype, dtype, head_dim, page_size,
+                      MgpuBlockSizes()) is None
 
 
 def _check_inputs(q, k_pages, page_size, block_sizes):
-  if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-    raise ValueError(
-        f"lazy_prefill_mgpu needs q dtype bfloat16 or float16, got {q.dtype}")
-  if k_pages.dtype != q.dtype:
-    raise ValueError(f"k_pages dtype {k_pages.dtype} must equal q dtype "
-                     f"{q.dtype}")
-  head_dim = q.shape[-1]
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"lazy_prefill_mgpu needs q head dim in "
-                     f"{SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if page_size % 8 or block_sizes.block_kv % page_size:
-    raise ValueError(
-        f"lazy_prefill_mgpu needs a k_pages page_size that is a multiple of 8"
-        f" and divides block_kv={block_sizes.block_kv}, got {page_size}")
-  need = smem_bytes(block_sizes, head_dim)
-  if need > _SMEM_LIMIT - 4096:
-    raise ValueError(f"block_sizes {block_sizes} need {need} bytes of shared "
-                     f"memory (limit {_SMEM_LIMIT - 4096}); use fewer stages")
+  reason = _unsupported(q.dtype, k_pages.dtype, q.shape[-1], page_size,
+                        block_sizes)
+  if reason is not None:
+    raise ValueError(reason)
 
 
 class PrefillPlan(NamedTuple):
