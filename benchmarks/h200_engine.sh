@@ -5,12 +5,14 @@
 #   smoke - throughput smoke: Llama-3-8B shape, 64 concurrent requests;
 #   paper - the RAG serving comparison at the paper-like load (pool 1/3 of the
 #           corpus; PAPER_FRACTION=0.15 for a tighter pool, still within the
-#           issue's "at most a third");
+#           issue's "at most a third"; PAPER_CONCURRENCY=64 and
+#           PAPER_REQUESTS=128 for twice the requests in flight);
 #   tuned - the same with decode layers unrolled and a prefill budget per
 #           scheduling step (not yet measured);
 #   rates, budget - the TTFT-vs-rate and throughput-vs-budget sweeps;
 #   mgpu  - Mosaic GPU prefill kernel: per-call and per-layer (plan made
-#           once) timing against Triton and cuDNN (issue 2, ~40 s);
+#           once) timing against Triton and cuDNN, and its parts timed
+#           alone (issue 2, ~40 s; MGPU_PARITY=1 adds the parity cases);
 #   kernels - the kernel table of record, decode and prefill (issue 2).
 # Usage: bash benchmarks/h200_engine.sh OUTDIR [parts...]
 set -uo pipefail
@@ -50,7 +52,8 @@ for part in $parts; do
     paper)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
-        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
+        --zipf 1.1 --concurrency ${PAPER_CONCURRENCY:-32} --max-batch ${PAPER_CONCURRENCY:-32} \
+        --num-requests ${PAPER_REQUESTS:-64} \
         --cache-fraction ${PAPER_FRACTION:-$fraction} --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
     tuned)
@@ -74,10 +77,12 @@ for part in $parts; do
         --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_budget.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;
     mgpu)
-      timeout ${MGPU_TIMEOUT:-120} python3 -m benchmarks.mgpu_prefill_check --skip-parity 2>&1 \
+      parity=--skip-parity; [ "${MGPU_PARITY:-0}" = 1 ] && parity=""
+      timeout ${MGPU_TIMEOUT:-120} python3 -m benchmarks.mgpu_prefill_check $parity 2>&1 \
         | grep -v Warning | tee "$out/mgpu_prefill.txt" | tail -20 ;;
     kernels)
-      timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" 2>&1 \
+      timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
+        --time-budget ${KERNELS_BUDGET:-480} 2>&1 \
         | grep -v Warning | tee "$out/kernels.txt" | tail -45 ;;
   esac
 done

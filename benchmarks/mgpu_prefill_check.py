@@ -17,7 +17,8 @@ Run on the GPU machine from the repository root:
                   (benchmarks/kernels.py explains why).
     FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
     include everything the lazy API does per call (query rotation, step
-    lists, kernel).  Median over 21 samples, each a chain of calls
+    lists, kernel), except the rows marked per-layer, plan only, query
+    rotation only and kernel only, which time those parts alone.  Median over 21 samples, each a chain of calls
     (benchmarks.kernels.ChainTimer), after a warm-up run.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 """
@@ -42,7 +43,10 @@ from benchmarks.kernels import (DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                 _random, _visible_pairs)
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
-from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
+from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
+                                             lazy_prefill_mgpu,
+                                             mgpu_prefill_kernel,
+                                             rotated_query_tokens)
 
 VARIANTS = {
     "k64w2s3-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
@@ -192,6 +196,20 @@ def run_timing(variants):
                     _perturb_planned))
     methods.append(("mgpu plan only (per batch)", _plan_only, lazy_args,
                     _perturb_lazy))
+    # The per-layer call split in two: the XLA query rotation, and the
+    # kernel on a precomputed rotated query (where the time goes).
+    t_pad = plan[-1].shape[1]
+    methods.append(("mgpu query rotation only", lambda q, q_pos:
+                    rotated_query_tokens(q, q_pos, ROPE,
+                                         jnp.float32(SM_SCALE), t_pad),
+                    (lazy_args[0], lazy_args[7]), _perturb_query))
+    q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4))(
+        lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad)
+    methods.append(("mgpu kernel only", lambda q_rot, k, v, plan:
+                    mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
+                                        out_dtype=DTYPE),
+                    (q_rot, lazy_args[1], lazy_args[2], plan),
+                    _perturb_query))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
                     _perturb_lazy))

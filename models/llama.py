@@ -41,7 +41,7 @@ from flax import nnx
 
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
-from pallas_kernels.lazy_attention import lazy_attention
+from pallas_kernels.lazy_attention import lazy_attention, plan_lazy_attention
 from pallas_kernels.rope import apply_rope
 
 LAYER_PARAM_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -311,6 +311,16 @@ class Llama(nnx.Module):
     write_ok = ((inputs.write_page >= 0) & (inputs.write_page < num_pages) &
                 (inputs.write_slot >= 0) & (inputs.write_slot < page_size))
     key_pos = jnp.maximum(inputs.q_pos, 0)
+    # The kernel's per-batch metadata, made once and shared by every layer
+    # (None for kernels that have none); heads_first layers read their pages
+    # at an offset of the one page array, so the plan stays the same.
+    layer_pool = jax.ShapeDtypeStruct(
+        (c.num_kv_heads, num_pages, page_size, c.head_dim), k_cache.dtype)
+    plan = plan_lazy_attention(
+        jax.ShapeDtypeStruct(tokens.shape + (c.num_heads, c.head_dim),
+                             k_cache.dtype), layer_pool, inputs.page_table,
+        inputs.page_pos, inputs.page_shift, inputs.page_len, inputs.q_pos,
+        rope=rope, impl=impl)
 
     if kv_layout == "layers_first":
       write_page = jnp.where(write_ok, inputs.write_page, num_pages)
@@ -326,7 +336,7 @@ class Llama(nnx.Module):
         out = lazy_attention(q, k_pool[layer], v_pool[layer],
                              inputs.page_table, inputs.page_pos,
                              inputs.page_shift, inputs.page_len, inputs.q_pos,
-                             rope=rope, impl=impl)
+                             rope=rope, impl=impl, plan=plan)
         return out, (k_pool, v_pool)
 
       pools = (k_cache, v_cache)
@@ -365,9 +375,10 @@ class Llama(nnx.Module):
         v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
         out = lazy_attention(q, to_pool(k_pool).reshape(page_shape),
                              to_pool(v_pool).reshape(page_shape),
-                             inputs.page_table + offset, inputs.page_pos,
+                             inputs.page_table, inputs.page_pos,
                              inputs.page_shift, inputs.page_len, inputs.q_pos,
-                             rope=rope, impl=impl)
+                             rope=rope, impl=impl, page_offset=offset,
+                             plan=plan)
         return out, (k_pool, v_pool)
 
       pools = (to_carry(k_cache.reshape(row_shape)),

@@ -9,6 +9,7 @@ from pallas_kernels.lazy_attention import (
     check_lazy_attention_shapes,
     check_lazy_attention_values,
     lazy_attention,
+    plan_lazy_attention,
     resolve_impl,
 )
 from pallas_kernels.reference import lazy_attention_reference
@@ -22,5 +23,6 @@ __all__ = [
     "check_lazy_attention_values",
     "lazy_attention",
     "lazy_attention_reference",
+    "plan_lazy_attention",
     "resolve_impl",
 ]

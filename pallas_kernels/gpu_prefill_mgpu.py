@@ -9,12 +9,21 @@ per-element gather addressing (integer ALU, 255 registers, 12.5 % occupancy)
 and leaves the tensor cores mostly idle.  Here the gather happens at page
 granularity in the TMA unit and no per-element address is ever computed.
 
-Layout of the work (same query-row grouping as the Triton kernel):
+Layout of the work:
 
-- Query rows are GQA-grouped per kv head (`gpu_common.grouped_query_rows`:
-  f32 R(q_pos) q with sm_scale * log2(e) folded in).  A CTA takes
-  64 * num_compute_wgs consecutive rows of one (batch row, kv head); grid
-  (row tiles, K, B).  Each compute warpgroup owns 64 rows (one wgmma M).
+- Queries stay in their [B, T, N, H] layout: XLA only rotates them,
+  R(q_pos) q in f32 with sm_scale * log2(e) folded in (`rope.rotated_query`),
+  and the kernel TMA-copies a (64 tokens, one query head) box straight out
+  of that array; the output is written back the same way into [B, T, N, H].
+  No relayout of q or of the output (they cost ~20 us at the 512-token
+  benchmark chunk, a twelfth of the bar's margin).
+- Work units of one (batch row, kv head) are u = token_block * G + g: 64
+  tokens of query head g of the group.  One compute warpgroup takes one
+  unit (one wgmma M of 64 rows); a CTA takes `num_compute_wgs` consecutive
+  units, so with G even both warpgroups see the same 64 tokens (two heads
+  of the group) and the CTA streams the kv head's pages once for both.
+  Grid (units / num_compute_wgs, K, B).  T is padded to whole token blocks
+  (and one more block when the unit count would not split evenly).
 - XLA (metadata only, outside the kernel) flattens the batch row's work into
   a list of *steps*: one step = one KV block of `block_kv / page_size`
   logical pages of one segment (a run of live pages with one shift,
@@ -72,7 +81,10 @@ Simplifications of this first version (documented, deliberate):
   skip is per CTA tile, not per warpgroup); the mask handles the rest.
 - The query tile is kept in SMEM in f32 (rotation in f32, one rounding to
   bf16 per segment), which costs 32 KB per warpgroup; with block_kv = 64 and
-  3 stages the CTA uses about 194 KB of shared memory.
+  2 stages the CTA uses about 162 KB of shared memory.
+- `page_offset` (an int32 scalar input, not part of the plan) is added to
+  every physical page id by the producer, so a model whose layers live in
+  one page array at per-layer offsets can make one plan for all layers.
 
 `interpret=True` runs the kernel in the (experimental, jax >= 0.10) Mosaic
 GPU interpreter on CPU: layouts are dropped and the two matmuls become
@@ -96,7 +108,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_prefill import prefill_segments, tile_page_ends
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
-from pallas_kernels.rope import RopeConfig, cos_sin_from_chunks
+from pallas_kernels.rope import (RopeConfig, cos_sin_from_chunks,
+                                 rotated_query)
 
 # Rows per compute warpgroup: the M of one wgmma.
 WG_ROWS = 64
@@ -125,7 +138,10 @@ class MgpuBlockSizes:
 
   block_kv: int = 64
   num_compute_wgs: int = 2
-  num_stages: int = 3
+  # 2, not 3: on the H200 (jax 0.11.2) two stages beat three in all four
+  # side-by-side pairs of 2026-11-29 (chunk 512: 0.744 vs 0.751 ms and
+  # 0.738 vs 0.754 ms; chunk 128: 0.390 vs 0.397, 0.395 vs 0.410).
+  num_stages: int = 2
   # Off by default: on the H200 (jax 0.11.2) the ping-pong barrier cost 5 %
   # at the 512-token chunk and nothing at 128 (benchmarks/kernel_notes.md).
   schedule_barrier: bool = False
@@ -333,11 +349,24 @@ def _select_per_page(page, values):
   return out
 
 
-def _kernel(n_steps_ref, min_row_ref, rec_ref, cs_ref, row_pos_ref, q_ref,
-            k_ref, v_ref, o_ref, qf_smem, q16_smem, k_smem, v_smem, rec_smem,
-            cs_smem, rp_smem, q_bars, k_bars, v_bars, k_free, v_free,
-            sched_bar, *, cfg: MgpuBlockSizes, page_size: int,
-            layout: RecordLayout, interpret: bool):
+def _kernel(
+    # Plan (per batch, the same for every layer; see PrefillPlan).
+    n_steps_ref,  # int32 [B, tiles]
+    min_row_ref,  # int32 [B, token blocks]
+    rec_ref,  # int32 [B, steps, record width]
+    cs_ref,  # f32 [B, M, 2, H/2]
+    row_pos_ref,  # int32 [B, T_pad]
+    page_offset_ref,  # int32 [1]: added to every physical page id
+    # Operands.
+    q_ref,  # f32 [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e)
+    k_ref,  # [K, pages * P, H] in the pool's dtype
+    v_ref,  # [K, pages * P, H]
+    # Output.
+    o_ref,  # [B, T_pad, N, H]
+    # Scratch.
+    qf_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
+    k_bars, v_bars, k_free, v_free, sched_bar, *, cfg: MgpuBlockSizes,
+    page_size: int, group: int, layout: RecordLayout, interpret: bool):
   ops = _Ops(interpret)
   nwg, stages, block_kv = cfg.num_compute_wgs, cfg.num_stages, cfg.block_kv
   ppb = block_kv // page_size
@@ -363,17 +392,19 @@ def _kernel(n_steps_ref, min_row_ref, rec_ref, cs_ref, row_pos_ref, q_ref,
   def _compute():
     if not interpret:
       plgpu.set_max_registers(_COMPUTE_REGISTERS[nwg], action="increase")
-    row_block = tile * nwg + wg
-    row0 = row_block * WG_ROWS
+    unit = tile * nwg + wg
+    token_block = lax.div(unit, jnp.int32(group))
+    query_head = head * group + (unit - token_block * group)
+    tokens = pl.ds(token_block * WG_ROWS, WG_ROWS)
     qf = qf_smem.at[wg]
     q16 = q16_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, WG_ROWS)], qf,
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, tokens, query_head], qf,
                             q_bars.at[wg])
-    plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, pl.ds(row0, WG_ROWS)],
-                            rp_smem.at[wg], q_bars.at[wg])
+    plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
+                            q_bars.at[wg])
     plgpu.barrier_wait(q_bars.at[wg])
     row_pos = ops.cast(rp_smem[wg], row_layout)
-    oldest_row = min_row_ref[batch, row_block]
+    oldest_row = min_row_ref[batch, token_block]
 
     def rotate(slot):
       """q16 = R(-shift) q in `dtype`; cos/sin of the step's segment."""
@@ -467,7 +498,7 @@ def _kernel(n_steps_ref, min_row_ref, rec_ref, cs_ref, row_pos_ref, q_ref,
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     q16[...] = out.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q16, o_ref.at[batch, head, pl.ds(row0, WG_ROWS)])
+    plgpu.copy_smem_to_gmem(q16, o_ref.at[batch, tokens, query_head])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == nwg)
@@ -475,10 +506,13 @@ def _kernel(n_steps_ref, min_row_ref, rec_ref, cs_ref, row_pos_ref, q_ref,
     if not interpret:
       plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
+    page_offset = page_offset_ref[0]
+
     def step(i, _):
       slot = lax.rem(i, stages)
       # Scalar reads first: their latency overlaps the wait for the slot.
-      phys = [rec_ref[batch, i, layout.phys + j] for j in range(ppb)]
+      phys = [rec_ref[batch, i, layout.phys + j] + page_offset
+              for j in range(ppb)]
       seg = rec_ref[batch, i, layout.seg]
 
       def copy_pages(pages_ref, ring, barrier):
@@ -570,39 +604,59 @@ class PrefillPlan(NamedTuple):
 
   Computed by `plan_prefill` from the page metadata and q_pos only, so a
   model can compute it once per forward pass and hand it to every layer's
-  `lazy_prefill_mgpu_planned` (as FlashInfer's plan/run split does).
+  `lazy_prefill_mgpu_planned` (as FlashInfer's plan/run split does); layers
+  that sit at different offsets of one page array pass `page_offset`.
   """
 
-  n_steps: jax.Array  # int32 [B, tiles]: steps each row tile runs
-  min_row: jax.Array  # int32 [B, R / 64]: oldest q_pos of each warpgroup
+  n_steps: jax.Array  # int32 [B, tiles]: steps each CTA runs
+  min_row: jax.Array  # int32 [B, T_pad / 64]: oldest q_pos of a token block
   records: jax.Array  # int32 [B, steps, width]: step records
   cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin
-  row_pos: jax.Array  # int32 [B, R]: q_pos of each grouped query row
+  row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
+
+
+def padded_query_len(q_len: int, group: int, num_compute_wgs: int) -> int:
+  """Tokens the kernel works on: whole 64-token blocks, and as many blocks
+  that the (block, query head) units split evenly over the CTAs."""
+  blocks = -(-q_len // WG_ROWS)
+  while (blocks * group) % num_compute_wgs:
+    blocks += 1
+  return blocks * WG_ROWS
 
 
 def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
                  group, head_dim, num_pages, page_size,
                  block_sizes: MgpuBlockSizes | None = None) -> PrefillPlan:
-  """The layer-independent XLA work before the kernel (see PrefillPlan)."""
+  """The layer-independent XLA work before the kernel (see PrefillPlan).
+
+  `num_pages` is the number of pages one layer's page ids index (the plan's
+  physical ids are clipped to it; `page_offset` is added in the kernel).
+  """
   block_sizes = block_sizes or MgpuBlockSizes()
-  batch = q_pos.shape[0]
+  batch, q_len = q_pos.shape
+  nwg = block_sizes.num_compute_wgs
   ppb = block_sizes.block_kv // page_size
-  cta_rows = WG_ROWS * block_sizes.num_compute_wgs
-  row_pos = common.grouped_row_positions(q_pos, group, cta_rows)
-  num_rows = row_pos.shape[1]
+  t_pad = padded_query_len(q_len, group, nwg)
+  row_pos = jnp.where(q_pos >= 0, q_pos, common.PADDING_ROW)
+  row_pos = jnp.pad(row_pos, ((0, 0), (0, t_pad - q_len)),
+                    constant_values=common.PADDING_ROW)
   newest = jnp.max(q_pos, axis=1)
   live = ((page_len > 0) & (page_pos <= newest[:, None])
           & (newest[:, None] >= 0))
   records, num_steps, step_first, shift = step_records(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
       page_size=page_size, pages_per_block=ppb)
-  tile_end = tile_page_ends(row_pos, page_pos, live, cta_rows)  # [B, tiles]
-  # Steps are in page order: the tile's steps are those starting before its
-  # last visible page.
-  n_steps = jnp.sum(step_first[:, None, :] < tile_end[:, :, None],
-                    axis=-1).astype(jnp.int32)
-  n_steps = jnp.minimum(n_steps, num_steps[:, None])
-  min_row = jnp.min(row_pos.reshape(batch, num_rows // WG_ROWS, WG_ROWS),
+  # Steps are in page order: a token block's steps are those starting before
+  # the last page it can see.
+  block_end = tile_page_ends(row_pos, page_pos, live, WG_ROWS)  # [B, TB]
+  block_steps = jnp.sum(step_first[:, None, :] < block_end[:, :, None],
+                        axis=-1).astype(jnp.int32)
+  block_steps = jnp.minimum(block_steps, num_steps[:, None])
+  # A CTA runs the steps of the newest token block among its units.
+  num_tiles = t_pad // WG_ROWS * group // nwg
+  unit_block = (np.arange(num_tiles * nwg) // group).reshape(num_tiles, nwg)
+  n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
+  min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
                     axis=-1)
   cos_sin = segment_cos_sin(shift, rope, head_dim)
   return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos)
@@ -636,31 +690,59 @@ def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                    interpret=interpret)
 
 
+def rotated_query_tokens(q, q_pos, rope: RopeConfig, sm_scale, padded_len):
+  """f32 [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), the kernel's
+  query operand (zero on padding rows and past T)."""
+  scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(common.LOG2_E)
+  q_rot, _ = rotated_query(q, q_pos, rope, scale)
+  return jnp.pad(q_rot, ((0, 0), (0, padded_len - q.shape[1]), (0, 0),
+                         (0, 0)))
+
+
 def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
-                              *, rope: RopeConfig, sm_scale,
+                              *, rope: RopeConfig, sm_scale, page_offset=0,
                               block_sizes: MgpuBlockSizes | None = None,
                               interpret: bool = False):
-  """The per-layer part of `lazy_prefill_mgpu`: query rows + the kernel.
+  """The per-layer part of `lazy_prefill_mgpu`: query rotation + kernel.
 
   `plan` must come from `plan_prefill` with the same metadata, q_pos, shapes
-  and block_sizes.
+  and block_sizes.  `page_offset` (int or int32 scalar array) is added to
+  every physical page id of the plan: layer l of a model whose layers share
+  one [K, L * pages, P, H] array passes l * pages and reuses one plan.
   """
   block_sizes = block_sizes or MgpuBlockSizes()
-  batch, q_len, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  _check_inputs(q, k_pages, page_size, block_sizes)
+  _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
+  q_len = q.shape[1]
+  t_pad = plan.row_pos.shape[1]
+  q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad)
+  out = mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan, page_offset,
+                            out_dtype=q.dtype, block_sizes=block_sizes,
+                            interpret=interpret)
+  return out[:, :q_len]
+
+
+def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
+                        page_offset=0, *, out_dtype,
+                        block_sizes: MgpuBlockSizes | None = None,
+                        interpret: bool = False):
+  """The kernel alone: q_rot from `rotated_query_tokens`, plan from
+  `plan_prefill`.  Returns out_dtype [B, T_pad, N, H]."""
+  block_sizes = block_sizes or MgpuBlockSizes()
+  batch, t_pad, num_heads, head_dim = q_rot.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   nwg, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
   block_kv = block_sizes.block_kv
   ppb = block_kv // page_size
   layout = RecordLayout(ppb)
-  q_rot, _ = common.grouped_query_rows(
-      q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=WG_ROWS * nwg)
-  n_steps, min_row, records, cos_sin, row_pos = plan
-  num_rows = row_pos.shape[1]
-  num_tiles = num_rows // (WG_ROWS * nwg)
+  num_tiles = plan.n_steps.shape[1]
+  if num_tiles * nwg != t_pad // WG_ROWS * group:
+    raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
+                     f"and group {group} needs {t_pad // WG_ROWS * group} "
+                     f"units over {nwg} warpgroups")
+  page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
 
-  dtype = q.dtype
+  dtype = k_pages.dtype
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
   tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
              plgpu.SwizzleTransform(swizzle))
@@ -681,14 +763,14 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
       plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong)
   ]
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
-                             layout=layout, interpret=interpret)
+                             group=group, layout=layout, interpret=interpret)
   extra = {}
   if interpret:
     extra["interpret"] = _interpreter_params()
-  out = plgpu.kernel(
+  return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim),
-                                    dtype),
+      out_type=jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim),
+                                    out_dtype),
       scratch_types=scratch,
       grid=(num_tiles, num_kv_heads, batch),
       grid_names=("tile", "head", "batch"),
@@ -696,6 +778,5 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **extra,
-  )(n_steps, min_row, records, cos_sin, row_pos, q_rot,
-    common.flat_pages(k_pages), common.flat_pages(v_pages))
-  return common.rows_to_heads(out, q_len, group)
+  )(plan.n_steps, plan.min_row, plan.records, plan.cos_sin, plan.row_pos,
+    page_offset, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages))

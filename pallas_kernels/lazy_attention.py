@@ -135,8 +135,14 @@ def _is_concrete(*arrays) -> bool:
 @functools.partial(jax.jit, static_argnames=("rope", "impl", "interpret",
                                              "gpu_prefill"))
 def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
-                        page_len, q_pos, sm_scale, *, rope, impl, interpret,
-                        gpu_prefill="triton"):
+                        page_len, q_pos, sm_scale, page_offset, plan, *, rope,
+                        impl, interpret, gpu_prefill="triton"):
+  if plan is not None:  # only made for the Mosaic GPU prefill kernel
+    from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu_planned
+    return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
+                                     rope=rope, sm_scale=sm_scale,
+                                     page_offset=page_offset)
+  page_table = page_table + page_offset
   if impl == "xla":
     from pallas_kernels.xla_attention import lazy_attention_xla
     return lazy_attention_xla(q, k_pages, v_pages, page_table, page_pos,
@@ -162,9 +168,61 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
                 interpret=interpret)
 
 
+def _uses_plan(impl: str, q, k_pages, interpret: bool) -> bool:
+  return (impl == "gpu" and q.shape[1] > 1
+          and _gpu_prefill_kernel(q, k_pages, interpret) == "mosaic")
+
+
+@functools.partial(jax.jit, static_argnames=("rope", "group", "head_dim",
+                                             "num_pages", "page_size"))
+def _plan_jit(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
+              group, head_dim, num_pages, page_size):
+  from pallas_kernels.gpu_prefill_mgpu import plan_prefill
+  return plan_prefill(page_table, page_pos, page_shift, page_len, q_pos,
+                      rope=rope, group=group, head_dim=head_dim,
+                      num_pages=num_pages, page_size=page_size)
+
+
+def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
+                        page_len, q_pos, *, rope: RopeConfig,
+                        impl: str = "auto", interpret: bool = False):
+  """Per-batch kernel metadata that several `lazy_attention` calls share.
+
+  A model calls this once per forward pass and passes the result as `plan=`
+  to every layer's `lazy_attention` (FlashInfer's plan/run split): the
+  kernel's step lists, causal tile bounds and per-segment cos/sin depend only
+  on the page metadata and q_pos, not on the layer.  Layers whose pages sit
+  at different offsets of one page array pass `page_offset=` there.
+
+  Args:
+    q: the query ([B, T, N, H]); only its shape and dtype are read, so a
+      jax.ShapeDtypeStruct will do.
+    k_pages: one layer's pool ([K, num_pages, page_size, H]), shape and dtype
+      only: the plan's page ids index it.
+    page_table, page_pos, page_shift, page_len, q_pos, rope, impl, interpret:
+      as for `lazy_attention`.
+
+  Returns:
+    An opaque plan, or None where the kernel that `lazy_attention` picks for
+    these inputs has no plan (decode, the xla and tpu impls, the Triton
+    prefill kernel); passing None as `plan` is always fine.
+  """
+  if not isinstance(rope, RopeConfig):
+    raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
+  impl = resolve_impl(impl)
+  if not _uses_plan(impl, q, k_pages, interpret):
+    return None
+  num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+  return _plan_jit(page_table, page_pos, page_shift, page_len, q_pos,
+                   rope=rope, group=q.shape[2] // num_kv_heads,
+                   head_dim=head_dim, num_pages=num_pages,
+                   page_size=page_size)
+
+
 def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
                    page_len, q_pos, *, rope: RopeConfig, sm_scale=None,
-                   impl: str = "auto", interpret: bool = False):
+                   impl: str = "auto", interpret: bool = False,
+                   page_offset=None, plan=None):
   """Paged attention with deferred RoPE (DESIGN.md section 2).
 
   Score of query row (b, t, n) against slot i of logical page m:
@@ -188,6 +246,11 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     impl: "auto", "xla", "gpu" or "tpu".
     interpret: run the Pallas kernels in interpret mode (on CPU): generic
       interpret for "gpu", TPU-semantics `pltpu.InterpretParams()` for "tpu".
+    page_offset: optional int32 scalar (int or array) added to every entry
+      of page_table: a model whose layers share one page array passes
+      layer * pages_per_layer and keeps one page_table (and one plan).
+    plan: optional, from `plan_lazy_attention` with the same metadata, q_pos,
+      shapes and impl (None is always accepted).
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -197,15 +260,26 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
   impl = resolve_impl(impl)
   check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
                               page_shift, page_len, q_pos)
-  if _is_concrete(page_table, page_pos, page_shift, page_len, q_pos):
-    check_lazy_attention_values(k_pages, page_table, page_pos, page_shift,
-                                page_len, q_pos)
+  if page_offset is None:
+    page_offset = 0
+  if jnp.ndim(page_offset) != 0:
+    raise ValueError(f"page_offset must be a scalar, got shape "
+                     f"{jnp.shape(page_offset)}")
+  if _is_concrete(page_table, page_pos, page_shift, page_len, q_pos,
+                  page_offset):
+    check_lazy_attention_values(k_pages, page_table + np.asarray(page_offset),
+                                page_pos, page_shift, page_len, q_pos)
+  page_offset = jnp.asarray(page_offset, jnp.int32)
+  if plan is not None and not _uses_plan(impl, q, k_pages, interpret):
+    raise ValueError("plan was given, but these inputs do not run the kernel "
+                     "it was made for; pass the plan_lazy_attention result "
+                     "for the same q, pool and impl")
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   sm_scale = jnp.asarray(sm_scale, jnp.float32)
   gpu_prefill = (_gpu_prefill_kernel(q, k_pages, interpret)
                  if impl == "gpu" and q.shape[1] > 1 else "triton")
   return _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos,
-                             page_shift, page_len, q_pos, sm_scale, rope=rope,
-                             impl=impl, interpret=interpret,
-                             gpu_prefill=gpu_prefill)
+                             page_shift, page_len, q_pos, sm_scale,
+                             page_offset, plan, rope=rope, impl=impl,
+                             interpret=interpret, gpu_prefill=gpu_prefill)

@@ -252,6 +252,69 @@ def test_parity_interpret_one_warpgroup_page8():
   _check(out, lazy, LLAMA3)
 
 
+@needs_interpreter
+def test_parity_interpret_odd_group_pads_a_token_block():
+  """Hq/Hkv 9/3 with two warpgroups: 3 (token block, head) units do not
+  split over 2 warpgroups, so T is padded by a whole extra block whose
+  unit must neither write into the output nor disturb the others."""
+  from pallas_kernels.gpu_prefill_mgpu import padded_query_len
+  assert padded_query_len(7, 3, 2) == 128
+  rng = np.random.default_rng(3)
+  lazy = make_case(rng, batch=1, q_len=7, num_heads=9, num_kv_heads=3,
+                   head_dim=64, page_size=8, dtype=jnp.bfloat16)
+  _check(_call(lazy.args(), interpret=True), lazy, PLAIN)
+
+
+@needs_interpreter
+def test_parity_interpret_mha_and_page_offset():
+  """Hq = Hkv (group 1): the two warpgroups of a CTA take two different
+  token blocks.  The same plan, run with page_offset into a pool that holds
+  the case's pages after garbage pages, gives the same result."""
+  from pallas_kernels.gpu_prefill_mgpu import (lazy_prefill_mgpu_planned,
+                                               plan_prefill)
+  rng = np.random.default_rng(4)
+  lazy = make_case(rng, batch=1, q_len=70, num_heads=2, num_kv_heads=2,
+                   head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                   docs_per_row=2, max_doc_len=60)
+  args = [jnp.asarray(a) for a in lazy.args()]
+  q, k_pages, v_pages, table, pos, shift, length, q_pos = args
+  num_pages = k_pages.shape[1]
+  plan = plan_prefill(table, pos, shift, length, q_pos, rope=PLAIN, group=1,
+                      head_dim=64, num_pages=num_pages, page_size=16)
+  offset = 5
+  garbage = jnp.full((2, offset) + k_pages.shape[2:], jnp.nan, k_pages.dtype)
+  shifted = lambda pages: jnp.concatenate([garbage, pages], axis=1)
+  out = lazy_prefill_mgpu_planned(
+      q, shifted(k_pages), shifted(v_pages), q_pos, plan, rope=PLAIN,
+      sm_scale=jnp.float32(64 ** -0.5), page_offset=jnp.int32(offset),
+      interpret=True)
+  _check(out, lazy, PLAIN)
+
+
+def test_plan_units_and_steps():
+  """Plan of a 100-token chunk after 160 tokens of context, group 4, two
+  warpgroups: 2 token blocks x 4 heads = 8 units = 4 CTAs, and the CTAs of
+  token block 0 skip the pages only block 1 can see."""
+  from pallas_kernels.gpu_prefill_mgpu import plan_prefill
+  pages, page_size = 17, 16  # 10 context pages + 7 for the chunk
+  page_pos = jnp.arange(pages, dtype=jnp.int32)[None] * page_size
+  page_len = jnp.full((1, pages), page_size, jnp.int32).at[0, 16].set(4)
+  zeros = jnp.zeros((1, pages), jnp.int32)
+  q_pos = (160 + jnp.arange(100, dtype=jnp.int32))[None]
+  plan = plan_prefill(jnp.arange(pages, dtype=jnp.int32)[None], page_pos,
+                      zeros, page_len, q_pos, rope=PLAIN, group=4,
+                      head_dim=64, num_pages=pages, page_size=page_size)
+  assert plan.row_pos.shape == (1, 128)
+  assert np.asarray(plan.row_pos[0, :100]).tolist() == list(range(160, 260))
+  assert np.all(np.asarray(plan.row_pos[0, 100:]) == -(2**31))
+  # Block 1 holds padding rows: its oldest row is the padding sentinel, so
+  # every one of its steps goes through the mask.
+  assert np.asarray(plan.min_row).tolist() == [[160, -(2**31)]]
+  # One segment, 4 pages a step.  Block 0 (160..223) sees pages 0..13:
+  # steps starting at pages 0, 4, 8, 12.  Block 1 sees page 16 too.
+  assert np.asarray(plan.n_steps).tolist() == [[4, 4, 5, 5]]
+
+
 GPU_CASES = [
     # (heads, head_dim, page_size, q_len, base_position, rope, block sizes)
     ((32, 8), 128, 16, 64, 0, PLAIN, None),
