@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -64,7 +65,8 @@ import numpy as np
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
 from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
-from pallas_kernels.gpu_prefill_mgpu import (PrefillPlan, lazy_prefill_mgpu,
+from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
+                                             lazy_prefill_mgpu,
                                              lazy_prefill_mgpu_planned,
                                              plan_prefill)
 from pallas_kernels.rope import RopeConfig
@@ -107,6 +109,15 @@ PREFILL_VARIANTS = {
                                  num_stages=3),
     "q128k128w8s2": GpuBlockSizes(block_q=128, block_kv=128, num_warps=8,
                                   num_stages=2),
+}
+
+# Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
+# steps, 16-bit query storage): the default before 2026-11-29 (64-key steps,
+# f32 query) and the default with the ping-pong barrier.
+MOSAIC_CANDIDATES = {
+    "k64w2s2-f32": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
+                                  num_stages=2, query_in_f32=True),
+    "k128w2s2-sched": MgpuBlockSizes(schedule_barrier=True),
 }
 
 
@@ -320,12 +331,13 @@ def _lazy_fn(kernel, block_sizes):
   return run
 
 
-def _plan(q, k_pages, v_pages, table, pos, shift, length, q_pos):
+def _plan(q, k_pages, v_pages, table, pos, shift, length, q_pos,
+          block_sizes=None):
   del v_pages
   return plan_prefill(table, pos, shift, length, q_pos, rope=ROPE,
                       group=q.shape[2] // k_pages.shape[0],
                       head_dim=q.shape[-1], num_pages=k_pages.shape[1],
-                      page_size=k_pages.shape[2])
+                      page_size=k_pages.shape[2], block_sizes=block_sizes)
 
 
 def _plan_only(*lazy_args):
@@ -336,10 +348,11 @@ def _plan_only(*lazy_args):
   return lazy_args[0] + (tie * jnp.float32(0)).astype(lazy_args[0].dtype)
 
 
-def _planned(q, k_pages, v_pages, q_pos, plan):
+def _planned(q, k_pages, v_pages, q_pos, plan, block_sizes=None):
   return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos,
                                    PrefillPlan(*plan), rope=ROPE,
-                                   sm_scale=jnp.float32(SM_SCALE))
+                                   sm_scale=jnp.float32(SM_SCALE),
+                                   block_sizes=block_sizes)
 
 
 def _perturb_planned(args, zero):
@@ -493,13 +506,17 @@ def run_prefill(results, variants, shapes, tuning_shape, budget):
     # The Hopper kernel (what lazy_attention(impl="gpu") runs for bf16):
     # the whole call, and the per-layer part with the per-batch plan made
     # once (as a model's layers share it).
-    _measure(results, "prefill", shape, "lazy-mosaic",
-             _lazy_fn(lazy_prefill_mgpu, None), lazy_sets, _perturb_lazy,
-             flops=flops)
-    plan = tuple(jax.jit(_plan)(*lazy_sets[0]))
-    _measure(results, "prefill", shape, "lazy-mosaic per-layer",
-             _planned, [(q, k_pages, v_pages, q_pos, plan)],
-             _perturb_planned, flops=flops, note="plan made once per batch")
+    for suffix, sizes in [("", None)] + [
+        (f"[{name}]", sizes) for name, sizes in MOSAIC_CANDIDATES.items()]:
+      _measure(results, "prefill", shape, "lazy-mosaic" + suffix,
+               _lazy_fn(lazy_prefill_mgpu, sizes), lazy_sets, _perturb_lazy,
+               flops=flops)
+      plan = tuple(jax.jit(functools.partial(_plan, block_sizes=sizes))(
+          *lazy_sets[0]))
+      _measure(results, "prefill", shape, "lazy-mosaic per-layer" + suffix,
+               functools.partial(_planned, block_sizes=sizes),
+               [(q, k_pages, v_pages, q_pos, plan)], _perturb_planned,
+               flops=flops, note="plan made once per batch")
     k_dense = _dense_from_pages(k_pages, table)
     v_dense = _dense_from_pages(v_pages, table)
     causal = context == 0
@@ -591,13 +608,15 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
   else:
     out("  >= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)")
   cudnn = _find(results, "prefill", "chunk512", "cudnn")
-  for method in (f"lazy[{prefill_variant}]", "lazy-mosaic",
-                 "lazy-mosaic per-layer"):
+  mosaic = [f"lazy-mosaic{part}{suffix}" for suffix in
+            [""] + [f"[{name}]" for name in MOSAIC_CANDIDATES]
+            for part in ("", " per-layer")]
+  for method in [f"lazy[{prefill_variant}]"] + mosaic:
     lazy = _find(results, "prefill", "chunk512", method)
     if lazy and cudnn:
       ratio = lazy.tflop_per_s / cudnn.tflop_per_s
       out(f"  {method} prefill >= 0.7x cuDNN TFLOP/s at chunk512: "
-          f"{verdict(ratio >= 0.7)} ({ratio:.2f}x: {lazy.tflop_per_s:.1f} "
+          f"{verdict(ratio >= 0.7)} ({ratio:.3f}x: {lazy.tflop_per_s:.1f} "
           f"vs {cudnn.tflop_per_s:.1f})")
     else:
       out(f"  {method} prefill >= 0.7x cuDNN at chunk512: MISS (not "

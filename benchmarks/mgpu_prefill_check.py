@@ -49,15 +49,30 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              rotated_query_tokens)
 
 VARIANTS = {
+    # f32 query storage (the default before 2026-11-29's run 7).
     "k64w2s3-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                    num_stages=3, schedule_barrier=True),
+                                    num_stages=3, schedule_barrier=True,
+                                    query_in_f32=True),
     "k64w2s2-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                    num_stages=2, schedule_barrier=True),
+                                    num_stages=2, schedule_barrier=True,
+                                    query_in_f32=True),
     "k64w2s2-nosched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                      num_stages=2, schedule_barrier=False),
+                                      num_stages=2, schedule_barrier=False,
+                                      query_in_f32=True),
     "k64w2s3-nosched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                      num_stages=3, schedule_barrier=False),
-    "k128w1s2": MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2),
+                                      num_stages=3, schedule_barrier=False,
+                                      query_in_f32=True),
+    "k128w1s2": MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2,
+                               query_in_f32=True),
+    # 16-bit query storage: half the query's shared memory, which makes room
+    # for 128-key steps with two compute warpgroups.
+    "k64w2s2-q16": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
+                                  num_stages=2, query_in_f32=False),
+    "k128w2s2-q16": MgpuBlockSizes(block_kv=128, num_compute_wgs=2,
+                                   num_stages=2, query_in_f32=False),  # default
+    "k128w2s2-q16-sched": MgpuBlockSizes(block_kv=128, num_compute_wgs=2,
+                                         num_stages=2, query_in_f32=False,
+                                         schedule_barrier=True),
 }
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
@@ -201,10 +216,13 @@ def run_timing(variants):
     t_pad = plan[-1].shape[1]
     methods.append(("mgpu query rotation only", lambda q, q_pos:
                     rotated_query_tokens(q, q_pos, ROPE,
-                                         jnp.float32(SM_SCALE), t_pad),
+                                         jnp.float32(SM_SCALE), t_pad,
+                                         MgpuBlockSizes().query_in_f32),
                     (lazy_args[0], lazy_args[7]), _perturb_query))
-    q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4))(
-        lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad)
+    in_f32 = MgpuBlockSizes().query_in_f32
+    q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
+        lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad,
+        in_f32)
     methods.append(("mgpu kernel only", lambda q_rot, k, v, plan:
                     mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
                                         out_dtype=DTYPE),

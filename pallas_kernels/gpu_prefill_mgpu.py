@@ -12,11 +12,11 @@ granularity in the TMA unit and no per-element address is ever computed.
 Layout of the work:
 
 - Queries stay in their [B, T, N, H] layout: XLA only rotates them,
-  R(q_pos) q in f32 with sm_scale * log2(e) folded in (`rope.rotated_query`),
+  R(q_pos) q (f32, stored in q's dtype by default) with sm_scale * log2(e)
+  folded in (`rope.rotated_query`),
   and the kernel TMA-copies a (64 tokens, one query head) box straight out
   of that array; the output is written back the same way into [B, T, N, H].
-  No relayout of q or of the output (they cost ~20 us at the 512-token
-  benchmark chunk, a twelfth of the bar's margin).
+  No relayout of q or of the output.
 - Work units of one (batch row, kv head) are u = token_block * G + g: 64
   tokens of query head g of the group.  One compute warpgroup takes one
   unit (one wgmma M of 64 rows); a CTA takes `num_compute_wgs` consecutive
@@ -45,7 +45,7 @@ Layout of the work:
   warpgroups still read the record (masks, V fix-up) after they released
   the step's K slot (a race the Mosaic GPU interpreter caught).
 - Compute warpgroups, per step: wait K; at a segment's first step rotate the
-  warpgroup's query tile by -shift (f32 tile in SMEM -> registers, one
+  warpgroup's query tile by -shift (tile in SMEM -> f32 registers, one
   cos/sin column vector broadcast over rows -> bf16 tile in SMEM, the wgmma
   A operand); S = Q K^T (wgmma); mask if needed; online softmax in base 2;
   wait V; O += P V (wgmma, accumulator in registers).  Keys are never
@@ -79,9 +79,12 @@ Simplifications of this first version (documented, deliberate):
   list too; both are small (B * steps * 128 bytes, B * M * 4 * H bytes).
 - Both compute warpgroups of a CTA run all of the CTA's steps (the causal
   skip is per CTA tile, not per warpgroup); the mask handles the rest.
-- The query tile is kept in SMEM in f32 (rotation in f32, one rounding to
-  bf16 per segment), which costs 32 KB per warpgroup; with block_kv = 64 and
-  2 stages the CTA uses about 162 KB of shared memory.
+- The query tile R(q_pos) q is kept in SMEM in q's 16-bit dtype by default
+  (16 KB per warpgroup) and rotated by -shift in f32 registers, so it is
+  rounded twice (by XLA, then per segment) where an f32 copy would round
+  once; measured parity is unchanged at the bf16 tolerance.  With 128-key
+  steps, two warpgroups and 2 stages the CTA uses about 196 KB of shared
+  memory; `query_in_f32=True` (32 KB per warpgroup) needs 64-key steps.
 - `page_offset` (an int32 scalar input, not part of the plan) is added to
   every physical page id by the producer, so a model whose layers live in
   one page array at per-layer offsets can make one plan for all layers.
@@ -134,18 +137,27 @@ class MgpuBlockSizes:
     num_stages: depth of the K/V shared-memory ring (>= 2).
     schedule_barrier: ping-pong the two compute warpgroups (FA3 style).
     mask_fast_path: skip the score mask on steps that need none.
+    query_in_f32: keep R(q_pos) q in float32 (one rounding to 16 bits per
+      segment).  False keeps it in q's 16-bit dtype (two roundings, half the
+      shared memory: room for block_kv 128 with two warpgroups).
   """
 
-  block_kv: int = 64
+  # Defaults: 128-key steps, two compute warpgroups, two stages, 16-bit
+  # query storage.  On the H200 (jax 0.11.2, 2026-11-29, whole call at the
+  # 512-token chunk): 0.666-0.672 ms against 0.736-0.743 ms for the previous
+  # default (64-key steps, f32 query), in two scripts' side-by-side runs
+  # (benchmarks/RESULTS.md section 1).  128-key steps with two warpgroups
+  # only fit in shared memory with the 16-bit query.  Two stages beat three
+  # at 64-key steps in all four pairs measured that day.
+  block_kv: int = 128
   num_compute_wgs: int = 2
-  # 2, not 3: on the H200 (jax 0.11.2) two stages beat three in all four
-  # side-by-side pairs of 2026-11-29 (chunk 512: 0.744 vs 0.751 ms and
-  # 0.738 vs 0.754 ms; chunk 128: 0.390 vs 0.397, 0.395 vs 0.410).
   num_stages: int = 2
-  # Off by default: on the H200 (jax 0.11.2) the ping-pong barrier cost 5 %
-  # at the 512-token chunk and nothing at 128 (benchmarks/kernel_notes.md).
+  # Off by default: the ping-pong barrier cost 5 % with 64-key steps; with
+  # 128-key steps it gained 1-2 % in one run (0.658 vs 0.672 ms), not yet
+  # confirmed (benchmarks/kernel_notes.md).
   schedule_barrier: bool = False
   mask_fast_path: bool = True
+  query_in_f32: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -160,7 +172,7 @@ class MgpuBlockSizes:
 def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int) -> int:
   """Shared memory of one CTA (buffers only; barriers are a few bytes)."""
   wgs, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
-  q_f32 = wgs * WG_ROWS * head_dim * 4
+  q_f32 = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
   kv = stages * 2 * block_sizes.block_kv * head_dim * 2
   small = stages * (2 * 256 + 2 * head_dim * 4) + wgs * WG_ROWS * 4
@@ -408,8 +420,8 @@ def _kernel(
 
     def rotate(slot):
       """q16 = R(-shift) q in `dtype`; cos/sin of the step's segment."""
-      lo = qf.at[:, pl.ds(0, half)][...]
-      hi = qf.at[:, pl.ds(half, half)][...]
+      lo = qf.at[:, pl.ds(0, half)][...].astype(jnp.float32)
+      hi = qf.at[:, pl.ds(half, half)][...].astype(jnp.float32)
       cos = ops.cast(cs_smem[slot, 0], col_layout)
       sin = ops.cast(cs_smem[slot, 1], col_layout)
       cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
@@ -690,11 +702,15 @@ def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                    interpret=interpret)
 
 
-def rotated_query_tokens(q, q_pos, rope: RopeConfig, sm_scale, padded_len):
-  """f32 [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), the kernel's
-  query operand (zero on padding rows and past T)."""
+def rotated_query_tokens(q, q_pos, rope: RopeConfig, sm_scale, padded_len,
+                         in_f32: bool = True):
+  """[B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), the kernel's query
+  operand (zero on padding rows and past T); float32, or q's dtype where
+  `in_f32` is False (MgpuBlockSizes.query_in_f32)."""
   scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(common.LOG2_E)
   q_rot, _ = rotated_query(q, q_pos, rope, scale)
+  if not in_f32:
+    q_rot = q_rot.astype(q.dtype)
   return jnp.pad(q_rot, ((0, 0), (0, padded_len - q.shape[1]), (0, 0),
                          (0, 0)))
 
@@ -714,7 +730,8 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
   q_len = q.shape[1]
   t_pad = plan.row_pos.shape[1]
-  q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad)
+  q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
+                               block_sizes.query_in_f32)
   out = mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan, page_offset,
                             out_dtype=q.dtype, block_sizes=block_sizes,
                             interpret=interpret)
@@ -728,6 +745,10 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   """The kernel alone: q_rot from `rotated_query_tokens`, plan from
   `plan_prefill`.  Returns out_dtype [B, T_pad, N, H]."""
   block_sizes = block_sizes or MgpuBlockSizes()
+  want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
+  if q_rot.dtype != jnp.dtype(want):
+    raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "
+                     f"for query_in_f32={block_sizes.query_in_f32}")
   batch, t_pad, num_heads, head_dim = q_rot.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -748,7 +769,8 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
              plgpu.SwizzleTransform(swizzle))
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   scratch = [
-      plgpu.SMEM((nwg, WG_ROWS, head_dim), jnp.float32, transforms=tiled32),
+      plgpu.SMEM((nwg, WG_ROWS, head_dim), q_rot.dtype,
+                 transforms=tiled32 if block_sizes.query_in_f32 else tiled16),
       plgpu.SMEM((nwg, WG_ROWS, head_dim), dtype, transforms=tiled16),
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiled16),
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiled16),

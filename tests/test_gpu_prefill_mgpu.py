@@ -56,11 +56,14 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
 
 @pytest.mark.parametrize("block_sizes", [
     None,
-    MgpuBlockSizes(block_kv=64, num_compute_wgs=2, num_stages=2),
+    MgpuBlockSizes(block_kv=64, num_compute_wgs=2, num_stages=2,
+                   query_in_f32=True),
     MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2),
     MgpuBlockSizes(block_kv=64, num_compute_wgs=1, num_stages=4,
                    mask_fast_path=False),
-], ids=["default", "k64w2s2", "k128w1s2", "k64w1s4_nofast"])
+    MgpuBlockSizes(schedule_barrier=True),
+], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
+        "default_sched"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -123,14 +126,21 @@ def test_argument_errors():
                                       logical=2)]
   with pytest.raises(ValueError, match="page_size"):
     _call(pages12)
-  pages32 = [zeros(a) for a in _specs(batch=1, q_len=4, heads=2, kv_heads=1,
-                                      head_dim=128, pages=4, page_size=128,
-                                      logical=2)]
+  pages256 = [zeros(a) for a in _specs(batch=1, q_len=4, heads=2,
+                                       kv_heads=1, head_dim=128, pages=4,
+                                       page_size=256, logical=2)]
   with pytest.raises(ValueError, match="page_size"):
-    _call(pages32)  # 128-slot pages do not divide block_kv = 64
+    _call(pages256)  # 256-slot pages do not divide block_kv = 128
+  pages128 = [zeros(a) for a in _specs(batch=1, q_len=4, heads=2,
+                                       kv_heads=1, head_dim=128, pages=4,
+                                       page_size=128, logical=2)]
+  with pytest.raises(ValueError, match="page_size"):
+    _call(pages128, block_sizes=MgpuBlockSizes(block_kv=64))
   with pytest.raises(ValueError, match="shared memory"):
     _call(good, block_sizes=MgpuBlockSizes(block_kv=128, num_compute_wgs=2,
                                            num_stages=3))
+  with pytest.raises(ValueError, match="shared memory"):  # f32 query
+    _call(good, block_sizes=MgpuBlockSizes(query_in_f32=True))
   with pytest.raises(ValueError, match="q_pos"):
     _call(good[:-1] + [jnp.zeros((1, 3), jnp.int32)])
   with pytest.raises(ValueError, match="block_kv"):
@@ -236,13 +246,17 @@ def test_parity_interpret_fast_path():
                           q_len=20, num_heads=4, num_kv_heads=1, head_dim=64,
                           page_size=16)
   _check(_call(lazy.args(), rope=LLAMA3, interpret=True), lazy, LLAMA3)
+  # The f32 query (one rounding per segment) with 64-key steps.
+  f32_query = MgpuBlockSizes(block_kv=64, query_in_f32=True)
+  _check(_call(lazy.args(), rope=LLAMA3, interpret=True,
+               block_sizes=f32_query), lazy, LLAMA3)
 
 
 @pytest.mark.slow
 @needs_interpreter
 def test_parity_interpret_one_warpgroup_page8():
-  """One warpgroup, 8-slot pages (8 pages per block, segments straddle
-  blocks), H 128, two row tiles."""
+  """One warpgroup, 8-slot pages (16 pages per 128-key block, segments
+  straddle blocks), H 128, two row tiles."""
   rng = np.random.default_rng(1)
   lazy = make_case(rng, batch=2, q_len=40, num_heads=8, num_kv_heads=2,
                    head_dim=128, page_size=8, dtype=jnp.bfloat16,
@@ -303,7 +317,8 @@ def test_plan_units_and_steps():
   q_pos = (160 + jnp.arange(100, dtype=jnp.int32))[None]
   plan = plan_prefill(jnp.arange(pages, dtype=jnp.int32)[None], page_pos,
                       zeros, page_len, q_pos, rope=PLAIN, group=4,
-                      head_dim=64, num_pages=pages, page_size=page_size)
+                      head_dim=64, num_pages=pages, page_size=page_size,
+                      block_sizes=MgpuBlockSizes(block_kv=64))
   assert plan.row_pos.shape == (1, 128)
   assert np.asarray(plan.row_pos[0, :100]).tolist() == list(range(160, 260))
   assert np.all(np.asarray(plan.row_pos[0, 100:]) == -(2**31))
@@ -323,7 +338,10 @@ GPU_CASES = [
     ((8, 8), 128, 16, 130, 0, LLAMA3,
      MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2)),
     ((32, 8), 128, 16, 64, 5000, PLAIN,
-     MgpuBlockSizes(num_compute_wgs=1, num_stages=4, mask_fast_path=False)),
+     MgpuBlockSizes(block_kv=64, num_compute_wgs=1, num_stages=4,
+                    mask_fast_path=False, query_in_f32=True)),
+    ((32, 8), 128, 16, 200, 2**20, LLAMA3,
+     MgpuBlockSizes(block_kv=64, query_in_f32=True)),
 ]
 
 
