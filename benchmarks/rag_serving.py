@@ -7,6 +7,12 @@ MAX_WARMUP_REPLAYS times, while a replay still compiles), so every shape bucket
 it needs is compiled before timing; the cache is then emptied and the measured
 trace runs (`compiles_during_measurement` in the output checks it).
 
+By default the measured trace starts from an empty cache, so a short trace
+mostly measures first-use misses.  `--warm-cache-requests N` serves N other
+requests of the same popularity first (after every emptying, warm-up
+replays included) and measures from the cache they leave: the steady state
+of a server that has been running.
+
 Example (CPU smoke):
   python -m benchmarks.rag_serving --model tiny --num-docs 24 --num-requests 16
 """
@@ -167,14 +173,18 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
       **extra)
 
 
-def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured):
+def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
+             cache_warmer=None):
   """One mode on a fresh engine and pool (compiled programs are shared by
   every engine on the model, so a new engine does not recompile); the pool is
-  freed before returning, so modes never hold two pools at once."""
+  freed before returning, so modes never hold two pools at once.
+  `cache_warmer`: a trace served (closed loop) before the measured one
+  without emptying the cache in between."""
   from tqdm import tqdm
   engine = make_engine(args, config, model, dtype, mode, cache_pages)
   try:
-    return _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm)
+    return _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
+                       cache_warmer)
   finally:
     engine.close()
 
@@ -185,19 +195,29 @@ def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured):
 MAX_WARMUP_REPLAYS = 3
 
 
-def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm):
+def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
+                cache_warmer=None):
+  def empty_and_warm_cache():
+    engine.reset_cache()
+    if cache_warmer is not None and cache_warmer.requests:
+      run_trace(engine, cache_warmer, args)
+
   for _ in range(MAX_WARMUP_REPLAYS if warm.requests else 0):
     compiles_before = engine.compile_count
+    empty_and_warm_cache()
     run_trace(engine, warm, args)
-    engine.reset_cache()
     if engine.compile_count == compiles_before:
       break
+  empty_and_warm_cache()
+  engine.reset_stats()
   compiles_before = engine.compile_count
   with tqdm(total=len(measured.requests), desc=f"{mode:>6}", file=sys.stderr,
             disable=args.no_progress) as bar:
     results, seconds = run_trace(engine, measured, args, bar)
   return summarize(mode, engine, results, seconds, dict(
       cache_pages=cache_pages, rate=args.rate, concurrency=args.concurrency,
+      warm_cache_requests=(len(cache_warmer.requests) if cache_warmer
+                           else 0),
       compiles_during_measurement=engine.compile_count - compiles_before))
 
 
@@ -222,6 +242,11 @@ def parse_args(argv=None):
                  help="warm-up trace length; -1 replays the measured trace "
                       "(same shapes, so no compilation is left for the "
                       "measured run)")
+  p.add_argument("--warm-cache-requests", type=int, default=0,
+                 help="serve this many other requests (same popularity) "
+                      "before the measured trace without emptying the cache, "
+                      "so the measurement starts from a warm cache; 0 "
+                      "measures from an empty cache")
   p.add_argument("--cache-pages", type=int, default=0,
                  help="pool size in pages (0: --cache-fraction of the corpus)")
   p.add_argument("--cache-fraction", type=float, default=1.0 / 3.0,
@@ -264,6 +289,9 @@ def parse_args(argv=None):
   bad = [m for m in modes if m not in MODES]
   if bad:
     p.error(f"unknown modes {bad}; choose from {MODES}")
+  if args.warm_cache_requests < 0:
+    p.error(f"--warm-cache-requests must be >= 0, got "
+            f"{args.warm_cache_requests}")
   args.mode_list = modes
   return args
 
@@ -321,6 +349,12 @@ def main(argv=None):
   warm = (measured if args.warmup_requests < 0 else
           make_trace(args, config.vocab_size, args.warmup_requests, args.seed + 1))
   base_pages = args.cache_pages or cache_pages_for(args, args.cache_fraction)
+  cache_warmer = None
+  if args.warm_cache_requests:
+    closed = argparse.Namespace(**vars(args))
+    closed.rate = 0.0  # served closed-loop, as fast as the engine goes
+    cache_warmer = make_trace(closed, config.vocab_size,
+                              args.warm_cache_requests, args.seed + 3)
   header = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d"), model=args.model,
                 command="python -m benchmarks.rag_serving " +
@@ -334,7 +368,7 @@ def main(argv=None):
   runs = []
   for mode in ([] if args.skip_base else args.mode_list):
     runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
-                         measured))
+                         measured, cache_warmer))
     record(runs[-1], "base")
   sweeps = dict(rate=[], cache=[])
   for rate in [float(r) for r in args.sweep_rates.split(",") if r]:
@@ -344,12 +378,13 @@ def main(argv=None):
     for mode in args.mode_list:
       sweeps["rate"].append(run_mode(swept, config, model, dtype, mode,
                                      base_pages, warm if args.warmup_requests >= 0
-                                     else trace, trace))
+                                     else trace, trace, cache_warmer))
       record(sweeps["rate"][-1], "rate")
   for fraction in [float(f) for f in args.sweep_cache_fractions.split(",") if f]:
     pages = cache_pages_for(args, fraction)
     for mode in args.mode_list:
-      row = run_mode(args, config, model, dtype, mode, pages, warm, measured)
+      row = run_mode(args, config, model, dtype, mode, pages, warm, measured,
+                     cache_warmer)
       row["cache_fraction"] = fraction
       sweeps["cache"].append(row)
       record(row, "cache")

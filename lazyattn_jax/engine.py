@@ -337,6 +337,13 @@ class LazyEngine:
     self.state = init_cache_state(self.cache_config)
     self.stats = EngineStats()
 
+  def reset_stats(self):
+    """Zeroes the counters and keeps the cache (e.g. to measure a workload
+    from a cache that earlier traffic has warmed); `peak_pages_used` restarts
+    from the pages in use now."""
+    self.stats = EngineStats()
+    self._note_pages_used()
+
   def close(self):
     """Frees the KV pool now (the engine cannot be used afterwards)."""
     self._waiting.clear()

@@ -302,3 +302,24 @@ def test_prefill_budget_spreads_a_burst_over_steps(model_and_config):
   for request_id, r in zip(ids, requests):
     assert results[request_id].token_ids == alone.generate(
         r.query, r.documents, r.sampling).token_ids
+
+
+def test_reset_stats_keeps_the_cache(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(9)
+  doc = random_tokens(rng, 10, config.vocab_size)
+  query = random_tokens(rng, 4, config.vocab_size)
+  engine = make_engine(model_and_config)
+  engine.generate(query, [doc], greedy(2))
+  assert engine.stats.prefill_tokens_computed > 0
+  used = engine.stats.peak_pages_used
+  assert used > 0
+  engine.reset_stats()
+  assert engine.stats.prefill_tokens_computed == 0
+  assert engine.stats.generated_tokens == 0
+  # The document's pages are still cached: the peak restarts from them.
+  cached = -(-len(doc) // PAGE)
+  assert engine.stats.peak_pages_used == cached
+  again = engine.generate(query, [doc], greedy(2))
+  assert again.doc_hits == [True]
+  assert engine.stats.prefill_tokens_computed == len(query)

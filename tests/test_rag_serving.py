@@ -85,3 +85,28 @@ def test_merge_later_rows_replace_earlier(tmp_path):
   assert rates == {"lazy": 0.3, "block": 0.25}
   assert [r["cache_fraction"] for r in report["sweeps"]["cache"]] == [0.05]
   assert report["runs"] == [] and report["device"] == "d"
+
+
+def test_warm_cache_requests_measure_from_a_warm_cache(tmp_path):
+  """--warm-cache-requests serves other requests of the same popularity
+  first: the measured trace then hits more documents than from an empty
+  cache, and nothing compiles during measurement."""
+  def run(extra):
+    out = tmp_path / f"rag{len(extra)}.json"
+    cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+           "--num-docs", "40", "--docs-per-request", "3", "--doc-len", "16",
+           "--query-len", "4", "--output-len", "2", "--num-requests", "8",
+           "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
+           "--zipf", "1.2", "--cache-fraction", "1.0", "--add-working-pages",
+           "--modes", "lazy", "--out", str(out), "--no-progress"] + extra
+    subprocess.run(cmd, check=True, timeout=600,
+                   cwd=pathlib.Path(__file__).resolve().parents[1])
+    return json.loads(out.read_text())["runs"][0]
+  cold = run([])
+  warm = run(["--warm-cache-requests", "24"])
+  assert cold["warm_cache_requests"] == 0
+  assert warm["warm_cache_requests"] == 24
+  assert warm["requests"] == cold["requests"] == 8
+  assert warm["doc_hit_rate"] > cold["doc_hit_rate"]
+  assert warm["prefill_tokens_computed"] < cold["prefill_tokens_computed"]
+  assert warm["compiles_during_measurement"] == 0
