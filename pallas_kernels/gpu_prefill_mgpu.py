@@ -3,8 +3,8 @@
 Same contract and result as `pallas_kernels.gpu_prefill.lazy_prefill_gpu`
 (the Triton kernel); this one is written for H100/H200 tensor cores: TMA
 copies of whole KV pages into a multi-stage shared-memory ring and wgmma for
-both matmuls, FlashAttention-3 style (warp specialisation, two compute
-warpgroups in ping-pong).  Why: the Triton kernel spends its time on
+both matmuls, FlashAttention-3 style (warp specialisation: a producer
+warpgroup and two compute warpgroups).  Why: the Triton kernel spends its time on
 per-element gather addressing (integer ALU, 255 registers, 12.5 % occupancy)
 and leaves the tensor cores mostly idle.  Here the gather happens at page
 granularity in the TMA unit and no per-element address is ever computed.
@@ -12,11 +12,11 @@ granularity in the TMA unit and no per-element address is ever computed.
 Layout of the work:
 
 - Queries stay in their [B, T, N, H] layout: XLA only rotates them,
-  R(q_pos) q (f32, stored in q's dtype by default) with sm_scale * log2(e)
-  folded in (`rope.rotated_query`),
-  and the kernel TMA-copies a (64 tokens, one query head) box straight out
-  of that array; the output is written back the same way into [B, T, N, H].
-  No relayout of q or of the output.
+  R(q_pos) q computed in f32 with sm_scale * log2(e) folded in
+  (`rope.rotated_query`) and stored in q's dtype by default, and the kernel
+  TMA-copies a (64 tokens, one query head) box straight out of that array;
+  the output is written back the same way into [B, T, N, H].  No relayout
+  of q or of the output.
 - Work units of one (batch row, kv head) are u = token_block * G + g: 64
   tokens of query head g of the group.  One compute warpgroup takes one
   unit (one wgmma M of 64 rows); a CTA takes `num_compute_wgs` consecutive
@@ -49,8 +49,8 @@ Layout of the work:
   cos/sin column vector broadcast over rows -> bf16 tile in SMEM, the wgmma
   A operand); S = Q K^T (wgmma); mask if needed; online softmax in base 2;
   wait V; O += P V (wgmma, accumulator in registers).  Keys are never
-  rotated.  Ping-pong of the two warpgroups with a schedule barrier as in
-  jax's `attention_mgpu.py`.
+  rotated.  Optionally (`schedule_barrier`) the two warpgroups ping-pong
+  on a schedule barrier as in jax's `attention_mgpu.py`.
 
 Masking and NaN safety (pages hold NaN in unused pages / padding slots):
 - S: a step needs a mask iff some page of its block is not fully valid
@@ -72,7 +72,7 @@ Masking and NaN safety (pages hold NaN in unused pages / padding slots):
   masked columns keeps p = 0 and l = 0; such rows and padding rows (q_pos =
   -1, zero query, never visible) return exactly 0.
 
-Simplifications of this first version (documented, deliberate):
+Simplifications (documented, deliberate):
 - dtype bf16 or f16 only (wgmma operands); head dim 64 or 128; page_size a
   multiple of 8 (TMA into an (8, x)-tiled SMEM tile) dividing block_kv.
 - cos/sin per segment come from XLA (exact, as the contract asks), the step
@@ -728,8 +728,11 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
   """
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
-  q_len = q.shape[1]
+  batch, q_len = q.shape[:2]
   t_pad = plan.row_pos.shape[1]
+  if plan.row_pos.shape[0] != batch or not q_len <= t_pad < q_len + 3 * WG_ROWS:
+    raise ValueError(f"plan was made for {plan.row_pos.shape[0]} rows of "
+                     f"{t_pad} padded tokens; q has {batch} rows of {q_len}")
   q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
                                block_sizes.query_in_f32)
   out = mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan, page_offset,

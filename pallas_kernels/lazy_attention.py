@@ -267,8 +267,9 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      f"{jnp.shape(page_offset)}")
   if _is_concrete(page_table, page_pos, page_shift, page_len, q_pos,
                   page_offset):
-    check_lazy_attention_values(k_pages, page_table + np.asarray(page_offset),
-                                page_pos, page_shift, page_len, q_pos)
+    offset_table = np.asarray(page_table) + np.asarray(page_offset)
+    check_lazy_attention_values(k_pages, offset_table, page_pos, page_shift,
+                                page_len, q_pos)
   page_offset = jnp.asarray(page_offset, jnp.int32)
   if plan is not None and not _uses_plan(impl, q, k_pages, interpret):
     raise ValueError("plan was given, but these inputs do not run the kernel "

@@ -139,3 +139,19 @@ def test_planned_layers_match_unplanned_gpu():
     assert not np.isnan(out[np.asarray(base.q_pos) >= 0]).any()
     assert relative_error(out, np.asarray(
         reference.astype(jnp.float32), np.float64)) <= 2e-2
+
+
+def test_plan_for_other_shapes_is_refused():
+  lazy = make_case(np.random.default_rng(5), q_len=7, num_heads=8,
+                   num_kv_heads=2, head_dim=128)
+  args = [jnp.asarray(a) for a in lazy.args()]
+  bf16 = [a.astype(jnp.bfloat16) if i < 3 else a for i, a in enumerate(args)]
+  q, k, v, table, pos, shift, length, q_pos = bf16
+  plan = plan_lazy_attention(q, k, table, pos, shift, length, q_pos,
+                             rope=ROPE, impl="gpu")
+  longer = jnp.concatenate([q] * 20, axis=1)  # 140 tokens > 64 planned
+  longer_pos = jnp.concatenate([q_pos] * 20, axis=1)
+  with pytest.raises(ValueError, match="plan was made for"):
+    jax.eval_shape(lambda: lazy_attention(
+        longer, k, v, table, pos, shift, length, longer_pos, rope=ROPE,
+        impl="gpu", plan=plan))
