@@ -197,6 +197,9 @@ MAX_WARMUP_REPLAYS = 3
 
 def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
                 cache_warmer=None):
+  if mode == "full":  # no cache to warm
+    cache_warmer = None
+
   def empty_and_warm_cache():
     engine.reset_cache()
     if cache_warmer is not None and cache_warmer.requests:

@@ -89,8 +89,9 @@ def test_merge_later_rows_replace_earlier(tmp_path):
 
 def test_warm_cache_requests_measure_from_a_warm_cache(tmp_path):
   """--warm-cache-requests serves other requests of the same popularity
-  first: the measured trace then hits more documents than from an empty
-  cache, and nothing compiles during measurement."""
+  first (full recompute has no cache and skips them): the measured trace
+  then hits more documents than from an empty cache, and nothing compiles
+  during measurement."""
   def run(extra):
     out = tmp_path / f"rag{len(extra)}.json"
     cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
@@ -101,9 +102,11 @@ def test_warm_cache_requests_measure_from_a_warm_cache(tmp_path):
            "--modes", "lazy", "--out", str(out), "--no-progress"] + extra
     subprocess.run(cmd, check=True, timeout=600,
                    cwd=pathlib.Path(__file__).resolve().parents[1])
-    return json.loads(out.read_text())["runs"][0]
-  cold = run([])
-  warm = run(["--warm-cache-requests", "24"])
+    return {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  cold = run([])["lazy"]
+  both = run(["--warm-cache-requests", "24", "--modes", "lazy,full"])
+  warm = both["lazy"]
+  assert both["full"]["warm_cache_requests"] == 0  # no cache to warm
   assert cold["warm_cache_requests"] == 0
   assert warm["warm_cache_requests"] == 24
   assert warm["requests"] == cold["requests"] == 8
