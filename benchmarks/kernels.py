@@ -26,7 +26,11 @@ dense, pre-rotated inputs: for the chunk, K/V of context + chunk with no mask
 chunk's mask; the chunk's own triangle is 1% or 3% of the pairs, so cuDNN does
 that much extra work); for the document, is_causal=True.  FLOPs are counted
 the same way for both: 4 * H * Hq per visible (query, key) pair, pairs
-counted from the lazy inputs' causal mask.
+counted from the lazy inputs' causal mask.  Lazy prefill rows: the Triton
+kernel ("lazy[...]"), the Mosaic GPU kernel that lazy_attention(impl="gpu")
+runs on Hopper ("lazy-mosaic", default tiles, and "lazy-mosaic[...]" for the
+MOSAIC_CANDIDATES tiles), each also "per-layer": the per-batch plan made
+once outside the timed call, as the model does for all its layers.
 
 Block sizes: a few variants of each kernel run at tuning shapes ("tune:"
 rows); the fastest (geometric mean) is the one measured everywhere and judged
