@@ -122,7 +122,7 @@ INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
 # Registers per thread (setmaxnreg) of compute / producer warpgroups.
 _PRODUCER_REGISTERS = 40
-_COMPUTE_REGISTERS = {1: 232, 2: 232}
+_COMPUTE_REGISTERS = 232
 # Shared memory we allow ourselves (H100/H200: 227 KB per block opt-in).
 _SMEM_LIMIT = 227 * 1024
 
@@ -172,11 +172,11 @@ class MgpuBlockSizes:
 def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int) -> int:
   """Shared memory of one CTA (buffers only; barriers are a few bytes)."""
   wgs, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
-  q_f32 = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
+  q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
   kv = stages * 2 * block_sizes.block_kv * head_dim * 2
   small = stages * (2 * 256 + 2 * head_dim * 4) + wgs * WG_ROWS * 4
-  return q_f32 + q_16 + kv + small
+  return q_store + q_16 + kv + small
 
 
 # --------------------------------------------------------------------------
@@ -376,7 +376,7 @@ def _kernel(
     # Output.
     o_ref,  # [B, T_pad, N, H]
     # Scratch.
-    qf_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
+    q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
     k_bars, v_bars, k_free, v_free, sched_bar, *, cfg: MgpuBlockSizes,
     page_size: int, group: int, layout: RecordLayout, interpret: bool):
   ops = _Ops(interpret)
@@ -403,14 +403,14 @@ def _kernel(
   @pl.when(wg < nwg)
   def _compute():
     if not interpret:
-      plgpu.set_max_registers(_COMPUTE_REGISTERS[nwg], action="increase")
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     unit = tile * nwg + wg
     token_block = lax.div(unit, jnp.int32(group))
     query_head = head * group + (unit - token_block * group)
     tokens = pl.ds(token_block * WG_ROWS, WG_ROWS)
-    qf = qf_smem.at[wg]
+    q_store = q_store_smem.at[wg]  # R(q_pos) q, f32 or 16-bit
     q16 = q16_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, tokens, query_head], qf,
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, tokens, query_head], q_store,
                             q_bars.at[wg])
     plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
                             q_bars.at[wg])
@@ -420,8 +420,8 @@ def _kernel(
 
     def rotate(slot):
       """q16 = R(-shift) q in `dtype`; cos/sin of the step's segment."""
-      lo = qf.at[:, pl.ds(0, half)][...].astype(jnp.float32)
-      hi = qf.at[:, pl.ds(half, half)][...].astype(jnp.float32)
+      lo = q_store.at[:, pl.ds(0, half)][...].astype(jnp.float32)
+      hi = q_store.at[:, pl.ds(half, half)][...].astype(jnp.float32)
       cos = ops.cast(cs_smem[slot, 0], col_layout)
       sin = ops.cast(cs_smem[slot, 1], col_layout)
       cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
@@ -728,9 +728,11 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
   """
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
-  batch, q_len = q.shape[:2]
+  batch, q_len, num_heads, _ = q.shape
   t_pad = plan.row_pos.shape[1]
-  if plan.row_pos.shape[0] != batch or not q_len <= t_pad < q_len + 3 * WG_ROWS:
+  group = num_heads // k_pages.shape[0]
+  if (plan.row_pos.shape[0] != batch or t_pad != padded_query_len(
+      q_len, group, block_sizes.num_compute_wgs)):
     raise ValueError(f"plan was made for {plan.row_pos.shape[0]} rows of "
                      f"{t_pad} padded tokens; q has {batch} rows of {q_len}")
   q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,

@@ -168,9 +168,11 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
                 interpret=interpret)
 
 
-def _uses_plan(impl: str, q, k_pages, interpret: bool) -> bool:
-  return (impl == "gpu" and q.shape[1] > 1
-          and _gpu_prefill_kernel(q, k_pages, interpret) == "mosaic")
+def _gpu_prefill(impl: str, q, k_pages, interpret: bool) -> str:
+  """The GPU prefill kernel these inputs run ("triton" where none does)."""
+  if impl == "gpu" and q.shape[1] > 1:
+    return _gpu_prefill_kernel(q, k_pages, interpret)
+  return "triton"
 
 
 @functools.partial(jax.jit, static_argnames=("rope", "group", "head_dim",
@@ -210,7 +212,7 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   impl = resolve_impl(impl)
-  if not _uses_plan(impl, q, k_pages, interpret):
+  if _gpu_prefill(impl, q, k_pages, interpret) != "mosaic":
     return None
   num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
   return _plan_jit(page_table, page_pos, page_shift, page_len, q_pos,
@@ -271,15 +273,14 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     check_lazy_attention_values(k_pages, offset_table, page_pos, page_shift,
                                 page_len, q_pos)
   page_offset = jnp.asarray(page_offset, jnp.int32)
-  if plan is not None and not _uses_plan(impl, q, k_pages, interpret):
+  gpu_prefill = _gpu_prefill(impl, q, k_pages, interpret)
+  if plan is not None and gpu_prefill != "mosaic":
     raise ValueError("plan was given, but these inputs do not run the kernel "
                      "it was made for; pass the plan_lazy_attention result "
                      "for the same q, pool and impl")
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   sm_scale = jnp.asarray(sm_scale, jnp.float32)
-  gpu_prefill = (_gpu_prefill_kernel(q, k_pages, interpret)
-                 if impl == "gpu" and q.shape[1] > 1 else "triton")
   return _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos,
                              page_shift, page_len, q_pos, sm_scale,
                              page_offset, plan, rope=rope, impl=impl,
