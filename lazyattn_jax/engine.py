@@ -687,16 +687,54 @@ class LazyEngine:
     if batch:
       yield [items[j] for j in batch]
 
-  def _prefill_documents(self, new: list[_Live]):
-    """Encodes each missing document of the new requests once."""
+  def _round_documents(self, new: list[_Live]) -> dict[int, tuple]:
+    """Document slots this round must encode: slot -> (tokens, pages).
+
+    A slot admitted as missing is a hit for every later admission, even in
+    the same round, so a request may read a slot that another new request
+    encodes; the slot, not the request, is the unit of work.
+    """
     if self.mode not in ("lazy", "block"):
-      return
+      return {}
     todo = {}
     for live in new:
       for i in live.admission.missing_docs:
         todo.setdefault(live.admission.doc_slots[i],
                         (live.request.documents[i], live.admission.doc_pages[i]))
-    self._encode(list(todo.values()))
+    return todo
+
+  def _first_token_groups(self, new: list[_Live], todo: dict[int, tuple]):
+    """Splits a round's requests into groups that prefill one after another.
+
+    Encoding every missing document of the round before any query would hold
+    every first token back until the last document is in, even for a request
+    whose documents were all cached.  Instead requests go cheapest first
+    (fewest document tokens of this round still to encode; a document an
+    earlier group encodes is free), in groups of about one prefill call of
+    document tokens.  Each group's documents are encoded, then its queries
+    run and its first tokens are out.  The work is the same; first tokens
+    come sooner.  Modes without a document step (full, prefix) form one group.
+    """
+    if not todo:
+      return [new]
+    needs = [{slot for slot in live.admission.doc_slots if slot in todo}
+             for live in new]
+    planned: set[int] = set()
+    order = list(range(len(new)))
+    groups, group, group_tokens = [], [], 0
+    while order:
+      costs = [sum(len(todo[slot][0]) for slot in needs[i] - planned)
+               for i in order]
+      pick = int(np.argmin(costs))  # first of the cheapest: admission order
+      if group and group_tokens + costs[pick] > self.max_prefill_tokens:
+        groups.append(group)
+        group, group_tokens = [], 0
+      i = order.pop(pick)
+      group.append(new[i])
+      group_tokens += costs[pick]
+      planned |= needs[i]
+    groups.append(group)
+    return groups
 
   def _encode(self, docs: list[tuple[Sequence[int], list[int]]]):
     """Prefills documents, each alone from position 0, into their pages."""
@@ -764,8 +802,18 @@ class LazyEngine:
     self.stats.kv_pages_written_for_cached_docs += len(copies)
 
   def _prefill_new(self, new: list[_Live]):
-    self._prefill_documents(new)
-    self._copy_documents(new)
+    todo = self._round_documents(new)
+    encoded: set[int] = set()
+    for group in self._first_token_groups(new, todo):
+      slots = sorted({slot for live in group for slot in live.admission.doc_slots
+                      if slot in todo} - encoded)
+      self._encode([todo[slot] for slot in slots])
+      encoded.update(slots)
+      self._copy_documents(group)
+      self._prefill_queries(group)
+
+  def _prefill_queries(self, new: list[_Live]):
+    """Prefills the requests' own tokens and takes each one's first token."""
     lengths = [len(l.prefill.tokens) for l in new]
     for chunk in self._batches(new, lengths, keep_order=self.mode == "prefix"):
       logits, first = self._run_prefill(

@@ -323,3 +323,40 @@ def test_reset_stats_keeps_the_cache(model_and_config):
   again = engine.generate(query, [doc], greedy(2))
   assert again.doc_hits == [True]
   assert engine.stats.prefill_tokens_computed == len(query)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_requests_with_cached_documents_get_first_tokens_first(model_and_config,
+                                                               mode):
+  """One round: requests needing fewer new documents are served first, and a
+  request reading a document another request of the round encodes waits for
+  it.  Tokens match each request run alone."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(11)
+  a, b, c, d = (random_tokens(rng, n, config.vocab_size) for n in (12, 10, 8, 9))
+  docs = {"a": a, "b": b, "c": c, "d": d}
+  layout = [("a", "b"), ("c",), ("b", "c"), ("d",)]  # c is cached beforehand
+  requests = [Request(tuple(random_tokens(rng, 5, config.vocab_size)),
+                      tuple(tuple(docs[n]) for n in names), greedy(3))
+              for names in layout]
+  # A budget of 16 document tokens per group: [c-only, d] (0 + 9), then
+  # [b, c] (b: 10), then [a, b] (a: 12, b is encoded by then).
+  engine = make_engine(model_and_config, mode=mode, max_prefill_tokens=16)
+  engine.encode_documents([c])
+  engine.reset_stats()
+  results = engine.generate_batch(requests)
+  ttft = [r.ttft_s for r in results]
+  assert ttft[1] < ttft[2] < ttft[0], ttft
+  assert ttft[3] < ttft[2], ttft
+  assert [r.doc_hits for r in results] == [[False, False], [True], [True, True],
+                                           [False]]
+  # Every missing document encoded exactly once.
+  assert engine.stats.documents_prefilled == 3
+  assert engine.stats.prefill_tokens_computed == 12 + 10 + 9 + 4 * 5
+  for request, result in zip(requests, results):
+    alone = make_engine(model_and_config, mode=mode)
+    alone.encode_documents([c])
+    want = alone.generate(request.query, request.documents, request.sampling)
+    assert result.token_ids == want.token_ids
+    np.testing.assert_allclose(result.first_logits, want.first_logits,
+                               rtol=1e-5, atol=1e-5)
