@@ -107,7 +107,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
                     max_prefill_tokens=args.max_prefill_tokens,
                     pool_as_bits=args.pool_as_bits,
                     decode_layer_unroll=(True if args.decode_unroll else 1),
-                    prefill_tokens_per_step=args.prefill_tokens_per_step or None)
+                    prefill_tokens_per_step=args.prefill_tokens_per_step or None,
+                    first_token_group_tokens=args.group_tokens or None)
 
 
 def run_trace(engine, trace: Trace, args, progress=None):
@@ -164,6 +165,10 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
       throughput_tok_s=tokens / seconds,
       throughput_req_s=len(results) / seconds,
       doc_hit_rate=float(np.mean(hits)) if hits else 0.0,
+      # The round's prefill work done before a request's first token: TTFT's
+      # in-round wait in device-independent units (CPU runs show the schedule).
+      prefill_tokens_before_first_token_p50=float(np.percentile(
+          [r.prefill_tokens_before_first_token for r in results], 50)),
       prefill_tokens_computed=engine.stats.prefill_tokens_computed,
       kv_pages_written_for_cached_docs=engine.stats.kv_pages_written_for_cached_docs,
       peak_pages_used=engine.stats.peak_pages_used,
@@ -278,6 +283,9 @@ def parse_args(argv=None):
   p.add_argument("--prefill-tokens-per-step", type=int, default=0,
                  help="admission budget of prefill tokens per scheduling "
                       "step (0 = admit all that fit)")
+  p.add_argument("--group-tokens", type=int, default=0,
+                 help="lazy/block: new document tokens per first-token group "
+                      "of a scheduling round (0 = --max-prefill-tokens)")
   p.add_argument("--decode-unroll", action="store_true",
                  help="fully unroll the layer loop in decode steps")
   p.add_argument("--merge", nargs="+", default=[], metavar="JSONL",

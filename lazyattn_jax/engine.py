@@ -86,6 +86,10 @@ class GenerationResult:
     finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
     prompt_tokens: document plus query tokens.
     prefill_tokens_computed: tokens this request had to prefill itself.
+    prefill_tokens_before_first_token: tokens the engine prefilled in this
+      request's admission round, for it and for other requests, before its
+      first token came out: its wait in that round, measured in work rather
+      than seconds (so it means the same on any device).
     first_logits: float32[V] logits that produced the first token.
     text: the generated text (special tokens skipped) when the engine has a
       tokenizer, else None.
@@ -98,6 +102,7 @@ class GenerationResult:
   finish_reason: str
   prompt_tokens: int
   prefill_tokens_computed: int
+  prefill_tokens_before_first_token: int = 0
   first_logits: np.ndarray | None = None
   text: str | None = None
 
@@ -125,6 +130,7 @@ class _Live:
   prefill_tokens: int
   tokens: list[int] = dataclasses.field(default_factory=list)
   first_token_at: float = 0.0
+  prefill_tokens_before_first: int = 0  # the round's work before its first token
   first_logits: np.ndarray | None = None
   finished_at: float = 0.0
   done: bool = False
@@ -193,6 +199,10 @@ class LazyEngine:
       step once their prefill work (missing documents plus own tokens)
       reaches this many tokens, so a burst of arrivals is prefilled over
       several steps with decode loops in between (None: admit all that fit).
+    first_token_group_tokens: lazy and block modes serve a round's requests
+      cheapest first, in groups that each encode about this many new
+      document tokens before their queries run; smaller groups give earlier
+      first tokens for more, smaller prefill calls (None: max_prefill_tokens).
   """
 
   def __init__(self, config, model, cache_config: CacheConfig, mode: str = "lazy",
@@ -201,7 +211,8 @@ class LazyEngine:
                max_prefill_tokens: int = 8192, tokenizer=None,
                pool_as_bits: bool = False,
                decode_layer_unroll: int | bool = 1,
-               prefill_tokens_per_step: int | None = None):
+               prefill_tokens_per_step: int | None = None,
+               first_token_group_tokens: int | None = None):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for field, want in (("num_layers", config.num_layers),
@@ -222,6 +233,10 @@ class LazyEngine:
     if prefill_tokens_per_step is not None and prefill_tokens_per_step < 1:
       raise ValueError("prefill_tokens_per_step must be >= 1 or None")
     self.prefill_tokens_per_step = prefill_tokens_per_step
+    if first_token_group_tokens is not None and first_token_group_tokens < 1:
+      raise ValueError("first_token_group_tokens must be >= 1 or None")
+    self.first_token_group_tokens = first_token_group_tokens or max_prefill_tokens
+    self._round_prefill_tokens = 0
     self.model_id = model_id or f"llama:{hash(config) & 0xFFFFFFFF:08x}"
     self.runner = ModelRunner(model, impl, pool_as_bits, decode_layer_unroll)
     self.cache = PagedKVCache(cache_config)
@@ -710,10 +725,11 @@ class LazyEngine:
     every first token back until the last document is in, even for a request
     whose documents were all cached.  Instead requests go cheapest first
     (fewest document tokens of this round still to encode; a document an
-    earlier group encodes is free), in groups of about one prefill call of
-    document tokens.  Each group's documents are encoded, then its queries
-    run and its first tokens are out.  The work is the same; first tokens
-    come sooner.  Modes without a document step (full, prefix) form one group.
+    earlier group encodes is free), in groups of about
+    `first_token_group_tokens` new document tokens (default: one prefill
+    call's worth).  Each group's documents are encoded, then its queries run
+    and its first tokens are out.  The work is the same; first tokens come
+    sooner.  Modes without a document step (full, prefix) form one group.
     """
     if not todo:
       return [new]
@@ -726,7 +742,7 @@ class LazyEngine:
       costs = [sum(len(todo[slot][0]) for slot in needs[i] - planned)
                for i in order]
       pick = int(np.argmin(costs))  # first of the cheapest: admission order
-      if group and group_tokens + costs[pick] > self.max_prefill_tokens:
+      if group and group_tokens + costs[pick] > self.first_token_group_tokens:
         groups.append(group)
         group, group_tokens = [], 0
       i = order.pop(pick)
@@ -750,6 +766,7 @@ class LazyEngine:
       self._run_prefill(rows, plans, [SamplingParams()] * len(chunk))
       self.stats.documents_prefilled += len(chunk)
       self.stats.prefill_tokens_computed += sum(len(d[0]) for d in chunk)
+      self._round_prefill_tokens += sum(len(d[0]) for d in chunk)
 
   def encode_documents(self, documents, *, progress: bool = False,
                        batch_size: int | None = None) -> list[bool]:
@@ -803,6 +820,7 @@ class LazyEngine:
 
   def _prefill_new(self, new: list[_Live]):
     todo = self._round_documents(new)
+    self._round_prefill_tokens = 0
     encoded: set[int] = set()
     for group in self._first_token_groups(new, todo):
       slots = sorted({slot for live in group for slot in live.admission.doc_slots
@@ -822,17 +840,19 @@ class LazyEngine:
       first = np.asarray(jax.device_get(first))
       logits = np.asarray(jax.device_get(logits))
       now = time.perf_counter()
+      chunk_tokens = sum(len(l.prefill.tokens) for l in chunk)
+      self._round_prefill_tokens += chunk_tokens
       for b, live in enumerate(chunk):
         token = int(first[b])
         live.tokens.append(token)
         live.first_token_at = now
+        live.prefill_tokens_before_first = self._round_prefill_tokens
         live.first_logits = logits[b]
         live.done = (token in live.stop_ids or
                      live.request.sampling.max_new_tokens <= 1)
         if live.done:
           live.finished_at = now
-      self.stats.prefill_tokens_computed += sum(len(l.prefill.tokens)
-                                                for l in chunk)
+      self.stats.prefill_tokens_computed += chunk_tokens
 
   # --- decode ------------------------------------------------------------------
   def _decode_live(self):
@@ -922,7 +942,9 @@ class LazyEngine:
           ttft_s=l.first_token_at - l.submitted_at,
           latency_s=end - l.submitted_at, finish_reason=reason,
           prompt_tokens=l.query_start + len(l.request.query),
-          prefill_tokens_computed=l.prefill_tokens, first_logits=l.first_logits,
+          prefill_tokens_computed=l.prefill_tokens,
+          prefill_tokens_before_first_token=l.prefill_tokens_before_first,
+          first_logits=l.first_logits,
           text=(self.tokenizer.decode(l.tokens) if self.tokenizer is not None
                 else None))
       self._finished[l.request_id] = result

@@ -339,15 +339,19 @@ def test_requests_with_cached_documents_get_first_tokens_first(model_and_config,
   requests = [Request(tuple(random_tokens(rng, 5, config.vocab_size)),
                       tuple(tuple(docs[n]) for n in names), greedy(3))
               for names in layout]
-  # A budget of 16 document tokens per group: [c-only, d] (0 + 9), then
-  # [b, c] (b: 10), then [a, b] (a: 12, b is encoded by then).
-  engine = make_engine(model_and_config, mode=mode, max_prefill_tokens=16)
+  # 16 new document tokens per group: [c-only, d] (0 + 9), then [b, c]
+  # (b: 10), then [a, b] (a: 12, b is encoded by then).
+  engine = make_engine(model_and_config, mode=mode, first_token_group_tokens=16)
   engine.encode_documents([c])
   engine.reset_stats()
   results = engine.generate_batch(requests)
   ttft = [r.ttft_s for r in results]
   assert ttft[1] < ttft[2] < ttft[0], ttft
   assert ttft[3] < ttft[2], ttft
+  # The round's work before each first token: d and two queries; then b and
+  # a query; then a and a query.
+  assert [r.prefill_tokens_before_first_token for r in results] == [
+      9 + 10 + 10 + 5 + 12 + 5, 9 + 10, 9 + 10 + 10 + 5, 9 + 10]
   assert [r.doc_hits for r in results] == [[False, False], [True], [True, True],
                                            [False]]
   # Every missing document encoded exactly once.
@@ -360,3 +364,18 @@ def test_requests_with_cached_documents_get_first_tokens_first(model_and_config,
     assert result.token_ids == want.token_ids
     np.testing.assert_allclose(result.first_logits, want.first_logits,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_first_token_group_tokens_must_be_positive(model_and_config):
+  with pytest.raises(ValueError, match="first_token_group_tokens"):
+    make_engine(model_and_config, first_token_group_tokens=0)
+
+
+def test_one_round_without_documents_counts_its_own_prefill(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(12)
+  doc = random_tokens(rng, 7, config.vocab_size)
+  query = random_tokens(rng, 4, config.vocab_size)
+  result = make_engine(model_and_config, mode="full").generate(query, [doc],
+                                                               greedy(2))
+  assert result.prefill_tokens_before_first_token == 7 + 4

@@ -40,6 +40,10 @@ def test_json_has_every_mode_and_field(report):
     assert r["requests"] == 10
     assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"]
     assert r["compiles_during_measurement"] == 0
+    # A request's first token needs at least its own query prefilled, and
+    # waits for no more than everything the run prefilled.
+    assert (0 < r["prefill_tokens_before_first_token_p50"]
+            <= r["prefill_tokens_computed"])
   for key in ("device", "jax", "date", "command"):
     assert data[key]
 
