@@ -371,7 +371,7 @@ def test_first_token_group_tokens_must_be_positive(model_and_config):
     make_engine(model_and_config, first_token_group_tokens=0)
 
 
-def test_one_round_without_documents_counts_its_own_prefill(model_and_config):
+def test_full_mode_first_token_waits_for_the_whole_prompt(model_and_config):
   _, config, _ = model_and_config
   rng = np.random.default_rng(12)
   doc = random_tokens(rng, 7, config.vocab_size)
