@@ -236,7 +236,6 @@ class LazyEngine:
     if first_token_group_tokens is not None and first_token_group_tokens < 1:
       raise ValueError("first_token_group_tokens must be >= 1 or None")
     self.first_token_group_tokens = first_token_group_tokens or max_prefill_tokens
-    self._round_prefill_tokens = 0
     self.model_id = model_id or f"llama:{hash(config) & 0xFFFFFFFF:08x}"
     self.runner = ModelRunner(model, impl, pool_as_bits, decode_layer_unroll)
     self.cache = PagedKVCache(cache_config)
@@ -752,8 +751,10 @@ class LazyEngine:
     groups.append(group)
     return groups
 
-  def _encode(self, docs: list[tuple[Sequence[int], list[int]]]):
-    """Prefills documents, each alone from position 0, into their pages."""
+  def _encode(self, docs: list[tuple[Sequence[int], list[int]]]) -> int:
+    """Prefills documents, each alone from position 0, into their pages;
+    returns the tokens computed."""
+    computed = 0
     for chunk in self._batches(docs, [len(d[0]) for d in docs], keep_order=False):
       rows, plans = [], []
       for tokens, pages in chunk:
@@ -765,8 +766,10 @@ class LazyEngine:
         plans.append(plan)
       self._run_prefill(rows, plans, [SamplingParams()] * len(chunk))
       self.stats.documents_prefilled += len(chunk)
-      self.stats.prefill_tokens_computed += sum(len(d[0]) for d in chunk)
-      self._round_prefill_tokens += sum(len(d[0]) for d in chunk)
+      chunk_tokens = sum(len(d[0]) for d in chunk)
+      self.stats.prefill_tokens_computed += chunk_tokens
+      computed += chunk_tokens
+    return computed
 
   def encode_documents(self, documents, *, progress: bool = False,
                        batch_size: int | None = None) -> list[bool]:
@@ -820,18 +823,22 @@ class LazyEngine:
 
   def _prefill_new(self, new: list[_Live]):
     todo = self._round_documents(new)
-    self._round_prefill_tokens = 0
     encoded: set[int] = set()
+    round_tokens = 0  # the round's prefill work so far
     for group in self._first_token_groups(new, todo):
       slots = sorted({slot for live in group for slot in live.admission.doc_slots
                       if slot in todo} - encoded)
-      self._encode([todo[slot] for slot in slots])
+      round_tokens += self._encode([todo[slot] for slot in slots])
       encoded.update(slots)
       self._copy_documents(group)
-      self._prefill_queries(group)
+      round_tokens = self._prefill_queries(group, round_tokens)
 
-  def _prefill_queries(self, new: list[_Live]):
-    """Prefills the requests' own tokens and takes each one's first token."""
+  def _prefill_queries(self, new: list[_Live], round_tokens: int) -> int:
+    """Prefills the requests' own tokens and takes each one's first token.
+
+    `round_tokens`: prefill work the round did before these requests; returns
+    it with theirs added.
+    """
     lengths = [len(l.prefill.tokens) for l in new]
     for chunk in self._batches(new, lengths, keep_order=self.mode == "prefix"):
       logits, first = self._run_prefill(
@@ -841,18 +848,19 @@ class LazyEngine:
       logits = np.asarray(jax.device_get(logits))
       now = time.perf_counter()
       chunk_tokens = sum(len(l.prefill.tokens) for l in chunk)
-      self._round_prefill_tokens += chunk_tokens
+      round_tokens += chunk_tokens
       for b, live in enumerate(chunk):
         token = int(first[b])
         live.tokens.append(token)
         live.first_token_at = now
-        live.prefill_tokens_before_first = self._round_prefill_tokens
+        live.prefill_tokens_before_first = round_tokens
         live.first_logits = logits[b]
         live.done = (token in live.stop_ids or
                      live.request.sampling.max_new_tokens <= 1)
         if live.done:
           live.finished_at = now
       self.stats.prefill_tokens_computed += chunk_tokens
+    return round_tokens
 
   # --- decode ------------------------------------------------------------------
   def _decode_live(self):
