@@ -18,8 +18,9 @@ Run on the GPU machine from the repository root:
     FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
     include everything the lazy API does per call (query rotation, step
     lists, kernel), except the rows marked per-layer, plan only, query
-    rotation only and kernel only, which time those parts alone.  Median over 21 samples, each a chain of calls
-    (benchmarks.kernels.ChainTimer), after a warm-up run.
+    rotation only and kernel only, which time those parts alone.  Median
+    over 21 samples, each a chain of calls (benchmarks.kernels.ChainTimer),
+    after a warm-up run.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 """
 
@@ -214,12 +215,12 @@ def run_timing(variants):
     # The per-layer call split in two: the XLA query rotation, and the
     # kernel on a precomputed rotated query (where the time goes).
     t_pad = plan[-1].shape[1]
+    in_f32 = MgpuBlockSizes().query_in_f32
     methods.append(("mgpu query rotation only", lambda q, q_pos:
                     rotated_query_tokens(q, q_pos, ROPE,
                                          jnp.float32(SM_SCALE), t_pad,
-                                         MgpuBlockSizes().query_in_f32),
+                                         in_f32),
                     (lazy_args[0], lazy_args[7]), _perturb_query))
-    in_f32 = MgpuBlockSizes().query_in_f32
     q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
         lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad,
         in_f32)

@@ -153,8 +153,8 @@ class MgpuBlockSizes:
   num_compute_wgs: int = 2
   num_stages: int = 2
   # Off by default: the ping-pong barrier cost 5 % with 64-key steps; with
-  # 128-key steps it gained 1-2 % in one run (0.658 vs 0.672 ms), not yet
-  # confirmed (benchmarks/kernel_notes.md).
+  # 128-key steps it gained 1-2 % in two runs (0.658 vs 0.672 and 0.674 ms),
+  # but the GPU test suite has not run with it (benchmarks/kernel_notes.md).
   schedule_barrier: bool = False
   mask_fast_path: bool = True
   query_in_f32: bool = False
@@ -370,7 +370,8 @@ def _kernel(
     row_pos_ref,  # int32 [B, T_pad]
     page_offset_ref,  # int32 [1]: added to every physical page id
     # Operands.
-    q_ref,  # f32 [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e)
+    q_ref,  # [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), f32 or
+    #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32)
     k_ref,  # [K, pages * P, H] in the pool's dtype
     v_ref,  # [K, pages * P, H]
     # Output.
@@ -570,7 +571,9 @@ def _interpreter_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import (  # pylint: disable=g-import-not-at-top
         InterpretGPUParams)
   except ImportError as e:
-    raise NotImplementedError(
+    # The installed jax lacks a module this feature needs: an ImportError,
+    # with the module named, for the caller to catch or read.
+    raise ImportError(
         "interpret=True needs jax's Mosaic GPU interpreter "
         "(jax._src.pallas.mosaic_gpu.interpret), which this jax "
         f"{jax.__version__} does not have") from e

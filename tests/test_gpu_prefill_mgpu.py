@@ -15,6 +15,7 @@ shifts (tests/kernel_cases.make_case), plus a benchmark-like layout.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,16 @@ def _has_interpreter() -> bool:
 
 needs_interpreter = pytest.mark.skipif(
     not _has_interpreter(), reason="this jax has no Mosaic GPU interpreter")
+
+
+def test_interpret_without_the_interpreter_names_the_missing_module(
+    monkeypatch):
+  from pallas_kernels import gpu_prefill_mgpu
+  # None in sys.modules makes the import fail as on a jax without the module.
+  monkeypatch.setitem(sys.modules,
+                      "jax._src.pallas.mosaic_gpu.interpret.params", None)
+  with pytest.raises(ImportError, match="mosaic_gpu.interpret"):
+    gpu_prefill_mgpu._interpreter_params()
 
 
 def _call(args, *, rope=PLAIN, block_sizes=None, interpret=False):
