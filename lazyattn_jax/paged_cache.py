@@ -84,7 +84,7 @@ _release_pages_jit = jax.jit(cs.release_pages)
 _insert_jit = jax.jit(cs.insert_document)
 _acquire_jit = jax.jit(cs.acquire_documents)
 _release_docs_jit = jax.jit(cs.release_documents)
-_evict_jit = jax.jit(cs.evict_documents)
+_evict_jit = jax.jit(cs.evict_documents, static_argnames=("policy",))
 _free_count_jit = jax.jit(cs.free_page_count)
 _evictable_count_jit = jax.jit(cs.evictable_page_count)
 
@@ -110,10 +110,10 @@ def _plan_admission(tables: CacheState, keys: jax.Array, key_present: jax.Array)
           jnp.sum(evictable, dtype=jnp.int32), cs.free_doc_slot_count(tables))
 
 
-@functools.partial(jax.jit, static_argnames=("private_max",))
+@functools.partial(jax.jit, static_argnames=("private_max", "eviction"))
 def _commit_admission(tables: CacheState, hit_slots, miss_keys, miss_lengths,
                       miss_num_pages, miss_index, private_count, *,
-                      private_max: int):
+                      private_max: int, eviction: str):
   """All state changes of one admission, as one compiled transition.
 
   Args:
@@ -134,7 +134,8 @@ def _commit_admission(tables: CacheState, hit_slots, miss_keys, miss_lengths,
   tables = cs.acquire_documents(tables, hit_slots)
   missing_pages = jnp.sum(miss_num_pages)
   tables = cs.evict_documents(tables, missing_pages + private_count,
-                              jnp.sum(miss_lengths >= 1, dtype=jnp.int32))
+                              jnp.sum(miss_lengths >= 1, dtype=jnp.int32),
+                              policy=eviction)
   # One allocation for all missing documents, then cut into per-doc rows.
   # The capacity check bounds the total by the pool size.
   max_count = min(mb * M, tables.num_pages)
@@ -278,7 +279,8 @@ class PagedKVCache:
   def evict_documents(self, state: CacheState, pages_needed,
                       slots_needed=0) -> CacheState:
     return self._run(_evict_jit, state, jnp.asarray(pages_needed, jnp.int32),
-                     jnp.asarray(slots_needed, jnp.int32))
+                     jnp.asarray(slots_needed, jnp.int32),
+                     policy=self.config.eviction)
 
   def free_page_count(self, state: CacheState) -> jax.Array:
     return self._run(_free_count_jit, state)
@@ -301,7 +303,8 @@ class PagedKVCache:
     table slot (a key listed twice is allocated once); `private_tokens` get
     `ceil(private_tokens / page_size)` private pages; every document of the
     request (hits and misses, with repetition) is acquired.  Unread documents
-    are evicted, least recently used first, only as far as needed.
+    are evicted in the order of `CacheConfig.eviction`, only as far as
+    needed.
 
     Args:
       state: the cache (not modified).
@@ -402,7 +405,8 @@ class PagedKVCache:
     new_tables, doc_slots, doc_rows, private_pages, ok = _commit_admission(
         tables, _padded(slots, nb), miss_keys, miss_lengths,
         _padded(miss_pages, mb, 0), _padded(miss_index, nb),
-        np.int32(private_count), private_max=private_max)
+        np.int32(private_count), private_max=private_max,
+        eviction=cfg.eviction)
     doc_slots, doc_rows, private_pages, ok = jax.device_get(
         (doc_slots, doc_rows, private_pages, ok))
     if not ok:

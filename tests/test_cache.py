@@ -17,6 +17,7 @@ CONFIG = CacheConfig(num_pages=16, page_size=4, num_layers=2, num_kv_heads=2,
                      head_dim=3, dtype="float32", max_docs=4,
                      max_pages_per_doc=6)
 CACHE = PagedKVCache(CONFIG)
+LRU_CACHE = PagedKVCache(dataclasses.replace(CONFIG, eviction="lru"))
 
 
 def key(doc_id: int):
@@ -228,7 +229,11 @@ def test_admit_and_finish_round_trip():
       free_pages=13, used_pages=3, cached_docs=2, cached_doc_pages=3,
       docs_in_use=0, evictable_pages=3, free_doc_slots=2)
   state = CACHE.evict_documents(state, 16)
-  assert_same_state(state.replace(clock=state0.clock), state0)
+  # Only the clocks remember the request: the LRU clock and the read count.
+  assert int(state.reads_since_aging) == 2
+  assert_same_state(state.replace(clock=state0.clock,
+                                  reads_since_aging=state0.reads_since_aging),
+                    state0)
 
 
 def test_cache_hit_is_zero_copy():
@@ -271,11 +276,11 @@ def test_duplicate_missing_doc_is_allocated_once():
                                 [1, 1, 1, 0])
 
 
-def _cache_docs(state, doc_ids, length=8):
+def _cache_docs(state, doc_ids, length=8, cache=CACHE):
   """Admits and finishes one request per doc, in order (LRU order = order)."""
   for doc in doc_ids:
-    state, adm = CACHE.admit(state, [key(doc)], [length], 0)
-    state = CACHE.finish(state, adm)
+    state, adm = cache.admit(state, [key(doc)], [length], 0)
+    state = cache.finish(state, adm)
   return state
 
 
@@ -285,27 +290,104 @@ def _cached(state, doc_ids):
 
 
 def test_lru_eviction_order():
-  state = _cache_docs(CACHE.init_state(), [1, 2, 3, 4])  # 2 pages each
-  state = _cache_docs(state, [1])  # 1 is now the most recent
-  assert CACHE.stats(state)["free_pages"] == 8
+  cache = LRU_CACHE
+  # Doc 1 read three times, then 2, 3, 4 once each: LRU forgets doc 1's
+  # popularity and evicts it first.
+  state = _cache_docs(cache.init_state(), [1, 1, 1, 2, 3, 4], cache=cache)
+  state = _cache_docs(state, [2], cache=cache)  # 2 is now the most recent
+  assert cache.stats(state)["free_pages"] == 8
+  state = cache.evict_documents(state, 9)
+  assert _cached(state, [1, 2, 3, 4]) == [2, 3, 4]
+  state = cache.evict_documents(state, 12)
+  assert _cached(state, [1, 2, 3, 4]) == [2, 4]
+  state = cache.evict_documents(state, 3)  # already free enough: no-op
+  assert _cached(state, [1, 2, 3, 4]) == [2, 4]
+  state = cache.evict_documents(state, 14)
+  assert _cached(state, [1, 2, 3, 4]) == [2]
+  state = cache.evict_documents(state, 15)
+  assert _cached(state, [1, 2, 3, 4]) == []
+
+
+def test_lfu_eviction_order():
+  # Same history as the LRU test: LFU keeps doc 1 (3 reads) and doc 2
+  # (2 reads) longest, and among the docs read once evicts the older first.
+  state = _cache_docs(CACHE.init_state(), [1, 1, 1, 2, 3, 4])
+  state = _cache_docs(state, [2])
+  np.testing.assert_array_equal(
+      np.asarray(state.doc_uses)[np.asarray(
+          CACHE.lookup_documents(state, jnp.array([key(d) for d in
+                                                   [1, 2, 3, 4]])))],
+      [3, 2, 1, 1])
   state = CACHE.evict_documents(state, 9)
-  assert _cached(state, [1, 2, 3, 4]) == [1, 3, 4]
+  assert _cached(state, [1, 2, 3, 4]) == [1, 2, 4]
   state = CACHE.evict_documents(state, 12)
-  assert _cached(state, [1, 2, 3, 4]) == [1, 4]
-  state = CACHE.evict_documents(state, 3)  # already free enough: no-op
-  assert _cached(state, [1, 2, 3, 4]) == [1, 4]
+  assert _cached(state, [1, 2, 3, 4]) == [1, 2]
   state = CACHE.evict_documents(state, 14)
   assert _cached(state, [1, 2, 3, 4]) == [1]
   state = CACHE.evict_documents(state, 15)
   assert _cached(state, [1, 2, 3, 4]) == []
 
 
+def test_lfu_ties_go_to_the_lower_slot():
+  # Two docs read once at the same clock tick (one request): equal uses and
+  # equal recency, so the lower slot goes first, deterministically.
+  state, adm = CACHE.admit(CACHE.init_state(), [key(1), key(2)], [8, 8], 0)
+  state = CACHE.finish(state, adm)
+  assert adm.doc_slots == [0, 1]
+  state = CACHE.evict_documents(state, 14)
+  assert _cached(state, [1, 2]) == [2]
+
+
+def test_eviction_forgets_the_read_count():
+  # A document evicted and cached again starts from zero reads, so it is
+  # not protected by the reads it had before.
+  state = _cache_docs(CACHE.init_state(), [1, 1, 1])
+  state = CACHE.evict_documents(state, 16)
+  state = _cache_docs(state, [2, 2, 1])
+  assert _cached(state, [1, 2]) == [1, 2]
+  state = CACHE.evict_documents(state, 14)
+  assert _cached(state, [1, 2]) == [2]
+
+
+def test_read_counts_halve_every_window():
+  window = cs.FREQUENCY_WINDOW_PER_SLOT * CONFIG.max_docs  # 64 reads
+  state, pages, _ = CACHE.allocate_pages(CACHE.init_state(), 2, max_count=6)
+  state, slot_a, _ = CACHE.insert_document(state, key(1), 4, pages[:1])
+  state, slot_b, _ = CACHE.insert_document(state, key(2), 4, pages[1:2])
+  slots = jnp.array([slot_a] * 5 + [slot_b] * 2 + [-1], jnp.int32)
+  for _ in range(9):  # 63 reads: one short of the window
+    state = CACHE.acquire_documents(state, slots)
+  assert [int(state.doc_uses[slot_a]), int(state.doc_uses[slot_b])] == [45, 18]
+  assert int(state.reads_since_aging) == 63
+  state = CACHE.acquire_documents(state, slots[5:7])  # reads 64 and 65
+  assert [int(state.doc_uses[slot_a]), int(state.doc_uses[slot_b])] == [22, 10]
+  assert int(state.reads_since_aging) == 65 - window
+
+
+def test_unknown_eviction_policy_is_refused():
+  with pytest.raises(ValueError, match=r"eviction must be one of"):
+    dataclasses.replace(CONFIG, eviction="fifo")
+  with pytest.raises(ValueError, match=r"policy must be one of"):
+    cs.evict_documents(CACHE.init_state(), 1, policy="mru")
+
+
 def test_admission_evicts_lru_only_as_needed():
-  state = _cache_docs(CACHE.init_state(), [1, 2, 3, 4])
-  state = _cache_docs(state, [1])
+  cache = LRU_CACHE
+  state = _cache_docs(cache.init_state(), [1, 2, 3, 4], cache=cache)
+  state = _cache_docs(state, [1], cache=cache)
   # 8 free; a new doc of 2 pages + 8 private pages needs 10: evict doc 2 only.
-  state, adm = CACHE.admit(state, [key(5)], [8], private_tokens=32)
+  state, adm = cache.admit(state, [key(5)], [8], private_tokens=32)
   assert _cached(state, [1, 2, 3, 4, 5]) == [1, 3, 4, 5]
+  assert adm.doc_hit == [False]
+
+
+def test_admission_evicts_lfu_only_as_needed():
+  state = _cache_docs(CACHE.init_state(), [3, 3, 1, 2, 4])
+  # 8 free; a new doc of 2 pages + 8 private pages needs 10: LFU evicts the
+  # oldest of the docs read once (1), not doc 3 (read twice, but longer ago,
+  # so LRU would take it).
+  state, adm = CACHE.admit(state, [key(5)], [8], private_tokens=32)
+  assert _cached(state, [1, 2, 3, 4, 5]) == [2, 3, 4, 5]
   assert adm.doc_hit == [False]
 
 

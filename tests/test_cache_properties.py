@@ -11,8 +11,10 @@ would show up as an overwritten marker.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import event, settings
@@ -21,17 +23,27 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
 
 from lazyattn_jax import (CacheCapacityError, CacheConfig, PagedKVCache,
                           document_key)
+from lazyattn_jax.cache_state import FREQUENCY_WINDOW_PER_SLOT
 
 CONFIG = CacheConfig(num_pages=24, page_size=4, num_layers=1, num_kv_heads=1,
                      head_dim=2, dtype="float32", max_docs=6,
                      max_pages_per_doc=5)
-CACHE = PagedKVCache(CONFIG)  # shared: its jitted functions compile once
+# Shared: their jitted functions compile once.
+CACHES = {policy: PagedKVCache(dataclasses.replace(CONFIG, eviction=policy))
+          for policy in ("lfu", "lru")}
+WINDOW = FREQUENCY_WINDOW_PER_SLOT * CONFIG.max_docs  # reads between halvings
 NUM_DOCS = 8  # distinct documents a request may draw from
 MAX_DOC_TOKENS = CONFIG.max_pages_per_doc * CONFIG.page_size
 
 
 def pages_of(tokens: int) -> int:
   return -(-tokens // CONFIG.page_size)
+
+
+def table_leaves(state) -> list[np.ndarray]:
+  """Every array of the state except the pool."""
+  return [np.asarray(x) for x in
+          jax.tree_util.tree_leaves(state.replace(k=None, v=None))]
 
 
 def doc_marker(doc: int) -> float:
@@ -43,14 +55,17 @@ def request_marker(rid: int) -> float:
 
 
 class CacheMachine(RuleBasedStateMachine):
+  policy = "lfu"
 
   @initialize(lengths=st.lists(st.integers(1, MAX_DOC_TOKENS),
                                min_size=NUM_DOCS, max_size=NUM_DOCS))
   def setup(self, lengths):
     self.lengths = lengths
     self.keys = [document_key([doc, 7], "prop-model") for doc in range(NUM_DOCS)]
-    self.state = CACHE.init_state()
-    self.cached = {}  # doc -> {"slot", "pages", "last_use"}
+    self.cache = CACHES[self.policy]
+    self.state = self.cache.init_state()
+    self.cached = {}  # doc -> {"slot", "pages", "last_use", "uses"}
+    self.reads_since_aging = 0
     self.live = {}  # rid -> {"docs", "admission"}
     self.next_rid = 0
     self.time = 0  # model clock: one tick per admission
@@ -87,27 +102,45 @@ class CacheMachine(RuleBasedStateMachine):
       found[doc] = int(slot)
     return found
 
+  def priority(self, entry: dict) -> tuple[int, ...]:
+    """Eviction order key (lowest goes first); equal keys may go either way."""
+    if self.policy == "lru":
+      return (entry["last_use"],)
+    return (entry["uses"], entry["last_use"])
+
+  def count_reads(self, docs):
+    """Mirrors one acquire: each listing is a read; counts halve per window."""
+    for d in docs:
+      self.cached[d]["uses"] += 1
+    self.reads_since_aging += len(docs)
+    if self.reads_since_aging >= WINDOW:
+      event("read counts halved")
+      self.reads_since_aging -= WINDOW
+      for entry in self.cached.values():
+        entry["uses"] //= 2
+
   def check_eviction(self, before: dict, free_before: int, need_pages: int,
                      need_slots: int, protected=()):
-    """Docs that left the table were evicted LRU-first, only as needed."""
+    """Docs that left the table were evicted in policy order, only as
+    needed."""
     after = self.table_docs()
     evicted = [d for d in before if d not in after]
     evictable = [d for d in before if self.users()[d] == 0
                  and d not in protected]
     assert set(evicted) <= set(evictable), "evicted a document in use"
-    for d in evicted:  # nothing older survived
+    for d in evicted:  # nothing that goes earlier survived
       for s in evictable:
         if s not in evicted:
-          assert before[d]["last_use"] <= before[s]["last_use"]
+          assert self.priority(before[d]) <= self.priority(before[s])
     freed = sum(len(before[d]["pages"]) for d in evicted)
     free_slots = CONFIG.max_docs - len(before)
     satisfied = lambda pages, docs: (free_before + pages >= need_pages and
                                      free_slots + docs >= need_slots)
     if evicted:  # the last one evicted was needed
-      newest = max(before[d]["last_use"] for d in evicted)
+      last = max(self.priority(before[d]) for d in evicted)
       assert any(not satisfied(freed - len(before[d]["pages"]),
                                len(evicted) - 1)
-                 for d in evicted if before[d]["last_use"] == newest)
+                 for d in evicted if self.priority(before[d]) == last)
     if len(evicted) < len(evictable):  # stopped early: enough is free
       assert satisfied(freed, len(evicted))
     if evicted:
@@ -136,22 +169,16 @@ class CacheMachine(RuleBasedStateMachine):
     fits = (need_pages <= free + sum(len(self.cached[d]["pages"])
                                      for d in evictable) and
             len(missing) <= CONFIG.max_docs - len(self.cached) + len(evictable))
-    before_leaves = [np.asarray(x) for x in
-                     (state.page_refcount, state.doc_key, state.doc_valid,
-                      state.doc_len, state.doc_num_pages, state.doc_pages,
-                      state.doc_users, state.doc_last_used, state.clock)]
+    before_leaves = table_leaves(state)
     k_before = np.asarray(state.k)
     try:
-      new_state, adm = CACHE.admit(state, [self.keys[d] for d in docs],
-                                   [self.lengths[d] for d in docs],
-                                   private_tokens)
+      new_state, adm = self.cache.admit(state, [self.keys[d] for d in docs],
+                                        [self.lengths[d] for d in docs],
+                                        private_tokens)
     except CacheCapacityError:
       assert not fits, "refused a request that fits"
       event("admission refused")
-      after_leaves = [np.asarray(x) for x in
-                      (state.page_refcount, state.doc_key, state.doc_valid,
-                       state.doc_len, state.doc_num_pages, state.doc_pages,
-                       state.doc_users, state.doc_last_used, state.clock)]
+      after_leaves = table_leaves(state)
       for old, now in zip(before_leaves, after_leaves):
         np.testing.assert_array_equal(old, now)
       return
@@ -164,6 +191,8 @@ class CacheMachine(RuleBasedStateMachine):
     np.testing.assert_array_equal(np.asarray(new_state.k), k_before)
     self.state = new_state
 
+    # Admission acquires the hits before it evicts, the misses after.
+    self.count_reads([d for d in docs if d in hits])
     before = dict(self.cached)
     self.check_eviction(before, free, need_pages, len(missing), hits)
     used_after_eviction = self.pages_in_use()
@@ -179,7 +208,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert adm.doc_slots[i] == self.cached[d]["slot"]
       elif d not in self.cached:  # first occurrence of a miss
         self.cached[d] = dict(slot=adm.doc_slots[i],
-                              pages=list(adm.doc_pages[i]))
+                              pages=list(adm.doc_pages[i]), uses=0)
         fresh.update(adm.doc_pages[i])
       else:  # a repeated miss shares the first occurrence's pages
         assert adm.doc_pages[i] == self.cached[d]["pages"]
@@ -187,6 +216,7 @@ class CacheMachine(RuleBasedStateMachine):
         len(self.cached[d]["pages"]) for d in missing)
     assert len(fresh) == n_fresh, "a page was handed out twice"
     assert not fresh & used_after_eviction, "a live page was reallocated"
+    self.count_reads([d for d in docs if d not in hits])
     for d in docs:
       self.cached[d]["last_use"] = self.time
     self.time += 1
@@ -214,19 +244,30 @@ class CacheMachine(RuleBasedStateMachine):
                               min_size=1, max_size=4))
     self.admit(docs, private_tokens)
 
+  @precondition(lambda self: self.cached)
+  @rule(data=st.data(), copies=st.integers(8, 24))
+  def burst_of_reads(self, data, copies):
+    """One request lists a cached document many times and finishes: enough
+    reads that the read counts halve within a test case."""
+    doc = data.draw(st.sampled_from(sorted(self.cached)))
+    rid = self.next_rid
+    self.admit([doc] * copies, 0)
+    self.state = self.cache.finish(self.state,
+                                   self.live.pop(rid)["admission"])
+
   @precondition(lambda self: self.live)
   @rule(data=st.data())
   def finish_request(self, data):
     rid = data.draw(st.sampled_from(sorted(self.live)))
     req = self.live.pop(rid)
-    self.state = CACHE.finish(self.state, req["admission"])
+    self.state = self.cache.finish(self.state, req["admission"])
 
   @rule(pages_needed=st.integers(0, CONFIG.num_pages),
         slots_needed=st.integers(0, 2))
   def evict(self, pages_needed, slots_needed):
     free = CONFIG.num_pages - len(self.pages_in_use())
     before = dict(self.cached)
-    self.state = CACHE.evict_documents(self.state, pages_needed, slots_needed)
+    self.state = self.cache.evict_documents(self.state, pages_needed, slots_needed)
     self.check_eviction(before, free, pages_needed, slots_needed)
 
   @rule()
@@ -234,7 +275,7 @@ class CacheMachine(RuleBasedStateMachine):
     """Finish every live request: nothing leaks.  Each page is then either
     free or held exactly once, by the cached document it belongs to."""
     for rid in sorted(self.live):
-      self.state = CACHE.finish(self.state, self.live.pop(rid)["admission"])
+      self.state = self.cache.finish(self.state, self.live.pop(rid)["admission"])
     self.model_agrees_with_state()
     refcount = np.asarray(self.state.page_refcount)
     doc_pages = self.pages_in_use()
@@ -281,8 +322,10 @@ class CacheMachine(RuleBasedStateMachine):
       assert doc_pages[slot, :len(pages)].tolist() == pages
       assert np.all(doc_pages[slot, len(pages):] == -1)
       assert int(state.doc_users[slot]) == users[d]
+      assert int(state.doc_uses[slot]) == self.cached[d]["uses"]
     assert np.all(np.asarray(state.doc_users)[~np.asarray(state.doc_valid)]
                   == 0)
+    assert int(state.reads_since_aging) == self.reads_since_aging
 
     # Every owner's pages still hold what it wrote.
     k = np.asarray(state.k)
@@ -299,17 +342,23 @@ class CacheMachine(RuleBasedStateMachine):
     if not hasattr(self, "state"):
       return
     self.finish_all()
-    self.state = CACHE.evict_documents(self.state, CONFIG.num_pages,
+    self.state = self.cache.evict_documents(self.state, CONFIG.num_pages,
                                        CONFIG.max_docs)
     self.cached.clear()
     self.model_agrees_with_state()
-    assert CACHE.stats(self.state) == dict(
+    assert self.cache.stats(self.state) == dict(
         free_pages=CONFIG.num_pages, used_pages=0, cached_docs=0,
         cached_doc_pages=0, docs_in_use=0, evictable_pages=0,
         free_doc_slots=CONFIG.max_docs)
 
 
-CacheMachine.TestCase.settings = settings(max_examples=40,
-                                          stateful_step_count=30,
-                                          deadline=None)
+class LruCacheMachine(CacheMachine):
+  policy = "lru"
+
+
+for machine in (CacheMachine, LruCacheMachine):
+  machine.TestCase.settings = settings(max_examples=40,
+                                       stateful_step_count=30,
+                                       deadline=None)
 TestCacheProperties = CacheMachine.TestCase
+TestLruCacheProperties = LruCacheMachine.TestCase
