@@ -8,7 +8,8 @@
 #           issue's "at most a third"; PAPER_CONCURRENCY=64 and
 #           PAPER_REQUESTS=128 for twice the requests in flight;
 #           WARM_CACHE=N measures from a cache warmed by N other requests;
-#           GROUP_TOKENS=N sets the engine's first-token group size);
+#           GROUP_TOKENS=N sets the engine's first-token group size;
+#           EVICTION=lru for the old eviction order);
 #   tuned - the same with decode layers unrolled and a prefill budget per
 #           scheduling step (not yet measured);
 #   rates, budget - the TTFT-vs-rate and throughput-vs-budget sweeps;
@@ -56,7 +57,7 @@ for part in $parts; do
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
         --zipf 1.1 --concurrency ${PAPER_CONCURRENCY:-32} --max-batch ${PAPER_CONCURRENCY:-32} \
         --num-requests ${PAPER_REQUESTS:-64} --warm-cache-requests ${WARM_CACHE:-0} \
-        --group-tokens ${GROUP_TOKENS:-0} \
+        --group-tokens ${GROUP_TOKENS:-0} --eviction ${EVICTION:-lfu} \
         --cache-fraction ${PAPER_FRACTION:-$fraction} --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
     tuned)

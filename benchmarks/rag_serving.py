@@ -101,7 +101,7 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
       num_pages=cache_pages, page_size=args.page_size,
       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
       head_dim=config.head_dim, dtype=dtype, max_docs=max_docs,
-      max_pages_per_doc=max(pages_per_doc, 1))
+      max_pages_per_doc=max(pages_per_doc, 1), eviction=args.eviction)
   return LazyEngine(config, model, cache_config, mode=mode, impl=args.impl,
                     max_batch=args.max_batch, decode_steps=args.decode_steps,
                     max_prefill_tokens=args.max_prefill_tokens,
@@ -283,6 +283,9 @@ def parse_args(argv=None):
   p.add_argument("--prefill-tokens-per-step", type=int, default=0,
                  help="admission budget of prefill tokens per scheduling "
                       "step (0 = admit all that fit)")
+  p.add_argument("--eviction", choices=("lfu", "lru"), default="lfu",
+                 help="order in which cached documents leave a full pool "
+                      "(CacheConfig.eviction), for every cached mode")
   p.add_argument("--group-tokens", type=int, default=0,
                  help="lazy/block: new document tokens per first-token group "
                       "of a scheduling round (0 = --max-prefill-tokens)")
