@@ -28,13 +28,14 @@ def model_and_config(engine_impl):
 
 
 def make_engine(model_and_config, *, num_pages=96, max_batch=4,
-                decode_steps=4, mode="lazy", **engine_kwargs):
+                decode_steps=4, mode="lazy", eviction="lfu", **engine_kwargs):
   model, config, impl = model_and_config
   cache_config = CacheConfig(num_pages=num_pages, page_size=PAGE,
                              num_layers=config.num_layers,
                              num_kv_heads=config.num_kv_heads,
                              head_dim=config.head_dim, dtype="float32",
-                             max_docs=32, max_pages_per_doc=16)
+                             max_docs=32, max_pages_per_doc=16,
+                             eviction=eviction)
   return LazyEngine(config, model, cache_config, mode=mode, impl=impl,
                     max_batch=max_batch, decode_steps=decode_steps,
                     **engine_kwargs)
@@ -379,3 +380,23 @@ def test_full_mode_first_token_waits_for_the_whole_prompt(model_and_config):
   result = make_engine(model_and_config, mode="full").generate(query, [doc],
                                                                greedy(2))
   assert result.prefill_tokens_before_first_token == 7 + 4
+
+
+@pytest.mark.parametrize("eviction", ["lfu", "lru"])
+def test_eviction_policy_decides_whether_a_popular_document_survives(
+    model_and_config, eviction):
+  """A document read three times, then a run of one-off documents that
+  overflows the pool: LFU keeps the popular one, LRU lets it go."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(11)
+  popular = random_tokens(rng, 8, config.vocab_size)  # 2 pages
+  one_offs = [random_tokens(rng, 8, config.vocab_size) for _ in range(6)]
+  query = random_tokens(rng, 3, config.vocab_size)  # private: 1 page
+  engine = make_engine(model_and_config, num_pages=12, eviction=eviction)
+  hits = [engine.generate(query, [popular], greedy(1)).doc_hits[0]
+          for _ in range(3)]
+  assert hits == [False, True, True]
+  for doc in one_offs:  # 5 documents fill the pool; the 6th evicts one
+    assert engine.generate(query, [doc], greedy(1)).doc_hits == [False]
+  popular_hit = engine.generate(query, [popular], greedy(1)).doc_hits[0]
+  assert popular_hit == (eviction == "lfu")
