@@ -204,7 +204,7 @@ class LazyEngine:
       document tokens before their queries run; smaller groups give earlier
       first tokens for more, smaller prefill calls (None: max_prefill_tokens).
       For an 8B model on an H200, 4096 cut the median TTFT of a 32-request
-      RAG load by ~20% for a few percent of throughput (RESULTS.md 3f, 3g).
+      RAG load by ~20% for up to 7% of throughput (RESULTS.md 3f, 3g).
   """
 
   def __init__(self, config, model, cache_config: CacheConfig, mode: str = "lazy",
