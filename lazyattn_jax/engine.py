@@ -731,26 +731,32 @@ class LazyEngine:
     call's worth).  Each group's documents are encoded, then its queries run
     and its first tokens are out.  The work is the same; first tokens come
     sooner.  Modes without a document step (full, prefix) form one group.
+
+    Returns [(group, slots)]: the requests of each group in serving order,
+    and the sorted slots of `todo` that group encodes (each slot once, in
+    the first group that reads it).
     """
     if not todo:
-      return [new]
+      return [(new, [])]
     needs = [{slot for slot in live.admission.doc_slots if slot in todo}
              for live in new]
     planned: set[int] = set()
     order = list(range(len(new)))
-    groups, group, group_tokens = [], [], 0
+    groups, group, group_slots = [], [], set()
+    group_tokens = 0
     while order:
       costs = [sum(len(todo[slot][0]) for slot in needs[i] - planned)
                for i in order]
       pick = int(np.argmin(costs))  # first of the cheapest: admission order
       if group and group_tokens + costs[pick] > self.first_token_group_tokens:
-        groups.append(group)
-        group, group_tokens = [], 0
+        groups.append((group, sorted(group_slots)))
+        group, group_slots, group_tokens = [], set(), 0
       i = order.pop(pick)
       group.append(new[i])
       group_tokens += costs[pick]
+      group_slots |= needs[i] - planned
       planned |= needs[i]
-    groups.append(group)
+    groups.append((group, sorted(group_slots)))
     return groups
 
   def _encode(self, docs: list[tuple[Sequence[int], list[int]]]) -> int:
@@ -825,13 +831,9 @@ class LazyEngine:
 
   def _prefill_new(self, new: list[_Live]):
     todo = self._round_documents(new)
-    encoded: set[int] = set()
     round_tokens = 0  # the round's prefill work so far
-    for group in self._first_token_groups(new, todo):
-      slots = sorted({slot for live in group for slot in live.admission.doc_slots
-                      if slot in todo} - encoded)
+    for group, slots in self._first_token_groups(new, todo):
       round_tokens += self._encode([todo[slot] for slot in slots])
-      encoded.update(slots)
       self._copy_documents(group)
       round_tokens = self._prefill_queries(group, round_tokens)
 
