@@ -289,43 +289,33 @@ def _cached(state, doc_ids):
   return [d for d, s in zip(doc_ids, np.asarray(slots)) if s >= 0]
 
 
-def test_lru_eviction_order():
-  cache = LRU_CACHE
-  # Doc 1 read three times, then 2, 3, 4 once each: LRU forgets doc 1's
-  # popularity and evicts it first.
+@pytest.mark.parametrize("cache, kept", [
+    # LRU forgets doc 1's popularity: it goes first, then 3, 4, 2.
+    (LRU_CACHE, [[2, 3, 4], [2, 4], [2], []]),
+    # LFU keeps doc 1 (3 reads) and doc 2 (2 reads) longest, and among the
+    # docs read once evicts the older first: 3, 4, 2, 1.
+    (CACHE, [[1, 2, 4], [1, 2], [1], []]),
+], ids=["lru", "lfu"])
+def test_eviction_order(cache, kept):
+  # Doc 1 read three times, then 2, 3, 4 once each, then 2 again.
   state = _cache_docs(cache.init_state(), [1, 1, 1, 2, 3, 4], cache=cache)
   state = _cache_docs(state, [2], cache=cache)  # 2 is now the most recent
   assert cache.stats(state)["free_pages"] == 8
+  slots = cache.lookup_documents(state, jnp.array([key(d) for d in
+                                                   [1, 2, 3, 4]]))
+  # Read counts are kept under either policy.
+  np.testing.assert_array_equal(np.asarray(state.doc_uses)[np.asarray(slots)],
+                                [3, 2, 1, 1])
   state = cache.evict_documents(state, 9)
-  assert _cached(state, [1, 2, 3, 4]) == [2, 3, 4]
+  assert _cached(state, [1, 2, 3, 4]) == kept[0]
   state = cache.evict_documents(state, 12)
-  assert _cached(state, [1, 2, 3, 4]) == [2, 4]
+  assert _cached(state, [1, 2, 3, 4]) == kept[1]
   state = cache.evict_documents(state, 3)  # already free enough: no-op
-  assert _cached(state, [1, 2, 3, 4]) == [2, 4]
+  assert _cached(state, [1, 2, 3, 4]) == kept[1]
   state = cache.evict_documents(state, 14)
-  assert _cached(state, [1, 2, 3, 4]) == [2]
+  assert _cached(state, [1, 2, 3, 4]) == kept[2]
   state = cache.evict_documents(state, 15)
-  assert _cached(state, [1, 2, 3, 4]) == []
-
-
-def test_lfu_eviction_order():
-  # Same history as the LRU test: LFU keeps doc 1 (3 reads) and doc 2
-  # (2 reads) longest, and among the docs read once evicts the older first.
-  state = _cache_docs(CACHE.init_state(), [1, 1, 1, 2, 3, 4])
-  state = _cache_docs(state, [2])
-  np.testing.assert_array_equal(
-      np.asarray(state.doc_uses)[np.asarray(
-          CACHE.lookup_documents(state, jnp.array([key(d) for d in
-                                                   [1, 2, 3, 4]])))],
-      [3, 2, 1, 1])
-  state = CACHE.evict_documents(state, 9)
-  assert _cached(state, [1, 2, 3, 4]) == [1, 2, 4]
-  state = CACHE.evict_documents(state, 12)
-  assert _cached(state, [1, 2, 3, 4]) == [1, 2]
-  state = CACHE.evict_documents(state, 14)
-  assert _cached(state, [1, 2, 3, 4]) == [1]
-  state = CACHE.evict_documents(state, 15)
-  assert _cached(state, [1, 2, 3, 4]) == []
+  assert _cached(state, [1, 2, 3, 4]) == kept[3]
 
 
 def test_lfu_ties_go_to_the_lower_slot():

@@ -343,7 +343,7 @@ class CacheMachine(RuleBasedStateMachine):
       return
     self.finish_all()
     self.state = self.cache.evict_documents(self.state, CONFIG.num_pages,
-                                       CONFIG.max_docs)
+                                            CONFIG.max_docs)
     self.cached.clear()
     self.model_agrees_with_state()
     assert self.cache.stats(self.state) == dict(
