@@ -107,8 +107,9 @@ def main(argv=None):
   rows = []
   for mode in args.modes.split(","):
     engine = LazyEngine(base.config, nnx_merge(base), base.cache_config,
-                        mode=mode, impl=args.impl, max_batch=args.batch,
-                        model_id=base.model_id, tokenizer=base.tokenizer)
+                        mode=mode, scheduler=base.scheduler_config,
+                        runner=base.runner_config, model_id=base.model_id,
+                        tokenizer=base.tokenizer)
     t0 = time.perf_counter()
     correct = evaluate(engine, questions, args.max_new_tokens, args.batch)
     by_pos = {}

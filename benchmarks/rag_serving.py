@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-MODES = ("lazy", "block", "prefix", "full")
+from lazyattn_jax.modes import MODES
+from pallas_kernels.sizes import ceil_div
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +93,9 @@ def build_model(args):
 
 def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
   from lazyattn_jax.cache_state import CacheConfig
+  from lazyattn_jax.config import RunnerConfig, SchedulerConfig
   from lazyattn_jax.engine import LazyEngine
-  pages_per_doc = -(-args.doc_len // args.page_size)
+  pages_per_doc = ceil_div(args.doc_len, args.page_size)
   # prefix mode caches one entry per full page of prompt.
   max_docs = (cache_pages if mode == "prefix" else
               min(args.num_docs, cache_pages // pages_per_doc + 1) + 8)
@@ -102,13 +104,15 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
       head_dim=config.head_dim, dtype=dtype, max_docs=max_docs,
       max_pages_per_doc=max(pages_per_doc, 1), eviction=args.eviction)
-  return LazyEngine(config, model, cache_config, mode=mode, impl=args.impl,
-                    max_batch=args.max_batch, decode_steps=args.decode_steps,
-                    max_prefill_tokens=args.max_prefill_tokens,
-                    pool_as_bits=args.pool_as_bits,
-                    decode_layer_unroll=(True if args.decode_unroll else 1),
-                    prefill_tokens_per_step=args.prefill_tokens_per_step or None,
-                    first_token_group_tokens=args.group_tokens or None)
+  scheduler = SchedulerConfig(
+      max_batch=args.max_batch, decode_steps=args.decode_steps,
+      max_prefill_tokens=args.max_prefill_tokens,
+      prefill_tokens_per_step=args.prefill_tokens_per_step or None,
+      first_token_group_tokens=args.group_tokens or None)
+  runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
+                        decode_layer_unroll=True if args.decode_unroll else 1)
+  return LazyEngine(config, model, cache_config, mode=mode,
+                    scheduler=scheduler, runner=runner)
 
 
 def run_trace(engine, trace: Trace, args, progress=None):
@@ -302,25 +306,34 @@ def parse_args(argv=None):
   modes = [m for m in args.modes.split(",") if m]
   bad = [m for m in modes if m not in MODES]
   if bad:
-    p.error(f"unknown modes {bad}; choose from {MODES}")
+    p.error(f"unknown modes {bad}; choose from {tuple(MODES)}")
   if args.warm_cache_requests < 0:
     p.error(f"--warm-cache-requests must be >= 0, got "
             f"{args.warm_cache_requests}")
   args.mode_list = modes
+  for path in (args.out, args.plot_dir and os.path.join(args.plot_dir, "x")):
+    if path:  # before any work: a bad path must not lose a finished run
+      directory = os.path.dirname(os.path.abspath(path))
+      try:
+        os.makedirs(directory, exist_ok=True)
+      except OSError as e:
+        p.error(f"cannot create the output directory {directory}: {e.strerror}")
+      if not os.access(directory, os.W_OK):
+        p.error(f"cannot write to the output directory {directory}")
   return args
 
 
 def working_pages(args) -> int:
   """Pages for in-flight requests' own tokens (and block-mode copies)."""
-  pages_per_doc = -(-args.doc_len // args.page_size)
-  per_request = (-(-(args.query_len + args.output_len +
-                     args.docs_per_request * args.doc_len) // args.page_size) +
+  pages_per_doc = ceil_div(args.doc_len, args.page_size)
+  per_request = (ceil_div(args.query_len + args.output_len +
+                          args.docs_per_request * args.doc_len, args.page_size) +
                  args.docs_per_request * pages_per_doc)
   return per_request * args.max_batch
 
 
 def cache_pages_for(args, fraction: float) -> int:
-  corpus_pages = args.num_docs * -(-args.doc_len // args.page_size)
+  corpus_pages = args.num_docs * ceil_div(args.doc_len, args.page_size)
   pages = max(1, int(round(fraction * corpus_pages)))
   return pages + (working_pages(args) if args.add_working_pages else 0)
 
@@ -407,7 +420,6 @@ def main(argv=None):
                 runs=runs, sweeps=sweeps)
   text = json.dumps(report, indent=2)
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       f.write(text)
   if args.plot_dir:

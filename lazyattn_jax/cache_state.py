@@ -28,11 +28,13 @@ the pool is never copied (see paged_cache.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lazyattn_jax.cache_config import (EVICTION_POLICIES,
+                                       FREQUENCY_WINDOW_PER_SLOT, CacheConfig)
 
 __all__ = [
     "CacheConfig",
@@ -41,11 +43,11 @@ __all__ = [
     "lookup_documents",
     "allocate_pages",
     "release_pages",
-    "insert_document",
     "insert_documents",
     "acquire_documents",
     "release_documents",
     "evict_documents",
+    "remove_documents",
     "free_page_count",
     "evictable_page_count",
     "free_doc_slot_count",
@@ -54,99 +56,6 @@ __all__ = [
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-EVICTION_POLICIES = ("lfu", "lru")
-# Read counts halve after this many reads per document-table row: about
-# W-TinyLFU's sample of 10x the cache, a little longer because halving small
-# counts (1 -> 0) blurs the order.  In a trace-level simulation of the Zipf
-# 1.1 serving load (2000 documents, 8 per request, rounds of 32, pools of
-# 10% and 15%), 16x lost 0.003 of hit rate against never halving, 10x lost
-# 0.008 and 2x 0.036.
-FREQUENCY_WINDOW_PER_SLOT = 16
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CacheConfig:
-  """Static shape of the cache (hashable, so it can be a jit static argument).
-
-  Attributes:
-    num_pages: pages in the pool (N).
-    page_size: token slots per page (P).
-    num_layers: transformer layers (L).
-    num_kv_heads: KV heads per layer (K).
-    head_dim: head dimension (H).
-    dtype: dtype of the K/V pool, stored as its canonical name (e.g.
-      "bfloat16"); any `jnp.dtype`-compatible value is accepted.
-    max_docs: rows of the document table.
-    max_pages_per_doc: pages one document may occupy, so a document holds at
-      most `max_pages_per_doc * page_size` tokens.
-    eviction: which unread documents go first when room is needed:
-      "lfu" (default): fewest recent reads first, least recently used among
-        equals.  Under skewed (Zipf) document popularity this keeps the
-        popular head cached where LRU lets a burst of one-off documents
-        push it out; counts halve every `FREQUENCY_WINDOW_PER_SLOT *
-        max_docs` reads, so a document that stopped being popular ages out.
-      "lru": least recently used first.
-  """
-
-  num_pages: int
-  page_size: int = 16
-  num_layers: int
-  num_kv_heads: int
-  head_dim: int
-  dtype: Any
-  max_docs: int = 1024
-  max_pages_per_doc: int
-  eviction: str = "lfu"
-
-  def __post_init__(self):
-    if self.eviction not in EVICTION_POLICIES:
-      raise ValueError(
-          f"CacheConfig.eviction must be one of {EVICTION_POLICIES}, got "
-          f"{self.eviction!r}")
-    for name in ("num_pages", "page_size", "num_layers", "num_kv_heads",
-                 "head_dim", "max_docs", "max_pages_per_doc"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
-            f"CacheConfig.{name} must be an int, got {type(value).__name__}")
-      if value < 1:
-        raise ValueError(f"CacheConfig.{name} must be >= 1, got {value}")
-      object.__setattr__(self, name, int(value))
-    # Token positions inside the pool and page indices are int32 on device.
-    if self.num_pages * self.page_size > _INT32_MAX:
-      raise ValueError(
-          "CacheConfig.num_pages * page_size must fit in int32, got "
-          f"{self.num_pages} * {self.page_size}")
-    if self.max_pages_per_doc * self.page_size > _INT32_MAX:
-      raise ValueError(
-          "CacheConfig.max_pages_per_doc * page_size must fit in int32, got "
-          f"{self.max_pages_per_doc} * {self.page_size}")
-    try:
-      dtype = jnp.dtype(self.dtype)
-    except TypeError as e:
-      raise ValueError(
-          f"CacheConfig.dtype is not a dtype: {self.dtype!r}") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(
-          f"CacheConfig.dtype must be a floating dtype, got {dtype.name}")
-    object.__setattr__(self, "dtype", dtype.name)
-
-  @property
-  def max_doc_tokens(self) -> int:
-    """The longest document the table can hold."""
-    return self.max_pages_per_doc * self.page_size
-
-  @property
-  def pool_shape(self) -> tuple[int, int, int, int, int]:
-    """Shape of `CacheState.k` and `.v`: [K, L, num_pages, page_size, H].
-
-    Heads first, so the model can view a pool as one [K, L * num_pages, P, H]
-    page array (a free reshape) and hand it to the attention kernel in place;
-    with layers first, every layer's slice k[l] would be copied each step.
-    """
-    return (self.num_kv_heads, self.num_layers, self.num_pages,
-            self.page_size, self.head_dim)
 
 
 @jax.tree_util.register_dataclass
@@ -346,24 +255,6 @@ def insert_documents(state: CacheState, keys: jax.Array, lengths: jax.Array,
   ), slots, ok
 
 
-def insert_document(state: CacheState, key: jax.Array, length: jax.Array,
-                    pages: jax.Array) -> tuple[CacheState, jax.Array, jax.Array]:
-  """Registers one document (see `insert_documents`).
-
-  Args:
-    key: int32[2]; length: int32[] (>= 1); pages: int32[max_pages_per_doc].
-
-  Returns:
-    (state, slot int32[], ok bool[]): ok is False (state unchanged, slot -1)
-    if no document slot is free or `length < 1`.
-  """
-  state, slots, ok = insert_documents(
-      state, jnp.asarray(key, jnp.int32)[None],
-      jnp.asarray(length, jnp.int32)[None],
-      jnp.asarray(pages, jnp.int32)[None])
-  return state, slots[0], ok & (slots[0] >= 0)
-
-
 def acquire_documents(state: CacheState, slots: jax.Array) -> CacheState:
   """A request starts reading these documents (-1 entries ignored).
 
@@ -447,15 +338,30 @@ def evict_documents(state: CacheState, pages_needed: jax.Array,
                                      (docs_before < slot_deficit))
   evict = jnp.zeros_like(evictable).at[order].set(evict_sorted)
 
-  rows = jnp.where(evict[:, None], state.doc_pages, -1)
+  return _drop(state, evict)
+
+
+def remove_documents(state: CacheState, slots: jax.Array) -> CacheState:
+  """Drops the listed documents from the table (-1 entries ignored), each
+  only if no live request reads it: as `evict_documents`, but of these
+  documents, whatever their order.  Used to take back documents whose KV
+  was never written."""
+  slots = jnp.asarray(slots, jnp.int32)
+  listed = _histogram(slots, state.max_docs) > 0
+  return _drop(state, listed & _evictable(state))
+
+
+def _drop(state: CacheState, drop: jax.Array) -> CacheState:
+  """Removes the documents of mask bool[max_docs]; the table's reference to
+  each of their pages goes, so pages nobody else holds become free."""
+  rows = jnp.where(drop[:, None], state.doc_pages, -1)
   return state.replace(
       page_refcount=state.page_refcount - _histogram(rows, state.num_pages),
-      doc_key=jnp.where(evict[:, None], 0, state.doc_key),
-      doc_valid=state.doc_valid & ~evict,
-      doc_len=jnp.where(evict, 0, state.doc_len),
-      doc_num_pages=jnp.where(evict, 0, state.doc_num_pages),
-      doc_pages=jnp.where(evict[:, None], -1, state.doc_pages),
-      doc_users=state.doc_users,
-      doc_last_used=jnp.where(evict, 0, state.doc_last_used),
-      doc_uses=jnp.where(evict, 0, state.doc_uses),
+      doc_key=jnp.where(drop[:, None], 0, state.doc_key),
+      doc_valid=state.doc_valid & ~drop,
+      doc_len=jnp.where(drop, 0, state.doc_len),
+      doc_num_pages=jnp.where(drop, 0, state.doc_num_pages),
+      doc_pages=jnp.where(drop[:, None], -1, state.doc_pages),
+      doc_last_used=jnp.where(drop, 0, state.doc_last_used),
+      doc_uses=jnp.where(drop, 0, state.doc_uses),
   )

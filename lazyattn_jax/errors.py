@@ -1,13 +1,17 @@
 """Typed errors of lazyattn_jax.
 
-Callers catch `LazyAttnError` for anything this library refuses; the two
-subclasses separate "the input is wrong" from "the input is fine but the cache
-is too small for it right now".
+Callers catch `LazyAttnError` for anything this library refuses.  At
+submission, `InvalidRequestError` says the input is wrong and
+`CacheCapacityError` that the input is fine but the cache, as configured,
+cannot hold it.  Later, `RequestFailedError` says the engine failed while
+serving a request it had accepted, and `EngineClosedError` that the engine
+was closed.
 """
 
 from __future__ import annotations
 
-__all__ = ["LazyAttnError", "CacheCapacityError", "InvalidRequestError"]
+__all__ = ["LazyAttnError", "CacheCapacityError", "InvalidRequestError",
+           "RequestFailedError", "EngineClosedError"]
 
 
 class LazyAttnError(Exception):
@@ -16,9 +20,24 @@ class LazyAttnError(Exception):
 
 class CacheCapacityError(LazyAttnError):
   """A request cannot fit in the paged KV pool even after evicting every
-  document that no live request reads.  The cache state is left unchanged."""
+  document that no live request reads (or a document is longer than the
+  cache holds per document).  The cache state is left unchanged."""
 
 
 class InvalidRequestError(LazyAttnError, ValueError):
   """Bad user input (empty document, token id out of range, bad sampling
   parameter, ...).  Also a `ValueError`, so generic handlers catch it."""
+
+
+class RequestFailedError(LazyAttnError):
+  """The engine failed while serving an accepted request.  The request's
+  pages were released and the engine kept serving; `result` is its
+  `GenerationResult` (finish_reason "error")."""
+
+  def __init__(self, message: str, result=None):
+    super().__init__(message)
+    self.result = result
+
+
+class EngineClosedError(LazyAttnError):
+  """The engine was closed (`LazyEngine.close`) and cannot serve."""

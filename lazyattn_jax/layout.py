@@ -1,10 +1,11 @@
-"""Logical page layout of a request, as page metadata rows (DESIGN.md section 1).
+"""A request's logical page layout, and the tokens it prefills itself.
 
 A lazy request is laid out as [doc 0][doc 1]...[doc n-1][query][generated]:
 document d (true length L_d) starts at logical position S_d = L_0 + ... + L_{d-1}
 and its pages, stored from angle 0, carry shift S_d; the request's private
 pages hold the query and generated tokens, stored at their logical positions
 (shift 0).  Padding inside a document's last page is masked by page_len.
+See docs/design.md, "Kernel contract" and "Engine".
 """
 
 from __future__ import annotations
@@ -28,32 +29,39 @@ class PageRow:
 
   def add_run(self, pages, start_pos: int, shift: int, num_tokens: int,
               page_size: int):
-    """Appends the pages of one contiguous run of `num_tokens` tokens."""
-    for j, page in enumerate(pages):
-      self.table.append(int(page))
-      self.pos.append(start_pos + j * page_size)
-      self.shift.append(shift)
-      self.length.append(int(np.clip(num_tokens - j * page_size, 0, page_size)))
+    """Appends the pages of one contiguous run of `num_tokens` tokens that
+    starts at logical position `start_pos`, stored shifted by `shift`."""
+    starts = np.arange(len(pages)) * page_size
+    self.table += [int(p) for p in pages]
+    self.pos += (start_pos + starts).tolist()
+    self.shift += [shift] * len(pages)
+    self.length += np.clip(num_tokens - starts, 0, page_size).tolist()
 
   def __len__(self):
     return len(self.table)
 
 
-def lazy_request_row(doc_pages, doc_lengths, private_pages, private_written,
-                     page_size: int) -> tuple[PageRow, int, int]:
-  """Page row of a lazy request.
+@dataclasses.dataclass
+class PrefillTokens:
+  """Tokens a request prefills itself: each with its logical position and
+  the page and slot its KV is written to."""
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  q_pos: list[int] = dataclasses.field(default_factory=list)
+  write_page: list[int] = dataclasses.field(default_factory=list)
+  write_slot: list[int] = dataclasses.field(default_factory=list)
 
-  Returns (row, query_start, private_start_index): the logical position of the
-  first query token and the logical page index of the first private page.
-  """
-  row = PageRow()
-  position = 0
-  for pages, length in zip(doc_pages, doc_lengths):
-    row.add_run(pages, position, position, length, page_size)
-    position += length
-  private_start = len(row)
-  row.add_run(private_pages, position, 0, private_written, page_size)
-  return row, position, private_start
+  def add(self, tokens, start_pos: int, pages, start_offset: int,
+          page_size: int):
+    """`tokens` at positions start_pos.., written into `pages` from token
+    offset `start_offset` of those pages on."""
+    offsets = start_offset + np.arange(len(tokens))
+    self.tokens += [int(t) for t in tokens]
+    self.q_pos += (offsets - start_offset + start_pos).tolist()
+    self.write_page += np.asarray(pages, np.int64)[offsets // page_size].tolist()
+    self.write_slot += (offsets % page_size).tolist()
+
+  def __len__(self):
+    return len(self.tokens)
 
 
 def pack_rows(rows, num_logical: int, batch: int):

@@ -1,11 +1,15 @@
-"""Jit-compiled model steps over the paged pool: prefill and a decode loop.
+"""The model runner: packs host-side requests into arrays and runs the
+jit-compiled steps over the paged pool (prefill, a decode loop, and
+Block-Attention's page copies).
 
 The pool (K and V of every layer) is donated into each step and returned, so a
 step updates it in place.  The steps are module-level jitted functions whose
-static arguments are the model's graphdef and the attention impl, so every
+static arguments are the model's graphdef and the runner settings, so every
 engine built on the same model shares one set of compiled programs.  Shapes
-reaching them are bucketed by the engine; `compile_count` reports how many
-distinct programs exist.
+are bucketed here (lazyattn_jax/buckets.py: prefill rows and logical pages to
+powers of two, prompt lengths to powers of two then multiples of 1024; decode
+always runs max_batch rows), so a steady workload compiles a bounded number
+of programs; `compile_count` reports how many exist.
 """
 
 from __future__ import annotations
@@ -14,10 +18,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from lazyattn_jax.sampling import sample_tokens
+from lazyattn_jax.block_copy import rerotate_pages
+from lazyattn_jax.buckets import length_bucket
+from lazyattn_jax.config import RunnerConfig
+from lazyattn_jax.layout import PageRow, PrefillTokens, pack_rows
+from lazyattn_jax.sampling import SamplingParams, sample_tokens
 from models.paged_inputs import PagedAttentionInputs
+from pallas_kernels.sizes import next_power_of_two
 
 # The cache pool is heads first ([K, L, N, P, H], CacheConfig.pool_shape), so
 # the model hands the kernels the whole pool in place instead of a per-layer
@@ -47,6 +57,16 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
                  graphdef, impl, num_steps, pool_as_bits=False,
                  layer_unroll=1):
+  """`num_steps` decode steps of B rows in one compiled loop.
+
+  carry: (tokens i32[B] last token, pos i32[B] its logical position,
+          written i32[B] tokens already in the request's query pages,
+          generated i32[B] tokens generated so far, done bool[B]).
+  pages: (page_table, page_pos, page_shift, doc_page_len i32[B, M],
+          private_start i32[B] logical index of the first query page).
+  limits: (max_new i32[B], stop_ids i32[B, S] padded with -1).
+  Returns (k, v, carry, tokens i32[B, num_steps], emitted bool[B, num_steps]).
+  """
   model = nnx.merge(graphdef, params)
   page_table, page_pos, page_shift, doc_page_len, private_start = pages
   temperature, top_k, top_p, seed = sampling
@@ -94,24 +114,43 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
           out_tokens.T, emitted.T)
 
 
+_rerotate = jax.jit(rerotate_pages, static_argnames=("rope",),
+                    donate_argnums=(0, 1))
+_MIN_PREFILL_LEN = 16
+_MIN_COPY_BUCKET = 8
+_MIN_STOP_BUCKET = 4
+
+
+def sampling_arrays(samplings, batch: int):
+  """(temperature f32[B], top_k i32[B], top_p f32[B], seed i32[B]) of
+  `samplings`, padded to `batch` rows with greedy defaults."""
+  temperature = np.zeros((batch,), np.float32)
+  top_k = np.zeros((batch,), np.int32)
+  top_p = np.ones((batch,), np.float32)
+  seed = np.zeros((batch,), np.int32)
+  for b, s in enumerate(samplings):
+    temperature[b], top_k[b], top_p[b] = s.temperature, s.top_k, s.top_p
+    seed[b] = np.int64(s.seed) & 0x7FFFFFFF
+  return temperature, top_k, top_p, seed
+
+
 class ModelRunner:
-  """Holds a split Flax model and runs the shared jitted steps on it.
+  """Runs the shared jitted steps of one model over an engine's pool.
 
   Args:
     model: a `models.llama.Llama` module.
-    impl: attention implementation passed to `pallas_kernels.lazy_attention`.
-    pool_as_bits: carry 16-bit pools through the layer scan as uint16.
-    decode_layer_unroll: unroll factor of the layer loop in decode steps
-      (True = fully unrolled: measured 2x faster 8B decode steps on an H200,
-      at a much longer compile).
+    config: `RunnerConfig`.
+    num_pages: pages in the pool (a write to page `num_pages` is dropped).
+    page_size: tokens per page.
   """
 
-  def __init__(self, model, impl: str, pool_as_bits: bool = False,
-               decode_layer_unroll: int | bool = 1):
+  def __init__(self, model, config: RunnerConfig, num_pages: int,
+               page_size: int):
     self.graphdef, self.params = nnx.split(model)
-    self.impl = impl
-    self.pool_as_bits = pool_as_bits
-    self.decode_layer_unroll = decode_layer_unroll
+    self.config = config
+    self.rope = model.config.rope
+    self.num_pages = num_pages
+    self.page_size = page_size
     self._programs: set = set()
 
   @property
@@ -121,40 +160,154 @@ class ModelRunner:
 
   @staticmethod
   def compile_count() -> int:
-    """Programs compiled so far by the shared prefill and decode steps (for
-    every runner in this process: runners of one model share programs)."""
-    return _prefill_step._cache_size() + _decode_loop._cache_size()
+    """Programs compiled so far by the shared steps (for every runner in
+    this process: runners of one model share programs)."""
+    return (_prefill_step._cache_size() + _decode_loop._cache_size() +
+            _rerotate._cache_size())
 
   def _note(self, kind, *arrays, **static):
     shapes = tuple((a.shape, str(a.dtype))
                    for a in jax.tree_util.tree_leaves(arrays))
     self._programs.add((kind, shapes, tuple(sorted(static.items()))))
 
-  def prefill(self, k_cache, v_cache, tokens, inputs: PagedAttentionInputs,
-              logits_index, sampling):
-    """Runs one prefill step; returns (logits [B, V], first tokens [B], k, v).
+  # --- prefill -----------------------------------------------------------------
+  @staticmethod
+  def prefill_batches(lengths: list[int], budget: int, keep_order: bool
+                      ) -> list[list[int]]:
+    """Splits items of these prefill lengths into calls within `budget`
+    tokens (bucketed rows x bucketed length); returns index lists.
 
-    `sampling` is (temperature f32[B], top_k i32[B], top_p f32[B], seed i32[B]).
+    Sorting by length packs rows of like length together; `keep_order`
+    keeps the given order instead (a request may read pages that an earlier
+    request of the same round writes, so it must not run first).
     """
-    self._note("prefill", k_cache, tokens, inputs)
-    return _prefill_step(self.params, k_cache, v_cache, tokens, inputs,
-                         logits_index, sampling, graphdef=self.graphdef,
-                         impl=self.impl, pool_as_bits=self.pool_as_bits)
+    order = list(range(len(lengths)))
+    if not keep_order:
+      order.sort(key=lambda i: -lengths[i])
+    batches, batch = [], []
+    for i in order:
+      rows = next_power_of_two(len(batch) + 1)
+      width = length_bucket(max([lengths[j] for j in batch] + [lengths[i]]),
+                            _MIN_PREFILL_LEN)
+      if batch and rows * width > budget:
+        batches.append(batch)
+        batch = []
+      batch.append(i)
+    if batch:
+      batches.append(batch)
+    return batches
 
-  def decode(self, k_cache, v_cache, carry, pages, sampling, limits,
-             num_steps: int):
-    """Runs `num_steps` decode steps in one compiled loop.
+  def prefill(self, state, rows: list[PageRow], plans: list[PrefillTokens],
+              samplings):
+    """One batched prefill call: row b runs plans[b] against rows[b].
 
-    carry: (tokens i32[B] last token, pos i32[B] its logical position,
-            written i32[B] tokens already in the request's query pages,
-            generated i32[B] tokens generated so far, done bool[B]).
-    pages: (page_table, page_pos, page_shift, doc_page_len [B, M],
-            private_start i32[B] logical index of the first query page).
-    limits: (max_new i32[B], stop_ids i32[B, S] padded with -1).
-    Returns (k, v, carry, tokens i32[B, num_steps], emitted bool[B, num_steps]).
+    Returns (state, logits f32[rows, V], first tokens i32[rows]) on host.
     """
-    self._note("decode", k_cache, pages, limits, num_steps=num_steps)
-    return _decode_loop(self.params, k_cache, v_cache, carry, pages, sampling,
-                        limits, graphdef=self.graphdef, impl=self.impl,
-                        num_steps=num_steps, pool_as_bits=self.pool_as_bits,
-                        layer_unroll=self.decode_layer_unroll)
+    batch = next_power_of_two(len(rows))
+    length = length_bucket(max(len(p) for p in plans), _MIN_PREFILL_LEN)
+    num_logical = next_power_of_two(max(map(len, rows)))
+    tokens = np.zeros((batch, length), np.int32)
+    q_pos = np.full((batch, length), -1, np.int32)
+    write_page = np.full((batch, length), self.num_pages, np.int32)
+    write_slot = np.zeros((batch, length), np.int32)
+    logits_index = np.zeros((batch,), np.int32)
+    for b, plan in enumerate(plans):
+      n = len(plan)
+      tokens[b, :n] = plan.tokens
+      q_pos[b, :n] = plan.q_pos
+      write_page[b, :n] = plan.write_page
+      write_slot[b, :n] = plan.write_slot
+      logits_index[b] = n - 1
+    table, pos, shift, plen = pack_rows(rows, num_logical, batch)
+    inputs = PagedAttentionInputs(
+        page_table=jnp.asarray(table), page_pos=jnp.asarray(pos),
+        page_shift=jnp.asarray(shift), page_len=jnp.asarray(plen),
+        q_pos=jnp.asarray(q_pos), write_page=jnp.asarray(write_page),
+        write_slot=jnp.asarray(write_slot))
+    sampling = tuple(jnp.asarray(a) for a in sampling_arrays(samplings, batch))
+    tokens = jnp.asarray(tokens)
+    self._note("prefill", state.k, tokens, inputs)
+    logits, first, k, v = _prefill_step(
+        self.params, state.k, state.v, tokens, inputs,
+        jnp.asarray(logits_index), sampling, graphdef=self.graphdef,
+        impl=self.config.impl, pool_as_bits=self.config.pool_as_bits)
+    state = state.replace(k=k, v=v)
+    logits, first = jax.device_get((logits, first))
+    return state, np.asarray(logits)[:len(rows)], np.asarray(first)[:len(rows)]
+
+  def encode_documents(self, state, documents):
+    """Prefills documents in one call, each alone from position 0, into its
+    pages.  documents: (tokens, pages) pairs.  Returns the new state."""
+    rows, plans = [], []
+    for tokens, pages in documents:
+      row = PageRow()
+      row.add_run(pages, 0, 0, len(tokens), self.page_size)
+      plan = PrefillTokens()
+      plan.add(tokens, 0, pages, 0, self.page_size)
+      rows.append(row)
+      plans.append(plan)
+    state, _, _ = self.prefill(state, rows, plans,
+                               [SamplingParams()] * len(documents))
+    return state
+
+  def copy_pages(self, state, copies: list[tuple[int, int, int]]):
+    """Writes Block-Attention copies: (source, destination, shift) pages,
+    keys re-rotated by the shift."""
+    if not copies:
+      return state
+    n = next_power_of_two(len(copies), _MIN_COPY_BUCKET)
+    src = np.zeros((n,), np.int32)
+    dst = np.full((n,), self.num_pages, np.int32)
+    shift = np.zeros((n,), np.int32)
+    src[:len(copies)], dst[:len(copies)], shift[:len(copies)] = zip(*copies)
+    k, v = _rerotate(state.k, state.v, jnp.asarray(src), jnp.asarray(dst),
+                     jnp.asarray(shift), rope=self.rope)
+    return state.replace(k=k, v=v)
+
+  # --- decode ------------------------------------------------------------------
+  def decode(self, state, requests, batch: int, num_steps: int):
+    """Runs `num_steps` decode steps for `requests` (scheduler.LiveRequest)
+    in `batch` rows (always the same, so one program per page bucket; the
+    step is memory-bound on the weights, so idle rows cost little).
+
+    Returns (state, tokens i32[B, num_steps], emitted bool[B, num_steps],
+    done bool[B]) on host, row b for requests[b].
+    """
+    num_logical = next_power_of_two(max(len(r.layout.row) for r in requests))
+    table, pos, shift, plen = pack_rows([r.layout.row for r in requests],
+                                        num_logical, batch)
+    private_start = np.zeros((batch,), np.int32)
+    tokens = np.zeros((batch,), np.int32)
+    position = np.zeros((batch,), np.int32)
+    written = np.zeros((batch,), np.int32)
+    generated = np.zeros((batch,), np.int32)
+    done = np.ones((batch,), bool)
+    max_new = np.ones((batch,), np.int32)
+    stop_width = next_power_of_two(
+        max(len(r.request.stop_ids) for r in requests), _MIN_STOP_BUCKET)
+    stop_ids = np.full((batch, stop_width), -1, np.int32)
+    for b, r in enumerate(requests):
+      private_start[b] = r.layout.private_start
+      tokens[b] = r.tokens[-1]
+      position[b] = r.decode_position
+      written[b] = r.written
+      generated[b] = len(r.tokens)
+      done[b] = False
+      max_new[b] = r.request.sampling.max_new_tokens
+      stop_ids[b, :len(r.request.stop_ids)] = r.request.stop_ids
+    sampling = sampling_arrays([r.request.sampling for r in requests], batch)
+    carry = tuple(jnp.asarray(a) for a in (tokens, position, written,
+                                           generated, done))
+    pages = tuple(jnp.asarray(a) for a in (table, pos, shift, plen,
+                                           private_start))
+    limits = (jnp.asarray(max_new), jnp.asarray(stop_ids))
+    self._note("decode", state.k, pages, limits, num_steps=num_steps)
+    k, v, carry, out, emitted = _decode_loop(
+        self.params, state.k, state.v, carry, pages,
+        tuple(jnp.asarray(a) for a in sampling), limits,
+        graphdef=self.graphdef, impl=self.config.impl, num_steps=num_steps,
+        pool_as_bits=self.config.pool_as_bits,
+        layer_unroll=self.config.decode_layer_unroll)
+    state = state.replace(k=k, v=v)
+    out, emitted, done = jax.device_get((out, emitted, carry[4]))
+    return state, out, emitted, done

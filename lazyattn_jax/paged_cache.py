@@ -22,20 +22,21 @@ Why the pool is never copied (instead of buffer donation):
 Compilation: jitted functions are module-level, so every `PagedKVCache` with
 the same table shapes shares their compile cache.  `admit`/`finish` pad their
 variable-length inputs (documents per request, missing documents, private
-pages) to powers of two with a small floor, so a steady workload compiles a bounded number of
-times.
+pages) to powers of two with a small floor, so a steady workload compiles a
+bounded number of times.
 
 Concurrency note for the engine: a missing document is inserted into the
 table (and a later admission sees it as a hit) as soon as it is admitted, i.e.
 before its KV is prefilled.  The engine must prefill every `missing_docs`
-entry before any request reading that slot runs attention over it.
+entry before any request reading that slot runs attention over it, or take
+it back out with `drop_documents` if it never will.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from lazyattn_jax import cache_state as cs
 from lazyattn_jax.cache_state import CacheConfig, CacheState
 from lazyattn_jax.errors import (CacheCapacityError, InvalidRequestError,
                                  LazyAttnError)
+from pallas_kernels.sizes import ceil_div, next_power_of_two
 
 __all__ = ["Admission", "PagedKVCache"]
 
@@ -78,15 +80,8 @@ class Admission:
 #
 # All of these run on a state whose k/v are None (see module docstring).
 
-_lookup_jit = jax.jit(cs.lookup_documents)
-_allocate_jit = jax.jit(cs.allocate_pages, static_argnames=("max_count",))
-_release_pages_jit = jax.jit(cs.release_pages)
-_insert_jit = jax.jit(cs.insert_document)
-_acquire_jit = jax.jit(cs.acquire_documents)
-_release_docs_jit = jax.jit(cs.release_documents)
-_evict_jit = jax.jit(cs.evict_documents, static_argnames=("policy",))
 _free_count_jit = jax.jit(cs.free_page_count)
-_evictable_count_jit = jax.jit(cs.evictable_page_count)
+_remove_jit = jax.jit(cs.remove_documents)
 
 
 @jax.jit
@@ -199,11 +194,6 @@ _MIN_DOC_BUCKET = 8  # documents per request, and missing documents
 _MIN_PAGE_BUCKET = 16  # private pages per request
 
 
-def _bucket(n: int, floor: int) -> int:
-  """Smallest power of two >= max(n, floor): the padded size of a variable axis."""
-  return 1 << max(0, (max(n, floor, 1) - 1).bit_length())
-
-
 def _padded(values: Sequence[int], size: int, fill: int = -1) -> np.ndarray:
   out = np.full((size,), fill, np.int32)
   out[:len(values)] = values
@@ -239,60 +229,23 @@ class PagedKVCache:
           f"config must be a CacheConfig, got {type(config).__name__}")
     self.config = config
 
-  # --- state ---------------------------------------------------------------
+  def free_page_count(self, state: CacheState) -> int:
+    """Pages nobody holds."""
+    return int(_free_count_jit(_tables(state)))
 
-  def init_state(self) -> CacheState:
-    """An empty cache with a zeroed pool."""
-    return cs.init_cache_state(self.config)
-
-  # --- jitted transitions (same semantics as cache_state's functions) -------
-
-  def _run(self, fn: Callable, state: CacheState, *args, **kwargs):
-    out = fn(_tables(state), *args, **kwargs)
-    if isinstance(out, CacheState):
-      return _with_pool(out, state)
-    if isinstance(out, tuple) and isinstance(out[0], CacheState):
-      return (_with_pool(out[0], state),) + tuple(out[1:])
-    return out
-
-  def lookup_documents(self, state: CacheState, keys) -> jax.Array:
-    return self._run(_lookup_jit, state, jnp.asarray(keys, jnp.int32))
-
-  def allocate_pages(self, state: CacheState, count, max_count: int):
-    return self._run(_allocate_jit, state, jnp.asarray(count, jnp.int32),
-                     max_count=max_count)
-
-  def release_pages(self, state: CacheState, pages) -> CacheState:
-    return self._run(_release_pages_jit, state, jnp.asarray(pages, jnp.int32))
-
-  def insert_document(self, state: CacheState, key, length, pages):
-    return self._run(_insert_jit, state, jnp.asarray(key, jnp.int32),
-                     jnp.asarray(length, jnp.int32),
-                     jnp.asarray(pages, jnp.int32))
-
-  def acquire_documents(self, state: CacheState, slots) -> CacheState:
-    return self._run(_acquire_jit, state, jnp.asarray(slots, jnp.int32))
-
-  def release_documents(self, state: CacheState, slots) -> CacheState:
-    return self._run(_release_docs_jit, state, jnp.asarray(slots, jnp.int32))
-
-  def evict_documents(self, state: CacheState, pages_needed,
-                      slots_needed=0) -> CacheState:
-    return self._run(_evict_jit, state, jnp.asarray(pages_needed, jnp.int32),
-                     jnp.asarray(slots_needed, jnp.int32),
-                     policy=self.config.eviction)
-
-  def free_page_count(self, state: CacheState) -> jax.Array:
-    return self._run(_free_count_jit, state)
-
-  def evictable_page_count(self, state: CacheState) -> jax.Array:
-    return self._run(_evictable_count_jit, state)
+  def drop_documents(self, state: CacheState, slots: Sequence[int]
+                     ) -> CacheState:
+    """Removes these documents from the table if nobody reads them (their
+    KV was never written, say); see `cache_state.remove_documents`."""
+    slots = _padded(list(slots), next_power_of_two(len(slots),
+                                                      _MIN_DOC_BUCKET))
+    return _with_pool(_remove_jit(_tables(state), slots), state)
 
   # --- host-side request life cycle ------------------------------------------
 
   def pages_for(self, num_tokens: int) -> int:
     """Pages needed to hold `num_tokens` tokens."""
-    return -(-num_tokens // self.config.page_size)
+    return ceil_div(num_tokens, self.config.page_size)
 
   def admit(self, state: CacheState, doc_keys: Sequence[tuple[int, int]],
             doc_lengths: Sequence[int], private_tokens: int
@@ -317,9 +270,10 @@ class PagedKVCache:
 
     Raises:
       InvalidRequestError: mismatched lists, a non-positive document length,
-        a document longer than `max_pages_per_doc * page_size` tokens (the
-        table's per-document limit), negative `private_tokens`, or a bad key.
-      CacheCapacityError: a document needs more pages than the whole pool, or
+        negative `private_tokens`, or a bad key.
+      CacheCapacityError: a document longer than the table's per-document
+        limit (`max_pages_per_doc * page_size` tokens) or than the whole
+        pool, or
         free pages plus pages of evictable documents (not counting documents
         this request reads) cannot hold the missing documents plus the private
         pages, or there are not enough document slots.  The message gives the
@@ -346,7 +300,7 @@ class PagedKVCache:
             f"pages, more than the whole pool ({cfg.num_pages} pages of "
             f"{cfg.page_size} tokens)")
       if length > cfg.max_doc_tokens:
-        raise InvalidRequestError(
+        raise CacheCapacityError(
             f"document {i} has {length} tokens, more than a document may hold "
             f"(max_pages_per_doc * page_size = {cfg.max_pages_per_doc} * "
             f"{cfg.page_size} = {cfg.max_doc_tokens})")
@@ -358,7 +312,7 @@ class PagedKVCache:
 
     tables = _tables(state)
     n = len(keys)
-    nb = _bucket(n, _MIN_DOC_BUCKET)
+    nb = next_power_of_two(n, _MIN_DOC_BUCKET)
     key_array = np.zeros((nb, 2), np.int32)
     key_array[:n] = np.asarray(keys, np.int32).reshape(n, 2)
     plan = _plan_admission(tables, key_array, np.arange(nb) < n)
@@ -396,12 +350,12 @@ class PagedKVCache:
           f"{slots_available} can be made free ({int(free_slots)} free + "
           f"{int(evictable_docs)} evictable) of max_docs={cfg.max_docs}")
 
-    mb = _bucket(len(missing_docs), _MIN_DOC_BUCKET)
+    mb = next_power_of_two(len(missing_docs), _MIN_DOC_BUCKET)
     miss_keys = np.zeros((mb, 2), np.int32)
     if missing_docs:
       miss_keys[:len(missing_docs)] = [keys[i] for i in missing_docs]
     miss_lengths = _padded([doc_lengths[i] for i in missing_docs], mb, 0)
-    private_max = _bucket(private_count, _MIN_PAGE_BUCKET)
+    private_max = next_power_of_two(private_count, _MIN_PAGE_BUCKET)
     new_tables, doc_slots, doc_rows, private_pages, ok = _commit_admission(
         tables, _padded(slots, nb), miss_keys, miss_lengths,
         _padded(miss_pages, mb, 0), _padded(miss_index, nb),
@@ -437,8 +391,8 @@ class PagedKVCache:
           f"admission must be an Admission, got {type(admission).__name__}")
     slots = admission.doc_slots
     pages = admission.private_pages
-    slots = _padded(slots, _bucket(len(slots), _MIN_DOC_BUCKET))
-    pages = _padded(pages, _bucket(len(pages), _MIN_PAGE_BUCKET))
+    slots = _padded(slots, next_power_of_two(len(slots), _MIN_DOC_BUCKET))
+    pages = _padded(pages, next_power_of_two(len(pages), _MIN_PAGE_BUCKET))
     tables = _finish_request(_tables(state), slots, pages)
     return _with_pool(tables, state)
 

@@ -9,10 +9,13 @@ same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+import numbers
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lazyattn_jax.errors import InvalidRequestError
 
@@ -20,6 +23,9 @@ from lazyattn_jax.errors import InvalidRequestError
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to pick tokens.
+
+  Integers must be Python or NumPy integers (not bools) and numbers finite;
+  a bad field raises `InvalidRequestError` when the params are made.
 
   Attributes:
     max_new_tokens: generate at most this many tokens (>= 1).
@@ -40,19 +46,55 @@ class SamplingParams:
   stop_token_ids: Sequence[int] | None = None
 
   def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise InvalidRequestError(
-          f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+    # Every field is checked here, so a bad value is refused when the
+    # request is made, never later inside a scheduling round.
+    _set(self, "max_new_tokens", _integer("max_new_tokens", self.max_new_tokens,
+                                          1, _INT32_MAX))
+    _set(self, "top_k", _integer("top_k", self.top_k, 0, _INT32_MAX))
+    _set(self, "seed", _integer("seed", self.seed, -2**63, 2**63 - 1))
+    _set(self, "temperature", _real("temperature", self.temperature))
+    _set(self, "top_p", _real("top_p", self.top_p))
     if not self.temperature >= 0:
       raise InvalidRequestError(
           f"temperature must be >= 0, got {self.temperature!r}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
     if not 0.0 < self.top_p <= 1.0:
       raise InvalidRequestError(f"top_p must lie in (0, 1], got {self.top_p!r}")
     if self.stop_token_ids is not None:
-      object.__setattr__(self, "stop_token_ids",
-                         tuple(int(t) for t in self.stop_token_ids))
+      if isinstance(self.stop_token_ids, (str, bytes, bytearray)) or not (
+          isinstance(self.stop_token_ids, Iterable)):
+        raise InvalidRequestError(
+            "stop_token_ids must be a sequence of token ids or None, got "
+            f"{type(self.stop_token_ids).__name__}")
+      _set(self, "stop_token_ids", tuple(
+          _integer("stop_token_ids entry", t, 0, _INT32_MAX)
+          for t in self.stop_token_ids))
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _set(params, name, value):
+  object.__setattr__(params, name, value)
+
+
+def _integer(name: str, value, low: int, high: int) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value,
+                                                           numbers.Integral):
+    raise InvalidRequestError(
+        f"{name} must be an integer, got {type(value).__name__} {value!r}")
+  if not low <= value <= high:
+    raise InvalidRequestError(
+        f"{name} must lie in [{low}, {high}], got {value!r}")
+  return int(value)
+
+
+def _real(name: str, value) -> float:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise InvalidRequestError(
+        f"{name} must be a number, got {type(value).__name__} {value!r}")
+  if not math.isfinite(value):
+    raise InvalidRequestError(f"{name} must be finite, got {value!r}")
+  return float(value)
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seed, step):

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyattn_jax import (Admission, CacheCapacityError, CacheConfig,
-                          CacheState, InvalidRequestError, LazyAttnError,
-                          PagedKVCache, document_key)
 from lazyattn_jax import cache_state as cs
+from lazyattn_jax.cache_state import CacheConfig, CacheState
+from lazyattn_jax.doc_key import document_key
+from lazyattn_jax.errors import (CacheCapacityError, InvalidRequestError,
+                                 LazyAttnError)
+from lazyattn_jax.paged_cache import Admission, PagedKVCache
 
 # One shared shape, so the module-level jitted transitions compile once.
 CONFIG = CacheConfig(num_pages=16, page_size=4, num_layers=2, num_kv_heads=2,
@@ -22,6 +24,17 @@ LRU_CACHE = PagedKVCache(dataclasses.replace(CONFIG, eviction="lru"))
 
 def key(doc_id: int):
   return document_key([doc_id, doc_id + 1], "test-model")
+
+
+def insert_one(state, doc_key, length, pages):
+  """Registers one document; (state, slot, ok) as for a batch of one."""
+  pages = jnp.asarray(pages, jnp.int32)
+  row = jnp.full((CONFIG.max_pages_per_doc,), -1, jnp.int32)
+  row = row.at[:pages.shape[0]].set(pages)
+  state, slots, ok = cs.insert_documents(
+      state, jnp.asarray([doc_key], jnp.int32), jnp.asarray([length], jnp.int32),
+      row[None])
+  return state, slots[0], ok & (slots[0] >= 0)
 
 
 def leaves(state: CacheState) -> list[np.ndarray]:
@@ -72,7 +85,7 @@ def test_config_requires_keywords():
 
 
 def test_init_state_is_empty():
-  state = CACHE.init_state()
+  state = cs.init_cache_state(CONFIG)
   assert state.k.shape == CONFIG.pool_shape and state.k.dtype == jnp.float32
   assert state.v.shape == CONFIG.pool_shape
   assert state.doc_pages.shape == (4, 6)
@@ -106,31 +119,31 @@ def test_document_key():
 
 
 def test_allocate_release_round_trip():
-  state = CACHE.init_state()
-  state, pages, ok = CACHE.allocate_pages(state, 5, max_count=8)
+  state = cs.init_cache_state(CONFIG)
+  state, pages, ok = cs.allocate_pages(state, 5, max_count=8)
   assert bool(ok)
   np.testing.assert_array_equal(pages, [0, 1, 2, 3, 4, -1, -1, -1])
-  state, pages, ok = CACHE.allocate_pages(state, 3, max_count=8)
+  state, pages, ok = cs.allocate_pages(state, 3, max_count=8)
   np.testing.assert_array_equal(pages[:3], [5, 6, 7])
   assert int(CACHE.free_page_count(state)) == 8
-  state = CACHE.release_pages(state, jnp.array([1, 3, -1, 6], jnp.int32))
+  state = cs.release_pages(state, jnp.array([1, 3, -1, 6], jnp.int32))
   assert int(CACHE.free_page_count(state)) == 11
   # Lowest-numbered free pages come first.
-  state, pages, ok = CACHE.allocate_pages(state, 4, max_count=8)
+  state, pages, ok = cs.allocate_pages(state, 4, max_count=8)
   np.testing.assert_array_equal(pages[:4], [1, 3, 6, 8])
   refcount = np.asarray(state.page_refcount)
   np.testing.assert_array_equal(refcount[:9], 1)
   np.testing.assert_array_equal(refcount[9:], 0)
-  state = CACHE.release_pages(state, jnp.arange(9, dtype=jnp.int32))
+  state = cs.release_pages(state, jnp.arange(9, dtype=jnp.int32))
   assert int(CACHE.free_page_count(state)) == 16
   assert np.all(np.asarray(state.page_refcount) == 0)
 
 
 def test_allocate_refuses_without_changing_state():
-  state = CACHE.init_state()
-  state, _, _ = CACHE.allocate_pages(state, 10, max_count=16)
+  state = cs.init_cache_state(CONFIG)
+  state, _, _ = cs.allocate_pages(state, 10, max_count=16)
   for count, max_count in [(7, 16), (3, 2), (-1, 4)]:
-    new, pages, ok = CACHE.allocate_pages(state, count, max_count=max_count)
+    new, pages, ok = cs.allocate_pages(state, count, max_count=max_count)
     assert not bool(ok)
     assert np.all(np.asarray(pages) == -1)
     assert_same_state(new, state)
@@ -156,45 +169,45 @@ def test_allocate_count_is_traced():
 
 
 def test_lookup_insert_acquire_release():
-  state = CACHE.init_state()
-  state, pages, _ = CACHE.allocate_pages(state, 2, max_count=6)
-  state, slot, ok = CACHE.insert_document(state, key(1), 7, pages)
+  state = cs.init_cache_state(CONFIG)
+  state, pages, _ = cs.allocate_pages(state, 2, max_count=6)
+  state, slot, ok = insert_one(state, key(1), 7, pages)
   assert bool(ok) and int(slot) == 0
   keys = jnp.array([key(1), key(2), key(1)], jnp.int32)
-  np.testing.assert_array_equal(CACHE.lookup_documents(state, keys),
+  np.testing.assert_array_equal(cs.lookup_documents(state, keys),
                                 [0, -1, 0])
   assert int(state.doc_len[0]) == 7 and int(state.doc_num_pages[0]) == 2
   np.testing.assert_array_equal(state.page_refcount[:3], [1, 1, 0])
 
   # A slot listed twice is acquired twice, and released twice.
-  state = CACHE.acquire_documents(state, jnp.array([0, 0, -1], jnp.int32))
+  state = cs.acquire_documents(state, jnp.array([0, 0, -1], jnp.int32))
   assert int(state.doc_users[0]) == 2
   np.testing.assert_array_equal(state.page_refcount[:2], [3, 3])
   assert int(state.doc_last_used[0]) == 0 and int(state.clock) == 1
-  assert int(CACHE.evictable_page_count(state)) == 0
-  state = CACHE.release_documents(state, jnp.array([0, -1, 0], jnp.int32))
+  assert int(cs.evictable_page_count(state)) == 0
+  state = cs.release_documents(state, jnp.array([0, -1, 0], jnp.int32))
   assert int(state.doc_users[0]) == 0
   np.testing.assert_array_equal(state.page_refcount[:2], [1, 1])
-  assert int(CACHE.evictable_page_count(state)) == 2
+  assert int(cs.evictable_page_count(state)) == 2
 
-  state = CACHE.evict_documents(state, 16)
-  np.testing.assert_array_equal(CACHE.lookup_documents(state, keys),
+  state = cs.evict_documents(state, 16)
+  np.testing.assert_array_equal(cs.lookup_documents(state, keys),
                                 [-1, -1, -1])
   assert int(CACHE.free_page_count(state)) == 16
 
 
 def test_insert_refuses_when_table_full_or_length_bad():
-  state = CACHE.init_state()
+  state = cs.init_cache_state(CONFIG)
   for doc in range(CONFIG.max_docs):
-    state, pages, _ = CACHE.allocate_pages(state, 1, max_count=6)
-    state, slot, ok = CACHE.insert_document(state, key(doc), 3, pages)
+    state, pages, _ = cs.allocate_pages(state, 1, max_count=6)
+    state, slot, ok = insert_one(state, key(doc), 3, pages)
     assert bool(ok) and int(slot) == doc
-  state, pages, _ = CACHE.allocate_pages(state, 1, max_count=6)
-  new, slot, ok = CACHE.insert_document(state, key(99), 3, pages)
+  state, pages, _ = cs.allocate_pages(state, 1, max_count=6)
+  new, slot, ok = insert_one(state, key(99), 3, pages)
   assert not bool(ok) and int(slot) == -1
   assert_same_state(new, state)
-  state = CACHE.evict_documents(state, 0, slots_needed=1)
-  new, slot, ok = CACHE.insert_document(state, key(99), 0, pages)
+  state = cs.evict_documents(state, 0, slots_needed=1)
+  new, slot, ok = insert_one(state, key(99), 0, pages)
   assert not bool(ok) and int(slot) == -1
   assert_same_state(new, state)
 
@@ -203,7 +216,7 @@ def test_transitions_compose_under_one_jit():
   @jax.jit
   def admit_two(state):
     state, pages, ok1 = cs.allocate_pages(state, 3, max_count=6)
-    state, slot, ok2 = cs.insert_document(state, jnp.array(key(5)), 10, pages)
+    state, slot, ok2 = insert_one(state, key(5), 10, pages)
     state = cs.acquire_documents(state, slot[None])
     state = cs.acquire_documents(state, slot[None])
     return state, ok1 & ok2
@@ -217,7 +230,7 @@ def test_transitions_compose_under_one_jit():
 
 
 def test_admit_and_finish_round_trip():
-  state0 = CACHE.init_state()
+  state0 = cs.init_cache_state(CONFIG)
   state, adm = CACHE.admit(state0, [key(1), key(2)], [5, 4], private_tokens=9)
   assert isinstance(adm, Admission)
   assert adm.doc_hit == [False, False] and adm.missing_docs == [0, 1]
@@ -228,7 +241,7 @@ def test_admit_and_finish_round_trip():
   assert CACHE.stats(state) == dict(
       free_pages=13, used_pages=3, cached_docs=2, cached_doc_pages=3,
       docs_in_use=0, evictable_pages=3, free_doc_slots=2)
-  state = CACHE.evict_documents(state, 16)
+  state = cs.evict_documents(state, 16)
   # Only the clocks remember the request: the LRU clock and the read count.
   assert int(state.reads_since_aging) == 2
   assert_same_state(state.replace(clock=state0.clock,
@@ -237,7 +250,7 @@ def test_admit_and_finish_round_trip():
 
 
 def test_cache_hit_is_zero_copy():
-  state = CACHE.init_state()
+  state = cs.init_cache_state(CONFIG)
   state, first = CACHE.admit(state, [key(1)], [9], private_tokens=2)
   state = write_marker(state, first.doc_pages[0], 7.0)  # doc prefill
   state = write_marker(state, first.private_pages, 1.0)
@@ -260,7 +273,7 @@ def test_cache_hit_is_zero_copy():
 
 
 def test_duplicate_missing_doc_is_allocated_once():
-  state = CACHE.init_state()
+  state = cs.init_cache_state(CONFIG)
   state, adm = CACHE.admit(state, [key(1), key(2), key(1)], [6, 3, 6],
                            private_tokens=1)
   assert adm.missing_docs == [0, 1]
@@ -285,7 +298,7 @@ def _cache_docs(state, doc_ids, length=8, cache=CACHE):
 
 
 def _cached(state, doc_ids):
-  slots = CACHE.lookup_documents(state, jnp.array([key(d) for d in doc_ids]))
+  slots = cs.lookup_documents(state, jnp.array([key(d) for d in doc_ids]))
   return [d for d, s in zip(doc_ids, np.asarray(slots)) if s >= 0]
 
 
@@ -298,58 +311,60 @@ def _cached(state, doc_ids):
 ], ids=["lru", "lfu"])
 def test_eviction_order(cache, kept):
   # Doc 1 read three times, then 2, 3, 4 once each, then 2 again.
-  state = _cache_docs(cache.init_state(), [1, 1, 1, 2, 3, 4], cache=cache)
+  state = _cache_docs(cs.init_cache_state(cache.config), [1, 1, 1, 2, 3, 4],
+                      cache=cache)
   state = _cache_docs(state, [2], cache=cache)  # 2 is now the most recent
   assert cache.stats(state)["free_pages"] == 8
-  slots = cache.lookup_documents(state, jnp.array([key(d) for d in
+  slots = cs.lookup_documents(state, jnp.array([key(d) for d in
                                                    [1, 2, 3, 4]]))
   # Read counts are kept under either policy.
   np.testing.assert_array_equal(np.asarray(state.doc_uses)[np.asarray(slots)],
                                 [3, 2, 1, 1])
-  state = cache.evict_documents(state, 9)
+  state = cs.evict_documents(state, 9, policy=cache.config.eviction)
   assert _cached(state, [1, 2, 3, 4]) == kept[0]
-  state = cache.evict_documents(state, 12)
+  state = cs.evict_documents(state, 12, policy=cache.config.eviction)
   assert _cached(state, [1, 2, 3, 4]) == kept[1]
-  state = cache.evict_documents(state, 3)  # already free enough: no-op
+  # Already free enough: no-op.
+  state = cs.evict_documents(state, 3, policy=cache.config.eviction)
   assert _cached(state, [1, 2, 3, 4]) == kept[1]
-  state = cache.evict_documents(state, 14)
+  state = cs.evict_documents(state, 14, policy=cache.config.eviction)
   assert _cached(state, [1, 2, 3, 4]) == kept[2]
-  state = cache.evict_documents(state, 15)
+  state = cs.evict_documents(state, 15, policy=cache.config.eviction)
   assert _cached(state, [1, 2, 3, 4]) == kept[3]
 
 
 def test_lfu_ties_go_to_the_lower_slot():
   # Two docs read once at the same clock tick (one request): equal uses and
   # equal recency, so the lower slot goes first, deterministically.
-  state, adm = CACHE.admit(CACHE.init_state(), [key(1), key(2)], [8, 8], 0)
+  state, adm = CACHE.admit(cs.init_cache_state(CONFIG), [key(1), key(2)], [8, 8], 0)
   state = CACHE.finish(state, adm)
   assert adm.doc_slots == [0, 1]
-  state = CACHE.evict_documents(state, 14)
+  state = cs.evict_documents(state, 14)
   assert _cached(state, [1, 2]) == [2]
 
 
 def test_eviction_forgets_the_read_count():
   # A document evicted and cached again starts from zero reads, so it is
   # not protected by the reads it had before.
-  state = _cache_docs(CACHE.init_state(), [1, 1, 1])
-  state = CACHE.evict_documents(state, 16)
+  state = _cache_docs(cs.init_cache_state(CONFIG), [1, 1, 1])
+  state = cs.evict_documents(state, 16)
   state = _cache_docs(state, [2, 2, 1])
   assert _cached(state, [1, 2]) == [1, 2]
-  state = CACHE.evict_documents(state, 14)
+  state = cs.evict_documents(state, 14)
   assert _cached(state, [1, 2]) == [2]
 
 
 def test_read_counts_halve_every_window():
   window = cs.FREQUENCY_WINDOW_PER_SLOT * CONFIG.max_docs  # 64 reads
-  state, pages, _ = CACHE.allocate_pages(CACHE.init_state(), 2, max_count=6)
-  state, slot_a, _ = CACHE.insert_document(state, key(1), 4, pages[:1])
-  state, slot_b, _ = CACHE.insert_document(state, key(2), 4, pages[1:2])
+  state, pages, _ = cs.allocate_pages(cs.init_cache_state(CONFIG), 2, max_count=6)
+  state, slot_a, _ = insert_one(state, key(1), 4, pages[:1])
+  state, slot_b, _ = insert_one(state, key(2), 4, pages[1:2])
   slots = jnp.array([slot_a] * 5 + [slot_b] * 2 + [-1], jnp.int32)
   for _ in range(9):  # 63 reads: one short of the window
-    state = CACHE.acquire_documents(state, slots)
+    state = cs.acquire_documents(state, slots)
   assert [int(state.doc_uses[slot_a]), int(state.doc_uses[slot_b])] == [45, 18]
   assert int(state.reads_since_aging) == 63
-  state = CACHE.acquire_documents(state, slots[5:7])  # reads 64 and 65
+  state = cs.acquire_documents(state, slots[5:7])  # reads 64 and 65
   assert [int(state.doc_uses[slot_a]), int(state.doc_uses[slot_b])] == [22, 10]
   assert int(state.reads_since_aging) == 65 - window
 
@@ -358,12 +373,12 @@ def test_unknown_eviction_policy_is_refused():
   with pytest.raises(ValueError, match=r"eviction must be one of"):
     dataclasses.replace(CONFIG, eviction="fifo")
   with pytest.raises(ValueError, match=r"policy must be one of"):
-    cs.evict_documents(CACHE.init_state(), 1, policy="mru")
+    cs.evict_documents(cs.init_cache_state(CONFIG), 1, policy="mru")
 
 
 def test_admission_evicts_lru_only_as_needed():
   cache = LRU_CACHE
-  state = _cache_docs(cache.init_state(), [1, 2, 3, 4], cache=cache)
+  state = _cache_docs(cs.init_cache_state(cache.config), [1, 2, 3, 4], cache=cache)
   state = _cache_docs(state, [1], cache=cache)
   # 8 free; a new doc of 2 pages + 8 private pages needs 10: evict doc 2 only.
   state, adm = cache.admit(state, [key(5)], [8], private_tokens=32)
@@ -372,7 +387,7 @@ def test_admission_evicts_lru_only_as_needed():
 
 
 def test_admission_evicts_lfu_only_as_needed():
-  state = _cache_docs(CACHE.init_state(), [3, 3, 1, 2, 4])
+  state = _cache_docs(cs.init_cache_state(CONFIG), [3, 3, 1, 2, 4])
   # 8 free; a new doc of 2 pages + 8 private pages needs 10: LFU evicts the
   # oldest of the docs read once (1), not doc 3 (read twice, but longer ago,
   # so LRU would take it).
@@ -382,20 +397,20 @@ def test_admission_evicts_lfu_only_as_needed():
 
 
 def test_eviction_spares_documents_in_use():
-  state = _cache_docs(CACHE.init_state(), [1, 2])
+  state = _cache_docs(cs.init_cache_state(CONFIG), [1, 2])
   state, live = CACHE.admit(state, [key(1)], [8], 0)  # doc 1 (oldest) in use
-  state = CACHE.evict_documents(state, 16)
+  state = cs.evict_documents(state, 16)
   assert _cached(state, [1, 2]) == [1]
   assert CACHE.stats(state)["free_pages"] == 14
   state = CACHE.finish(state, live)
-  state = CACHE.evict_documents(state, 16)
+  state = cs.evict_documents(state, 16)
   assert CACHE.stats(state)["free_pages"] == 16
 
 
 def test_evict_for_document_slots():
-  state = _cache_docs(CACHE.init_state(), [1, 2, 3, 4], length=1)
+  state = _cache_docs(cs.init_cache_state(CONFIG), [1, 2, 3, 4], length=1)
   assert CACHE.stats(state)["free_doc_slots"] == 0
-  state = CACHE.evict_documents(state, 0, slots_needed=2)
+  state = cs.evict_documents(state, 0, slots_needed=2)
   assert _cached(state, [1, 2, 3, 4]) == [3, 4]
   # Admission evicts for a table slot even when pages are plentiful.
   state = _cache_docs(state, [5, 6])
@@ -404,7 +419,7 @@ def test_evict_for_document_slots():
 
 
 def test_refusal_leaves_state_unchanged():
-  state = _cache_docs(CACHE.init_state(), [1, 2])  # 4 pages, evictable
+  state = _cache_docs(cs.init_cache_state(CONFIG), [1, 2])  # 4 pages, evictable
   state, live = CACHE.admit(state, [key(3)], [8], private_tokens=16)  # 6 pages
   before = leaves(state)
   # 6 free + 4 evictable = 10 < 11 needed.
@@ -426,7 +441,7 @@ def test_refusal_leaves_state_unchanged():
 
 
 def test_refusal_when_document_slots_run_out():
-  state, live = CACHE.admit(CACHE.init_state(), [key(1), key(2), key(3)],
+  state, live = CACHE.admit(cs.init_cache_state(CONFIG), [key(1), key(2), key(3)],
                             [1, 1, 1], 0)
   with pytest.raises(CacheCapacityError, match="document slots"):
     CACHE.admit(state, [key(4), key(5)], [1, 1], 0)
@@ -434,7 +449,7 @@ def test_refusal_when_document_slots_run_out():
 
 @pytest.mark.parametrize("doc_keys,lengths,private,error,match", [
     ([key(1)], [0], 0, InvalidRequestError, "empty document"),
-    ([key(1)], [25], 0, InvalidRequestError, "max_pages_per_doc"),
+    ([key(1)], [25], 0, CacheCapacityError, "max_pages_per_doc"),
     ([key(1)], [65], 0, CacheCapacityError, "whole pool"),
     ([key(1)], [3, 4], 0, InvalidRequestError, "differ in length"),
     ([key(1)], [3], -1, InvalidRequestError, "private_tokens"),
@@ -443,7 +458,7 @@ def test_refusal_when_document_slots_run_out():
     ([key(1)], [2.0], 0, InvalidRequestError, r"doc_lengths\[0\]"),
 ])
 def test_admit_rejects_bad_input(doc_keys, lengths, private, error, match):
-  state = CACHE.init_state()
+  state = cs.init_cache_state(CONFIG)
   with pytest.raises(error, match=match):
     CACHE.admit(state, doc_keys, lengths, private)
   assert issubclass(error, LazyAttnError)
@@ -453,4 +468,4 @@ def test_type_errors():
   with pytest.raises(TypeError, match="config"):
     PagedKVCache({"num_pages": 4})
   with pytest.raises(TypeError, match="admission"):
-    CACHE.finish(CACHE.init_state(), None)
+    CACHE.finish(cs.init_cache_state(CONFIG), None)

@@ -21,9 +21,11 @@ from hypothesis import event, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
                                  precondition, rule)
 
-from lazyattn_jax import (CacheCapacityError, CacheConfig, PagedKVCache,
-                          document_key)
-from lazyattn_jax.cache_state import FREQUENCY_WINDOW_PER_SLOT
+from lazyattn_jax import cache_state as cs
+from lazyattn_jax.cache_state import FREQUENCY_WINDOW_PER_SLOT, CacheConfig
+from lazyattn_jax.doc_key import document_key
+from lazyattn_jax.errors import CacheCapacityError
+from lazyattn_jax.paged_cache import PagedKVCache
 
 CONFIG = CacheConfig(num_pages=24, page_size=4, num_layers=1, num_kv_heads=1,
                      head_dim=2, dtype="float32", max_docs=6,
@@ -63,7 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
     self.lengths = lengths
     self.keys = [document_key([doc, 7], "prop-model") for doc in range(NUM_DOCS)]
     self.cache = CACHES[self.policy]
-    self.state = self.cache.init_state()
+    self.state = cs.init_cache_state(self.cache.config)
     self.cached = {}  # doc -> {"slot", "pages", "last_use", "uses"}
     self.reads_since_aging = 0
     self.live = {}  # rid -> {"docs", "admission"}
@@ -267,7 +269,8 @@ class CacheMachine(RuleBasedStateMachine):
   def evict(self, pages_needed, slots_needed):
     free = CONFIG.num_pages - len(self.pages_in_use())
     before = dict(self.cached)
-    self.state = self.cache.evict_documents(self.state, pages_needed, slots_needed)
+    self.state = cs.evict_documents(self.state, pages_needed, slots_needed,
+                                    policy=self.cache.config.eviction)
     self.check_eviction(before, free, pages_needed, slots_needed)
 
   @rule()
@@ -342,8 +345,8 @@ class CacheMachine(RuleBasedStateMachine):
     if not hasattr(self, "state"):
       return
     self.finish_all()
-    self.state = self.cache.evict_documents(self.state, CONFIG.num_pages,
-                                            CONFIG.max_docs)
+    self.state = cs.evict_documents(self.state, CONFIG.num_pages,
+                                            CONFIG.max_docs, policy=self.cache.config.eviction)
     self.cached.clear()
     self.model_agrees_with_state()
     assert self.cache.stats(self.state) == dict(

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from lazyattn_jax.cache_state import CacheConfig
+from lazyattn_jax.config import split_settings
 from lazyattn_jax.engine import LazyEngine, Request
 from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
 from lazyattn_jax.sampling import SamplingParams
@@ -36,9 +37,11 @@ def make_engine(model_and_config, *, num_pages=96, max_batch=4,
                              head_dim=config.head_dim, dtype="float32",
                              max_docs=32, max_pages_per_doc=16,
                              eviction=eviction)
-  return LazyEngine(config, model, cache_config, mode=mode, impl=impl,
-                    max_batch=max_batch, decode_steps=decode_steps,
-                    **engine_kwargs)
+  scheduler, runner = split_settings(
+      None, None, dict(impl=impl, max_batch=max_batch,
+                       decode_steps=decode_steps, **engine_kwargs))
+  return LazyEngine(config, model, cache_config, mode=mode,
+                    scheduler=scheduler, runner=runner)
 
 
 def random_tokens(rng, n, vocab):
@@ -89,7 +92,7 @@ def test_cache_hit_writes_no_kv_and_shares_pages(model_and_config):
   first_id = engine.submit(random_tokens(rng, 4, config.vocab_size), [doc],
                            greedy(2))
   engine.step()
-  first_live = engine._live[0] if engine._live else None
+  first_live = engine.scheduler.live[0] if engine.scheduler.live else None
   while engine.has_work():
     engine.step()
   first = engine.pop_result(first_id)
@@ -99,14 +102,13 @@ def test_cache_hit_writes_no_kv_and_shares_pages(model_and_config):
   other = random_tokens(rng, 7, config.vocab_size)
   rid = engine.submit(random_tokens(rng, 3, config.vocab_size), [other, doc],
                       greedy(2))
-  new = engine._admit_waiting()
+  engine.rounds.state, new = engine.scheduler.admit(engine.state)
   assert len(new) == 1
   live = new[0]
   assert live.admission.doc_hit == [False, True]
   if first_live is not None:
     assert live.admission.doc_pages[1] == first_live.admission.doc_pages[0]
-  engine._prefill_new(new)
-  engine._live.extend(new)
+  engine.rounds._prefill_round(new)
   while engine.has_work():
     engine.step()
   result = engine.pop_result(rid)
@@ -160,7 +162,7 @@ def test_continuous_batching_join_and_leave(model_and_config):
   ids.append(engine.submit(queries[1], docs[1:], greedy(lengths[1])))
   step()
   # Request 1 is mid-decode when request 2 joins.
-  assert any(l.request_id == ids[1] and not l.done for l in engine._live)
+  assert any(l.request_id == ids[1] and not l.done for l in engine.scheduler.live)
   ids.append(engine.submit(queries[2], docs[::-1], greedy(lengths[2])))
   while engine.has_work():
     step()
@@ -295,7 +297,7 @@ def test_prefill_budget_spreads_a_burst_over_steps(model_and_config):
   ids = [engine.submit(r.query, r.documents, r.sampling) for r in requests]
   results = {r.request_id: r for r in engine.step()}
   # 18 prefill tokens per request: the budget of 20 admits two per step.
-  assert len(engine._waiting) == 2
+  assert len(engine.scheduler.waiting) == 2
   while engine.has_work():
     for r in engine.step():
       results[r.request_id] = r

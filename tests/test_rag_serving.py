@@ -12,7 +12,9 @@ import pytest
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-  out = tmp_path_factory.mktemp("rag") / "rag.json"
+  # --out in a directory that does not exist yet: the benchmark makes it
+  # before any work (it once crashed after the first mode, losing the run).
+  out = tmp_path_factory.mktemp("rag") / "new" / "rag.json"
   plots = out.parent / "plots"
   cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
          "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "20",
@@ -117,3 +119,15 @@ def test_warm_cache_requests_measure_from_a_warm_cache(tmp_path):
   assert warm["doc_hit_rate"] > cold["doc_hit_rate"]
   assert warm["prefill_tokens_computed"] < cold["prefill_tokens_computed"]
   assert warm["compiles_during_measurement"] == 0
+
+
+def test_unwritable_out_path_is_refused_before_any_work(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         "--out", str(blocker / "x.json")]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                        cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert done.returncode == 2
+  assert "cannot create the output directory" in done.stderr
+  assert "Traceback" not in done.stderr

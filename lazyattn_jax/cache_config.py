@@ -1,0 +1,107 @@
+"""`CacheConfig`: the static shape and policy of the paged KV cache.
+
+Hashable, so it can be a jit static argument.  The state it describes is
+`lazyattn_jax.cache_state.CacheState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+EVICTION_POLICIES = ("lfu", "lru")
+# Read counts halve after this many reads per document-table row: about
+# W-TinyLFU's sample of 10x the cache, a little longer because halving small
+# counts (1 -> 0) blurs the order (docs/design.md, "Eviction").
+FREQUENCY_WINDOW_PER_SLOT = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+  """Static shape of the cache (hashable, so it can be a jit static argument).
+
+  Attributes:
+    num_pages: pages in the pool (N).
+    page_size: token slots per page (P).
+    num_layers: transformer layers (L).
+    num_kv_heads: KV heads per layer (K).
+    head_dim: head dimension (H).
+    dtype: dtype of the K/V pool, stored as its canonical name (e.g.
+      "bfloat16"); any `jnp.dtype`-compatible value is accepted.
+    max_docs: rows of the document table.
+    max_pages_per_doc: pages one document may occupy, so a document holds at
+      most `max_pages_per_doc * page_size` tokens.
+    eviction: which unread documents go first when room is needed:
+      "lfu" (default): fewest recent reads first, least recently used among
+        equals.  Under skewed (Zipf) document popularity this keeps the
+        popular head cached where LRU lets a burst of one-off documents
+        push it out; counts halve every `FREQUENCY_WINDOW_PER_SLOT *
+        max_docs` reads, so a document that stopped being popular ages out.
+      "lru": least recently used first.
+  """
+
+  num_pages: int
+  page_size: int = 16
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: Any
+  max_docs: int = 1024
+  max_pages_per_doc: int
+  eviction: str = "lfu"
+
+  def __post_init__(self):
+    if self.eviction not in EVICTION_POLICIES:
+      raise ValueError(
+          f"CacheConfig.eviction must be one of {EVICTION_POLICIES}, got "
+          f"{self.eviction!r}")
+    for name in ("num_pages", "page_size", "num_layers", "num_kv_heads",
+                 "head_dim", "max_docs", "max_pages_per_doc"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"CacheConfig.{name} must be an int, got {type(value).__name__}")
+      if value < 1:
+        raise ValueError(f"CacheConfig.{name} must be >= 1, got {value}")
+      object.__setattr__(self, name, int(value))
+    # Token positions inside the pool and page indices are int32 on device.
+    if self.num_pages * self.page_size > _INT32_MAX:
+      raise ValueError(
+          "CacheConfig.num_pages * page_size must fit in int32, got "
+          f"{self.num_pages} * {self.page_size}")
+    if self.max_pages_per_doc * self.page_size > _INT32_MAX:
+      raise ValueError(
+          "CacheConfig.max_pages_per_doc * page_size must fit in int32, got "
+          f"{self.max_pages_per_doc} * {self.page_size}")
+    try:
+      dtype = jnp.dtype(self.dtype)
+    except TypeError as e:
+      raise ValueError(
+          f"CacheConfig.dtype is not a dtype: {self.dtype!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(
+          f"CacheConfig.dtype must be a floating dtype, got {dtype.name}")
+    object.__setattr__(self, "dtype", dtype.name)
+
+  @property
+  def max_doc_tokens(self) -> int:
+    """The longest document the table can hold."""
+    return self.max_pages_per_doc * self.page_size
+
+  @property
+  def pool_shape(self) -> tuple[int, int, int, int, int]:
+    """Shape of `CacheState.k` and `.v`: [K, L, num_pages, page_size, H].
+
+    Heads first, so the model can view a pool as one [K, L * num_pages, P, H]
+    page array (a free reshape) and hand it to the attention kernel in place;
+    with layers first, every layer's slice k[l] would be copied each step.
+    """
+    return (self.num_kv_heads, self.num_layers, self.num_pages,
+            self.page_size, self.head_dim)

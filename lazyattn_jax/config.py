@@ -1,0 +1,114 @@
+"""The engine's settings: what the scheduler decides and how the model runs.
+
+Both are frozen and hashable, so an engine's settings cannot change under it
+and can key a compile cache.  `split_settings` routes keyword settings (as
+`LazyEngine.from_pretrained(..., max_batch=8, impl="xla")` takes them) to the
+config that owns each one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.lazy_attention import IMPLS
+
+
+def _check_int(owner: str, name: str, value, minimum: int = 1,
+               optional: bool = False):
+  if optional and value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    allowed = " or None" if optional else ""
+    raise ValueError(f"{owner}.{name} must be an int >= {minimum}{allowed}, "
+                     f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """How requests are admitted, grouped and decoded.
+
+  Attributes:
+    max_batch: most requests in flight (decode always runs this many rows).
+    decode_steps: decode steps per compiled loop between scheduling points;
+      requests join and leave only between loops.
+    max_prefill_tokens: token budget of one prefill call (rows x length).
+    prefill_tokens_per_step: stop admitting new requests in a scheduling
+      step once their prefill work (missing documents plus own tokens)
+      reaches this many tokens, so a burst of arrivals is prefilled over
+      several steps with decode loops in between (None: admit all that fit).
+    first_token_group_tokens: modes with a document step serve a round's
+      requests cheapest first, in groups that each encode about this many
+      new document tokens before their queries run.  Smaller groups give
+      earlier first tokens for more, smaller prefill calls (None: one
+      prefill call's worth, `max_prefill_tokens`).  benchmarks/RESULTS.md
+      measures the trade-off.
+  """
+
+  max_batch: int = 16
+  decode_steps: int = 8
+  max_prefill_tokens: int = 8192
+  prefill_tokens_per_step: int | None = None
+  first_token_group_tokens: int | None = None
+
+  def __post_init__(self):
+    for name in ("max_batch", "decode_steps", "max_prefill_tokens"):
+      _check_int("SchedulerConfig", name, getattr(self, name))
+    for name in ("prefill_tokens_per_step", "first_token_group_tokens"):
+      _check_int("SchedulerConfig", name, getattr(self, name), optional=True)
+
+  @property
+  def group_tokens(self) -> int:
+    """The first-token group size in effect."""
+    return self.first_token_group_tokens or self.max_prefill_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+  """How the model steps are compiled and run.
+
+  Attributes:
+    impl: attention implementation, one of `pallas_kernels.IMPLS`
+      ("auto" picks by backend: Pallas kernels on GPU and TPU, XLA on CPU).
+    pool_as_bits: carry a 16-bit pool through the model's layer loop as
+      uint16 bit patterns (keeps XLA from widening the KV write scatter to
+      float32).
+    decode_layer_unroll: unroll factor of the layer loop inside the decode
+      loop (True: fully unrolled; faster steps, longer compiles).
+  """
+
+  impl: str = "auto"
+  pool_as_bits: bool = False
+  decode_layer_unroll: int | bool = 1
+
+  def __post_init__(self):
+    if self.impl not in IMPLS:
+      raise ValueError(f"RunnerConfig.impl must be one of {IMPLS}, got "
+                       f"{self.impl!r}")
+    if not isinstance(self.pool_as_bits, bool):
+      raise ValueError("RunnerConfig.pool_as_bits must be a bool, got "
+                       f"{self.pool_as_bits!r}")
+    if self.decode_layer_unroll is not True:
+      _check_int("RunnerConfig", "decode_layer_unroll",
+                 self.decode_layer_unroll)
+
+
+def split_settings(scheduler: SchedulerConfig | None,
+                   runner: RunnerConfig | None,
+                   settings: dict) -> tuple[SchedulerConfig, RunnerConfig]:
+  """Applies keyword settings to the config that owns each of them.
+
+  Raises TypeError naming a setting that neither config has.
+  """
+  scheduler = scheduler or SchedulerConfig()
+  runner = runner or RunnerConfig()
+  owned = {}
+  for config in (scheduler, runner):
+    names = {f.name for f in dataclasses.fields(config)}
+    owned[id(config)] = {k: v for k, v in settings.items() if k in names}
+  unknown = sorted(set(settings) - set().union(*map(set, owned.values())))
+  if unknown:
+    known = sorted(f.name for c in (scheduler, runner)
+                   for f in dataclasses.fields(c))
+    raise TypeError(f"unknown engine settings {unknown}; known: {known}")
+  return (dataclasses.replace(scheduler, **owned[id(scheduler)]),
+          dataclasses.replace(runner, **owned[id(runner)]))

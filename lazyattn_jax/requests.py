@@ -1,0 +1,286 @@
+"""Requests and results, and the one path that turns user input into tokens.
+
+A string query is wrapped in the model's chat format.  The chat text before
+the user's words (system prompt, user-turn header) is the same for every
+request, so it becomes the first cached "document": encoded once, read in
+place by every request.  Documents follow it inside the user turn, each
+tokenized on its own (no BOS) and ended with a blank line; the query and the
+chat text after it (end of turn, assistant header) come last.
+
+`RequestValidator.validate` checks everything a request can get wrong before
+anything is queued, so the same condition always raises the same error and
+a refused request changes nothing: `InvalidRequestError` for bad input,
+`CacheCapacityError` for a request the cache as configured can never hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Sequence
+
+import numpy as np
+
+from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
+from lazyattn_jax.sampling import SamplingParams
+from pallas_kernels.sizes import ceil_div
+
+DOCUMENT_SEPARATOR = "\n\n"
+_SENTINEL = "\u0000lazyattn-user-text\u0000"
+FINISH_REASONS = ("stop", "length", "error", "cancelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A query with its retrieved documents.
+
+  `query` and each document are token ids or, with an engine that has a
+  tokenizer, strings (a string query is wrapped in the chat format).
+  """
+  query: Sequence[int] | str
+  documents: Sequence[Sequence[int] | str] = ()
+  sampling: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRequest:
+  """A validated request in token ids.
+
+  The first `leading` documents were added by the engine (the shared chat
+  prefix) and are not reported back; `stop_ids` are the stop tokens in
+  effect (the sampling's, or the model's defaults).
+  """
+  query: tuple[int, ...]
+  documents: tuple[tuple[int, ...], ...]
+  sampling: SamplingParams
+  stop_ids: tuple[int, ...] = ()
+  leading: int = 0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """What one request produced.
+
+  Attributes:
+    request_id: id returned by `submit`.
+    token_ids: generated tokens (the stop token included, if one was hit).
+    doc_hits: per document, whether its KV was already cached (True) or had
+      to be encoded for this request (False).
+    ttft_s: seconds from submission to the first generated token.
+    latency_s: seconds from submission to the last token.
+    finish_reason: "stop" (a stop token), "length" (max_new_tokens),
+      "error" (the engine failed while serving it; see `error`) or
+      "cancelled" (`LazyEngine.cancel`).
+    prompt_tokens: document plus query tokens.
+    prefill_tokens_computed: tokens this request had to prefill itself.
+    prefill_tokens_before_first_token: tokens the engine prefilled in this
+      request's admission round, for it and for other requests, before its
+      first token came out: its wait in that round, measured in work rather
+      than seconds (so it means the same on any device).
+    first_logits: float32[V] logits that produced the first token.
+    text: the generated text (special tokens skipped) when the engine has a
+      tokenizer, else None.
+    error: for finish_reason "error", what went wrong.
+  """
+  request_id: int
+  token_ids: list[int]
+  doc_hits: list[bool]
+  ttft_s: float
+  latency_s: float
+  finish_reason: str
+  prompt_tokens: int
+  prefill_tokens_computed: int
+  prefill_tokens_before_first_token: int = 0
+  first_logits: np.ndarray | None = None
+  text: str | None = None
+  error: str | None = None
+
+  @property
+  def decode_time_per_token_s(self) -> float:
+    n = len(self.token_ids)
+    return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+
+
+# --- tokenization --------------------------------------------------------------
+
+
+def chat_parts(tokenizer, user_text: str) -> tuple[list[int], list[int]]:
+  """(shared chat prefix ids, query ids) for a one-turn chat.
+
+  Without a chat template the prefix is empty and the query is the plain text.
+  """
+  if tokenizer.chat_template is None:
+    return [], tokenizer.encode(user_text)
+  rendered = tokenizer.render_chat([{"role": "user", "content": _SENTINEL}])
+  if rendered.count(_SENTINEL) != 1:
+    return [], tokenizer.chat_prompt(user_text)
+  before, after = rendered.split(_SENTINEL)
+  return tokenizer.encode(before), tokenizer.encode(user_text + after)
+
+
+def _is_token_sequence(value) -> bool:
+  # bytes and bytearray are sequences of ints too, but never token ids.
+  return (isinstance(value, (Sequence, np.ndarray)) and
+          not isinstance(value, (str, bytes, bytearray)))
+
+
+def _token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
+  """Checks a sequence of token ids: ints (not bools) in [0, vocab_size)."""
+  if not _is_token_sequence(tokens):
+    raise InvalidRequestError(
+        f"{what} must be text or a sequence of token ids, got "
+        f"{type(tokens).__name__}")
+  ids = []
+  for t in tokens:
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+      raise InvalidRequestError(
+          f"{what} must hold integer token ids, got {type(t).__name__} {t!r}")
+    ids.append(int(t))
+  if not ids:
+    raise InvalidRequestError(f"{what} is empty")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise InvalidRequestError(
+        f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
+  return tuple(ids)
+
+
+def encode_documents(tokenizer, documents, vocab_size: int):
+  """Token ids of each document (text or ids), checked."""
+  if not _is_token_sequence(documents):
+    raise InvalidRequestError(
+        f"documents must be a list of documents, got "
+        f"{type(documents).__name__}")
+  docs = []
+  for i, doc in enumerate(documents):
+    if isinstance(doc, str):
+      if tokenizer is None:
+        raise InvalidRequestError("text documents need a tokenizer; pass token ids")
+      if not doc.strip():
+        raise InvalidRequestError(f"document {i} is empty")
+      # Document text is data: special-token spellings in it stay plain text.
+      doc = tokenizer.encode(doc + DOCUMENT_SEPARATOR, parse_special=False)
+    docs.append(_token_ids(doc, f"document {i}", vocab_size))
+  return docs
+
+
+def encode_request(tokenizer, query, documents, vocab_size: int):
+  """Token layout of a request given as text or ids.
+
+  Returns (query_ids, document_ids, num_leading): `num_leading` documents were
+  added in front (the chat prefix) and are not the caller's documents.  A
+  token-id query is used exactly as given.
+  """
+  docs = encode_documents(tokenizer, documents, vocab_size)
+  if not isinstance(query, str):
+    return _token_ids(query, "query", vocab_size), docs, 0
+  if tokenizer is None:
+    raise InvalidRequestError("a text query needs a tokenizer; pass token ids")
+  if not query.strip():
+    raise InvalidRequestError("query is empty")
+  prefix, query_ids = chat_parts(tokenizer, query)
+  query_ids = _token_ids(query_ids, "query", vocab_size)
+  if prefix:
+    return query_ids, [_token_ids(prefix, "chat prefix", vocab_size)] + docs, 1
+  return query_ids, docs, 0
+
+
+# --- validation ----------------------------------------------------------------
+
+
+def merge_sampling(sampling, overrides: dict) -> SamplingParams:
+  """`sampling` (default SamplingParams()) with keyword overrides applied;
+  an override of None keeps the field."""
+  if sampling is None:
+    sampling = SamplingParams()
+  if not isinstance(sampling, SamplingParams):
+    raise InvalidRequestError(
+        f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+  if overrides:
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+      raise InvalidRequestError(f"unknown sampling options {unknown}; "
+                                f"known: {sorted(fields)}")
+    sampling = dataclasses.replace(
+        sampling, **{k: v for k, v in overrides.items() if v is not None})
+  return sampling
+
+
+class RequestValidator:
+  """Everything a request must satisfy for one engine, checked at once.
+
+  Args:
+    tokenizer: a `models.tokenizer.LlamaTokenizer`, or None (ids only).
+    vocab_size, max_position: the model's.
+    cache_config: the paged pool's `CacheConfig`.
+    mode: the engine's `modes.ReuseMode` (what the request will occupy).
+    default_stop_ids: stop tokens when a request names none.
+  """
+
+  def __init__(self, tokenizer, vocab_size: int, max_position: int,
+               cache_config, mode, default_stop_ids: tuple[int, ...]):
+    self.tokenizer = tokenizer
+    self.vocab_size = vocab_size
+    self.max_position = max_position
+    self.cache_config = cache_config
+    self.mode = mode
+    self.default_stop_ids = default_stop_ids
+
+  def validate(self, query, documents=(), sampling=None,
+               overrides: dict | None = None) -> TokenRequest:
+    """Returns the request in tokens; raises InvalidRequestError or
+    CacheCapacityError and changes nothing."""
+    sampling = merge_sampling(sampling, overrides or {})
+    stop_ids = sampling.stop_token_ids
+    if stop_ids is None:
+      stop_ids = self.default_stop_ids
+    bad = [t for t in stop_ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise InvalidRequestError(
+          f"stop_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
+    query, docs, leading = encode_request(self.tokenizer, query, documents,
+                                          self.vocab_size)
+    total = sum(map(len, docs)) + len(query) + sampling.max_new_tokens
+    if total > self.max_position:
+      raise InvalidRequestError(
+          f"request needs {total} positions (documents + query + "
+          f"max_new_tokens) but the model allows {self.max_position}")
+    request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
+                           leading)
+    self._check_capacity(request)
+    return request
+
+  def documents(self, documents) -> list[tuple[int, ...]]:
+    """Documents alone, tokenized and checked as `validate` does them."""
+    docs = encode_documents(self.tokenizer, documents, self.vocab_size)
+    self._check_document_lengths(docs, leading=0)
+    return docs
+
+  def _check_document_lengths(self, documents, leading: int):
+    cfg = self.cache_config
+    for i, doc in enumerate(documents):
+      if len(doc) > cfg.max_doc_tokens:
+        name = "the chat prefix" if i < leading else f"document {i - leading}"
+        raise CacheCapacityError(
+            f"{name} has {len(doc)} tokens; the cache holds at most "
+            f"{cfg.max_doc_tokens} per document (max_pages_per_doc * "
+            f"page_size = {cfg.max_pages_per_doc} * {cfg.page_size})")
+
+  def _check_capacity(self, request: TokenRequest):
+    """What the request occupies in this mode against the whole cache."""
+    cfg = self.cache_config
+    self._check_document_lengths(request.documents, request.leading)
+    needs = self.mode.cache_needs(request)
+    entries = dict(zip(needs.keys, needs.lengths))
+    pages = (sum(ceil_div(n, cfg.page_size) for n in entries.values()) +
+             ceil_div(needs.private_tokens, cfg.page_size))
+    if pages > cfg.num_pages:
+      raise CacheCapacityError(
+          f"request needs {pages} pages but the whole pool has "
+          f"{cfg.num_pages}")
+    if len(entries) > cfg.max_docs:
+      raise CacheCapacityError(
+          f"request has {self.mode.describe_entries(request, len(entries))}; "
+          f"the cache holds at most {cfg.max_docs} entries "
+          f"(CacheConfig.max_docs)")

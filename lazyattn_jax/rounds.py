@@ -1,0 +1,185 @@
+"""One scheduling round: the order of work between the scheduler and the
+model runner, the engine's counters, and the round's rollback.
+
+`RoundExecutor.step` admits waiting requests, serves them in first-token
+groups (encode the group's missing documents, write its Block-Attention
+copies, prefill its queries and take first tokens), decodes every live
+request, and retires the finished ones.  A failure inside any of it takes
+the affected requests out with an error result (`Scheduler.fail`); if a
+donated step lost the pool, the cache is rebuilt empty and every live
+request fails with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from lazyattn_jax.cache_state import init_cache_state
+
+logger = logging.getLogger("lazyattn_jax")
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters since the engine was built (or `reset_stats`)."""
+  prefill_tokens_computed: int = 0
+  documents_prefilled: int = 0
+  kv_pages_written_for_cached_docs: int = 0
+  peak_pages_used: int = 0
+  decode_steps: int = 0
+  generated_tokens: int = 0
+  decode_seconds: float = 0.0  # wall time inside decode loops (device synced)
+
+
+class RoundExecutor:
+  """Runs rounds over the cache state it holds.
+
+  `state` is replaced after every step that returns a new one, so when
+  something fails midway it is the state as far as the work got: the pool
+  passed to a donated step is gone once the step has run.
+
+  Args:
+    scheduler: the engine's `Scheduler` (and through it the cache and mode).
+    runner: the engine's `ModelRunner`.
+    cache_config: the pool's `CacheConfig`.
+  """
+
+  def __init__(self, scheduler, runner, cache_config):
+    self.scheduler = scheduler
+    self.runner = runner
+    self.cache_config = cache_config
+    self.state = init_cache_state(cache_config)
+    self.stats = EngineStats()
+
+  @property
+  def _budget(self) -> int:
+    return self.scheduler.config.max_prefill_tokens
+
+  def step(self):
+    """One round; returns the results of the requests that ended in it."""
+    self.state, new = self.scheduler.admit(self.state)
+    if new:
+      self._prefill_round(new)
+    self.note_pages_used()
+    decoding = self.scheduler.decoding()
+    if decoding:
+      self._decode(decoding)
+    self.state, results = self.scheduler.retire(self.state)
+    return results
+
+  def note_pages_used(self):
+    used = (self.cache_config.num_pages -
+            self.scheduler.cache.free_page_count(self.state))
+    self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
+
+  def _prefill_round(self, new):
+    """Serves the round's first-token groups in order; a failure takes the
+    failing group and every later one back out."""
+    groups = self.scheduler.first_token_groups(new)
+    round_tokens = 0
+    for index, group in enumerate(groups):
+      try:
+        round_tokens = self._serve_group(group, round_tokens)
+      except BaseException as error:
+        rest = groups[index:]
+        self._fail([r for g in rest for r in g.requests],
+                   [slot for g in rest for slot, _, _ in g.documents], error)
+        if not isinstance(error, Exception):
+          raise
+        return
+      self.scheduler.start(group.requests)
+
+  def _serve_group(self, group, round_tokens: int) -> int:
+    """Encodes the group's documents, writes its copies, prefills its
+    queries and records their first tokens; returns the round's prefill
+    work so far."""
+    if group.documents:
+      self._encode([(tokens, pages) for _, tokens, pages in group.documents])
+      round_tokens += sum(len(tokens) for _, tokens, _ in group.documents)
+    copies = [c for r in group.requests for c in r.layout.copies]
+    self.state = self.runner.copy_pages(self.state, copies)
+    self.stats.kv_pages_written_for_cached_docs += len(copies)
+    lengths = [len(r.layout.prefill) for r in group.requests]
+    keep_order = self.scheduler.mode.keeps_query_order
+    for batch in self.runner.prefill_batches(lengths, self._budget, keep_order):
+      chunk = [group.requests[i] for i in batch]
+      self.state, logits, first = self.runner.prefill(
+          self.state, [r.layout.row for r in chunk],
+          [r.layout.prefill for r in chunk],
+          [r.request.sampling for r in chunk])
+      tokens = sum(lengths[i] for i in batch)
+      round_tokens += tokens
+      self.stats.prefill_tokens_computed += tokens
+      self.scheduler.record_first_tokens(chunk, first, logits, round_tokens,
+                                         time.perf_counter())
+    return round_tokens
+
+  def _encode(self, documents):
+    """Prefills (tokens, pages) documents, each alone from position 0."""
+    lengths = [len(tokens) for tokens, _ in documents]
+    for batch in self.runner.prefill_batches(lengths, self._budget,
+                                             keep_order=False):
+      self.state = self.runner.encode_documents(
+          self.state, [documents[i] for i in batch])
+      self.stats.documents_prefilled += len(batch)
+      self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+
+  def _decode(self, decoding):
+    cfg = self.scheduler.config
+    started = time.perf_counter()
+    try:
+      self.state, out, emitted, done = self.runner.decode(
+          self.state, decoding, cfg.max_batch, cfg.decode_steps)
+    except BaseException as error:
+      self._fail(decoding, [], error)
+      if not isinstance(error, Exception):
+        raise
+      return
+    now = time.perf_counter()
+    self.stats.decode_seconds += now - started
+    self.stats.decode_steps += cfg.decode_steps
+    self.stats.generated_tokens += self.scheduler.record_decode(
+        decoding, out, emitted, done, now)
+
+  def _fail(self, requests, unencoded_slots, error: BaseException):
+    """Takes failed requests out; rebuilds the cache if its pool was lost
+    (a donated step failed after consuming it: every request's KV is gone)."""
+    logger.error("%d request(s) failed: %s: %s", len(requests),
+                 type(error).__name__, error)
+    if pool_lost(self.state):
+      failed = {id(r) for r in requests}
+      everyone = requests + [r for r in self.scheduler.live
+                             if id(r) not in failed]
+      self.scheduler.fail(self.state, everyone, [], error, release=False)
+      self.state = init_cache_state(self.cache_config)
+      return
+    self.state = self.scheduler.fail(self.state, requests, unencoded_slots,
+                                     error)
+
+  def encode_documents(self, keys, documents) -> list[bool]:
+    """Admits and encodes documents alone (no request reads them); returns
+    per document whether it was cached already.  On failure nothing stays
+    cached that was not encoded, and the error propagates."""
+    cache = self.scheduler.cache
+    self.state, admission = cache.admit(self.state, keys,
+                                        [len(d) for d in documents], 0)
+    try:
+      self._encode([(documents[i], admission.doc_pages[i])
+                    for i in admission.missing_docs])
+    except BaseException:
+      if pool_lost(self.state):
+        self.state = init_cache_state(self.cache_config)
+        raise
+      self.state = cache.drop_documents(
+          cache.finish(self.state, admission),
+          [admission.doc_slots[i] for i in admission.missing_docs])
+      raise
+    self.state = cache.finish(self.state, admission)
+    return list(admission.doc_hit)
+
+
+def pool_lost(state) -> bool:
+  """Whether a donated step consumed the pool without returning a new one."""
+  return state.k.is_deleted() or state.v.is_deleted()
