@@ -270,7 +270,8 @@ class RequestValidator:
   def _check_capacity(self, request: TokenRequest):
     """What the request occupies in this mode against the whole cache."""
     cfg = self.cache_config
-    self._check_document_lengths(request.documents, request.leading)
+    if self.mode.has_document_step:  # documents are cached whole
+      self._check_document_lengths(request.documents, request.leading)
     needs = self.mode.cache_needs(request)
     entries = dict(zip(needs.keys, needs.lengths))
     pages = (sum(ceil_div(n, cfg.page_size) for n in entries.values()) +

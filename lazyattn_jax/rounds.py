@@ -83,9 +83,7 @@ class RoundExecutor:
       try:
         round_tokens = self._serve_group(group, round_tokens)
       except BaseException as error:
-        rest = groups[index:]
-        self._fail([r for g in rest for r in g.requests],
-                   [slot for g in rest for slot, _, _ in g.documents], error)
+        self._fail([r for g in groups[index:] for r in g.requests], error)
         if not isinstance(error, Exception):
           raise
         return
@@ -133,7 +131,7 @@ class RoundExecutor:
       self.state, out, emitted, done = self.runner.decode(
           self.state, decoding, cfg.max_batch, cfg.decode_steps)
     except BaseException as error:
-      self._fail(decoding, [], error)
+      self._fail(decoding, error, prefilled=True)
       if not isinstance(error, Exception):
         raise
       return
@@ -143,7 +141,7 @@ class RoundExecutor:
     self.stats.generated_tokens += self.scheduler.record_decode(
         decoding, out, emitted, done, now)
 
-  def _fail(self, requests, unencoded_slots, error: BaseException):
+  def _fail(self, requests, error: BaseException, prefilled: bool = False):
     """Takes failed requests out; rebuilds the cache if its pool was lost
     (a donated step failed after consuming it: every request's KV is gone)."""
     logger.error("%d request(s) failed: %s: %s", len(requests),
@@ -152,11 +150,11 @@ class RoundExecutor:
       failed = {id(r) for r in requests}
       everyone = requests + [r for r in self.scheduler.live
                              if id(r) not in failed]
-      self.scheduler.fail(self.state, everyone, [], error, release=False)
+      self.scheduler.fail(self.state, everyone, error, release=False)
       self.state = init_cache_state(self.cache_config)
       return
-    self.state = self.scheduler.fail(self.state, requests, unencoded_slots,
-                                     error)
+    self.state = self.scheduler.fail(self.state, requests, error,
+                                     prefilled=prefilled)
 
   def encode_documents(self, keys, documents) -> list[bool]:
     """Admits and encodes documents alone (no request reads them); returns

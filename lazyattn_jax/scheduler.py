@@ -9,9 +9,9 @@ A round (one `LazyEngine.step`) admits waiting requests while decode slots,
 the prefill budget and cache pages allow; serves them in first-token groups;
 then decodes every live request.  If anything fails inside a round,
 `fail` takes the affected requests back out: their pages and document
-references are released, documents they admitted but never encoded leave
-the table (so no later request reads unwritten KV as a hit), and each
-finishes with `finish_reason="error"`.
+references are released, cache entries they admitted but may not have
+written leave the table (so no later request reads unwritten KV as a hit),
+and each finishes with `finish_reason="error"`.
 """
 
 from __future__ import annotations
@@ -243,14 +243,16 @@ class Scheduler:
     finished, self._unreported = self._unreported + finished, []
     return state, finished
 
-  def fail(self, state, requests: list[LiveRequest], unencoded_slots,
-           error: BaseException, *, release: bool = True):
+  def fail(self, state, requests: list[LiveRequest], error: BaseException, *,
+           prefilled: bool = False, release: bool = True):
     """Takes `requests` out with an error result; returns the new state.
 
-    `unencoded_slots` are document slots admitted in this round whose KV
-    may not have been written: they leave the table once no remaining
-    request reads them.  `release=False` when the cache is being rebuilt
-    anyway (its pool was lost).
+    Unless they were `prefilled`, the cache entries they admitted as missing
+    may never have been written (a document step or, in prefix mode, their
+    own prefill writes them): those leave the table once no remaining
+    request reads them, so no later request takes unwritten KV for a hit.
+    `release=False` when the cache is being rebuilt anyway (its pool was
+    lost).
     """
     failed = {id(live) for live in requests}
     self.live = [live for live in self.live if id(live) not in failed]
@@ -258,8 +260,10 @@ class Scheduler:
       if release:
         state = self.cache.finish(state, live.admission)
       self._unreported.append(self._result(live, "error", _describe(error)))
-    if release and unencoded_slots:
-      state = self.cache.drop_documents(state, sorted(set(unencoded_slots)))
+    admitted = sorted({live.admission.doc_slots[i] for live in requests
+                       for i in live.admission.missing_docs})
+    if release and not prefilled and admitted:
+      state = self.cache.drop_documents(state, admitted)
     return state
 
   def cancel(self, state, request_id: int):

@@ -136,9 +136,7 @@ def test_fail_releases_pages_and_drops_unencoded_documents():
   scheduler, state = make_scheduler()
   scheduler.add(0, request([doc(0, 8), doc(1, 8)]), 0.0)
   state, new = scheduler.admit(state)
-  (group,) = scheduler.first_token_groups(new)
-  slots = [slot for slot, _, _ in group.documents]
-  state = scheduler.fail(state, new, slots, RuntimeError("injected"))
+  state = scheduler.fail(state, new, RuntimeError("injected"))
   (result,) = scheduler.retire(state)[1]
   assert result.finish_reason == "error"
   assert result.error == "RuntimeError: injected"
@@ -148,6 +146,17 @@ def test_fail_releases_pages_and_drops_unencoded_documents():
   scheduler.add(1, request([doc(0, 8)]), 0.0)
   state, again = scheduler.admit(state)
   assert again[0].admission.doc_hit == [False]
+
+
+def test_fail_after_prefill_keeps_the_documents_cached():
+  scheduler, state = make_scheduler()
+  scheduler.add(0, request([doc(0, 8)]), 0.0)
+  state, new = scheduler.admit(state)
+  scheduler.start(new)
+  state = scheduler.fail(state, new, RuntimeError("in decode"), prefilled=True)
+  assert not scheduler.live
+  assert scheduler.cache.stats(state)["cached_docs"] == 1
+  assert free_pages(scheduler, state) == 64 - 2
 
 
 def test_cancel_a_waiting_and_a_live_request():

@@ -1,0 +1,443 @@
+"""The engine under faults and bad input: rounds roll back, the engine keeps
+serving, and nothing leaks.
+
+A fault is injected inside one stage of a round (admission, layout,
+document encoding, Block-Attention copies, query prefill, decode).  After
+it: the affected requests end with an error result, every page is
+accounted for, documents that were never encoded are not in the cache, and
+greedy tokens still equal a fresh engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from lazyattn_jax.engine import Request
+from lazyattn_jax.errors import (CacheCapacityError, EngineClosedError,
+                                 InvalidRequestError, RequestFailedError)
+from lazyattn_jax.sampling import SamplingParams
+from tests.test_engine import (PAGE, greedy, make_engine,  # noqa: F401
+                               model_and_config, random_tokens)
+
+
+def assert_pages_accounted_for(engine):
+  """With nothing in flight, the only held pages are cached documents',
+  each held once (by the table), and no document has a reader."""
+  assert not engine.has_work()
+  state = engine.state
+  refcount = np.asarray(state.page_refcount)
+  valid = np.asarray(state.doc_valid)
+  doc_pages = np.asarray(state.doc_pages)[valid]
+  held = np.zeros_like(refcount)
+  np.add.at(held, doc_pages[doc_pages >= 0], 1)
+  np.testing.assert_array_equal(refcount, held)
+  assert not np.asarray(state.doc_users).any()
+
+
+class Fault:
+  """Wraps `owner.name` so that its `at`-th call raises (then behaves)."""
+
+  def __init__(self, monkeypatch, owner, name, at=1, when=None):
+    self.calls, self.at, self.when = 0, at, when
+    self.original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, self)
+
+  def __call__(self, *args, **kwargs):
+    if self.when is None or self.when(*args, **kwargs):
+      self.calls += 1
+      if self.calls == self.at:
+        raise RuntimeError("injected fault")
+    return self.original(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def corpus(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(31)
+  docs = {name: random_tokens(rng, n, config.vocab_size)
+          for name, n in (("a", 9), ("b", 11), ("c", 7), ("d", 10))}
+  queries = [random_tokens(rng, 5, config.vocab_size) for _ in range(3)]
+  return docs, queries
+
+
+def round_requests(corpus):
+  docs, queries = corpus
+  # a is cached beforehand; b, c, d are new in the round.
+  layout = [("a", "b"), ("c",), ("a",), ("d", "b")]
+  return [Request(tuple(queries[i % 3]), tuple(tuple(docs[n]) for n in names),
+                  greedy(5)) for i, names in enumerate(layout)]
+
+
+STAGES = {
+    # stage: (object path, attribute, call that fails)
+    "admission": ("cache", "admit", 2),
+    "layout": ("_mode", "layout", 2),
+    "encode": ("runner", "encode_documents", 1),
+    # With groups of 12 tokens the round is three groups ([a], [c]), ([a, b])
+    # and ([d, b]): the second group's encode fails after the first group's
+    # requests got their first tokens.
+    "later group encode": ("runner", "encode_documents", 2),
+    "copies": ("runner", "copy_pages", 1),
+    "query prefill": ("runner", "prefill", 1),
+    "decode": ("runner", "decode", 1),
+}
+
+
+FAULT_CASES = [
+    (mode, stage, groups)
+    for mode, stage in [("lazy", s) for s in STAGES if s != "copies"] + [
+        ("block", "copies"), ("block", "encode"), ("prefix", "query prefill"),
+        ("full", "decode")]
+    for groups in (None, 12)
+    if not (stage == "later group encode" and groups is None)]
+
+
+@pytest.mark.parametrize("mode,stage,group_tokens", FAULT_CASES)
+def test_a_fault_in_any_stage_rolls_the_round_back(model_and_config, corpus,
+                                                   monkeypatch, mode, stage,
+                                                   group_tokens):
+  docs, _ = corpus
+  engine = make_engine(model_and_config, mode=mode, num_pages=64,
+                       first_token_group_tokens=group_tokens)
+  warm = engine.generate(corpus[1][0], [docs["a"]], greedy(2))
+  owner, name, at = STAGES[stage]
+  when = None
+  if stage == "query prefill":  # a prefill that is not a document encode
+    when = lambda state, rows, plans, samplings: (
+        plans[0].q_pos[0] != 0 or mode in ("prefix", "full"))
+  if stage == "copies":
+    when = lambda state, copies: bool(copies)
+  fault = Fault(monkeypatch, getattr(engine, owner), name, at, when)
+  requests = round_requests(corpus)
+  results = engine.generate_batch(requests)
+  assert fault.calls >= at, "the fault was never reached"
+  failed = {r.request_id for r in results if r.finish_reason == "error"}
+  assert failed, [r.finish_reason for r in results]
+  for r in results:
+    if r.request_id in failed:
+      assert r.error == "RuntimeError: injected fault"
+    else:
+      assert r.finish_reason == "length"
+  assert_pages_accounted_for(engine)
+  monkeypatch.undo()
+
+  # The engine keeps serving, and what it serves is right: the same round
+  # again gives a fresh engine's tokens and logits.  A document the failed
+  # round admitted but never encoded must be a miss now: read as a hit, its
+  # unwritten pages would change the logits.
+  again = engine.generate_batch(requests)
+  fresh = make_engine(model_and_config, mode=mode, num_pages=64,
+                      first_token_group_tokens=group_tokens)
+  fresh.generate(corpus[1][0], [docs["a"]], greedy(2))
+  want = fresh.generate_batch(requests)
+  for got, expected in zip(again, want):
+    assert got.finish_reason == "length"
+    assert got.token_ids == expected.token_ids
+    np.testing.assert_allclose(got.first_logits, expected.first_logits,
+                               rtol=1e-5, atol=1e-5)
+  assert_pages_accounted_for(engine)
+  assert warm.finish_reason == "length"
+
+
+def test_a_fault_in_one_round_leaves_earlier_live_requests_running(
+    model_and_config, corpus, monkeypatch):
+  docs, queries = corpus
+  engine = make_engine(model_and_config, decode_steps=2)
+  long_running = engine.submit(queries[0], [docs["a"]], greedy(9))
+  engine.step()  # admitted and decoding
+  Fault(monkeypatch, engine.runner, "encode_documents")
+  doomed = engine.submit(queries[1], [docs["b"]], greedy(3))
+  ended = {r.request_id: r for r in engine.step()}
+  assert ended[doomed].finish_reason == "error"
+  monkeypatch.undo()
+  while engine.has_work():
+    ended.update({r.request_id: r for r in engine.step()})
+  alone = make_engine(model_and_config).generate(queries[0], [docs["a"]],
+                                                 greedy(9))
+  assert ended[long_running].token_ids == alone.token_ids
+  assert_pages_accounted_for(engine)
+
+
+def test_generate_raises_request_failed_and_the_engine_goes_on(
+    model_and_config, corpus, monkeypatch):
+  docs, queries = corpus
+  engine = make_engine(model_and_config)
+  Fault(monkeypatch, engine.runner, "decode")
+  with pytest.raises(RequestFailedError, match="injected fault") as info:
+    engine.generate(queries[0], [docs["a"]], greedy(4))
+  assert info.value.result.finish_reason == "error"
+  monkeypatch.undo()
+  assert engine.generate(queries[0], [docs["a"]], greedy(4)).doc_hits == [True]
+  assert_pages_accounted_for(engine)
+
+
+def test_a_lost_pool_is_rebuilt_and_every_live_request_fails(
+    model_and_config, corpus, monkeypatch):
+  """A donated step that fails after consuming the pool leaves no KV: the
+  cache restarts empty instead of serving from deleted buffers."""
+  docs, queries = corpus
+  engine = make_engine(model_and_config)
+  engine.generate(queries[0], [docs["a"]], greedy(2))
+  original = engine.runner.decode
+
+  def consume_then_fail(state, *args):
+    state.k.delete()
+    raise RuntimeError("device failure")
+  monkeypatch.setattr(engine.runner, "decode", consume_then_fail)
+  (result,) = engine.generate_batch([Request(tuple(queries[1]),
+                                             (tuple(docs["b"]),), greedy(3))])
+  assert result.finish_reason == "error"
+  monkeypatch.setattr(engine.runner, "decode", original)
+  again = engine.generate(queries[0], [docs["a"]], greedy(2))
+  assert again.doc_hits == [False]  # the cache was rebuilt empty
+  assert_pages_accounted_for(engine)
+
+
+# --- bad input: refused at submit, nothing changes ------------------------------
+
+BAD_SAMPLING = [
+    (dict(seed="x"), "seed"), (dict(seed=None), "seed"),
+    (dict(seed=2**64), "seed"), (dict(top_k=10**12), "top_k"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p="1"), "top_p"), (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(stop_token_ids="12"), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("fields,match", BAD_SAMPLING)
+def test_bad_sampling_is_refused_when_made(fields, match):
+  with pytest.raises(InvalidRequestError, match=match):
+    SamplingParams(**fields)
+
+
+def _leaves(engine):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
+
+
+# An override of None keeps the field as it is, so those cases are left out.
+@pytest.mark.parametrize("fields,match", [
+    case for case in BAD_SAMPLING if None not in case[0].values()] + [
+    (dict(stop_token_ids=[10**6]), "stop_token_ids outside")])
+def test_bad_sampling_overrides_are_refused_at_submit(model_and_config, fields,
+                                                      match):
+  engine = make_engine(model_and_config, num_pages=40)
+  engine.generate([5, 6, 7], [[1, 2, 3]], greedy(2))
+  before = _leaves(engine)
+  with pytest.raises(InvalidRequestError, match=match):
+    engine.submit([5, 6], [[1, 2]], greedy(2), **fields)
+  assert not engine.has_work()
+  assert all(np.array_equal(x, y) for x, y in zip(before, _leaves(engine)))
+  # The engine still serves.
+  assert engine.generate([5, 6], [[1, 2]], greedy(2)).finish_reason == "length"
+
+
+@pytest.mark.parametrize("query,documents,match", [
+    (None, [[1, 2]], "query must be text or a sequence"),
+    (7, [[1, 2]], "query must be text or a sequence"),
+    (b"\x05\x06", [[1, 2]], "query must be text or a sequence"),
+    ([5.0, 6.0], [[1, 2]], "integer token ids"),
+    ([True, 6], [[1, 2]], "integer token ids"),
+    ([5, 6], [{"text": "x"}], "document 0 must be text or a sequence"),
+    ([5, 6], [b"\x01\x02"], "document 0 must be text or a sequence"),
+    ([5, 6], [[1, 2.5]], "document 0 must hold integer token ids"),
+    ([5, 6], "abc", "documents must be a list"),
+    ([5, 6], 3, "documents must be a list"),
+])
+def test_wrong_input_types_are_invalid_requests(model_and_config, query,
+                                                documents, match):
+  engine = make_engine(model_and_config, num_pages=40)
+  with pytest.raises(InvalidRequestError, match=match):
+    engine.generate(query, documents, greedy(2))
+  with pytest.raises(InvalidRequestError, match=match):
+    engine.generate_batch([Request(query, documents, greedy(2))])
+  assert not engine.has_work()
+
+
+def test_sampling_must_be_sampling_params(model_and_config):
+  engine = make_engine(model_and_config, num_pages=40)
+  with pytest.raises(InvalidRequestError, match="SamplingParams"):
+    engine.generate([5, 6], [[1, 2]], {"max_new_tokens": 2})
+
+
+def test_an_engine_after_close_raises_a_clear_error(model_and_config):
+  engine = make_engine(model_and_config, num_pages=40)
+  engine.generate([5, 6], [[1, 2]], greedy(2))
+  engine.close()
+  for call in (lambda: engine.generate([5, 6], [[1, 2]], greedy(2)),
+               lambda: engine.submit([5, 6], [[1, 2]], greedy(2)),
+               engine.step, engine.reset_cache,
+               lambda: engine.encode_documents([[1, 2]])):
+    with pytest.raises(EngineClosedError, match="closed"):
+      call()
+
+
+@pytest.mark.parametrize("mode,documents,match", [
+    # 33 full pages of prompt: 33 prefix entries for a 32-row table.
+    ("prefix", [[3] * (33 * PAGE)], "33 full pages"),
+    # A document listed twice occupies twice its pages in full mode.
+    ("full", [[3] * 100, [3] * 100], "needs 51 pages"),
+])
+def test_prefix_and_full_refuse_what_cannot_fit_at_submit(
+    model_and_config, mode, documents, match):
+  engine = make_engine(model_and_config, mode=mode, num_pages=48)
+  ok = Request((5, 6), ((1, 2, 3),), greedy(2))
+  with pytest.raises(CacheCapacityError, match=match):
+    engine.generate_batch([ok, Request((5, 6), documents, greedy(2))])
+  # Nothing of the batch was queued, and no result is left behind.
+  assert not engine.has_work()
+  assert engine.pop_result(0) is None
+  assert engine.generate_batch([ok])[0].finish_reason == "length"
+
+
+class FakeChatTokenizer:
+  """Enough of a tokenizer for text requests: one id per byte."""
+  chat_template = "fake"
+  stop_token_ids = ()
+
+  def encode(self, text, parse_special=True):
+    return [1 + b % 200 for b in text.encode()]
+
+  def render_chat(self, messages):
+    return f"<sys>be brief</sys><user>{messages[0]['content']}</user><bot>"
+
+  def decode(self, ids):
+    return "".join(chr(65 + t % 26) for t in ids)
+
+  def incremental_decoder(self):
+    tokenizer = self
+
+    class Decoder:
+      def push(self, ids):
+        return tokenizer.decode(ids)
+
+      def finish(self):
+        return ""
+    return Decoder()
+
+
+def engine_with_tokenizer(model_and_config, **settings):
+  model, config, _ = model_and_config
+  engine = make_engine(model_and_config, **settings)
+  return type(engine)(config, model, engine.cache_config, engine.mode,
+                      scheduler=engine.scheduler_config,
+                      runner=engine.runner_config,
+                      tokenizer=FakeChatTokenizer())
+
+
+def test_document_count_error_counts_the_callers_documents(model_and_config):
+  engine = engine_with_tokenizer(model_and_config, num_pages=400)
+  docs = [f"d{i}" for i in range(32)]  # max_docs is 32
+  with pytest.raises(CacheCapacityError,
+                     match="32 distinct documents plus the shared chat prefix "
+                           r"\(33 cache entries\)"):
+    engine.generate("a question?", docs, greedy(2))
+
+
+# --- concurrency ---------------------------------------------------------------
+
+def test_threads_calling_generate_share_the_engine_safely(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(41)
+  docs = [random_tokens(rng, int(n), config.vocab_size) for n in (6, 9, 13, 8)]
+  jobs = [(random_tokens(rng, 4, config.vocab_size),
+           [docs[i % 4], docs[(i + 1) % 4]], greedy(int(rng.integers(2, 7))))
+          for i in range(8)]
+  want = [make_engine(model_and_config).generate(*job).token_ids
+          for job in jobs]
+  engine = make_engine(model_and_config, max_batch=3)
+  got, errors = {}, []
+
+  def worker(indices):
+    try:
+      for i in indices:
+        got[i] = engine.generate(*jobs[i]).token_ids
+    except Exception as e:  # noqa: BLE001 - reported below
+      errors.append(e)
+  threads = [threading.Thread(target=worker, args=(range(k, 8, 4),))
+             for k in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=600)
+  assert not errors, errors
+  assert [got[i] for i in range(8)] == want
+  assert_pages_accounted_for(engine)
+
+
+def test_cancel_releases_a_running_request(model_and_config, corpus):
+  docs, queries = corpus
+  engine = make_engine(model_and_config, decode_steps=2)
+  request_id = engine.submit(queries[0], [docs["a"], docs["c"]], greedy(20))
+  engine.step()
+  assert engine.cancel(request_id)
+  assert not engine.cancel(request_id)
+  (result,) = [r for r in engine.step() if r.request_id == request_id]
+  assert result.finish_reason == "cancelled"
+  assert 0 < len(result.token_ids) < 20
+  assert_pages_accounted_for(engine)
+
+
+def test_closing_a_stream_early_cancels_its_request(model_and_config, corpus):
+  docs, queries = corpus
+  engine = engine_with_tokenizer(model_and_config, decode_steps=2)
+  stream = engine.generate_stream(queries[0], [docs["a"]], greedy(20))
+  assert next(stream)  # the first piece: the request is running
+  assert engine.has_work()
+  stream.close()
+  assert not engine.has_work()
+  assert_pages_accounted_for(engine)
+  full = list(engine.generate_stream(queries[0], [docs["a"]], greedy(6)))
+  want = make_engine(model_and_config).generate(queries[0], [docs["a"]],
+                                                greedy(6))
+  assert "".join(full) == FakeChatTokenizer().decode(want.token_ids)
+
+
+def test_churn_soak_with_failing_steps(model_and_config):
+  """Many requests through a small pool (documents evicted all the time),
+  with faults injected at random into encodes, prefills and decodes: every
+  request ends, every page is accounted for, and the requests that
+  succeeded match a fresh engine."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(51)
+  corpus = [random_tokens(rng, int(n), config.vocab_size)
+            for n in rng.integers(5, 20, size=24)]
+  jobs = []
+  for _ in range(90):
+    picks = rng.choice(len(corpus), size=int(rng.integers(1, 4)), replace=False)
+    jobs.append((random_tokens(rng, int(rng.integers(2, 8)), config.vocab_size),
+                 [corpus[i] for i in picks], greedy(int(rng.integers(1, 6)))))
+  engine = make_engine(model_and_config, num_pages=40, max_batch=4,
+                       decode_steps=2, first_token_group_tokens=16)
+  chance = np.random.default_rng(52)
+  for name in ("encode_documents", "prefill", "decode"):
+    original = getattr(engine.runner, name)
+
+    def flaky(*args, _original=original, **kwargs):
+      if chance.random() < 0.06:
+        raise RuntimeError("injected fault")
+      return _original(*args, **kwargs)
+    setattr(engine.runner, name, flaky)
+  results, pending = {}, list(range(len(jobs)))
+  ids = {}
+  while pending or engine.has_work():
+    while pending and len(engine.scheduler.waiting) < 3:
+      i = pending.pop(0)
+      ids[engine.submit(*jobs[i])] = i
+    for r in engine.step():
+      results[ids[r.request_id]] = r
+  assert sorted(results) == list(range(len(jobs)))
+  reasons = [r.finish_reason for r in results.values()]
+  assert 0 < reasons.count("error") < len(jobs) // 2, reasons
+  assert_pages_accounted_for(engine)
+  fresh = make_engine(model_and_config, num_pages=40)
+  ok = [i for i, r in results.items() if r.finish_reason != "error"]
+  for i in rng.choice(ok, size=12, replace=False):
+    assert results[i].token_ids == fresh.generate(*jobs[i]).token_ids, i
