@@ -68,12 +68,13 @@ class LazyEngine:
                mode: str = "lazy", *, scheduler: SchedulerConfig | None = None,
                runner: RunnerConfig | None = None, model_id: str | None = None,
                tokenizer=None):
-    for field, want in (("num_layers", config.num_layers),
-                        ("num_kv_heads", config.num_kv_heads),
-                        ("head_dim", config.head_dim)):
-      if getattr(cache_config, field) != want:
-        raise ValueError(f"cache_config.{field}={getattr(cache_config, field)} "
-                         f"does not match the model's {want}")
+    mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
+                  f"model's is {getattr(config, name)})"
+                  for name in ("num_layers", "num_kv_heads", "head_dim")
+                  if getattr(cache_config, name) != getattr(config, name)]
+    if mismatched:
+      raise ValueError("cache_config does not match the model: " +
+                       ", ".join(mismatched))
     self.config = config
     self.tokenizer = tokenizer
     self.cache_config = cache_config

@@ -1,0 +1,64 @@
+"""Engine settings: frozen configs, checked when made, routed by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazyattn_jax.config import RunnerConfig, SchedulerConfig, split_settings
+from lazyattn_jax.engine import LazyEngine
+from tests.test_engine import make_engine, model_and_config  # noqa: F401
+
+
+@pytest.mark.parametrize("config,fields,match", [
+    (SchedulerConfig, dict(max_batch=0), "max_batch"),
+    (SchedulerConfig, dict(decode_steps=True), "decode_steps"),
+    (SchedulerConfig, dict(max_prefill_tokens=1.5), "max_prefill_tokens"),
+    (SchedulerConfig, dict(first_token_group_tokens=0),
+     "first_token_group_tokens"),
+    (SchedulerConfig, dict(prefill_tokens_per_step=-3),
+     "prefill_tokens_per_step"),
+    (RunnerConfig, dict(impl="bogus"), "impl must be one of"),
+    (RunnerConfig, dict(pool_as_bits=1), "pool_as_bits"),
+    (RunnerConfig, dict(decode_layer_unroll=0), "decode_layer_unroll"),
+])
+def test_bad_settings_are_refused_when_made(config, fields, match):
+  with pytest.raises(ValueError, match=match):
+    config(**fields)
+
+
+def test_configs_are_frozen_and_hashable():
+  config = SchedulerConfig()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.max_batch = 3
+  assert hash(config) == hash(SchedulerConfig())
+  assert SchedulerConfig(first_token_group_tokens=None).group_tokens == 8192
+
+
+def test_split_settings_routes_each_setting_to_its_config():
+  scheduler, runner = split_settings(None, RunnerConfig(pool_as_bits=True),
+                                     dict(max_batch=3, impl="xla"))
+  assert scheduler == SchedulerConfig(max_batch=3)
+  assert runner == RunnerConfig(impl="xla", pool_as_bits=True)
+  with pytest.raises(TypeError, match=r"unknown engine settings \['max_bach'\]"):
+    split_settings(None, None, dict(max_bach=3))
+
+
+def test_from_pretrained_checks_settings_before_loading():
+  # A bad setting fails at once, without fetching or loading any model.
+  with pytest.raises(ValueError, match="impl must be one of"):
+    LazyEngine.from_pretrained("/does/not/exist.gguf", impl="bogus")
+  with pytest.raises(ValueError, match="mode must be one of"):
+    LazyEngine.from_pretrained("/does/not/exist.gguf", mode="lazzy")
+  with pytest.raises(TypeError, match="unknown engine settings"):
+    LazyEngine.from_pretrained("/does/not/exist.gguf", max_bach=2)
+
+
+def test_a_cache_that_does_not_match_the_model_is_refused(model_and_config):
+  model, config, _ = model_and_config
+  engine = make_engine(model_and_config)
+  cache = dataclasses.replace(engine.cache_config, head_dim=8)
+  with pytest.raises(ValueError, match=r"cache_config.head_dim=8 \(the model's "
+                                       r"is 16\)"):
+    LazyEngine(config, model, cache)
