@@ -130,19 +130,23 @@ def _token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
     raise InvalidRequestError(
         f"{what} must be text or a sequence of token ids, got "
         f"{type(tokens).__name__}")
-  ids = []
-  for t in tokens:
-    if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
-      raise InvalidRequestError(
-          f"{what} must hold integer token ids, got {type(t).__name__} {t!r}")
-    ids.append(int(t))
+  if isinstance(tokens, np.ndarray):
+    tokens = tokens.tolist()
+  # Plain ints are the common case and cheap to check; anything else must
+  # still be an integral number, never a bool or a float.
+  if not all(type(t) is int for t in tokens):
+    for t in tokens:
+      if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+        raise InvalidRequestError(
+            f"{what} must hold integer token ids, got {type(t).__name__} {t!r}")
+  ids = tuple(int(t) for t in tokens)
   if not ids:
     raise InvalidRequestError(f"{what} is empty")
-  bad = [t for t in ids if not 0 <= t < vocab_size]
-  if bad:
+  if min(ids) < 0 or max(ids) >= vocab_size:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     raise InvalidRequestError(
         f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
-  return tuple(ids)
+  return ids
 
 
 def encode_documents(tokenizer, documents, vocab_size: int):
