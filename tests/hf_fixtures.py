@@ -65,16 +65,15 @@ def contiguous_paged_inputs(page_table, lengths, q_start, q_len: int,
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(graphdef, impl: str, last_only: bool, kv_layout: str):
+def _jitted_step(graphdef, impl: str, last_only: bool):
   def step(state, tokens, k_cache, v_cache, inputs, logits_index):
     return forward(graphdef, state, tokens, k_cache, v_cache, inputs,
-                   impl=impl, logits_index=logits_index if last_only else None,
-                   kv_layout=kv_layout)
+                   impl=impl, logits_index=logits_index if last_only else None)
   return jax.jit(step, donate_argnums=(2, 3))
 
 
 def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
-                          impl="xla", kv_layout="layers_first"):
+                          impl="xla"):
   """Greedy decoding of one prompt through the paged pool.
 
   Prefills the whole prompt in one step, then decodes one token per step.
@@ -89,7 +88,7 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
   num_logical = -(-total // page_size)
   # Physical pages in reverse order, so logical and physical order differ.
   page_table = np.arange(num_logical, dtype=np.int32)[::-1][None, :]
-  shape = kv_cache_shape(config, num_logical, page_size, kv_layout)
+  shape = kv_cache_shape(config, num_logical, page_size)
   k_cache = jnp.zeros(shape, model.dtype)
   v_cache = jnp.zeros(shape, model.dtype)
   graphdef, state = split_model(model)
@@ -97,12 +96,12 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
   inputs = contiguous_paged_inputs(page_table, [len(prompt)], [0],
                                    len(prompt), page_size)
   tokens = jnp.asarray([prompt], jnp.int32)
-  logits, k_cache, v_cache = _jitted_step(graphdef, impl, False, kv_layout)(
+  logits, k_cache, v_cache = _jitted_step(graphdef, impl, False)(
       state, tokens, k_cache, v_cache, inputs, None)
   prompt_logits = np.asarray(logits[0])
   step_logits = [prompt_logits[-1]]
   generated = [int(np.argmax(prompt_logits[-1]))]
-  decode = _jitted_step(graphdef, impl, True, kv_layout)
+  decode = _jitted_step(graphdef, impl, True)
   for _ in range(num_tokens - 1):
     pos = len(prompt) + len(generated) - 1  # position of the newest token
     inputs = contiguous_paged_inputs(page_table, [pos + 1], [pos], 1,
