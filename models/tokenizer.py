@@ -391,10 +391,6 @@ class LlamaTokenizer:
     """The underlying `tokenizers.Tokenizer` (do not mutate it)."""
     return self._tokenizer
 
-  def token_to_id(self, token: str) -> int | None:
-    """The id of a token as the vocabulary spells it, or None."""
-    return self._tokenizer.token_to_id(token)
-
   def encode(self, text: str, *, add_bos: bool = False,
              parse_special: bool = True) -> list[int]:
     """Token ids of `text`.
