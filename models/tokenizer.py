@@ -31,6 +31,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from models.errors import UnsupportedTokenizerError
+
 # llama.cpp's token types (gguf.TokenType), from tokenizer.ggml.token_type.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -79,13 +81,6 @@ _PRE_TOKENIZER_SPLITS: dict[str, _PreTokenizerSpec] = {
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>",
                        "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>",
                        "<|end|>", "</s>")
-
-
-class UnsupportedTokenizerError(ValueError):
-  """The file describes a tokenizer this module cannot rebuild exactly.
-
-  A model whose tokenizer is unsupported can still run on token ids.
-  """
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -247,10 +242,11 @@ class LlamaTokenizer:
     Raises:
       UnsupportedTokenizerError: the file's tokenizer is not a byte-level BPE
         (`tokenizer.ggml.model` "gpt2") with a known pre-tokenizer.
+      ModelFormatError: a path that is not a readable GGUF file.
     """
     if isinstance(path_or_reader, (str, os.PathLike)):
-      import gguf
-      reader = gguf.GGUFReader(path_or_reader)
+      from models.gguf_metadata import open_gguf
+      reader, _ = open_gguf(os.fspath(path_or_reader))
     else:
       reader = path_or_reader
     return cls.from_gguf_metadata(_read_gguf_fields(reader))
