@@ -18,7 +18,7 @@ import numpy as np
 
 from models.config import LlamaConfig
 from models.errors import ModelFormatError
-from models.llama import LAYER_PARAM_NAMES, param_shapes
+from models.params import LAYER_PARAM_NAMES, param_shapes
 
 Shape = tuple[int, ...]
 
