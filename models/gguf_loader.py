@@ -45,17 +45,9 @@ SUPPORTED_TENSOR_TYPES = (
 
 _GGUF_NAMES = CheckpointNames(
     embed_tokens="token_embd.weight", final_norm="output_norm.weight",
-    lm_head="output.weight", layers={
-        "attn_norm": "blk.{i}.attn_norm.weight",
-        "q_proj": "blk.{i}.attn_q.weight",
-        "k_proj": "blk.{i}.attn_k.weight",
-        "v_proj": "blk.{i}.attn_v.weight",
-        "o_proj": "blk.{i}.attn_output.weight",
-        "mlp_norm": "blk.{i}.ffn_norm.weight",
-        "gate_proj": "blk.{i}.ffn_gate.weight",
-        "up_proj": "blk.{i}.ffn_up.weight",
-        "down_proj": "blk.{i}.ffn_down.weight",
-    })
+    lm_head="output.weight", layer_template="blk.{i}.{name}.weight",
+    layer_names=("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))
 # Llama-3 RoPE scaling, where present; read into the config, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
 

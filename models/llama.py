@@ -273,13 +273,12 @@ class Llama(nnx.Module):
       raise ValueError(
           f"k_cache must be [K, L, num_pages, page_size, H] = "
           f"[{lead[0]}, {lead[1]}, *, *, {c.head_dim}], got {k_cache.shape}")
-    if v_cache.shape != k_cache.shape:
-      raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache "
-                       f"shape {k_cache.shape}")
     for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
-      if pool.dtype != self.dtype:
-        raise ValueError(f"{name} dtype {pool.dtype} must equal the model's "
-                         f"compute dtype {self.dtype}")
+      if pool.dtype != self.dtype or pool.shape != k_cache.shape:
+        raise ValueError(
+            f"{name} dtype {pool.dtype} and shape {pool.shape} must be the "
+            f"model's compute dtype {self.dtype} and k_cache's shape "
+            f"{k_cache.shape}")
     if not isinstance(inputs, PagedAttentionInputs):
       raise ValueError("inputs must be a PagedAttentionInputs, got "
                        f"{type(inputs).__name__}")

@@ -34,17 +34,11 @@ _SAFETENSORS_DTYPES = {
 }
 _HF_NAMES = CheckpointNames(
     embed_tokens="model.embed_tokens.weight", final_norm="model.norm.weight",
-    lm_head="lm_head.weight", layers={
-        "attn_norm": "model.layers.{i}.input_layernorm.weight",
-        "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
-        "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
-        "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
-        "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
-        "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-        "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
-        "up_proj": "model.layers.{i}.mlp.up_proj.weight",
-        "down_proj": "model.layers.{i}.mlp.down_proj.weight",
-    })
+    lm_head="lm_head.weight", layer_template="model.layers.{i}.{name}.weight",
+    layer_names=("input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj",
+                 "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj"))
 # Byte width of every dtype a safetensors header may name (to check offsets
 # of tensors we do not load, too).
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,

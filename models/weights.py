@@ -29,17 +29,24 @@ class CheckpointNames:
 
   Attributes:
     embed_tokens, final_norm, lm_head: the tensors' names.
-    layers: for each of LAYER_PARAM_NAMES, the name of its tensor in layer
-      {i} (a format string).
+    layer_template: the name of a layer's tensor, with {i} for the layer
+      index and {name} for the format's name of the parameter.
+    layer_names: the format's names of LAYER_PARAM_NAMES, in that order.
   """
 
   embed_tokens: str
   final_norm: str
   lm_head: str
-  layers: Mapping[str, str]
+  layer_template: str
+  layer_names: tuple[str, ...]
+
+  def __post_init__(self):
+    if len(self.layer_names) != len(LAYER_PARAM_NAMES):
+      raise ValueError(f"layer_names must name {LAYER_PARAM_NAMES}")
 
   def layer_tensor(self, param: str, layer: int) -> str:
-    return self.layers[param].format(i=layer)
+    name = self.layer_names[LAYER_PARAM_NAMES.index(param)]
+    return self.layer_template.format(i=layer, name=name)
 
 
 def expected_shapes(config: LlamaConfig,
