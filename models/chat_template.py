@@ -9,12 +9,19 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from models.errors import ModelFormatError
+
 
 def compile_chat_template(template: str) -> jinja2.Template:
   """Compiles a chat template the way transformers' apply_chat_template does:
   a sandbox (templates come from model files, which are untrusted), blocks
   trimmed, loop controls, `raise_exception`, `strftime_now` and a `tojson`
-  that does not HTML-escape."""
+  that does not HTML-escape.
+
+  Raises:
+    ModelFormatError: the template does not compile (it came from a model
+      file, so the file is at fault).
+  """
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
@@ -33,4 +40,8 @@ def compile_chat_template(template: str) -> jinja2.Template:
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
-  return env.from_string(template)
+  try:
+    return env.from_string(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise ModelFormatError(f"the chat template does not compile: {e} (line "
+                           f"{e.lineno})") from e

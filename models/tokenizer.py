@@ -22,7 +22,7 @@ from typing import Any
 import tokenizers
 
 from models.chat_template import compile_chat_template
-from models.errors import UnsupportedTokenizerError
+from models.errors import ModelFormatError, UnsupportedTokenizerError
 from models.gguf_tokenizer import bpe_from_gguf_metadata, read_gguf_fields
 
 __all__ = ["IncrementalDecoder", "LlamaTokenizer", "UnsupportedTokenizerError"]
@@ -45,8 +45,15 @@ def _special_token_content(value: Any) -> str | None:
 def _read_json(path: pathlib.Path) -> dict:
   if not path.is_file():
     return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except ValueError as e:  # JSON or UTF-8 errors
+    raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+  if not isinstance(value, dict):
+    raise ModelFormatError(f"{path}: expected a JSON object, got "
+                           f"{type(value).__name__}")
+  return value
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -161,13 +168,22 @@ class LlamaTokenizer:
         (BOS/EOS tokens, chat template, add_bos_token), chat_template.jinja or
         chat_template.json (newer places for the template), and the
         eos_token_id of generation_config.json and config.json (extra stops).
+
+    Raises:
+      FileNotFoundError: no tokenizer.json there.
+      ModelFormatError: an unreadable tokenizer.json or JSON file beside it,
+        or a chat template that does not compile.
     """
     path = pathlib.Path(path)
     json_path = path / "tokenizer.json" if path.is_dir() else path
     if not json_path.is_file():
       raise FileNotFoundError(f"path: no tokenizer.json at {json_path}")
     folder = json_path.parent
-    backend = tokenizers.Tokenizer.from_file(str(json_path))
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(json_path))
+    except Exception as e:  # the Rust library raises a bare Exception
+      raise ModelFormatError(f"{json_path}: not a readable tokenizer.json "
+                             f"({e})") from e
     config = _read_json(folder / "tokenizer_config.json")
 
     def token_id(key):
