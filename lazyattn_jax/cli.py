@@ -83,13 +83,15 @@ def run_rag(args) -> int:
   engine = _load_engine(args.model, args)
   from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
   try:
-    engine.encode_documents(texts, progress=True)
+    # Per document: was it cached before this run?  generate's own doc_hits
+    # would say True for every one, as they were encoded just now.
+    hits = engine.encode_documents(texts, progress=True)
   except (CacheCapacityError, InvalidRequestError) as e:
     raise UsageError(_first_line(e)) from None
   result = _generate(engine, args.query, texts, args.max_new_tokens)
   print(result.text.strip())
   print(f"\n[time to first token {result.ttft_s * 1000:.0f} ms; documents: "
-        f"{_hits_line([os.path.basename(p) for p in args.doc], result.doc_hits)}]")
+        f"{_hits_line([os.path.basename(p) for p in args.doc], hits)}]")
   return 0
 
 

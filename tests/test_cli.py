@@ -129,3 +129,16 @@ def test_bad_model_or_option_exits_2_with_one_line(files, tmp_path, case):
     args += ["--model", str(model)]
   _assert_usage_error(run_cli(*args), want)
 
+
+def test_rag_labels_what_was_cached_before_the_run(tmp_path):
+  # A cold run encodes both documents: neither was cached before it, even
+  # though generate() then finds both in the cache.
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_text("The Orrin Bridge was built in 1887.", encoding="utf-8")
+  b.write_text("Mira Lake freezes every January.", encoding="utf-8")
+  proc = run_cli("rag", "--doc", str(a), str(b), "--query",
+                 "When was the Orrin Bridge built?", "--max-new-tokens", "4")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = [l for l in proc.stdout.splitlines() if "time to first token" in l]
+  assert len(lines) == 1, proc.stdout
+  assert "a.txt [encoded], b.txt [encoded]" in lines[0], lines[0]
