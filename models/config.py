@@ -105,11 +105,6 @@ class LlamaConfig:
                       high_freq_factor=float(s.high_freq_factor),
                       original_max_position=int(s.original_max_position))
 
-  @property
-  def group_size(self) -> int:
-    """Query heads per key/value head (G)."""
-    return self.num_heads // self.num_kv_heads
-
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
 

@@ -7,20 +7,7 @@ in place: per layer, the step's new keys (rotated at their own position) and
 values are scattered into their pages, then `pallas_kernels.lazy_attention`
 attends over the pages with the raw (unrotated) queries.
 
-Parameter layout (the pure dict of `nnx.split(model)[1]`), matrices as
-[in, out] so that a projection is `x @ w`:
-  embed_tokens            [V, D]
-  layers.attn_norm        [L, D]
-  layers.q_proj           [L, D, N*H]
-  layers.k_proj           [L, D, K*H]
-  layers.v_proj           [L, D, K*H]
-  layers.o_proj           [L, N*H, D]
-  layers.mlp_norm         [L, D]
-  layers.gate_proj        [L, D, I]
-  layers.up_proj          [L, D, I]
-  layers.down_proj        [L, I, D]
-  final_norm              [D]
-  lm_head                 [D, V]   (absent when tie_word_embeddings)
+The parameter layout (and random init) is in models/params.py.
 
 Pure-function use (what the engine jits, with the pool donated):
   graphdef, state = split_model(model)
@@ -31,7 +18,6 @@ Pure-function use (what the engine jits, with the pool donated):
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -41,105 +27,16 @@ from flax import nnx
 
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
+from models.params import LAYER_PARAM_NAMES, init_params, param_shapes
 from pallas_kernels.lazy_attention import lazy_attention, plan_lazy_attention
 from pallas_kernels.rope import apply_rope
 
-LAYER_PARAM_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
-                     "mlp_norm", "gate_proj", "up_proj", "down_proj")
 
-
-def param_shapes(config: LlamaConfig) -> dict[str, Any]:
-  """Nested dict of the parameter shapes of `Llama(config)`."""
-  c = config
-  L, D, I = c.num_layers, c.hidden_size, c.intermediate_size
-  q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  shapes = {
-      "embed_tokens": (c.vocab_size, D),
-      "layers": {
-          "attn_norm": (L, D),
-          "q_proj": (L, D, q_width),
-          "k_proj": (L, D, kv_width),
-          "v_proj": (L, D, kv_width),
-          "o_proj": (L, q_width, D),
-          "mlp_norm": (L, D),
-          "gate_proj": (L, D, I),
-          "up_proj": (L, D, I),
-          "down_proj": (L, I, D),
-      },
-      "final_norm": (D,),
-  }
-  if not c.tie_word_embeddings:
-    shapes["lm_head"] = (D, c.vocab_size)
-  return shapes
-
-
-KV_LAYOUTS = ("layers_first", "heads_first")
-
-
-def kv_cache_shape(config: LlamaConfig, num_pages: int, page_size: int,
-                   kv_layout: str = "layers_first"
+def kv_cache_shape(config: LlamaConfig, num_pages: int, page_size: int
                    ) -> tuple[int, int, int, int, int]:
-  """Shape of the K (and V) pool: [L, K, num_pages, page_size, H], or
-  [K, L, num_pages, page_size, H] for kv_layout "heads_first"."""
-  if kv_layout not in KV_LAYOUTS:
-    raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got "
-                     f"{kv_layout!r}")
-  lead = ((config.num_layers, config.num_kv_heads)
-          if kv_layout == "layers_first" else
-          (config.num_kv_heads, config.num_layers))
-  return lead + (num_pages, page_size, config.head_dim)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def init_params(key: jax.Array, config: LlamaConfig, param_dtype) -> dict:
-  """Random parameters of `Llama(config)` (pure dict) from one PRNG key.
-
-  LeCun-normal projections (std = fan_in^-1/2): activations keep unit scale,
-  so a random model's logits are far from uniform and parity tests can see
-  errors.  Norm weights are ones.  Each layer's matrices are cut from one
-  normal draw inside a map over layers, and the embedding/output tables from
-  one more: XLA compiles two random-number programs instead of one per
-  parameter shape (which costs seconds per model on CPU), and peak memory
-  stays one layer above the parameters.
-  """
-  c = config
-  shapes = param_shapes(config)
-  fan_in = {"q_proj": c.hidden_size, "k_proj": c.hidden_size,
-            "v_proj": c.hidden_size, "o_proj": c.num_heads * c.head_dim,
-            "gate_proj": c.hidden_size, "up_proj": c.hidden_size,
-            "down_proj": c.intermediate_size, "embed_tokens": c.hidden_size,
-            "lm_head": c.hidden_size}
-
-  def cut(flat, named_shapes):
-    out, offset = {}, 0
-    for name, shape in named_shapes.items():
-      size = int(np.prod(shape))
-      out[name] = (flat[offset:offset + size].reshape(shape) *
-                   jnp.asarray(fan_in[name] ** -0.5, param_dtype))
-      offset += size
-    return out
-
-  matrices = {name: shapes["layers"][name][1:] for name in LAYER_PARAM_NAMES
-              if not name.endswith("norm")}
-  per_layer = sum(int(np.prod(shape)) for shape in matrices.values())
-
-  def one_layer(layer_key):
-    return cut(jax.random.normal(layer_key, (per_layer,), param_dtype),
-               matrices)
-
-  layer_key, table_key = jax.random.split(key)
-  layers = jax.lax.map(one_layer, jax.random.split(layer_key, c.num_layers))
-  for name in LAYER_PARAM_NAMES:
-    if name.endswith("norm"):
-      layers[name] = jnp.ones(shapes["layers"][name], param_dtype)
-  tables = {name: shapes[name] for name in ("embed_tokens", "lm_head")
-            if name in shapes}
-  table_size = sum(int(np.prod(shape)) for shape in tables.values())
-  params = cut(jax.random.normal(table_key, (table_size,), param_dtype),
-               tables)
-  params["layers"] = {name: layers[name] for name in LAYER_PARAM_NAMES}
-  params["final_norm"] = jnp.ones(shapes["final_norm"], param_dtype)
-  return params
+  """Shape of the K (and V) pool: [K, L, num_pages, page_size, H]."""
+  return (config.num_kv_heads, config.num_layers, num_pages, page_size,
+          config.head_dim)
 
 
 class DecoderLayers(nnx.Module):
@@ -269,51 +166,44 @@ class Llama(nnx.Module):
   # --- the paged forward pass -------------------------------------------------
   def __call__(self, tokens, k_cache, v_cache, inputs: PagedAttentionInputs,
                *, impl: str = "auto", logits_index=None, unroll: int | bool = 1,
-               kv_layout: str = "layers_first", pool_as_bits: bool = False):
+               pool_as_bits: bool = False):
     """One step over the paged pool: prefill (T > 1) or decode (T == 1).
 
     Args:
       tokens: int32[B, T] token ids (any id on padding rows).
-      k_cache: key pool in the compute dtype, [L, K, num_pages, page_size, H]
-        (kv_layout "layers_first") or [K, L, num_pages, page_size, H]
-        ("heads_first"); keys are stored rotated at their own position
-        (`inputs.q_pos`).  Page ids are per layer, in [0, num_pages).
+      k_cache: key pool in the compute dtype, [K, L, num_pages, page_size, H];
+        keys are stored rotated at their own position (`inputs.q_pos`).  Page
+        ids are per layer, in [0, num_pages).  Heads first is what makes the
+        pool zero-copy: it is viewed (a free reshape) as one
+        [K, L * num_pages, P, H] page array and layer l uses pages
+        l * num_pages + page, so the attention kernel reads the pool in place
+        instead of a per-layer slice that XLA would copy every step.
       v_cache: same shape and dtype, values.
       inputs: page metadata (models/paged_inputs.py).
       impl: attention implementation for `pallas_kernels.lazy_attention`.
       logits_index: optional int32[B]: return only row `logits_index[b]`'s
         logits ([B, V]) instead of every row's ([B, T, V]).
       unroll: layer-scan unroll factor (True unrolls fully).
-      pool_as_bits: with kv_layout "heads_first", carry 16-bit pools through
-        the layer scan as uint16 (see the comment in the code).
-      kv_layout: see k_cache.  "heads_first" is zero-copy: the pool is viewed
-        (a free reshape) as one [K, L * num_pages, P, H] page array and layer
-        l uses pages l * num_pages + page, so the attention kernel reads the
-        pool in place.  With "layers_first" every layer passes the slice
-        k_cache[l] to the kernel, and XLA materialises that slice (a copy of
-        the layer's whole pool, every step; measured on an H200).
+      pool_as_bits: carry 16-bit pools through the layer scan as uint16 (see
+        the comment in the code).
 
     Returns:
       (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools with
       this step's K/V written at (inputs.write_page, inputs.write_slot).
     """
-    if kv_layout not in KV_LAYOUTS:
-      raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got "
-                       f"{kv_layout!r}")
-    self._check_call(tokens, k_cache, v_cache, inputs, logits_index,
-                     kv_layout)
+    self._check_call(tokens, k_cache, v_cache, inputs, logits_index)
     c = self.config
     rope = c.rope
-    num_pages, page_size = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, num_layers, num_pages, page_size = k_cache.shape[:4]
     # Writes outside [0, num_pages) x [0, page_size) are dropped.  Point them
-    # past the end explicitly: a scatter would wrap negative indices, and in
-    # the heads_first view an out-of-range page would land in another layer.
+    # past the end explicitly: a scatter would wrap negative indices, and an
+    # out-of-range page would land in another layer's pages.
     write_ok = ((inputs.write_page >= 0) & (inputs.write_page < num_pages) &
                 (inputs.write_slot >= 0) & (inputs.write_slot < page_size))
     key_pos = jnp.maximum(inputs.q_pos, 0)
     # The kernel's per-batch metadata, made once and shared by every layer
-    # (None for kernels that have none); heads_first layers read their pages
-    # at an offset of the one page array, so the plan stays the same.
+    # (None for kernels that have none); layers read their pages at an offset
+    # of the one page array, so the plan stays the same.
     layer_pool = jax.ShapeDtypeStruct(
         (c.num_kv_heads, num_pages, page_size, c.head_dim), k_cache.dtype)
     plan = plan_lazy_attention(
@@ -322,101 +212,73 @@ class Llama(nnx.Module):
         inputs.page_pos, inputs.page_shift, inputs.page_len, inputs.q_pos,
         rope=rope, impl=impl)
 
-    if kv_layout == "layers_first":
-      write_page = jnp.where(write_ok, inputs.write_page, num_pages)
+    all_pages = num_layers * num_pages
+    all_rows = all_pages * page_size
+    page_shape = (num_kv_heads, all_pages, page_size, c.head_dim)
+    # The scan carries each pool as [K, L*N*P, H] token rows, so a step's
+    # writes are a plain row scatter (one index per token).  A scatter into
+    # [K, L*N, P, H] by (page, slot) gave XLA GPU room to pick another layout
+    # for the carried pool and copy it around the kernel call.
+    row_shape = (num_kv_heads, all_rows, c.head_dim)
+    # pool_as_bits: 16-bit float pools travel as their uint16 bit patterns.
+    # XLA may widen a 16-bit float scatter to float32 (on CPU it does: four
+    # pool-sized temporaries per step); an integer row scatter does not, at
+    # the price of bitcasts XLA may or may not fold.
+    pool_dtype = k_cache.dtype
+    carried = (jnp.uint16 if pool_as_bits and
+               jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
+    to_carry = lambda x: jax.lax.bitcast_convert_type(x, carried)
+    to_pool = lambda x: jax.lax.bitcast_convert_type(x, pool_dtype)
 
-      def attend(layer, q, k, v, pools):
-        k_pool, v_pool = pools
-        k_rot = apply_rope(k, key_pos, rope).astype(k_pool.dtype)
-        # [L, K, N, P, H].at[l, :, page[B,T], slot[B,T]] is [B, T, K, H].
-        k_pool = k_pool.at[layer, :, write_page, inputs.write_slot].set(
-            k_rot, mode="drop")
-        v_pool = v_pool.at[layer, :, write_page, inputs.write_slot].set(
-            v.astype(v_pool.dtype), mode="drop")
-        out = lazy_attention(q, k_pool[layer], v_pool[layer],
-                             inputs.page_table, inputs.page_pos,
-                             inputs.page_shift, inputs.page_len, inputs.q_pos,
-                             rope=rope, impl=impl, plan=plan)
-        return out, (k_pool, v_pool)
+    def attend(layer, q, k, v, pools):
+      k_pool, v_pool = pools
+      offset = layer * num_pages
+      rows = jnp.where(write_ok,
+                       (inputs.write_page + offset) * page_size +
+                       inputs.write_slot, all_rows).reshape(-1)
+      k_rot = apply_rope(k, key_pos, rope).astype(pool_dtype)
+      # [B, T, K, H] -> [K, B*T, H], one row per written token.
+      k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(num_kv_heads, -1, c.head_dim)
+      v_rows = jnp.moveaxis(v.astype(pool_dtype), 2, 0).reshape(
+          num_kv_heads, -1, c.head_dim)
+      k_pool = k_pool.at[:, rows].set(to_carry(k_rows), mode="drop")
+      v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
+      out = lazy_attention(q, to_pool(k_pool).reshape(page_shape),
+                           to_pool(v_pool).reshape(page_shape),
+                           inputs.page_table, inputs.page_pos,
+                           inputs.page_shift, inputs.page_len, inputs.q_pos,
+                           rope=rope, impl=impl, page_offset=offset,
+                           plan=plan)
+      return out, (k_pool, v_pool)
 
-      pools = (k_cache, v_cache)
-    else:
-      num_kv_heads, num_layers = k_cache.shape[0], k_cache.shape[1]
-      all_pages = num_layers * num_pages
-      all_rows = all_pages * page_size
-      page_shape = (num_kv_heads, all_pages, page_size, c.head_dim)
-      # The scan carries each pool as [K, L*N*P, H] token rows, so a step's
-      # writes are a plain row scatter (one index per token).  A scatter
-      # into [K, L*N, P, H] by (page, slot) gave XLA GPU room to pick another
-      # layout for the carried pool and copy it around the kernel call.
-      row_shape = (num_kv_heads, all_rows, c.head_dim)
-      # pool_as_bits: 16-bit float pools travel as their uint16 bit patterns.
-      # XLA may widen a 16-bit float scatter to float32 (on CPU it does: four
-      # pool-sized temporaries per step); an integer row scatter does not,
-      # at the price of bitcasts XLA may or may not fold.
-      pool_dtype = k_cache.dtype
-      carried = (jnp.uint16 if pool_as_bits and
-                 jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
-      to_carry = lambda x: jax.lax.bitcast_convert_type(x, carried)
-      to_pool = lambda x: jax.lax.bitcast_convert_type(x, pool_dtype)
-
-      def attend(layer, q, k, v, pools):
-        k_pool, v_pool = pools
-        offset = layer * num_pages
-        rows = jnp.where(write_ok,
-                         (inputs.write_page + offset) * page_size +
-                         inputs.write_slot, all_rows).reshape(-1)
-        k_rot = apply_rope(k, key_pos, rope).astype(pool_dtype)
-        # [B, T, K, H] -> [K, B*T, H], one row per written token.
-        k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(num_kv_heads, -1, c.head_dim)
-        v_rows = jnp.moveaxis(v.astype(pool_dtype), 2, 0).reshape(
-            num_kv_heads, -1, c.head_dim)
-        k_pool = k_pool.at[:, rows].set(to_carry(k_rows), mode="drop")
-        v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
-        out = lazy_attention(q, to_pool(k_pool).reshape(page_shape),
-                             to_pool(v_pool).reshape(page_shape),
-                             inputs.page_table, inputs.page_pos,
-                             inputs.page_shift, inputs.page_len, inputs.q_pos,
-                             rope=rope, impl=impl, page_offset=offset,
-                             plan=plan)
-        return out, (k_pool, v_pool)
-
-      pools = (to_carry(k_cache.reshape(row_shape)),
-               to_carry(v_cache.reshape(row_shape)))
-
+    pools = (to_carry(k_cache.reshape(row_shape)),
+             to_carry(v_cache.reshape(row_shape)))
     x = self.embed(tokens)
     x, (k_out, v_out) = run_decoder_layers(
         self.layers.stacked(), x, pools, attend, config=c, dtype=self.dtype,
         unroll=unroll)
     if logits_index is not None:
       x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
-    if kv_layout != "layers_first":
-      k_out, v_out = to_pool(k_out), to_pool(v_out)
-    return (self.output_logits(x), k_out.reshape(k_cache.shape),
-            v_out.reshape(v_cache.shape))
+    return (self.output_logits(x), to_pool(k_out).reshape(k_cache.shape),
+            to_pool(v_out).reshape(v_cache.shape))
 
-  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index,
-                  kv_layout):
+  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index):
     c = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
           f"tokens must be int[B, T], got {tokens.shape} {tokens.dtype}")
-    lead = ((c.num_layers, c.num_kv_heads) if kv_layout == "layers_first" else
-            (c.num_kv_heads, c.num_layers))
+    lead = (c.num_kv_heads, c.num_layers)
     if k_cache.ndim != 5 or (k_cache.shape[:2], k_cache.shape[4]) != (
         lead, c.head_dim):
-      names = "L, K" if kv_layout == "layers_first" else "K, L"
       raise ValueError(
-          f"k_cache must be [{names}, num_pages, page_size, H] = "
-          f"[{lead[0]}, {lead[1]}, *, *, {c.head_dim}] for kv_layout "
-          f"{kv_layout!r}, got {k_cache.shape}")
-    if v_cache.shape != k_cache.shape:
-      raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache "
-                       f"shape {k_cache.shape}")
+          f"k_cache must be [K, L, num_pages, page_size, H] = "
+          f"[{lead[0]}, {lead[1]}, *, *, {c.head_dim}], got {k_cache.shape}")
     for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
-      if pool.dtype != self.dtype:
-        raise ValueError(f"{name} dtype {pool.dtype} must equal the model's "
-                         f"compute dtype {self.dtype}")
+      if pool.dtype != self.dtype or pool.shape != k_cache.shape:
+        raise ValueError(
+            f"{name} dtype {pool.dtype} and shape {pool.shape} must be the "
+            f"model's compute dtype {self.dtype} and k_cache's shape "
+            f"{k_cache.shape}")
     if not isinstance(inputs, PagedAttentionInputs):
       raise ValueError("inputs must be a PagedAttentionInputs, got "
                        f"{type(inputs).__name__}")
@@ -441,12 +303,11 @@ def split_model(model: Llama):
 
 def forward(graphdef, state, tokens, k_cache, v_cache,
             inputs: PagedAttentionInputs, *, impl: str = "auto",
-            logits_index=None, unroll: int | bool = 1,
-            kv_layout: str = "layers_first"):
+            logits_index=None, unroll: int | bool = 1):
   """Pure-function `Llama.__call__` for jit (donate k_cache and v_cache)."""
   return nnx.merge(graphdef, state)(tokens, k_cache, v_cache, inputs,
                                     impl=impl, logits_index=logits_index,
-                                    unroll=unroll, kv_layout=kv_layout)
+                                    unroll=unroll)
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, Any], *,

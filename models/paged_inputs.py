@@ -4,7 +4,7 @@ The engine builds one `PagedAttentionInputs` per step; the model scatters the
 step's new K/V into the pool and then attends through
 `pallas_kernels.lazy_attention` with the page metadata.
 
-Conventions (DESIGN.md section 2):
+Conventions (docs/design.md, "Kernel contract"):
 - New keys are stored rotated at angle `q_pos` (a token's own position within
   the sequence it is encoded in: the position inside its document for a
   document prefill, its logical position for query and generated tokens, whose

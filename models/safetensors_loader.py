@@ -14,34 +14,36 @@ accelerator before stacking.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from models.config import Llama3RopeScaling, LlamaConfig
-from models.llama import LAYER_PARAM_NAMES, Llama, llama_from_params
+from models.errors import ModelFileNotFoundError, ModelFormatError
+from models.llama import Llama, llama_from_params
+from models.weights import (CheckpointNames, build_params, check_tensors,
+                            expected_shapes)
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
 }
-# Our stacked layer name -> HF name inside model.layers.{i}.
-_HF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
+_HF_NAMES = CheckpointNames(
+    embed_tokens="model.embed_tokens.weight", final_norm="model.norm.weight",
+    lm_head="lm_head.weight", layer_template="model.layers.{i}.{name}.weight",
+    layer_names=("input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj",
+                 "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj"))
+# Byte width of every dtype a safetensors header may name (to check offsets
+# of tensors we do not load, too).
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
+                "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 def _rope_settings(hf: dict,
@@ -55,8 +57,8 @@ def _rope_settings(hf: dict,
   if rope_type in (None, "default"):
     return float(theta), None
   if rope_type != "llama3":
-    raise ValueError(f"{path}: rope type {rope_type!r} is not supported "
-                     "(plain and 'llama3' RoPE are)")
+    raise ModelFormatError(f"{path}: rope type {rope_type!r} is not "
+                           "supported (plain and 'llama3' RoPE are)")
   return float(theta), Llama3RopeScaling(
       factor=float(settings["factor"]),
       low_freq_factor=float(settings.get("low_freq_factor", 1.0)),
@@ -73,17 +75,24 @@ def _single_token_id(value) -> int | None:
 
 def config_from_hf(hf: dict, path: str = "config.json",
                    max_position: int | None = None) -> LlamaConfig:
-  """LlamaConfig from the dict of an HF Llama `config.json`."""
+  """LlamaConfig from the dict of an HF Llama `config.json`.
+
+  Raises:
+    ModelFormatError: not a supported Llama configuration (message says why).
+  """
+  if not isinstance(hf, dict):
+    raise ModelFormatError(f"{path}: expected a JSON object, got "
+                           f"{type(hf).__name__}")
   model_type = hf.get("model_type", "llama")
   if model_type != "llama":
-    raise ValueError(f"{path}: model_type {model_type!r} is not supported "
-                     "(only 'llama')")
+    raise ModelFormatError(f"{path}: model_type {model_type!r} is not "
+                           "supported (only 'llama')")
   for flag in ("attention_bias", "mlp_bias"):
     if hf.get(flag):
-      raise ValueError(f"{path}: {flag}=true is not supported")
+      raise ModelFormatError(f"{path}: {flag}=true is not supported")
   if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not "
-                     "supported (only 'silu')")
+    raise ModelFormatError(f"{path}: hidden_act {hf['hidden_act']!r} is not "
+                           "supported (only 'silu')")
   try:
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
@@ -109,51 +118,124 @@ def config_from_hf(hf: dict, path: str = "config.json",
         eos_token_id=eos if eos is not None and 0 <= eos < vocab else None,
     )
   except KeyError as e:
-    raise ValueError(f"{path}: missing field {e.args[0]!r}") from e
+    raise ModelFormatError(f"{path}: missing field {e.args[0]!r}") from e
+  except ModelFormatError:
+    raise
+  except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
+    # LlamaConfig's own checks, or a field of the wrong type.
+    raise ModelFormatError(f"{path}: unsupported model configuration: {e}"
+                           ) from e
 
 
 class _SafetensorsFile:
-  """Lazy reader of one .safetensors file: name -> numpy memmap view."""
+  """Lazy reader of one .safetensors file: name -> numpy memmap view.
+
+  The header is checked when the file is opened (every entry's dtype, shape
+  and byte range against the file size), so a truncated or corrupted file
+  is refused before any tensor is read.
+  """
 
   def __init__(self, path: str):
     self.path = path
-    with open(path, "rb") as f:
-      (header_len,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(header_len))
+    try:
+      size = os.path.getsize(path)
+      with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+          raise ModelFormatError(f"{path}: not a safetensors file (shorter "
+                                 "than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+          raise ModelFormatError(
+              f"{path}: not a safetensors file, or truncated: its header "
+              f"length says {header_len} bytes, the file has {size}")
+        header = json.loads(f.read(header_len))
+    except FileNotFoundError as e:
+      raise ModelFileNotFoundError(f"safetensors file not found: {path}"
+                                   ) from e
+    except ModelFormatError:
+      raise
+    except ValueError as e:  # JSON or UTF-8 errors in the header
+      raise ModelFormatError(f"{path}: not a safetensors file (unreadable "
+                             f"header: {e})") from e
+    if not isinstance(header, dict):
+      raise ModelFormatError(f"{path}: not a safetensors file (the header "
+                             "is not a JSON object)")
     header.pop("__metadata__", None)
     self.header = header
     self._data_start = 8 + header_len
+    for name, info in header.items():
+      problem = _header_entry_problem(info, size - self._data_start)
+      if problem:
+        raise ModelFormatError(f"{path}: tensor {name!r}: {problem}; the file "
+                               "is corrupted or truncated")
     self._memmap = None
 
   def names(self):
     return self.header.keys()
 
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.header[name]["shape"])
+
+  def check_dtype(self, name: str):
+    """Raises ModelFormatError if tensor `name`'s dtype cannot be loaded."""
+    dtype = self.header[name]["dtype"]
+    if dtype not in _SAFETENSORS_DTYPES:
+      raise ModelFormatError(f"{self.path}: tensor {name!r} has dtype "
+                             f"{dtype}; supported: "
+                             f"{', '.join(_SAFETENSORS_DTYPES)}")
+
   def get(self, name: str) -> np.ndarray:
+    self.check_dtype(name)
     info = self.header[name]
-    dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-    if dtype is None:
-      raise ValueError(f"{self.path}: tensor {name!r} has dtype "
-                       f"{info['dtype']}; supported: "
-                       f"{', '.join(_SAFETENSORS_DTYPES)}")
     if self._memmap is None:
       self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r")
     begin, end = info["data_offsets"]
     raw = self._memmap[self._data_start + begin:self._data_start + end]
-    return np.asarray(raw).view(dtype).reshape(info["shape"])
+    return np.asarray(raw).view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(
+        info["shape"])
+
+
+def _header_entry_problem(info, data_size: int) -> str | None:
+  """Why a safetensors header entry is invalid, or None."""
+  if not isinstance(info, dict):
+    return "its header entry is not a JSON object"
+  dtype, shape, offsets = (info.get("dtype"), info.get("shape"),
+                           info.get("data_offsets"))
+  if not isinstance(dtype, str):
+    return f"dtype {dtype!r} is not a string"
+  if not (isinstance(shape, list) and
+          all(isinstance(d, int) and d >= 0 for d in shape)):
+    return f"shape {shape!r} is not a list of sizes"
+  if not (isinstance(offsets, list) and len(offsets) == 2 and
+          all(isinstance(o, int) for o in offsets) and
+          0 <= offsets[0] <= offsets[1] <= data_size):
+    return (f"data_offsets {offsets!r} do not lie within the file's "
+            f"{data_size} data bytes")
+  width = _DTYPE_BYTES.get(dtype)
+  if width is not None and offsets[1] - offsets[0] != width * math.prod(shape):
+    return (f"{offsets[1] - offsets[0]} bytes do not hold a {dtype} tensor "
+            f"of shape {shape}")
+  return None
 
 
 def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
   """Tensor name -> the file holding it."""
   index_path = os.path.join(directory, "model.safetensors.index.json")
   if os.path.isfile(index_path):
-    with open(index_path) as f:
-      weight_map = json.load(f)["weight_map"]
+    try:
+      with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+      shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ModelFormatError(f"{index_path}: not a safetensors index (no "
+                             f"readable weight_map: {e!r})") from e
     files = {name: _SafetensorsFile(os.path.join(directory, name))
-             for name in sorted(set(weight_map.values()))}
+             for name in shards}
     return {tensor: files[name] for tensor, name in weight_map.items()}
   names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
   if not names:
-    raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    raise ModelFileNotFoundError(f"{directory}: no *.safetensors files")
   by_tensor = {}
   for name in names:
     file = _SafetensorsFile(os.path.join(directory, name))
@@ -162,41 +244,18 @@ def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
   return by_tensor
 
 
-@jax.jit
-def _swap_last_axes(x):
-  return jnp.swapaxes(x, -1, -2)
-
-
-def _params_from_checkpoint(config: LlamaConfig, tensors: dict,
-                            directory: str) -> dict[str, Any]:
-  def get(name):
-    file = tensors.get(name)
-    if file is None:
-      raise ValueError(f"{directory}: checkpoint has no tensor {name!r}")
-    return file.get(name)
-
-  params = {"embed_tokens": get("model.embed_tokens.weight"),
-            "final_norm": get("model.norm.weight")}
-  if not config.tie_word_embeddings:
-    params["lm_head"] = _swap_last_axes(get("lm_head.weight"))  # -> [D, V]
-  layers = {}
-  for ours in LAYER_PARAM_NAMES:
-    hf_name = _HF_LAYER_NAMES[ours]
-    # Stack contiguous HF [out, in] matrices, transpose to [in, out] in XLA.
-    stacked = np.stack([get(f"model.layers.{i}.{hf_name}.weight")
-                        for i in range(config.num_layers)])
-    layers[ours] = stacked if ours.endswith("norm") else _swap_last_axes(
-        stacked)
-  params["layers"] = layers
-  known = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-  known.update(f"model.layers.{i}.{n}.weight" for i in range(config.num_layers)
-               for n in _HF_LAYER_NAMES.values())
-  unexpected = sorted(n for n in set(tensors) - known
-                      if not n.endswith("rotary_emb.inv_freq"))
-  if unexpected:
-    raise ValueError(f"{directory}: unexpected tensors for a Llama model: "
-                     f"{unexpected[:8]}")
-  return params
+def _params_from_checkpoint(config: LlamaConfig,
+                            tensors: dict[str, _SafetensorsFile],
+                            directory: str) -> dict:
+  expected = expected_shapes(config, _HF_NAMES)
+  # Older checkpoints store RoPE's inverse frequencies; they are recomputed.
+  check_tensors({name: file.shape(name) for name, file in tensors.items()
+                 if not name.endswith("rotary_emb.inv_freq")},
+                expected, directory)
+  for name in expected:  # refuse before reading anything
+    tensors[name].check_dtype(name)
+  return build_params(config, _HF_NAMES,
+                      lambda name: tensors[name].get(name))
 
 
 def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
@@ -216,17 +275,25 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
     (config, model).
 
   Raises:
-    FileNotFoundError: no directory, config.json or safetensors files.
-    ValueError: not a supported Llama checkpoint (message says why).
+    ModelFileNotFoundError (a ModelFormatError and a FileNotFoundError): no
+      directory, config.json, safetensors files, or a shard the index names.
+    ModelFormatError: not a supported Llama checkpoint: an unreadable
+      config.json or weights file, a missing, unexpected or wrongly shaped
+      tensor, an unsupported dtype or architecture (message says which).
   """
   directory = os.fspath(directory)
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    raise ModelFileNotFoundError(
+        f"checkpoint directory not found: {directory}")
   config_path = os.path.join(directory, "config.json")
   if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"{directory}: no config.json")
-  with open(config_path) as f:
-    config = config_from_hf(json.load(f), config_path, max_position)
+    raise ModelFileNotFoundError(f"{directory}: no config.json")
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      hf = json.load(f)
+  except ValueError as e:  # JSON or UTF-8 errors
+    raise ModelFormatError(f"{config_path}: not valid JSON ({e})") from e
+  config = config_from_hf(hf, config_path, max_position)
   tensors = _open_checkpoint(directory)
   params = _params_from_checkpoint(config, tensors, directory)
   model = llama_from_params(config, params, dtype=dtype,

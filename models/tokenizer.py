@@ -1,13 +1,9 @@
 """Tokenizer and chat template for Llama-family models, from a GGUF file or a
 Hugging Face `tokenizer.json`.
 
-A GGUF file carries no `tokenizer.json`: it stores the vocabulary, the merges,
-the token types, the special token ids and the chat template as metadata
-under llama.cpp's key names. `LlamaTokenizer.from_gguf` rebuilds a byte-level
-BPE from them with the `tokenizers` library. How text is split before BPE
-(the pre-tokenizer) is not stored, only named by `tokenizer.ggml.pre`; the
-table `_PRE_TOKENIZER_SPLITS` maps the names we support to the split that the
-model's own tokenizer uses (the same regexes as llama.cpp's llama-vocab.cpp).
+A GGUF file's tokenizer is rebuilt from its metadata by
+`models.gguf_tokenizer`; chat templates are compiled by
+`models.chat_template`.
 
 Conventions for the engine: documents are encoded on their own, without BOS
 (`encode(text)`); a string query is wrapped in the model's chat format
@@ -17,119 +13,25 @@ added where `add_bos=True` asks for it or where the chat template writes it.
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import json
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-# llama.cpp's token types (gguf.TokenType), from tokenizer.ggml.token_type.
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
+from models.chat_template import compile_chat_template
+from models.errors import ModelFormatError, UnsupportedTokenizerError
+from models.gguf_tokenizer import bpe_from_gguf_metadata, read_gguf_fields
 
-# GPT-2's pre-tokenizer regex, which `ByteLevel(use_regex=True)` applies.
-_GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
-               r"|\s+(?!\S)|\s+")
-# Llama 3's pre-tokenizer regex (numbers in groups of up to three digits).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
-                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
-                 r"|\s+")
-
-
-@dataclasses.dataclass(frozen=True)
-class _PreTokenizerSpec:
-  """How a vocabulary's training split text: regexes applied in order (each
-  one isolates its matches), then the byte-level alphabet."""
-  splits: tuple[str, ...]
-  ignore_merges: bool = False  # a whole pre-token in the vocab wins (Llama 3)
-
-
-_GPT2_SPEC = _PreTokenizerSpec((_GPT2_SPLIT,))
-# StarCoder-style vocabularies, SmolLM's among them: every digit on its own,
-# then GPT-2's split. The original SmolLM2 tokenizer.json says the same with
-# Digits(individual_digits=True) followed by ByteLevel(use_regex=True).
-_DIGITS_THEN_GPT2_SPEC = _PreTokenizerSpec((r"\p{N}", _GPT2_SPLIT))
-_LLAMA3_SPEC = _PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True)
-
-_PRE_TOKENIZER_SPLITS: dict[str, _PreTokenizerSpec] = {
-    "default": _GPT2_SPEC,
-    "gpt2": _GPT2_SPEC,
-    "smollm": _DIGITS_THEN_GPT2_SPEC,
-    "starcoder": _DIGITS_THEN_GPT2_SPEC,
-    "refact": _DIGITS_THEN_GPT2_SPEC,
-    "codeshell": _DIGITS_THEN_GPT2_SPEC,
-    "llama-bpe": _LLAMA3_SPEC,
-    "llama3": _LLAMA3_SPEC,
-    "llama-v3": _LLAMA3_SPEC,
-    "falcon3": _LLAMA3_SPEC,
-    "smaug-bpe": _LLAMA3_SPEC,
-    "dbrx": _LLAMA3_SPEC,
-}
+__all__ = ["IncrementalDecoder", "LlamaTokenizer", "UnsupportedTokenizerError"]
 
 # Special tokens that end an assistant turn in common chat formats. Where the
 # vocabulary has one as a special token, generation stops on it as on EOS.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>",
                        "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>",
                        "<|end|>", "</s>")
-
-
-class UnsupportedTokenizerError(ValueError):
-  """The file describes a tokenizer this module cannot rebuild exactly.
-
-  A model whose tokenizer is unsupported can still run on token ids.
-  """
-
-
-def _byte_to_unicode() -> dict[int, str]:
-  """GPT-2's byte-level alphabet: each byte as one printable character.
-
-  Printable Latin-1 bytes stand for themselves; the others (controls, space)
-  are moved to code points 256 and up, in byte order.
-  """
-  printable = (list(range(ord("!"), ord("~") + 1))
-               + list(range(ord("\xa1"), ord("\xac") + 1))
-               + list(range(ord("\xae"), ord("\xff") + 1)))
-  mapping = {}
-  moved = 0
-  for byte in range(256):
-    if byte in printable:
-      mapping[byte] = chr(byte)
-    else:
-      mapping[byte] = chr(256 + moved)
-      moved += 1
-  return mapping
-
-
-def _byte_level_spelling(token: str, alphabet: frozenset[str],
-                         spelling: dict[int, str]) -> str:
-  """A GGUF token as the BPE model knows it. Byte-level files store tokens in
-  the byte alphabet already; a token with any other character is re-spelled
-  from its UTF-8 bytes (as transformers' GGUF converter does)."""
-  if set(token) <= alphabet:
-    return token
-  return "".join(spelling[b] for b in token.encode("utf-8"))
-
-
-def _pre_tokenizer(spec: _PreTokenizerSpec) -> pre_tokenizers.PreTokenizer:
-  steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-           for pattern in spec.splits]
-  steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                        use_regex=False))
-  return pre_tokenizers.Sequence(steps)
-
-
-def _read_gguf_fields(reader) -> dict[str, Any]:
-  """The tokenizer.* metadata of a GGUFReader as Python values."""
-  return {key: field.contents() for key, field in reader.fields.items()
-          if key.startswith("tokenizer.")}
 
 
 def _special_token_content(value: Any) -> str | None:
@@ -143,8 +45,15 @@ def _special_token_content(value: Any) -> str | None:
 def _read_json(path: pathlib.Path) -> dict:
   if not path.is_file():
     return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except ValueError as e:  # JSON or UTF-8 errors
+    raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+  if not isinstance(value, dict):
+    raise ModelFormatError(f"{path}: expected a JSON object, got "
+                           f"{type(value).__name__}")
+  return value
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -153,32 +62,6 @@ def _as_id_list(value: Any) -> list[int]:
   if isinstance(value, int):
     return [value]
   return [v for v in value if isinstance(v, int)]
-
-
-def _compile_chat_template(template: str) -> jinja2.Template:
-  """Compiles a chat template the way transformers' apply_chat_template does:
-  a sandbox (templates come from model files, which are untrusted), blocks
-  trimmed, loop controls, `raise_exception`, `strftime_now` and a `tojson`
-  that does not HTML-escape."""
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  def tojson(value, ensure_ascii=False, indent=None, separators=None,
-             sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
-
-  def strftime_now(fmt):
-    return datetime.datetime.now().strftime(fmt)
-
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True,
-      extensions=[jinja2.ext.loopcontrols])
-  env.filters["tojson"] = tojson
-  env.globals["raise_exception"] = raise_exception
-  env.globals["strftime_now"] = strftime_now
-  return env.from_string(template)
 
 
 class LlamaTokenizer:
@@ -218,7 +101,7 @@ class LlamaTokenizer:
     self.pad_token_id = pad_token_id
     self.add_bos_token = add_bos_token
     self.chat_template = chat_template
-    self._compiled_template = (_compile_chat_template(chat_template)
+    self._compiled_template = (compile_chat_template(chat_template)
                                if chat_template else None)
 
     special = {token.content: token_id for token_id, token in
@@ -247,81 +130,23 @@ class LlamaTokenizer:
     Raises:
       UnsupportedTokenizerError: the file's tokenizer is not a byte-level BPE
         (`tokenizer.ggml.model` "gpt2") with a known pre-tokenizer.
+      ModelFormatError: a path that is not a readable GGUF file.
     """
     if isinstance(path_or_reader, (str, os.PathLike)):
-      import gguf
-      reader = gguf.GGUFReader(path_or_reader)
+      from models.gguf_metadata import open_gguf
+      reader, _ = open_gguf(os.fspath(path_or_reader))
     else:
       reader = path_or_reader
-    return cls.from_gguf_metadata(_read_gguf_fields(reader))
+    return cls.from_gguf_metadata(read_gguf_fields(reader))
 
   @classmethod
   def from_gguf_metadata(cls, meta: dict[str, Any]) -> "LlamaTokenizer":
-    """Builds the tokenizer from GGUF `tokenizer.*` metadata values."""
-    model_type = meta.get("tokenizer.ggml.model")
-    if model_type != "gpt2":
-      raise UnsupportedTokenizerError(
-          f"tokenizer.ggml.model is {model_type!r}; only byte-level BPE "
-          "('gpt2') GGUF tokenizers are supported. Pass token ids instead of "
-          "text for this model.")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    spec = _PRE_TOKENIZER_SPLITS.get(pre)
-    if spec is None:
-      raise UnsupportedTokenizerError(
-          f"tokenizer.ggml.pre is {pre!r}, which is not supported; supported: "
-          f"{sorted(_PRE_TOKENIZER_SPLITS)}. Pass token ids instead of text "
-          "for this model.")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-      raise UnsupportedTokenizerError(
-          "the GGUF metadata lacks tokenizer.ggml.tokens or "
-          "tokenizer.ggml.merges")
-    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    """Builds the tokenizer from GGUF `tokenizer.*` metadata values.
 
-    spelling = _byte_to_unicode()
-    alphabet = frozenset(spelling.values())
-    vocab = {}
-    for token_id, token in enumerate(tokens):
-      spelled = _byte_level_spelling(token, alphabet, spelling)
-      vocab.setdefault(spelled, token_id)
-    pairs = []
-    for merge in merges:
-      left, sep, right = merge.partition(" ")
-      if not sep or " " in right:
-        raise UnsupportedTokenizerError(f"malformed merge {merge!r}")
-      pairs.append((left, right))
-
-    backend = tokenizers.Tokenizer(models.BPE(
-        vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-        ignore_merges=spec.ignore_merges))
-    backend.pre_tokenizer = _pre_tokenizer(spec)
-    backend.decoder = decoders.ByteLevel()
-
-    # Control tokens (<|im_start|>, ...) are matched whole in text and are
-    # "special" (skipped by decode); user-defined ones are matched whole but
-    # decode as text. A byte-level vocabulary spells every real token in its
-    # alphabet; a control token spelled otherwise is not in the vocab as
-    # written and adding it would invent a new id, so it is left out.
-    control, user_defined = [], []
-    for token_id, (token, token_type) in enumerate(zip(tokens, token_types)):
-      if token_type == _TOKEN_TYPE_CONTROL and set(token) <= alphabet:
-        control.append((token_id, AddedToken(token, special=True,
-                                             normalized=False)))
-      elif token_type == _TOKEN_TYPE_USER_DEFINED and token in vocab:
-        user_defined.append((token_id, AddedToken(token, special=False,
-                                                  normalized=False)))
-    backend.add_special_tokens([t for _, t in control])
-    backend.add_tokens([t for _, t in user_defined])
-    for token_id, added in control + user_defined:
-      if backend.token_to_id(added.content) != token_id:
-        raise UnsupportedTokenizerError(
-            f"added token {added.content!r} did not keep its id {token_id}")
-    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-      raise UnsupportedTokenizerError(
-          f"rebuilt vocabulary has {backend.get_vocab_size(True)} tokens, the "
-          f"file lists {len(tokens)}")
-
+    Raises:
+      UnsupportedTokenizerError: as `from_gguf`.
+    """
+    backend = bpe_from_gguf_metadata(meta)
     extra_stops = _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
     extra_stops += _as_id_list(meta.get("tokenizer.ggml.eom_token_id"))
     return cls(backend,
@@ -343,13 +168,22 @@ class LlamaTokenizer:
         (BOS/EOS tokens, chat template, add_bos_token), chat_template.jinja or
         chat_template.json (newer places for the template), and the
         eos_token_id of generation_config.json and config.json (extra stops).
+
+    Raises:
+      FileNotFoundError: no tokenizer.json there.
+      ModelFormatError: an unreadable tokenizer.json or JSON file beside it,
+        or a chat template that does not compile.
     """
     path = pathlib.Path(path)
     json_path = path / "tokenizer.json" if path.is_dir() else path
     if not json_path.is_file():
       raise FileNotFoundError(f"path: no tokenizer.json at {json_path}")
     folder = json_path.parent
-    backend = tokenizers.Tokenizer.from_file(str(json_path))
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(json_path))
+    except Exception as e:  # the Rust library raises a bare Exception
+      raise ModelFormatError(f"{json_path}: not a readable tokenizer.json "
+                             f"({e})") from e
     config = _read_json(folder / "tokenizer_config.json")
 
     def token_id(key):
@@ -390,10 +224,6 @@ class LlamaTokenizer:
   def backend(self) -> tokenizers.Tokenizer:
     """The underlying `tokenizers.Tokenizer` (do not mutate it)."""
     return self._tokenizer
-
-  def token_to_id(self, token: str) -> int | None:
-    """The id of a token as the vocabulary spells it, or None."""
-    return self._tokenizer.token_to_id(token)
 
   def encode(self, text: str, *, add_bos: bool = False,
              parse_special: bool = True) -> list[int]:

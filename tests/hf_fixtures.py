@@ -3,6 +3,8 @@
 - `contiguous_paged_inputs` / `greedy_generate_paged`: drive a models.llama
   Llama through the paged pool for plain (non-lazy) sequences, as a minimal
   stand-in for the engine.
+- `write_hf_checkpoint`: a tiny HF safetensors checkpoint directory written
+  from our parameters, without transformers (optionally broken on purpose).
 - Session fixtures for the real SmolLM2-135M-Instruct GGUF: its path, our
   model loaded from it, and HF transformers' model and tokenizer loaded from
   the same file.  Import them into a test module to use them:
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import glob
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -65,16 +68,15 @@ def contiguous_paged_inputs(page_table, lengths, q_start, q_len: int,
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(graphdef, impl: str, last_only: bool, kv_layout: str):
+def _jitted_step(graphdef, impl: str, last_only: bool):
   def step(state, tokens, k_cache, v_cache, inputs, logits_index):
     return forward(graphdef, state, tokens, k_cache, v_cache, inputs,
-                   impl=impl, logits_index=logits_index if last_only else None,
-                   kv_layout=kv_layout)
+                   impl=impl, logits_index=logits_index if last_only else None)
   return jax.jit(step, donate_argnums=(2, 3))
 
 
 def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
-                          impl="xla", kv_layout="layers_first"):
+                          impl="xla"):
   """Greedy decoding of one prompt through the paged pool.
 
   Prefills the whole prompt in one step, then decodes one token per step.
@@ -89,7 +91,7 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
   num_logical = -(-total // page_size)
   # Physical pages in reverse order, so logical and physical order differ.
   page_table = np.arange(num_logical, dtype=np.int32)[::-1][None, :]
-  shape = kv_cache_shape(config, num_logical, page_size, kv_layout)
+  shape = kv_cache_shape(config, num_logical, page_size)
   k_cache = jnp.zeros(shape, model.dtype)
   v_cache = jnp.zeros(shape, model.dtype)
   graphdef, state = split_model(model)
@@ -97,12 +99,12 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
   inputs = contiguous_paged_inputs(page_table, [len(prompt)], [0],
                                    len(prompt), page_size)
   tokens = jnp.asarray([prompt], jnp.int32)
-  logits, k_cache, v_cache = _jitted_step(graphdef, impl, False, kv_layout)(
+  logits, k_cache, v_cache = _jitted_step(graphdef, impl, False)(
       state, tokens, k_cache, v_cache, inputs, None)
   prompt_logits = np.asarray(logits[0])
   step_logits = [prompt_logits[-1]]
   generated = [int(np.argmax(prompt_logits[-1]))]
-  decode = _jitted_step(graphdef, impl, True, kv_layout)
+  decode = _jitted_step(graphdef, impl, True)
   for _ in range(num_tokens - 1):
     pos = len(prompt) + len(generated) - 1  # position of the newest token
     inputs = contiguous_paged_inputs(page_table, [pos + 1], [pos], 1,
@@ -113,6 +115,56 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
     step_logits.append(np.asarray(logits[0]))
     generated.append(int(np.argmax(step_logits[-1])))
   return prompt_logits, generated, np.stack(step_logits)
+
+
+# --- tiny HF checkpoints -----------------------------------------------------
+_HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj"}
+
+
+def hf_config_dict(config) -> dict:
+  """The config.json of a models.config.LlamaConfig (plain RoPE only)."""
+  assert config.rope_scaling is None
+  return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "num_hidden_layers": config.num_layers,
+          "num_attention_heads": config.num_heads,
+          "num_key_value_heads": config.num_kv_heads,
+          "head_dim": config.head_dim,
+          "intermediate_size": config.intermediate_size,
+          "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
+          "tie_word_embeddings": config.tie_word_embeddings,
+          "max_position_embeddings": config.max_position,
+          "hidden_act": "silu", "bos_token_id": config.bos_token_id,
+          "eos_token_id": config.eos_token_id}
+
+
+def write_hf_checkpoint(directory, config, params, *, replace=None):
+  """Writes config.json and model.safetensors as transformers would lay
+  them out (HF names, [out, in] matrices) from our parameter dict.
+
+  `replace` maps HF tensor names to other arrays, to make broken files.
+  """
+  from safetensors.numpy import save_file
+  os.makedirs(directory, exist_ok=True)
+  tensors = {"model.embed_tokens.weight": params["embed_tokens"],
+             "model.norm.weight": params["final_norm"]}
+  if "lm_head" in params:
+    tensors["lm_head.weight"] = np.asarray(params["lm_head"]).T
+  for ours, theirs in _HF_LAYER_NAMES.items():
+    for i, weight in enumerate(np.asarray(params["layers"][ours])):
+      tensors[f"model.layers.{i}.{theirs}.weight"] = (
+          weight if ours.endswith("norm") else weight.T)
+  tensors.update(replace or {})
+  save_file({k: np.ascontiguousarray(v, np.float32) for k, v in
+             tensors.items()}, os.path.join(directory, "model.safetensors"),
+            metadata={"format": "pt"})
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf_config_dict(config), f)
 
 
 # --- the real SmolLM2 GGUF ---------------------------------------------------

@@ -59,3 +59,86 @@ def test_bad_input_exits_2_with_one_line(files, case):
   errors = [l for l in proc.stderr.splitlines() if l.startswith("lazyattn: error:")]
   assert len(errors) == 1 and want in errors[0], proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
+
+
+def _assert_usage_error(proc, want):
+  """Exit status 2, one stderr line `lazyattn: error: ...`, no traceback."""
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr[-2000:]
+  assert lines[0].startswith("lazyattn: error:") and want in lines[0], lines
+
+
+def _tiny_gguf(path):
+  """A small but well-formed Llama GGUF header with one tensor."""
+  import gguf
+  import numpy as np
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_uint32("llama.block_count", 1)
+  writer.add_uint32("llama.embedding_length", 16)
+  writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(64)])
+  writer.add_tensor("token_embd.weight", np.ones((64, 16), np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def _tiny_hf_config(directory):
+  import json
+  directory.mkdir()
+  (directory / "config.json").write_text(json.dumps(dict(
+      model_type="llama", vocab_size=64, hidden_size=16, num_hidden_layers=1,
+      num_attention_heads=2, intermediate_size=32)))
+
+
+@pytest.mark.parametrize("case", ["truncated gguf", "corrupted gguf",
+                                  "hf dir without config.json",
+                                  "hf dir with broken weights",
+                                  "cache pages 0", "impl bogus"])
+def test_bad_model_or_option_exits_2_with_one_line(files, tmp_path, case):
+  good = files[0]
+  model, extra, want = None, [], "model"
+  if case == "truncated gguf":
+    _tiny_gguf(tmp_path / "whole.gguf")
+    data = (tmp_path / "whole.gguf").read_bytes()
+    model = tmp_path / "cut.gguf"
+    model.write_bytes(data[:len(data) // 2])
+    want = "cut.gguf"
+  elif case == "corrupted gguf":
+    model = tmp_path / "junk.gguf"
+    model.write_bytes(bytes(range(256)) * 40)
+    want = "junk.gguf"
+  elif case == "hf dir without config.json":
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    want = "config.json"
+  elif case == "hf dir with broken weights":
+    model = tmp_path / "hf"
+    _tiny_hf_config(model)
+    (model / "model.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"{[")
+    want = "model.safetensors"
+  elif case == "cache pages 0":
+    extra, want = ["--cache-pages", "0"], "--cache-pages"
+  else:
+    extra, want = ["--impl", "bogus"], "--impl must be one of auto, xla"
+  args = ["rag", "--doc", str(good), "--query", "q", *extra]
+  if model is not None:
+    args += ["--model", str(model)]
+  _assert_usage_error(run_cli(*args), want)
+
+
+def test_rag_labels_what_was_cached_before_the_run(tmp_path):
+  # A cold run encodes both documents: neither was cached before it, even
+  # though generate() then finds both in the cache.
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_text("The Orrin Bridge was built in 1887.", encoding="utf-8")
+  b.write_text("Mira Lake freezes every January.", encoding="utf-8")
+  proc = run_cli("rag", "--doc", str(a), str(b), "--query",
+                 "When was the Orrin Bridge built?", "--max-new-tokens", "4")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = [l for l in proc.stdout.splitlines() if "time to first token" in l]
+  assert len(lines) == 1, proc.stdout
+  assert "a.txt [encoded], b.txt [encoded]" in lines[0], lines[0]

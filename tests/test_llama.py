@@ -20,17 +20,15 @@ PAGE = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_forward(graphdef, kv_layout):
-  return jax.jit(functools.partial(forward, graphdef, impl="xla",
-                                   kv_layout=kv_layout))
+def _jitted_forward(graphdef):
+  return jax.jit(functools.partial(forward, graphdef, impl="xla"))
 
 
-def paged(model, tokens, k_pool, v_pool, inputs, kv_layout="layers_first",
-          **kwargs):
+def paged(model, tokens, k_pool, v_pool, inputs, **kwargs):
   """Jitted model(tokens, k_pool, v_pool, inputs, impl="xla") (no donation)."""
   graphdef, state = split_model(model)
-  return _jitted_forward(graphdef, kv_layout)(state, tokens, k_pool, v_pool,
-                                              inputs, **kwargs)
+  return _jitted_forward(graphdef)(state, tokens, k_pool, v_pool, inputs,
+                                   **kwargs)
 
 
 def _rel(a, b):
@@ -51,7 +49,7 @@ def _random_norms(model, seed=1):
   return llama_from_params(model.config, params, dtype=model.dtype)
 
 
-def _ragged_batch(model, lengths, seed=0, kv_layout="layers_first"):
+def _ragged_batch(model, lengths, seed=0):
   """Prefill of ragged rows through shuffled pages of a NaN-filled pool."""
   lengths = np.asarray(lengths)
   batch, q_len = len(lengths), int(lengths.max())
@@ -62,7 +60,7 @@ def _ragged_batch(model, lengths, seed=0, kv_layout="layers_first"):
       batch, pages_per_row).astype(np.int32)
   inputs = contiguous_paged_inputs(page_table, lengths, np.zeros(batch),
                                    q_len, PAGE)
-  shape = kv_cache_shape(model.config, num_pages, PAGE, kv_layout)
+  shape = kv_cache_shape(model.config, num_pages, PAGE)
   pool = jnp.full(shape, jnp.nan, model.dtype)
   tokens = jnp.asarray(rng.integers(0, model.config.vocab_size,
                                     (batch, q_len)), jnp.int32)
@@ -90,14 +88,12 @@ def _model(name: str) -> Llama:
   return _random_norms(Llama(CONFIGS[name], rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.parametrize("name, kv_layout", [
-    ("plain", "layers_first"), ("llama3", "layers_first"),
-    ("tied", "layers_first"), ("plain", "heads_first")])
-def test_paged_prefill_matches_dense_causal(name, kv_layout):
+@pytest.mark.parametrize("name", ["plain", "llama3", "tied"])
+def test_paged_prefill_matches_dense_causal(name):
   model = _model(name)
   lengths = LENGTHS
-  tokens, pool, inputs, _ = _ragged_batch(model, lengths, kv_layout=kv_layout)
-  logits, _, _ = paged(model, tokens, pool, pool, inputs, kv_layout=kv_layout)
+  tokens, pool, inputs, _ = _ragged_batch(model, lengths)
+  logits, _, _ = paged(model, tokens, pool, pool, inputs)
   q_len = tokens.shape[1]
   positions = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32),
                                tokens.shape)
@@ -122,25 +118,22 @@ def test_logits_index_selects_rows():
                              atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_layout", ["layers_first", "heads_first"])
-def test_writes_land_in_pages_and_padding_writes_nothing(kv_layout):
+def test_writes_land_in_pages_and_padding_writes_nothing():
   model = _model("plain")
   config = model.config
   lengths = np.array(LENGTHS)
-  tokens, pool, inputs, page_table = _ragged_batch(model, lengths, seed=3,
-                                                   kv_layout=kv_layout)
+  tokens, pool, inputs, page_table = _ragged_batch(model, lengths, seed=3)
   num_pages = pool.shape[2]
   # Padding rows of row 1: some say write_page -1, some num_pages; neither
   # may land anywhere (-1 must not wrap around to the last page, num_pages
-  # must not reach the next layer's pages in the heads_first view).
+  # must not reach the next layer's pages in the one-page-array view).
   write_page = np.asarray(inputs.write_page).copy()
   write_page[1, 9:] = num_pages
   inputs = inputs.replace(write_page=jnp.asarray(write_page))
-  _, k_pool, v_pool = paged(model, tokens, pool, pool, inputs,
-                            kv_layout=kv_layout)
-  k_pool, v_pool = np.asarray(k_pool), np.asarray(v_pool)
-  if kv_layout == "heads_first":  # compare in [L, K, ...] order
-    k_pool, v_pool = k_pool.swapaxes(0, 1), v_pool.swapaxes(0, 1)
+  _, k_pool, v_pool = paged(model, tokens, pool, pool, inputs)
+  # The pool is [K, L, ...]; compare in [L, K, ...] order.
+  k_pool = np.asarray(k_pool).swapaxes(0, 1)
+  v_pool = np.asarray(v_pool).swapaxes(0, 1)
 
   written = np.zeros((num_pages, PAGE), bool)
   for b, n in enumerate(lengths):
@@ -171,13 +164,12 @@ def test_writes_land_in_pages_and_padding_writes_nothing(kv_layout):
                                  rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_layout", ["layers_first", "heads_first"])
-def test_prefill_then_decode_matches_dense(kv_layout):
+def test_prefill_then_decode_matches_dense():
   model = _model("llama3")
   config = model.config
   prompt = list(np.random.default_rng(4).integers(0, config.vocab_size, 9))
   prompt_logits, generated, step_logits = greedy_generate_paged(
-      model, prompt, 6, page_size=PAGE, kv_layout=kv_layout)
+      model, prompt, 6, page_size=PAGE)
   sequence = jnp.asarray([prompt + generated], jnp.int32)
   total = sequence.shape[1]
   ref = dense_forward(model, sequence, jnp.arange(total)[None],
@@ -267,11 +259,16 @@ def test_call_rejects_bad_pool_and_inputs():
   with pytest.raises(ValueError, match="logits_index"):
     model(tokens, pool, pool, inputs, impl="xla",
           logits_index=jnp.zeros((2,), jnp.int32))
-  with pytest.raises(ValueError, match="kv_layout"):
-    model(tokens, pool, pool, inputs, impl="xla", kv_layout="pages_first")
   with pytest.raises(ValueError, match=r"\[K, L"):
-    model(tokens, pool[:1], pool[:1], inputs, impl="xla",
-          kv_layout="heads_first")
+    model(tokens, pool[:1], pool[:1], inputs, impl="xla")
+  # A layers-first pool ([L, K, ...]) is refused, not read with the axes
+  # swapped (the tied model has K=1, L=2, so the two orders differ).
+  tied = _model("tied")
+  tokens, pool, inputs, _ = _ragged_batch(tied, LENGTHS)
+  layers_first = pool.swapaxes(0, 1)
+  assert layers_first.shape != pool.shape
+  with pytest.raises(ValueError, match=r"\[K, L"):
+    tied(tokens, layers_first, layers_first, inputs, impl="xla")
 
 
 @pytest.mark.parametrize("changes, field", [

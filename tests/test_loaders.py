@@ -15,10 +15,13 @@ from flax import nnx
 
 from models.config import Llama3RopeScaling, LlamaConfig
 from models.dense_reference import causal_mask, dense_forward
+from models.errors import ModelFileNotFoundError, ModelFormatError
 from models.gguf_loader import (llama_cpp_permute, llama_cpp_unpermute,
                                 load_gguf, read_gguf_metadata)
 from models.llama import Llama, llama_from_params, split_model
 from models.safetensors_loader import config_from_hf, load_safetensors
+from models.tokenizer import LlamaTokenizer
+from tests.hf_fixtures import write_hf_checkpoint
 
 Q = gguf.GGMLQuantizationType
 TOKENS = [f"tok{i}" for i in range(256)]
@@ -82,23 +85,29 @@ def _llama3_rope_freqs(config) -> np.ndarray:
 
 
 def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
-                     rope_freqs=None):
+                     rope_freqs=None, uint_fields=None, replace=None):
   """Writes `params` as llama.cpp would (HF [out, in] rows, Q/K permuted).
+
+  `uint_fields` overrides integer metadata (key -> value), and `replace`
+  writes other float32 data (tensor name -> array) under a tensor's name:
+  to make broken files.
 
   Returns the weights a correct loader must produce: each matrix quantized
   and dequantized by gguf itself, in our layout and row order.
   """
   writer = gguf.GGUFWriter(os.fspath(path), "llama")
   c = config
-  for key, value in (("llama.block_count", c.num_layers),
-                     ("llama.context_length", c.max_position),
-                     ("llama.embedding_length", c.hidden_size),
-                     ("llama.feed_forward_length", c.intermediate_size),
-                     ("llama.attention.head_count", c.num_heads),
-                     ("llama.attention.head_count_kv", c.num_kv_heads),
-                     ("llama.rope.dimension_count", c.head_dim),
-                     ("tokenizer.ggml.bos_token_id", 1),
-                     ("tokenizer.ggml.eos_token_id", 2)):
+  fields = {"llama.block_count": c.num_layers,
+            "llama.context_length": c.max_position,
+            "llama.embedding_length": c.hidden_size,
+            "llama.feed_forward_length": c.intermediate_size,
+            "llama.attention.head_count": c.num_heads,
+            "llama.attention.head_count_kv": c.num_kv_heads,
+            "llama.rope.dimension_count": c.head_dim,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2}
+  fields.update(uint_fields or {})
+  for key, value in fields.items():
     writer.add_uint32(key, value)
   if c.head_dim != c.hidden_size // c.num_heads:
     writer.add_uint32("llama.attention.key_length", c.head_dim)
@@ -122,7 +131,10 @@ def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
     qtype = Q.F32 if hf_rows.ndim == 1 else matrix_type
     data = gguf.quants.quantize(np.ascontiguousarray(stored, np.float32),
                                 qtype)
-    writer.add_tensor(name, data, raw_dtype=qtype)
+    if replace and name in replace:
+      writer.add_tensor(name, np.asarray(replace[name], np.float32))
+    else:
+      writer.add_tensor(name, data, raw_dtype=qtype)
     back = gguf.quants.dequantize(data, qtype).reshape(hf_rows.shape)
     if heads is not None and permute:
       back = llama_cpp_unpermute(back, heads)
@@ -374,3 +386,131 @@ def test_safetensors_errors(tmp_path):
       num_attention_heads=4, intermediate_size=32)))
   with pytest.raises(FileNotFoundError, match="safetensors"):
     load_safetensors(tmp_path)
+
+
+# --- bad model files: one typed error, naming the file and what is wrong -----
+def test_gguf_head_count_not_dividing_hidden_size_is_named(tmp_path):
+  config, params = _source(True)
+  # 64 / 10 is not a head width; rope.dimension_count stays 16.
+  write_llama_gguf(tmp_path / "heads.gguf", config, params, Q.F32,
+                   uint_fields={"llama.attention.head_count": 10,
+                                "llama.attention.head_count_kv": 10})
+  with pytest.raises(ModelFormatError) as err:
+    load_gguf(tmp_path / "heads.gguf")
+  message = str(err.value)
+  assert "not divisible" in message and "partial RoPE" not in message
+  assert "64" in message and "10" in message and "heads.gguf" in message
+
+
+def test_gguf_wrong_layer_tensor_shape_names_the_tensor(tmp_path):
+  config, params = _source(False)
+  # Layer 1's Q projection with 48 output rows instead of 4 heads x 16.
+  write_llama_gguf(tmp_path / "shape.gguf", config, params, Q.F32,
+                   replace={"blk.1.attn_q.weight": np.zeros((48, 64))})
+  # Shapes as GGUF lists them: [in, out].
+  with pytest.raises(ModelFormatError,
+                     match=r"shape\.gguf.*'blk\.1\.attn_q\.weight' has shape "
+                           r"\[64, 48\].*expected \[64, 64\]"):
+    load_gguf(tmp_path / "shape.gguf")
+
+
+@pytest.mark.parametrize("keep", [0, 6, 35, 200, 3000, "all but 100"])
+def test_truncated_gguf_is_a_model_format_error(tmp_path, keep):
+  config, params = _source(True)
+  write_llama_gguf(tmp_path / "whole.gguf", config, params, Q.Q8_0)
+  data = (tmp_path / "whole.gguf").read_bytes()
+  keep = len(data) - 100 if keep == "all but 100" else keep
+  path = tmp_path / "cut.gguf"
+  path.write_bytes(data[:keep])
+  for read in (load_gguf, read_gguf_metadata, LlamaTokenizer.from_gguf):
+    with pytest.raises(ModelFormatError, match=r"cut\.gguf"):
+      read(path)
+
+
+def test_garbage_gguf_is_a_model_format_error(tmp_path):
+  path = tmp_path / "garbage.gguf"
+  path.write_bytes(np.random.default_rng(0).bytes(5000))
+  with pytest.raises(ModelFormatError, match=r"garbage\.gguf.*not a readable"):
+    load_gguf(path)
+  # Right magic, garbage after it.
+  path.write_bytes(b"GGUF" + np.random.default_rng(1).bytes(5000))
+  with pytest.raises(ModelFormatError, match=r"garbage\.gguf"):
+    load_gguf(path)
+  with pytest.raises(ModelFileNotFoundError):
+    load_gguf(tmp_path / "nope.gguf")
+
+
+def test_gguf_unsupported_content_is_a_model_format_error(tmp_path):
+  config, params = _source(True)
+  write_llama_gguf(tmp_path / "q5.gguf", config, params, Q.Q5_0)
+  with pytest.raises(ModelFormatError, match="Q5_0"):
+    load_gguf(tmp_path / "q5.gguf")
+  write_llama_gguf(tmp_path / "layers.gguf", config, params, Q.F32,
+                   uint_fields={"llama.block_count": 3})
+  with pytest.raises(ModelFormatError, match=r"missing tensors.*blk\.2\."):
+    load_gguf(tmp_path / "layers.gguf")
+
+
+def test_safetensors_wrong_layer_tensor_shape_names_the_tensor(tmp_path):
+  config, params = _source(False)
+  write_hf_checkpoint(tmp_path / "good", config, params)
+  loaded_config, model = load_safetensors(tmp_path / "good")
+  assert loaded_config == config
+  np.testing.assert_array_equal(
+      nnx.to_pure_dict(split_model(model)[1])["layers"]["k_proj"],
+      params["layers"]["k_proj"])
+  name = "model.layers.1.self_attn.k_proj.weight"
+  write_hf_checkpoint(tmp_path / "bad", config, params,
+                      replace={name: np.zeros((24, 64))})
+  with pytest.raises(ModelFormatError,
+                     match=rf"bad.*'{name}' has shape \[24, 64\].*expected "
+                           r"\[32, 64\]"):
+    load_safetensors(tmp_path / "bad")
+
+
+def _broken_weights(directory, case):
+  path = directory / "model.safetensors"
+  data = path.read_bytes()
+  if case == "garbage":
+    path.write_bytes(np.random.default_rng(0).bytes(3000))
+  elif case == "empty":
+    path.write_bytes(b"")
+  elif case == "truncated":
+    path.write_bytes(data[:len(data) // 2])
+  elif case == "bad header json":
+    path.write_bytes(data[:8] + b"{" * (len(data) - 8))
+
+
+@pytest.mark.parametrize("case", ["garbage", "empty", "truncated",
+                                  "bad header json", "no config.json",
+                                  "bad config.json", "gpt2 architecture",
+                                  "missing tensor", "bad shard index"])
+def test_bad_safetensors_directory_is_a_model_format_error(tmp_path, case):
+  config, params = _source(True)
+  directory = tmp_path / "ckpt"
+  write_hf_checkpoint(directory, config, params)
+  if case == "missing tensor":
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, directory / "model.safetensors")
+  _broken_weights(directory, case)
+  if case == "no config.json":
+    (directory / "config.json").unlink()
+  elif case == "bad config.json":
+    (directory / "config.json").write_text("{not json")
+  elif case == "gpt2 architecture":
+    hf = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(
+        dict(hf, model_type="gpt2")))
+  elif case == "bad shard index":
+    (directory / "model.safetensors.index.json").write_text('{"no": 1}')
+  with pytest.raises(ModelFormatError) as err:
+    load_safetensors(directory)
+  assert str(directory) in str(err.value)
+  want = {"missing tensor": "up_proj", "gpt2 architecture": "gpt2",
+          "no config.json": "config.json", "bad config.json": "JSON",
+          "bad shard index": "weight_map"}.get(case, "model.safetensors")
+  assert want in str(err.value), str(err.value)
+  if case == "no config.json":
+    assert isinstance(err.value, FileNotFoundError)

@@ -301,3 +301,21 @@ def test_llama3_pre_tokenizer_groups_digits_by_three(gguf_reader):
               {**meta, "tokenizer.ggml.pre": "no-such-pre"}):
     with pytest.raises(UnsupportedTokenizerError):
       LlamaTokenizer.from_gguf_metadata(bad)
+
+
+def test_broken_tokenizer_files_are_model_format_errors(hf, tmp_path):
+  from models.errors import ModelFormatError
+  good = hf.backend_tokenizer.to_str()
+  (tmp_path / "tokenizer.json").write_text(good[:len(good) // 2])
+  with pytest.raises(ModelFormatError, match=r"tokenizer\.json"):
+    LlamaTokenizer.from_tokenizer_json(tmp_path)
+  (tmp_path / "tokenizer.json").write_text(good)
+  (tmp_path / "tokenizer_config.json").write_text("{not json")
+  with pytest.raises(ModelFormatError, match=r"tokenizer_config\.json"):
+    LlamaTokenizer.from_tokenizer_json(tmp_path)
+  (tmp_path / "tokenizer_config.json").write_text(
+      '{"chat_template": "{% for m in messages %}"}')
+  with pytest.raises(ModelFormatError, match="chat template"):
+    LlamaTokenizer.from_tokenizer_json(tmp_path)
+  # Unsupported tokenizers are bad model files too.
+  assert issubclass(UnsupportedTokenizerError, ModelFormatError)
