@@ -29,11 +29,6 @@ from lazyattn_jax.sampling import SamplingParams, sample_tokens
 from models.paged_inputs import PagedAttentionInputs
 from pallas_kernels.sizes import next_power_of_two
 
-# The cache pool is heads first ([K, L, N, P, H], CacheConfig.pool_shape), so
-# the model hands the kernels the whole pool in place instead of a per-layer
-# slice that XLA would copy every step.
-KV_LAYOUT = "heads_first"
-
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "pool_as_bits"),
                    donate_argnums=(1, 2))
@@ -42,7 +37,6 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
                                    impl=impl, logits_index=logits_index,
-                                   kv_layout=KV_LAYOUT,
                                    pool_as_bits=pool_as_bits)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
@@ -95,7 +89,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
         write_slot=(written % page_size)[:, None])
     logits, k_cache, v_cache = model(
         tokens[:, None], k_cache, v_cache, inputs, impl=impl,
-        logits_index=jnp.zeros((batch,), jnp.int32), kv_layout=KV_LAYOUT,
+        logits_index=jnp.zeros((batch,), jnp.int32),
         pool_as_bits=pool_as_bits, unroll=layer_unroll)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
     stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
