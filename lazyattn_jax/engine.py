@@ -121,6 +121,12 @@ class LazyEngine:
       **settings: fields of SchedulerConfig or RunnerConfig by name (for
         example max_batch=8, impl="xla"); max_batch defaults to 8 here.
     Settings are checked before anything is loaded.
+
+    Raises:
+      ValueError, TypeError: a bad setting or mode.
+      models.errors.ModelFormatError: a corrupt, truncated or unsupported
+        model file or directory (nothing is half-loaded).
+      FileNotFoundError: no such model file or directory.
     """
     from lazyattn_jax.loading import default_cache_config, load_model
     if scheduler is None:
