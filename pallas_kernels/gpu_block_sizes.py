@@ -12,6 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pallas_kernels.sizes import ceil_div
+
 # Decode aims for about four waves of programs on a 132-SM Hopper part when it
 # picks kv_splits itself: enough programs in flight to cover HBM latency.
 DECODE_TARGET_PROGRAMS = 4 * 132
@@ -108,5 +110,5 @@ def decode_kv_splits(block_sizes: GpuBlockSizes, *, batch: int,
   if block_sizes.kv_splits is not None:
     return block_sizes.kv_splits
   programs = batch * num_kv_heads
-  wanted = -(-DECODE_TARGET_PROGRAMS // programs)
+  wanted = ceil_div(DECODE_TARGET_PROGRAMS, programs)
   return max(1, min(wanted, num_blocks // MIN_BLOCKS_PER_SPLIT))

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 from pallas_kernels.rope import rotated_query
+from pallas_kernels.sizes import next_power_of_two, round_up
 
 LOG2_E = math.log2(math.e)
 # Running-max start value: finite, so a row that has seen only masked (-inf)
@@ -36,10 +37,6 @@ NEG_INIT = -1e30
 NEVER_VISIBLE = 2**31 - 1
 # Query position of a padding row: below every key position.
 PADDING_ROW = -(2**31)
-
-
-def next_power_of_2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 def check_power_of_2_head_dim(head_dim: int) -> None:
@@ -52,7 +49,7 @@ def check_power_of_2_head_dim(head_dim: int) -> None:
 def kv_block_geometry(page_size: int, block_kv: int) -> tuple[int, int]:
   """(pages_per_block, block_k): whole pages per step, columns padded to 2^k."""
   pages_per_block = max(1, block_kv // page_size)
-  return pages_per_block, next_power_of_2(pages_per_block * page_size)
+  return pages_per_block, next_power_of_two(pages_per_block * page_size)
 
 
 def dot_precision(dtype):
@@ -196,7 +193,7 @@ def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
   batch, q_len, num_heads, head_dim = q.shape
   group = num_heads // num_kv_heads
   num_rows = q_len * group
-  padded_rows = -(-num_rows // rows_multiple) * rows_multiple
+  padded_rows = round_up(num_rows, rows_multiple)
   scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(LOG2_E)
   q_rot, _ = rotated_query(q, q_pos, rope, scale)
 
@@ -214,7 +211,7 @@ def grouped_row_positions(q_pos, group, rows_multiple):
   grouped_query_rows), PADDING_ROW for padding rows."""
   batch, q_len = q_pos.shape
   num_rows = q_len * group
-  padded_rows = -(-num_rows // rows_multiple) * rows_multiple
+  padded_rows = round_up(num_rows, rows_multiple)
   row_pos = jnp.where(q_pos >= 0, q_pos, PADDING_ROW)
   row_pos = jnp.repeat(row_pos, group, axis=1)
   return jnp.pad(row_pos, ((0, 0), (0, padded_rows - num_rows)),

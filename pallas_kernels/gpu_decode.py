@@ -44,6 +44,7 @@ from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import (GpuBlockSizes, block_sizes_for,
                                             decode_kv_splits)
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
+from pallas_kernels.sizes import ceil_div, next_power_of_two
 
 
 def scan_pages_for(pages_per_block: int) -> int:
@@ -51,7 +52,7 @@ def scan_pages_for(pages_per_block: int) -> int:
   pages_per_block, about 256, with the [pages, pages_per_block] leader test
   kept near 4K elements so long contexts cost steps, not registers."""
   return max(pages_per_block,
-             min(256, common.next_power_of_2(4096 // pages_per_block)))
+             min(256, next_power_of_two(4096 // pages_per_block)))
 
 
 def _list_work_items(q_pos, page_pos_ref, page_len_ref, page_shift_ref,
@@ -65,7 +66,7 @@ def _list_work_items(q_pos, page_pos_ref, page_len_ref, page_shift_ref,
   """
   scan_pages = scan_pages_for(pages_per_block)
   blocks_per_scan = scan_pages // pages_per_block
-  num_scans = -(-num_logical_pages // scan_pages)
+  num_scans = ceil_div(num_logical_pages, scan_pages)
   block_in_scan = lax.broadcasted_iota(jnp.int32, (blocks_per_scan,
                                                    pages_per_block), 0)
   slot = lax.broadcasted_iota(jnp.int32, (blocks_per_scan, pages_per_block),
@@ -199,12 +200,12 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                                       block_sizes.block_kv)
   # The prologue scans whole blocks in power-of-two steps.
   pages_per_block = 1 << (pages_per_block.bit_length() - 1)
-  block_k = common.next_power_of_2(pages_per_block * page_size)
-  num_blocks = -(-num_logical_pages // pages_per_block)
+  block_k = next_power_of_two(pages_per_block * page_size)
+  num_blocks = ceil_div(num_logical_pages, pages_per_block)
   kv_splits = decode_kv_splits(block_sizes, batch=batch,
                                num_kv_heads=num_kv_heads,
                                num_blocks=num_blocks)
-  rows = max(16, common.next_power_of_2(group))
+  rows = next_power_of_two(group, minimum=16)
   scale = (jnp.asarray(sm_scale, jnp.float32)
            * jnp.float32(math.log2(math.e))).reshape(1)
   chunks = jnp.asarray(rope.turn_chunks(head_dim))

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
+from pallas_kernels.sizes import next_power_of_two
 
 
 def prefill_segments(page_shift, live):
@@ -160,7 +161,7 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                                       block_sizes.block_kv)
   # Small inputs: no tile larger than the (power-of-two padded) rows.
   block_q = min(block_sizes.block_q,
-                max(16, common.next_power_of_2(q_len * group)))
+                next_power_of_two(q_len * group, minimum=16))
 
   q_rot, row_pos = common.grouped_query_rows(
       q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=block_q)

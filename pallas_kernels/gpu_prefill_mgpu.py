@@ -113,6 +113,7 @@ from pallas_kernels.gpu_prefill import prefill_segments, tile_page_ends
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
 from pallas_kernels.rope import (RopeConfig, cos_sin_from_chunks,
                                  rotated_query)
+from pallas_kernels.sizes import ceil_div, round_up
 
 # Rows per compute warpgroup: the M of one wgmma.
 WG_ROWS = 64
@@ -221,7 +222,7 @@ class RecordLayout:
   def width(self):
     # A multiple of 32 int32 (128 bytes): the TMA copy's byte count must
     # split evenly over the 128 threads that arrive on the barrier.
-    return -(-(self.seg + 4) // 32) * 32
+    return round_up(self.seg + 4, 32)
 
 
 def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
@@ -230,7 +231,7 @@ def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
   Steps = sum over segments of the blocks its page range touches <= the
   number of blocks + (segments - 1) <= cdiv(M, ppb) + M - 1.
   """
-  return -(-num_logical_pages // pages_per_block) + num_logical_pages
+  return ceil_div(num_logical_pages, pages_per_block) + num_logical_pages
 
 
 def step_records(page_table, page_pos, page_shift, page_len, live, *,
@@ -253,7 +254,7 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   seg_ids = jnp.arange(num_logical, dtype=jnp.int32)[None, :]
   seg_valid = seg_ids < num_segments[:, None]
   first_block = first // ppb
-  end_block = (end + ppb - 1) // ppb
+  end_block = ceil_div(end, ppb)
   count = jnp.where(seg_valid, end_block - first_block, 0)
   cum = common.prefix_sum(count.astype(jnp.int32))
   start = cum - count
@@ -633,7 +634,7 @@ class PrefillPlan(NamedTuple):
 def padded_query_len(q_len: int, group: int, num_compute_wgs: int) -> int:
   """Tokens the kernel works on: whole 64-token blocks, and as many blocks
   that the (block, query head) units split evenly over the CTAs."""
-  blocks = -(-q_len // WG_ROWS)
+  blocks = ceil_div(q_len, WG_ROWS)
   while (blocks * group) % num_compute_wgs:
     blocks += 1
   return blocks * WG_ROWS

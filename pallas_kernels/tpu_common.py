@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.rope import cos_sin_from_chunks
+from pallas_kernels.sizes import ceil_div
 
 # A slot position past any query limit (|positions| < 2^22 after validation).
 INVALID_SLOT_POS = 1 << 30
@@ -98,10 +99,6 @@ def pages_per_block(kv_tokens: int, page_size: int, num_logical_pages: int,
   return max(1, min(pages, num_logical_pages))
 
 
-def round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
 def build_page_metadata(page_table, page_pos, page_shift, page_len, *,
                         num_physical_pages: int, pages_per_block: int):
   """Pads the page axis to whole blocks and lists distinct shifts per block.
@@ -121,7 +118,7 @@ def build_page_metadata(page_table, page_pos, page_shift, page_len, *,
   """
   batch, num_logical = page_table.shape
   ppb = pages_per_block
-  num_blocks = -(-num_logical // ppb)
+  num_blocks = ceil_div(num_logical, ppb)
   pad = num_blocks * ppb - num_logical
 
   def pad_pages(x):
@@ -176,7 +173,7 @@ def visible_block_counts(padded_page_pos, padded_page_len, query_max,
   visible = ((padded_page_len[:, None, :] > 0) &
              (padded_page_pos[:, None, :] <= query_max[:, :, None]))
   last = jnp.max(jnp.where(visible, jnp.arange(1, num_pages + 1), 0), axis=-1)
-  return ((last + pages_per_block - 1) // pages_per_block).astype(jnp.int32)
+  return ceil_div(last, pages_per_block).astype(jnp.int32)
 
 
 def batch_rows_per_call(pages_per_row: int, blocks_per_row: int,
@@ -432,7 +429,3 @@ def online_softmax_update(scores, keep, v, m_ref, l_ref, acc_ref, *,
 def rope_chunks(rope, head_dim: int):
   """int32[NUM_TURN_CHUNKS, H] kernel input for `shift_cos_sin`."""
   return jnp.asarray(rope.turn_chunks(head_dim))
-
-
-def ceil_div(a: int, b: int) -> int:
-  return -(-a // b)

@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_common as tc
 from pallas_kernels.rope import RopeConfig, rotated_query
+from pallas_kernels.sizes import ceil_div, round_up
 from pallas_kernels.tpu_block_sizes import TpuDecodeBlockSizes
 
 
@@ -157,7 +158,7 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   tc.check_page_size(page_size)
   group = num_heads // num_kv_heads
   dtype, precision = tc.compute_dtype(q.dtype)
-  group_padded = tc.round_up(group, tc.sublane_rows(dtype))
+  group_padded = round_up(group, tc.sublane_rows(dtype))
   num_logical = page_table.shape[1]
   itemsize = jnp.dtype(k_pages.dtype).itemsize
   ppb = tc.pages_per_block(
@@ -176,7 +177,7 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                                        meta["padded_page_len"],
                                        q_limit[:, None], ppb)[:, 0]
   num_splits = _num_splits(block_sizes, batch, blocks_per_row)
-  blocks_per_split = tc.ceil_div(blocks_per_row, num_splits)
+  blocks_per_split = ceil_div(blocks_per_row, num_splits)
 
   q_rot, q_rot_half = rotated_query(q, q_pos[:, None], rope, sm_scale)
 

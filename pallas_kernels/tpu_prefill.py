@@ -30,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_common as tc
 from pallas_kernels.rope import RopeConfig, rotated_query
+from pallas_kernels.sizes import round_up
 from pallas_kernels.tpu_block_sizes import TpuPrefillBlockSizes
 
 
@@ -126,7 +127,7 @@ def _query_tokens_per_tile(block_sizes: TpuPrefillBlockSizes, q_len: int,
   tokens = min(block_sizes.q_tokens_per_block,
                max(align, block_sizes.max_q_rows // group))
   tokens = max(align, tokens // align * align)
-  return min(tokens, tc.round_up(q_len, align))
+  return min(tokens, round_up(q_len, align))
 
 
 def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
@@ -158,7 +159,7 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       buffer_bytes_per_page=4 * page_size * head_dim * itemsize,
       buffer_budget=block_sizes.kv_buffer_bytes)
   tile_tokens = _query_tokens_per_tile(block_sizes, q_len, group, q.dtype)
-  q_len_padded = tc.round_up(q_len, tile_tokens)
+  q_len_padded = round_up(q_len, tile_tokens)
   num_tiles = q_len_padded // tile_tokens
   tile_rows = tile_tokens * group
 
