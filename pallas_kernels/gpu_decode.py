@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import (GpuBlockSizes, block_sizes_for,
                                             decode_kv_splits)
+from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 from pallas_kernels.sizes import ceil_div, next_power_of_two
 
@@ -160,21 +161,6 @@ def _decode_kernel(scale_ref, q_pos_ref, q_ref, chunks_ref, page_table_ref,
   plgpu.store(l_ref, l, mask=real)
 
 
-def combine_splits(acc, m, l):
-  """Merges per-split partial softmax results (base 2) along axis 2.
-
-  acc: f32 [B, K, S, G, H]; m, l: f32 [B, K, S, G].  Rows that saw no key
-  (l == 0 in every split) come out as zeros.
-  """
-  m_total = jnp.max(m, axis=2, keepdims=True)
-  weight = jnp.exp2(m - m_total)
-  l_total = jnp.sum(weight * l, axis=2)
-  acc_total = jnp.sum(weight[..., None] * acc, axis=2)
-  safe_l = jnp.where(l_total > 0, l_total, 1.0)
-  return jnp.where((l_total > 0)[..., None], acc_total / safe_l[..., None],
-                   0.0)
-
-
 def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
                     interpret: bool = False,
@@ -261,5 +247,7 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
     page_table, page_pos, page_len, page_shift, common.flat_pages(k_pages),
     common.flat_pages(v_pages))
 
-  out = combine_splits(acc[:, :, :, :group], m[..., :group], l[..., :group])
+  # acc [B, K, splits, G, H], m and l [B, K, splits, G]; scores in base 2.
+  out = merge_splits(acc[:, :, :, :group], m[..., :group], l[..., :group],
+                     axis=2, exp=jnp.exp2)
   return out.reshape(batch, 1, num_heads, head_dim).astype(q.dtype)

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_common as tc
+from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import RopeConfig, rotated_query
 from pallas_kernels.sizes import ceil_div, round_up
 from pallas_kernels.tpu_block_sizes import TpuDecodeBlockSizes
@@ -264,18 +265,7 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   rows_per_call = tc.batch_rows_per_call(pages_per_row, blocks_per_row,
                                          block_sizes.max_metadata_bytes)
   acc, m, l = tc.run_in_batch_chunks(flat_call, batched, batch, rows_per_call)
-  out = _merge_splits(acc, m[..., 0], l[..., 0])  # [B, K, Gp, H]
+  # acc [B, splits, K, Gp, H], m and l [B, splits, K, Gp] -> [B, K, Gp, H]
+  out = merge_splits(acc, m[..., 0], l[..., 0], axis=1)
   out = out[:, :, :group].reshape(batch, 1, num_heads, head_dim)
   return out.astype(q.dtype)
-
-
-def _merge_splits(acc, m, l):
-  """Merges per-split softmax states [B, S, ...] into normalised outputs."""
-  m_max = jnp.max(m, axis=1, keepdims=True)
-  m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-  weight = jnp.exp(m - m_max)  # 0 for splits that saw nothing
-  numerator = jnp.sum(weight[..., None] * acc, axis=1)
-  denominator = jnp.sum(weight * l, axis=1)[..., None]
-  return jnp.where(denominator > 0,
-                   numerator / jnp.where(denominator > 0, denominator, 1.0),
-                   0.0)
