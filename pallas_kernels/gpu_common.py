@@ -4,6 +4,7 @@ Both kernels stream the paged KV of one batch row and one kv head in blocks of
 `pages_per_block` logical pages and run an online (flash) softmax over them.
 What they share:
 
+- the tiles of a call (`kv_tiles`): block sizes, whole pages per KV step;
 - the rotation of query rows by -s for a page shift s with one cos/sin
   vector for all rows (`rotate_row_halves`);
 - the gather of one block of KV: per-column page metadata, the physical rows,
@@ -19,12 +20,15 @@ the kernels call exp2 directly.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
+from pallas_kernels.lazy_attention import ContractShapes
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 from pallas_kernels.rope import rotated_query
 from pallas_kernels.sizes import next_power_of_two, round_up
@@ -46,10 +50,33 @@ def check_power_of_2_head_dim(head_dim: int) -> None:
         f"got q head dim {head_dim}; use impl='xla' for this shape")
 
 
-def kv_block_geometry(page_size: int, block_kv: int) -> tuple[int, int]:
-  """(pages_per_block, block_k): whole pages per step, columns padded to 2^k."""
-  pages_per_block = max(1, block_kv // page_size)
-  return pages_per_block, next_power_of_two(pages_per_block * page_size)
+class KvTiles(NamedTuple):
+  """How a GPU kernel call steps through the KV of a row."""
+
+  block_sizes: GpuBlockSizes  # as given, else `block_sizes_for`'s pick
+  pages_per_block: int  # whole logical pages per step (at least one)
+  block_k: int  # columns per step: pages_per_block * page_size, padded
+
+
+def kv_tiles(kernel: str, shapes: ContractShapes, dtype,
+             block_sizes: GpuBlockSizes | None, *,
+             power_of_two_pages: bool = False) -> KvTiles:
+  """Checks the head dim and picks the tiles of one call.
+
+  Columns are padded to a power of two for the Triton tiles;
+  `power_of_two_pages` also rounds the pages per step down to a power of two.
+  """
+  check_power_of_2_head_dim(shapes.head_dim)
+  if block_sizes is None:
+    block_sizes = block_sizes_for(kernel, dtype=dtype,
+                                  head_dim=shapes.head_dim,
+                                  group=shapes.group,
+                                  page_size=shapes.page_size)
+  pages_per_block = max(1, block_sizes.block_kv // shapes.page_size)
+  if power_of_two_pages:
+    pages_per_block = 1 << (pages_per_block.bit_length() - 1)
+  return KvTiles(block_sizes, pages_per_block,
+                 next_power_of_two(pages_per_block * shapes.page_size))
 
 
 def dot_precision(dtype):

@@ -32,7 +32,6 @@ XLA kernels: everything but the final split combine happens in one kernel.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import (GpuBlockSizes, block_sizes_for,
-                                            decode_kv_splits)
+from pallas_kernels.gpu_block_sizes import GpuBlockSizes, decode_kv_splits
+from pallas_kernels.lazy_attention import contract_shapes
 from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 from pallas_kernels.sizes import ceil_div, next_power_of_two
@@ -172,35 +171,29 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   the Pallas kernel in generic interpret mode (CPU).  `block_sizes` overrides
   the tuned/default tiles.
   """
-  batch, q_len, num_heads, head_dim = q.shape
-  if q_len != 1:
+  if q.shape[1] != 1:
     raise ValueError(f"lazy_decode_gpu needs T == 1, got q shape {q.shape}")
-  common.check_power_of_2_head_dim(head_dim)
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  group = num_heads // num_kv_heads
-  num_logical_pages = page_table.shape[1]
-  if block_sizes is None:
-    block_sizes = block_sizes_for("decode", dtype=q.dtype, head_dim=head_dim,
-                                  group=group, page_size=page_size)
-  pages_per_block, block_k = common.kv_block_geometry(page_size,
-                                                      block_sizes.block_kv)
+  shapes = contract_shapes(q, k_pages, page_table)
   # The prologue scans whole blocks in power-of-two steps.
-  pages_per_block = 1 << (pages_per_block.bit_length() - 1)
-  block_k = next_power_of_two(pages_per_block * page_size)
-  num_blocks = ceil_div(num_logical_pages, pages_per_block)
-  kv_splits = decode_kv_splits(block_sizes, batch=batch,
-                               num_kv_heads=num_kv_heads,
-                               num_blocks=num_blocks)
+  tiles = common.kv_tiles("decode", shapes, q.dtype, block_sizes,
+                          power_of_two_pages=True)
+  batch, num_heads, head_dim = shapes.batch, shapes.num_heads, shapes.head_dim
+  num_kv_heads, group = shapes.num_kv_heads, shapes.group
+  num_pages, page_size = shapes.num_pages, shapes.page_size
+  num_logical_pages = shapes.num_logical_pages
+  kv_splits = decode_kv_splits(
+      tiles.block_sizes, batch=batch, num_kv_heads=num_kv_heads,
+      num_blocks=ceil_div(num_logical_pages, tiles.pages_per_block))
   rows = next_power_of_two(group, minimum=16)
   scale = (jnp.asarray(sm_scale, jnp.float32)
-           * jnp.float32(math.log2(math.e))).reshape(1)
+           * jnp.float32(common.LOG2_E)).reshape(1)
   chunks = jnp.asarray(rope.turn_chunks(head_dim))
 
   kernel = functools.partial(
       _decode_kernel, kv_splits=kv_splits, group=group, rows=rows,
-      pages_per_block=pages_per_block, page_size=page_size, block_k=block_k,
-      num_pages=num_pages, num_logical_pages=num_logical_pages,
-      interpret=interpret)
+      pages_per_block=tiles.pages_per_block, page_size=page_size,
+      block_k=tiles.block_k, num_pages=num_pages,
+      num_logical_pages=num_logical_pages, interpret=interpret)
   row_meta = pl.BlockSpec((None, num_logical_pages), lambda s, h, b: (b, 0))
   kv_spec = pl.BlockSpec((None, num_pages * page_size, head_dim),
                          lambda s, h, b: (h, 0, 0))
@@ -240,7 +233,7 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
           scratch_shape,
           scratch_shape,
       ],
-      compiler_params=common.compiler_params(block_sizes),
+      compiler_params=common.compiler_params(tiles.block_sizes),
       interpret=interpret,
       name="lazy_decode",
   )(scale, q_pos, q.reshape(batch, num_kv_heads, group, head_dim), chunks,

@@ -12,6 +12,7 @@ Validates shapes and dtypes at trace time, then dispatches to one of:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,29 @@ def resolve_impl(impl: str) -> str:
   return "xla"
 
 
-def _shape_str(x) -> str:
-  return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+class ContractShapes(NamedTuple):
+  """The sizes that the contract's operands define (see `lazy_attention`)."""
+
+  batch: int  # B
+  q_len: int  # T
+  num_heads: int  # N
+  head_dim: int  # H
+  num_kv_heads: int  # K
+  group: int  # G = N / K
+  num_pages: int  # physical pages of the pool
+  page_size: int
+  num_logical_pages: int  # M
+
+
+def contract_shapes(q, k_pages, page_table) -> ContractShapes:
+  """Sizes of already validated operands (`check_lazy_attention_shapes`)."""
+  batch, q_len, num_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  return ContractShapes(batch=batch, q_len=q_len, num_heads=num_heads,
+                        head_dim=head_dim, num_kv_heads=num_kv_heads,
+                        group=num_heads // num_kv_heads, num_pages=num_pages,
+                        page_size=page_size,
+                        num_logical_pages=page_table.shape[1])
 
 
 def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
