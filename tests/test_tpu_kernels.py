@@ -30,7 +30,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
-from pallas_kernels import tpu_common
+from pallas_kernels import tpu_page_metadata
 from pallas_kernels.tpu_block_sizes import (TpuDecodeBlockSizes,
                                             TpuPrefillBlockSizes)
 from pallas_kernels.tpu_decode import lazy_decode_tpu
@@ -147,7 +147,7 @@ def test_tpu_kernel_parity_interpret(case):
 
 
 def _page_metadata(*page_arrays, num_physical_pages, pages_per_block):
-  build = jax.jit(functools.partial(tpu_common.build_page_metadata,
+  build = jax.jit(functools.partial(tpu_page_metadata.build_page_metadata,
                                     num_physical_pages=num_physical_pages,
                                     pages_per_block=pages_per_block))
   return build(*(jnp.asarray(a, jnp.int32) for a in page_arrays))
@@ -169,7 +169,7 @@ def test_blocks_spanning_documents_are_exercised():
                           lazy.page_len,
                           num_physical_pages=lazy.k_pages.shape[1],
                           pages_per_block=ppb)
-    assert int(jnp.max(meta["block_num_shifts"])) > 1, case.name
+    assert int(jnp.max(meta.block_num_shifts)) > 1, case.name
 
 
 def test_page_metadata_lists_distinct_shifts_per_block():
@@ -183,9 +183,9 @@ def test_page_metadata_lists_distinct_shifts_per_block():
                         num_physical_pages=num_physical, pages_per_block=ppb)
   num_blocks = -(-num_logical // ppb)
   pages_per_row = num_blocks * ppb
-  info = np.asarray(meta["page_info"]).reshape(batch, pages_per_row)
-  lists = np.asarray(meta["block_shifts"]).reshape(batch, num_blocks, ppb)
-  counts = np.asarray(meta["block_num_shifts"]).reshape(batch, num_blocks)
+  info = np.asarray(meta.page_info).reshape(batch, pages_per_row)
+  lists = np.asarray(meta.block_shifts).reshape(batch, num_blocks, ppb)
+  counts = np.asarray(meta.block_num_shifts).reshape(batch, num_blocks)
   for b in range(batch):
     for blk in range(num_blocks):
       expected = []  # distinct shifts of used pages, in order of first use
