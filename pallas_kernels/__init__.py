@@ -6,6 +6,7 @@ metadata saying where each page sits and by how much it is shifted.
 """
 
 from pallas_kernels.lazy_attention import (
+    check_kv_pools,
     check_lazy_attention_shapes,
     check_lazy_attention_values,
     lazy_attention,
@@ -19,6 +20,7 @@ __all__ = [
     "MAX_ROPE_POSITION",
     "RopeConfig",
     "apply_rope",
+    "check_kv_pools",
     "check_lazy_attention_shapes",
     "check_lazy_attention_values",
     "lazy_attention",

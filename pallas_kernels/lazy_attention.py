@@ -63,6 +63,19 @@ def contract_shapes(q, k_pages, page_table) -> ContractShapes:
                         num_logical_pages=page_table.shape[1])
 
 
+def check_kv_pools(k_pool, v_pool, dtype, *, names=("k_pages", "v_pages"),
+                   dtype_name="q dtype"):
+  """Raises ValueError, naming the pool, unless the K and V pools have one
+  shape and both have `dtype` (described as `dtype_name` in the message)."""
+  if v_pool.shape != k_pool.shape:
+    raise ValueError(f"{names[1]} shape {v_pool.shape} must equal {names[0]} "
+                     f"shape {k_pool.shape}")
+  for name, pool in zip(names, (k_pool, v_pool)):
+    if pool.dtype != dtype:
+      raise ValueError(f"{name} dtype {pool.dtype} must equal {dtype_name} "
+                       f"{dtype}")
+
+
 def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
                                 page_shift, page_len, q_pos):
   """Raises ValueError naming the offending argument; works on tracers."""
@@ -74,12 +87,7 @@ def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
   if k_pages.ndim != 4:
     raise ValueError(
         f"k_pages must be [K, num_pages, page_size, H], got shape {k_pages.shape}")
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape "
-                     f"{k_pages.shape}")
-  for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if arr.dtype != q.dtype:
-      raise ValueError(f"{name} dtype {arr.dtype} must equal q dtype {q.dtype}")
+  check_kv_pools(k_pages, v_pages, q.dtype)
   num_kv_heads, _, _, kv_head_dim = k_pages.shape
   if kv_head_dim != head_dim:
     raise ValueError(f"k_pages head dim {kv_head_dim} must equal q head dim "
