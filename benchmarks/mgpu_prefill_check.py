@@ -48,6 +48,7 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
                                              mgpu_prefill_kernel,
                                              rotated_query_tokens)
+from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 VARIANTS = {
     # f32 query storage (the default before 2026-11-29's run 7).
@@ -98,7 +99,6 @@ def build_inputs(key, rng, *, batch, q_len, context):
 
 
 def _parity_cases():
-  from tests.kernel_cases import make_case
   plain = RopeConfig(theta=10000.0)
   cases = []
   for name, kwargs, rope, sizes in [
@@ -120,7 +120,6 @@ def _parity_cases():
 
 
 def run_parity():
-  from tests.kernel_cases import numpy_truth, relative_error
   print("# parity (relative L2 error, bf16 tolerance 2e-2)", flush=True)
   ok = True
 

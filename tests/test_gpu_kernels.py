@@ -2,8 +2,8 @@
 
 On CPU the kernels run with pallas_call(interpret=True); the same sweep runs
 on a real GPU under `@pytest.mark.gpu` (skipped by CPU CI).  Every case draws
-fresh random inputs (tests/kernel_cases.make_case: ragged documents, an empty
-page between documents, a physical page read by two rows at different
+fresh random inputs (pallas_kernels.testing.make_case: ragged documents, an
+empty page between documents, a physical page read by two rows at different
 shifts, shuffled physical pages, padding query rows, NaN in every unused page
 and padding slot) and is checked against the float64 NumPy truth and the jnp
 reference.  The case list covers every value of every swept axis without the
@@ -26,7 +26,7 @@ from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
 from pallas_kernels.gpu_common import prefix_sum
 from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu, prefill_segments
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,

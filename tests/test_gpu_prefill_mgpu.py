@@ -9,7 +9,7 @@ On a GPU (`@pytest.mark.gpu`): parity with the jnp reference and the float64
 truth on cases with ragged documents, an empty page (page_len 0), NaN in
 every unused page and padding slot, padding rows (q_pos -1), shuffled
 physical pages and one physical document read by two rows at different
-shifts (tests/kernel_cases.make_case), plus a benchmark-like layout.
+shifts (pallas_kernels.testing.make_case), plus a benchmark-like layout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax import export
 from pallas_kernels import RopeConfig, lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
                                              lazy_prefill_mgpu, step_records)
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -226,7 +226,7 @@ def _doc_layout_case(rng, *, num_docs, doc_len, q_len, num_heads, num_kv_heads,
   """Benchmark-like layout: whole-page documents stored from angle 0 at
   shift = their start, then the chunk's own pages; shuffled physical pages.
   Most KV steps take the fast path (full pages, fully visible)."""
-  from tests.kernel_cases import LazyCase
+  from pallas_kernels.testing import LazyCase
   doc_pages = doc_len // page_size
   own_pages = -(-q_len // page_size)
   pages = num_docs * doc_pages + own_pages

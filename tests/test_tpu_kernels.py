@@ -35,7 +35,7 @@ from pallas_kernels.tpu_block_sizes import (TpuDecodeBlockSizes,
                                             TpuPrefillBlockSizes)
 from pallas_kernels.tpu_decode import lazy_decode_tpu
 from pallas_kernels.tpu_prefill import lazy_prefill_tpu
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 PLAIN = RopeConfig(10000.0)
 LLAMA3 = RopeConfig(500000.0, factor=8.0, low_freq_factor=1.0,

@@ -1,8 +1,9 @@
 """Random inputs for the lazy attention contract, and a float64 NumPy truth.
 
-Shared by the kernel tests and benchmarks/kernels.py.  Every physical slot that
-the contract says must never be read (unused pages, padding slots past
-page_len) is filled with NaN, so a stray read shows up as NaN in the output.
+For checking an implementation of the contract: the kernel tests and the
+GPU checks in benchmarks/ use them.  Every physical slot that the contract
+says must never be read (unused pages, padding slots past page_len) is
+filled with NaN, so a stray read shows up as NaN in the output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from pallas_kernels.rope import RopeConfig
+from pallas_kernels.sizes import ceil_div
 
 
 @dataclasses.dataclass
@@ -51,7 +53,7 @@ def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
   num_physical = extra_physical_pages
   def alloc(n_tokens):
     nonlocal num_physical
-    n_pages = -(-n_tokens // page_size)
+    n_pages = ceil_div(n_tokens, page_size)
     ids = list(range(num_physical, num_physical + n_pages))
     num_physical += n_pages
     return ids
