@@ -251,7 +251,7 @@ def prefix_sum(x):
   Written as one masked reduction ([..., M, M], which XLA fuses into a single
   kernel) because jnp.cumsum lowers on GPU to a tree of reduce-window ops,
   several launches each; the XLA work before the prefill kernels is launch
-  bound (benchmarks/kernel_notes.md), and the metadata rows here are short
+  bound (docs/kernels.md), and the metadata rows here are short
   (M logical pages), so the quadratic sum costs less than the launches.
   """
   m = x.shape[-1]

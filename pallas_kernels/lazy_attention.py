@@ -255,7 +255,7 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
                    page_len, q_pos, *, rope: RopeConfig, sm_scale=None,
                    impl: str = "auto", interpret: bool = False,
                    page_offset=None, plan=None):
-  """Paged attention with deferred RoPE (DESIGN.md section 2).
+  """Paged attention with deferred RoPE (docs/design.md, 'Kernel contract').
 
   Score of query row (b, t, n) against slot i of logical page m:
     <R(q_pos - page_shift) q, k_pages[n // G, page_table[b, m], i]> * sm_scale

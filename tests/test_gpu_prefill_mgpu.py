@@ -1,4 +1,4 @@
-"""Lazy prefill on Hopper through Pallas Mosaic GPU (gpu_prefill_mgpu.py).
+"""Lazy prefill on Hopper through Pallas Mosaic GPU (gpu_prefill_mgpu*.py).
 
 On CPU: the kernel is lowered for CUDA with jax.export (the Pallas Mosaic GPU
 lowering runs here and catches layout, shape and shared-memory errors), run
@@ -98,12 +98,12 @@ needs_interpreter = pytest.mark.skipif(
 
 def test_interpret_without_the_interpreter_names_the_missing_module(
     monkeypatch):
-  from pallas_kernels import gpu_prefill_mgpu
+  from pallas_kernels import gpu_prefill_mgpu_kernel
   # None in sys.modules makes the import fail as on a jax without the module.
   monkeypatch.setitem(sys.modules,
                       "jax._src.pallas.mosaic_gpu.interpret.params", None)
   with pytest.raises(ImportError, match="mosaic_gpu.interpret"):
-    gpu_prefill_mgpu._interpreter_params()
+    gpu_prefill_mgpu_kernel._interpreter_params()
 
 
 def _call(args, *, rope=PLAIN, block_sizes=None, interpret=False):
