@@ -116,8 +116,8 @@ PREFILL_VARIANTS = {
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
-# steps, 16-bit query storage): the default before 2026-11-29 (64-key steps,
-# f32 query) and the default with the ping-pong barrier.
+# steps, 16-bit query storage): the previous default (64-key steps, f32
+# query) and the default with the ping-pong barrier (docs/kernels.md).
 MOSAIC_CANDIDATES = {
     "k64w2s2-f32": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
                                   num_stages=2, query_in_f32=True),
@@ -284,8 +284,8 @@ def _jax_paged(settings):
 
 
 # Its defaults (block_h 16, 8 pages per compute block, 16 splits, 8 warps,
-# 2 stages).  A first run also tried 16 pages per block with 8 splits: slower
-# at every decode shape (benchmarks/kernel_notes.md).
+# 2 stages).  16 pages per block with 8 splits was slower at every decode
+# shape (docs/kernels.md).
 JAX_PAGED_SETTINGS = {
     "defaults": {},
 }

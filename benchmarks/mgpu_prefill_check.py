@@ -51,7 +51,7 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 VARIANTS = {
-    # f32 query storage (the default before 2026-11-29's run 7).
+    # f32 query storage (the previous default used k64w2s2).
     "k64w2s3-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
                                     num_stages=3, schedule_barrier=True,
                                     query_in_f32=True),
