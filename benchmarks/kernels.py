@@ -100,19 +100,20 @@ DECODE_VARIANTS = {
     "d128w4s3": GpuBlockSizes(block_kv=128, num_warps=4, num_stages=3),
     "d128w8s2": GpuBlockSizes(block_kv=128, num_warps=8, num_stages=2),
 }
+
+
+def _prefill_tiles(block_q, block_kv, warps, stages):
+  return GpuBlockSizes(block_q=block_q, block_kv=block_kv, num_warps=warps,
+                       num_stages=stages)
+
+
 PREFILL_VARIANTS = {
-    "q64k64w4s3": GpuBlockSizes(block_q=64, block_kv=64, num_warps=4,
-                                num_stages=3),
-    "q64k128w4s2": GpuBlockSizes(block_q=64, block_kv=128, num_warps=4,
-                                 num_stages=2),
-    "q64k64w8s3": GpuBlockSizes(block_q=64, block_kv=64, num_warps=8,
-                                num_stages=3),
-    "q128k64w8s2": GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
-                                 num_stages=2),
-    "q128k64w8s3": GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
-                                 num_stages=3),
-    "q128k128w8s2": GpuBlockSizes(block_q=128, block_kv=128, num_warps=8,
-                                  num_stages=2),
+    "q64k64w4s3": _prefill_tiles(64, 64, 4, 3),
+    "q64k128w4s2": _prefill_tiles(64, 128, 4, 2),
+    "q64k64w8s3": _prefill_tiles(64, 64, 8, 3),
+    "q128k64w8s2": _prefill_tiles(128, 64, 8, 2),
+    "q128k64w8s3": _prefill_tiles(128, 64, 8, 3),
+    "q128k128w8s2": _prefill_tiles(128, 128, 8, 2),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
