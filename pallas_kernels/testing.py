@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.rope import RopeConfig
@@ -30,6 +32,24 @@ class LazyCase:
   def args(self):
     return (self.q, self.k_pages, self.v_pages, self.page_table, self.page_pos,
             self.page_shift, self.page_len, self.q_pos)
+
+
+def contract_specs(*, batch, q_len, num_heads, num_kv_heads, head_dim,
+                   num_pages, page_size, num_logical_pages,
+                   dtype=jnp.float32):
+  """jax.ShapeDtypeStruct of the contract's eight array arguments, in order
+  (for jax.export and shape-only calls)."""
+  spec = jax.ShapeDtypeStruct
+  pages = spec((num_kv_heads, num_pages, page_size, head_dim), dtype)
+  meta = spec((batch, num_logical_pages), jnp.int32)
+  return ([spec((batch, q_len, num_heads, head_dim), dtype), pages, pages]
+          + [meta] * 4 + [spec((batch, q_len), jnp.int32)])
+
+
+def zero_args(**sizes):
+  """Zero arrays of `contract_specs(**sizes)`: the cheapest valid-shaped
+  call, for argument checks."""
+  return [jnp.zeros(s.shape, s.dtype) for s in contract_specs(**sizes)]
 
 
 def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,

@@ -26,7 +26,8 @@ from jax import export
 from pallas_kernels import RopeConfig, lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
                                              lazy_prefill_mgpu, step_records)
-from pallas_kernels.testing import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
+                                    relative_error)
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -36,11 +37,10 @@ BF16_TOLERANCE = 2e-2
 
 def _specs(batch, q_len, heads, kv_heads, head_dim, pages, page_size,
            logical, dtype=jnp.bfloat16):
-  spec = jax.ShapeDtypeStruct
-  return ([spec((batch, q_len, heads, head_dim), dtype)]
-          + [spec((kv_heads, pages, page_size, head_dim), dtype)] * 2
-          + [spec((batch, logical), jnp.int32)] * 4
-          + [spec((batch, q_len), jnp.int32)])
+  return contract_specs(batch=batch, q_len=q_len, num_heads=heads,
+                        num_kv_heads=kv_heads, head_dim=head_dim,
+                        num_pages=pages, page_size=page_size,
+                        num_logical_pages=logical, dtype=dtype)
 
 
 def _export(args, block_sizes=None):

@@ -35,7 +35,8 @@ from pallas_kernels.tpu_block_sizes import (TpuDecodeBlockSizes,
                                             TpuPrefillBlockSizes)
 from pallas_kernels.tpu_decode import lazy_decode_tpu
 from pallas_kernels.tpu_prefill import lazy_prefill_tpu
-from pallas_kernels.testing import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
+                                    relative_error, zero_args)
 
 PLAIN = RopeConfig(10000.0)
 LLAMA3 = RopeConfig(500000.0, factor=8.0, low_freq_factor=1.0,
@@ -220,10 +221,11 @@ LOWERING_CONFIGS = [
          for c in LOWERING_CONFIGS])
 def test_tpu_kernels_export_for_tpu(q_len, config):
   dtype, num_heads, num_kv_heads, head_dim, page_size = config
-  batch, num_logical, num_pages = 4, 40, 64
-  spec = jax.ShapeDtypeStruct
-  pages = spec((num_kv_heads, num_pages, page_size, head_dim), dtype)
-  meta = spec((batch, num_logical), jnp.int32)
+  batch = 4
+  args = contract_specs(batch=batch, q_len=q_len, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        num_pages=64, page_size=page_size,
+                        num_logical_pages=40, dtype=dtype)
   kernel = lazy_decode_tpu if q_len == 1 else lazy_prefill_tpu
 
   def attend(q, k_pages, v_pages, page_table, page_pos, page_shift, page_len,
@@ -233,9 +235,7 @@ def test_tpu_kernels_export_for_tpu(q_len, config):
                   interpret=False)
 
   exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(
-      spec((batch, q_len, num_heads, head_dim), dtype), pages, pages, meta,
-      meta, meta, meta, spec((batch, q_len), jnp.int32),
-      spec((), jnp.float32))
+      *args, jax.ShapeDtypeStruct((), jnp.float32))
   assert exported.platforms == ("tpu",)
   (out_aval,) = exported.out_avals
   assert out_aval.shape == (batch, q_len, num_heads, head_dim)
@@ -253,10 +253,9 @@ def test_block_sizes_reject_bad_values():
 
 
 def test_page_size_must_fill_sublane_tiles():
-  q = jnp.zeros((1, 1, 2, 64), jnp.float32)
-  pages = jnp.zeros((1, 4, 4, 64), jnp.float32)
-  meta = jnp.zeros((1, 2), jnp.int32)
+  args = zero_args(batch=1, q_len=1, num_heads=2, num_kv_heads=1,
+                   head_dim=64, num_pages=4, page_size=4,
+                   num_logical_pages=2)
   with pytest.raises(ValueError, match="page size"):
-    lazy_decode_tpu(q, pages, pages, meta, meta, meta, meta,
-                    jnp.zeros((1, 1), jnp.int32), rope=PLAIN,
-                    sm_scale=jnp.float32(0.125), interpret=True)
+    lazy_decode_tpu(*args, rope=PLAIN, sm_scale=jnp.float32(0.125),
+                    interpret=True)
