@@ -100,24 +100,25 @@ DECODE_VARIANTS = {
     "d128w4s3": GpuBlockSizes(block_kv=128, num_warps=4, num_stages=3),
     "d128w8s2": GpuBlockSizes(block_kv=128, num_warps=8, num_stages=2),
 }
+
+
+def _prefill_tiles(block_q, block_kv, warps, stages):
+  return GpuBlockSizes(block_q=block_q, block_kv=block_kv, num_warps=warps,
+                       num_stages=stages)
+
+
 PREFILL_VARIANTS = {
-    "q64k64w4s3": GpuBlockSizes(block_q=64, block_kv=64, num_warps=4,
-                                num_stages=3),
-    "q64k128w4s2": GpuBlockSizes(block_q=64, block_kv=128, num_warps=4,
-                                 num_stages=2),
-    "q64k64w8s3": GpuBlockSizes(block_q=64, block_kv=64, num_warps=8,
-                                num_stages=3),
-    "q128k64w8s2": GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
-                                 num_stages=2),
-    "q128k64w8s3": GpuBlockSizes(block_q=128, block_kv=64, num_warps=8,
-                                 num_stages=3),
-    "q128k128w8s2": GpuBlockSizes(block_q=128, block_kv=128, num_warps=8,
-                                  num_stages=2),
+    "q64k64w4s3": _prefill_tiles(64, 64, 4, 3),
+    "q64k128w4s2": _prefill_tiles(64, 128, 4, 2),
+    "q64k64w8s3": _prefill_tiles(64, 64, 8, 3),
+    "q128k64w8s2": _prefill_tiles(128, 64, 8, 2),
+    "q128k64w8s3": _prefill_tiles(128, 64, 8, 3),
+    "q128k128w8s2": _prefill_tiles(128, 128, 8, 2),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
-# steps, 16-bit query storage): the default before 2026-11-29 (64-key steps,
-# f32 query) and the default with the ping-pong barrier.
+# steps, 16-bit query storage): the previous default (64-key steps, f32
+# query) and the default with the ping-pong barrier (docs/kernels.md).
 MOSAIC_CANDIDATES = {
     "k64w2s2-f32": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
                                   num_stages=2, query_in_f32=True),
@@ -284,8 +285,8 @@ def _jax_paged(settings):
 
 
 # Its defaults (block_h 16, 8 pages per compute block, 16 splits, 8 warps,
-# 2 stages).  A first run also tried 16 pages per block with 8 splits: slower
-# at every decode shape (benchmarks/kernel_notes.md).
+# 2 stages).  16 pages per block with 8 splits was slower at every decode
+# shape (docs/kernels.md).
 JAX_PAGED_SETTINGS = {
     "defaults": {},
 }

@@ -48,32 +48,26 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
                                              mgpu_prefill_kernel,
                                              rotated_query_tokens)
+from pallas_kernels.testing import make_case, numpy_truth, relative_error
+
+def _tiles(block_kv, wgs, stages, *, sched, f32_query):
+  return MgpuBlockSizes(block_kv=block_kv, num_compute_wgs=wgs,
+                        num_stages=stages, schedule_barrier=sched,
+                        query_in_f32=f32_query)
+
 
 VARIANTS = {
-    # f32 query storage (the default before 2026-11-29's run 7).
-    "k64w2s3-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                    num_stages=3, schedule_barrier=True,
-                                    query_in_f32=True),
-    "k64w2s2-sched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                    num_stages=2, schedule_barrier=True,
-                                    query_in_f32=True),
-    "k64w2s2-nosched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                      num_stages=2, schedule_barrier=False,
-                                      query_in_f32=True),
-    "k64w2s3-nosched": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                      num_stages=3, schedule_barrier=False,
-                                      query_in_f32=True),
-    "k128w1s2": MgpuBlockSizes(block_kv=128, num_compute_wgs=1, num_stages=2,
-                               query_in_f32=True),
+    # f32 query storage (the previous default used k64w2s2).
+    "k64w2s3-sched": _tiles(64, 2, 3, sched=True, f32_query=True),
+    "k64w2s2-sched": _tiles(64, 2, 2, sched=True, f32_query=True),
+    "k64w2s2-nosched": _tiles(64, 2, 2, sched=False, f32_query=True),
+    "k64w2s3-nosched": _tiles(64, 2, 3, sched=False, f32_query=True),
+    "k128w1s2": _tiles(128, 1, 2, sched=False, f32_query=True),
     # 16-bit query storage: half the query's shared memory, which makes room
     # for 128-key steps with two compute warpgroups.
-    "k64w2s2-q16": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
-                                  num_stages=2, query_in_f32=False),
-    "k128w2s2-q16": MgpuBlockSizes(block_kv=128, num_compute_wgs=2,
-                                   num_stages=2, query_in_f32=False),  # default
-    "k128w2s2-q16-sched": MgpuBlockSizes(block_kv=128, num_compute_wgs=2,
-                                         num_stages=2, query_in_f32=False,
-                                         schedule_barrier=True),
+    "k64w2s2-q16": _tiles(64, 2, 2, sched=False, f32_query=False),
+    "k128w2s2-q16": _tiles(128, 2, 2, sched=False, f32_query=False),  # default
+    "k128w2s2-q16-sched": _tiles(128, 2, 2, sched=True, f32_query=False),
 }
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
@@ -98,7 +92,6 @@ def build_inputs(key, rng, *, batch, q_len, context):
 
 
 def _parity_cases():
-  from tests.kernel_cases import make_case
   plain = RopeConfig(theta=10000.0)
   cases = []
   for name, kwargs, rope, sizes in [
@@ -120,7 +113,6 @@ def _parity_cases():
 
 
 def run_parity():
-  from tests.kernel_cases import numpy_truth, relative_error
   print("# parity (relative L2 error, bf16 tolerance 2e-2)", flush=True)
   ok = True
 

@@ -1,11 +1,13 @@
-"""Deferred-RoPE paged attention kernels (DESIGN.md section 2).
+"""Deferred-RoPE paged attention kernels.
 
 The kernels know nothing about models: they take raw queries, a paged K/V pool
 whose keys are stored rotated at their own stored angle, and per-logical-page
-metadata saying where each page sits and by how much it is shifted.
+metadata saying where each page sits and by how much it is shifted.  The
+contract: docs/design.md, 'Kernel contract'; the kernels: docs/kernels.md.
 """
 
 from pallas_kernels.lazy_attention import (
+    check_kv_pools,
     check_lazy_attention_shapes,
     check_lazy_attention_values,
     lazy_attention,
@@ -19,6 +21,7 @@ __all__ = [
     "MAX_ROPE_POSITION",
     "RopeConfig",
     "apply_rope",
+    "check_kv_pools",
     "check_lazy_attention_shapes",
     "check_lazy_attention_values",
     "lazy_attention",

@@ -1,9 +1,11 @@
-"""Tile sizes and Triton launch parameters of the GPU lazy attention kernels.
+"""Tile sizes of the GPU lazy attention kernels.
 
-`GpuBlockSizes` is what a caller (or benchmarks/kernels.py) passes as
+`GpuBlockSizes` (tiles and Triton launch parameters of the Triton decode and
+prefill kernels) is what a caller, or benchmarks/kernels.py, passes as
 `block_sizes=`; `block_sizes_for` picks one when none is given: the tuned
-table below first (measured on an H200, see benchmarks/kernel_notes.md), then
-the defaults.
+table below first, then the defaults.  `MgpuBlockSizes` are the tiles of the
+Mosaic GPU (Hopper) prefill kernel.  How the tuned values were found:
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+
+from pallas_kernels.sizes import ceil_div
 
 # Decode aims for about four waves of programs on a 132-SM Hopper part when it
 # picks kv_splits itself: enough programs in flight to cover HBM latency.
@@ -75,16 +79,14 @@ DEFAULTS = {
                                   num_stages=2),
 }
 
-# Tuned on an H200 (jax 0.11.2) by benchmarks/kernels.py (numbers in
-# benchmarks/kernel_notes.md).  Key: (kernel, dtype name, head dim H,
-# group G = N / K, page size).
+# The fastest variants of benchmarks/kernels.py on an H200 (docs/kernels.md).
+# Key: (kernel, dtype name, head dim H, group G = N / K, page size).
 TUNED: dict[tuple[str, str, int, int, int], GpuBlockSizes] = {
-    # Llama-3-8B-like decode: 4.15 TB/s of KV read at B64/ctx8192 (d128w4s3;
-    # two stages within 1 %, 8 warps half as fast).
+    # Llama-3-8B-like decode: 128-key steps; 8 warps were half as fast.
     ("decode", "bfloat16", 128, 4, 16): GpuBlockSizes(
         block_kv=128, num_warps=4, num_stages=3),
-    # 512-token chunk against 8K context: q64k64w4s3 (188 TFLOP/s) level with
-    # the 128-row tiles; all register bound (255 registers/thread).
+    # 512-token chunk against 8K context: as fast as 128-row tiles (the
+    # kernel is register bound either way) with fewer warps.
     ("prefill", "bfloat16", 128, 4, 16): GpuBlockSizes(
         block_q=64, block_kv=64, num_warps=4, num_stages=3),
 }
@@ -108,5 +110,58 @@ def decode_kv_splits(block_sizes: GpuBlockSizes, *, batch: int,
   if block_sizes.kv_splits is not None:
     return block_sizes.kv_splits
   programs = batch * num_kv_heads
-  wanted = -(-DECODE_TARGET_PROGRAMS // programs)
+  wanted = ceil_div(DECODE_TARGET_PROGRAMS, programs)
   return max(1, min(wanted, num_blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU (Hopper) prefill
+
+# Query rows of one compute warpgroup: the M of one wgmma.
+WG_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuBlockSizes:
+  """Tiles of the Mosaic GPU prefill kernel.
+
+  Attributes:
+    block_kv: keys per step (whole pages): 64 or 128.
+    num_compute_wgs: compute warpgroups per CTA (64 query rows each), 1 or 2.
+    num_stages: depth of the K/V shared-memory ring (>= 2).
+    schedule_barrier: ping-pong the two compute warpgroups (FA3 style).
+    mask_fast_path: skip the score mask on steps that need none.
+    query_in_f32: keep R(q_pos) q in float32 (one rounding to 16 bits per
+      segment).  False keeps it in q's 16-bit dtype (two roundings, half the
+      shared memory: room for block_kv 128 with two warpgroups).
+  """
+
+  # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
+  # 128-key steps with two warpgroups fit in shared memory only beside a
+  # 16-bit query; a third stage did not pay.
+  block_kv: int = 128
+  num_compute_wgs: int = 2
+  num_stages: int = 2
+  # Off until the GPU test suite has run with it (docs/kernels.md).
+  schedule_barrier: bool = False
+  mask_fast_path: bool = True
+  query_in_f32: bool = False
+
+  def __post_init__(self):
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
+    if self.num_compute_wgs not in (1, 2):
+      raise ValueError(
+          f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+
+
+def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int) -> int:
+  """Shared memory of one CTA (buffers only; barriers are a few bytes)."""
+  wgs, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
+  q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
+  q_16 = wgs * WG_ROWS * head_dim * 2
+  kv = stages * 2 * block_sizes.block_kv * head_dim * 2
+  small = stages * (2 * 256 + 2 * head_dim * 4) + wgs * WG_ROWS * 4
+  return q_store + q_16 + kv + small

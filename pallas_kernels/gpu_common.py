@@ -4,6 +4,7 @@ Both kernels stream the paged KV of one batch row and one kv head in blocks of
 `pages_per_block` logical pages and run an online (flash) softmax over them.
 What they share:
 
+- the tiles of a call (`kv_tiles`): block sizes, whole pages per KV step;
 - the rotation of query rows by -s for a page shift s with one cos/sin
   vector for all rows (`rotate_row_halves`);
 - the gather of one block of KV: per-column page metadata, the physical rows,
@@ -19,14 +20,18 @@ the kernels call exp2 directly.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
+from pallas_kernels.lazy_attention import ContractShapes
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 from pallas_kernels.rope import rotated_query
+from pallas_kernels.sizes import next_power_of_two, round_up
 
 LOG2_E = math.log2(math.e)
 # Running-max start value: finite, so a row that has seen only masked (-inf)
@@ -38,10 +43,6 @@ NEVER_VISIBLE = 2**31 - 1
 PADDING_ROW = -(2**31)
 
 
-def next_power_of_2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 def check_power_of_2_head_dim(head_dim: int) -> None:
   if head_dim < 16 or head_dim & (head_dim - 1):
     raise ValueError(
@@ -49,10 +50,33 @@ def check_power_of_2_head_dim(head_dim: int) -> None:
         f"got q head dim {head_dim}; use impl='xla' for this shape")
 
 
-def kv_block_geometry(page_size: int, block_kv: int) -> tuple[int, int]:
-  """(pages_per_block, block_k): whole pages per step, columns padded to 2^k."""
-  pages_per_block = max(1, block_kv // page_size)
-  return pages_per_block, next_power_of_2(pages_per_block * page_size)
+class KvTiles(NamedTuple):
+  """How a GPU kernel call steps through the KV of a row."""
+
+  block_sizes: GpuBlockSizes  # as given, else `block_sizes_for`'s pick
+  pages_per_block: int  # whole logical pages per step (at least one)
+  block_k: int  # columns per step: pages_per_block * page_size, padded
+
+
+def kv_tiles(kernel: str, shapes: ContractShapes, dtype,
+             block_sizes: GpuBlockSizes | None, *,
+             power_of_two_pages: bool = False) -> KvTiles:
+  """Checks the head dim and picks the tiles of one call.
+
+  Columns are padded to a power of two for the Triton tiles;
+  `power_of_two_pages` also rounds the pages per step down to a power of two.
+  """
+  check_power_of_2_head_dim(shapes.head_dim)
+  if block_sizes is None:
+    block_sizes = block_sizes_for(kernel, dtype=dtype,
+                                  head_dim=shapes.head_dim,
+                                  group=shapes.group,
+                                  page_size=shapes.page_size)
+  pages_per_block = max(1, block_sizes.block_kv // shapes.page_size)
+  if power_of_two_pages:
+    pages_per_block = 1 << (pages_per_block.bit_length() - 1)
+  return KvTiles(block_sizes, pages_per_block,
+                 next_power_of_two(pages_per_block * shapes.page_size))
 
 
 def dot_precision(dtype):
@@ -196,7 +220,7 @@ def grouped_query_rows(q, q_pos, rope: RopeConfig, sm_scale, num_kv_heads,
   batch, q_len, num_heads, head_dim = q.shape
   group = num_heads // num_kv_heads
   num_rows = q_len * group
-  padded_rows = -(-num_rows // rows_multiple) * rows_multiple
+  padded_rows = round_up(num_rows, rows_multiple)
   scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(LOG2_E)
   q_rot, _ = rotated_query(q, q_pos, rope, scale)
 
@@ -214,7 +238,7 @@ def grouped_row_positions(q_pos, group, rows_multiple):
   grouped_query_rows), PADDING_ROW for padding rows."""
   batch, q_len = q_pos.shape
   num_rows = q_len * group
-  padded_rows = -(-num_rows // rows_multiple) * rows_multiple
+  padded_rows = round_up(num_rows, rows_multiple)
   row_pos = jnp.where(q_pos >= 0, q_pos, PADDING_ROW)
   row_pos = jnp.repeat(row_pos, group, axis=1)
   return jnp.pad(row_pos, ((0, 0), (0, padded_rows - num_rows)),
@@ -227,7 +251,7 @@ def prefix_sum(x):
   Written as one masked reduction ([..., M, M], which XLA fuses into a single
   kernel) because jnp.cumsum lowers on GPU to a tree of reduce-window ops,
   several launches each; the XLA work before the prefill kernels is launch
-  bound (benchmarks/kernel_notes.md), and the metadata rows here are short
+  bound (docs/kernels.md), and the metadata rows here are short
   (M logical pages), so the quadratic sum costs less than the launches.
   """
   m = x.shape[-1]

@@ -32,7 +32,6 @@ XLA kernels: everything but the final split combine happens in one kernel.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +40,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import (GpuBlockSizes, block_sizes_for,
-                                            decode_kv_splits)
+from pallas_kernels.gpu_block_sizes import GpuBlockSizes, decode_kv_splits
+from pallas_kernels.lazy_attention import contract_shapes
+from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
+from pallas_kernels.sizes import ceil_div, next_power_of_two
 
 
 def scan_pages_for(pages_per_block: int) -> int:
@@ -51,7 +52,7 @@ def scan_pages_for(pages_per_block: int) -> int:
   pages_per_block, about 256, with the [pages, pages_per_block] leader test
   kept near 4K elements so long contexts cost steps, not registers."""
   return max(pages_per_block,
-             min(256, common.next_power_of_2(4096 // pages_per_block)))
+             min(256, next_power_of_two(4096 // pages_per_block)))
 
 
 def _list_work_items(q_pos, page_pos_ref, page_len_ref, page_shift_ref,
@@ -65,7 +66,7 @@ def _list_work_items(q_pos, page_pos_ref, page_len_ref, page_shift_ref,
   """
   scan_pages = scan_pages_for(pages_per_block)
   blocks_per_scan = scan_pages // pages_per_block
-  num_scans = -(-num_logical_pages // scan_pages)
+  num_scans = ceil_div(num_logical_pages, scan_pages)
   block_in_scan = lax.broadcasted_iota(jnp.int32, (blocks_per_scan,
                                                    pages_per_block), 0)
   slot = lax.broadcasted_iota(jnp.int32, (blocks_per_scan, pages_per_block),
@@ -159,21 +160,6 @@ def _decode_kernel(scale_ref, q_pos_ref, q_ref, chunks_ref, page_table_ref,
   plgpu.store(l_ref, l, mask=real)
 
 
-def combine_splits(acc, m, l):
-  """Merges per-split partial softmax results (base 2) along axis 2.
-
-  acc: f32 [B, K, S, G, H]; m, l: f32 [B, K, S, G].  Rows that saw no key
-  (l == 0 in every split) come out as zeros.
-  """
-  m_total = jnp.max(m, axis=2, keepdims=True)
-  weight = jnp.exp2(m - m_total)
-  l_total = jnp.sum(weight * l, axis=2)
-  acc_total = jnp.sum(weight[..., None] * acc, axis=2)
-  safe_l = jnp.where(l_total > 0, l_total, 1.0)
-  return jnp.where((l_total > 0)[..., None], acc_total / safe_l[..., None],
-                   0.0)
-
-
 def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
                     interpret: bool = False,
@@ -185,35 +171,29 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   the Pallas kernel in generic interpret mode (CPU).  `block_sizes` overrides
   the tuned/default tiles.
   """
-  batch, q_len, num_heads, head_dim = q.shape
-  if q_len != 1:
+  if q.shape[1] != 1:
     raise ValueError(f"lazy_decode_gpu needs T == 1, got q shape {q.shape}")
-  common.check_power_of_2_head_dim(head_dim)
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  group = num_heads // num_kv_heads
-  num_logical_pages = page_table.shape[1]
-  if block_sizes is None:
-    block_sizes = block_sizes_for("decode", dtype=q.dtype, head_dim=head_dim,
-                                  group=group, page_size=page_size)
-  pages_per_block, block_k = common.kv_block_geometry(page_size,
-                                                      block_sizes.block_kv)
+  shapes = contract_shapes(q, k_pages, page_table)
   # The prologue scans whole blocks in power-of-two steps.
-  pages_per_block = 1 << (pages_per_block.bit_length() - 1)
-  block_k = common.next_power_of_2(pages_per_block * page_size)
-  num_blocks = -(-num_logical_pages // pages_per_block)
-  kv_splits = decode_kv_splits(block_sizes, batch=batch,
-                               num_kv_heads=num_kv_heads,
-                               num_blocks=num_blocks)
-  rows = max(16, common.next_power_of_2(group))
+  tiles = common.kv_tiles("decode", shapes, q.dtype, block_sizes,
+                          power_of_two_pages=True)
+  batch, num_heads, head_dim = shapes.batch, shapes.num_heads, shapes.head_dim
+  num_kv_heads, group = shapes.num_kv_heads, shapes.group
+  num_pages, page_size = shapes.num_pages, shapes.page_size
+  num_logical_pages = shapes.num_logical_pages
+  kv_splits = decode_kv_splits(
+      tiles.block_sizes, batch=batch, num_kv_heads=num_kv_heads,
+      num_blocks=ceil_div(num_logical_pages, tiles.pages_per_block))
+  rows = next_power_of_two(group, minimum=16)
   scale = (jnp.asarray(sm_scale, jnp.float32)
-           * jnp.float32(math.log2(math.e))).reshape(1)
+           * jnp.float32(common.LOG2_E)).reshape(1)
   chunks = jnp.asarray(rope.turn_chunks(head_dim))
 
   kernel = functools.partial(
       _decode_kernel, kv_splits=kv_splits, group=group, rows=rows,
-      pages_per_block=pages_per_block, page_size=page_size, block_k=block_k,
-      num_pages=num_pages, num_logical_pages=num_logical_pages,
-      interpret=interpret)
+      pages_per_block=tiles.pages_per_block, page_size=page_size,
+      block_k=tiles.block_k, num_pages=num_pages,
+      num_logical_pages=num_logical_pages, interpret=interpret)
   row_meta = pl.BlockSpec((None, num_logical_pages), lambda s, h, b: (b, 0))
   kv_spec = pl.BlockSpec((None, num_pages * page_size, head_dim),
                          lambda s, h, b: (h, 0, 0))
@@ -253,12 +233,14 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
           scratch_shape,
           scratch_shape,
       ],
-      compiler_params=common.compiler_params(block_sizes),
+      compiler_params=common.compiler_params(tiles.block_sizes),
       interpret=interpret,
       name="lazy_decode",
   )(scale, q_pos, q.reshape(batch, num_kv_heads, group, head_dim), chunks,
     page_table, page_pos, page_len, page_shift, common.flat_pages(k_pages),
     common.flat_pages(v_pages))
 
-  out = combine_splits(acc[:, :, :, :group], m[..., :group], l[..., :group])
+  # acc [B, K, splits, G, H], m and l [B, K, splits, G]; scores in base 2.
+  out = merge_splits(acc[:, :, :, :group], m[..., :group], l[..., :group],
+                     axis=2, exp=jnp.exp2)
   return out.reshape(batch, 1, num_heads, head_dim).astype(q.dtype)

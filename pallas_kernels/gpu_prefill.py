@@ -33,8 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
+from pallas_kernels.gpu_block_sizes import GpuBlockSizes
+from pallas_kernels.lazy_attention import contract_shapes
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
+from pallas_kernels.sizes import next_power_of_two
 
 
 def prefill_segments(page_shift, live):
@@ -140,27 +142,19 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      page_len, q_pos, *, rope: RopeConfig, sm_scale,
                      interpret: bool = False,
                      block_sizes: GpuBlockSizes | None = None):
-  """Prefill (T > 1) of the lazy attention contract on GPU.
+  """Prefill (T > 1) of the lazy attention contract on GPU (Triton).
 
-  Same arguments and result as `pallas_kernels.lazy_attention` (inputs are
-  validated there); `sm_scale` is an f32 scalar array.  `interpret=True` runs
-  the Pallas kernel in generic interpret mode (CPU).  `block_sizes` overrides
-  the tuned/default tiles.
+  Arguments, options and result as for `gpu_decode.lazy_decode_gpu`.
   """
-  batch, q_len, num_heads, head_dim = q.shape
-  common.check_power_of_2_head_dim(head_dim)
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  group = num_heads // num_kv_heads
-  num_logical_pages = page_table.shape[1]
-  if block_sizes is None:
-    block_sizes = block_sizes_for("prefill", dtype=q.dtype,
-                                  head_dim=head_dim, group=group,
-                                  page_size=page_size)
-  pages_per_block, block_k = common.kv_block_geometry(page_size,
-                                                      block_sizes.block_kv)
+  shapes = contract_shapes(q, k_pages, page_table)
+  tiles = common.kv_tiles("prefill", shapes, q.dtype, block_sizes)
+  batch, q_len, head_dim = shapes.batch, shapes.q_len, shapes.head_dim
+  num_kv_heads, group = shapes.num_kv_heads, shapes.group
+  num_pages, page_size = shapes.num_pages, shapes.page_size
+  num_logical_pages = shapes.num_logical_pages
   # Small inputs: no tile larger than the (power-of-two padded) rows.
-  block_q = min(block_sizes.block_q,
-                max(16, common.next_power_of_2(q_len * group)))
+  block_q = min(tiles.block_sizes.block_q,
+                next_power_of_two(q_len * group, minimum=16))
 
   q_rot, row_pos = common.grouped_query_rows(
       q, q_pos, rope, sm_scale, num_kv_heads, rows_multiple=block_q)
@@ -174,8 +168,8 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   chunks = jnp.asarray(rope.turn_chunks(head_dim))
 
   kernel = functools.partial(
-      _prefill_kernel, pages_per_block=pages_per_block, page_size=page_size,
-      block_k=block_k, num_pages=num_pages,
+      _prefill_kernel, pages_per_block=tiles.pages_per_block,
+      page_size=page_size, block_k=tiles.block_k, num_pages=num_pages,
       num_logical_pages=num_logical_pages)
   per_row = lambda shape: pl.BlockSpec((None,) + shape,
                                        lambda t, h, b: (b,) + (0,) * len(shape))
@@ -202,7 +196,7 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       out_specs=tile_rows,
       out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim),
                                      q.dtype),
-      compiler_params=common.compiler_params(block_sizes),
+      compiler_params=common.compiler_params(tiles.block_sizes),
       interpret=interpret,
       name="lazy_prefill",
   )(tile_end, segments, segment_of_page, row_pos, q_rot, chunks,

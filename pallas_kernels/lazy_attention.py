@@ -12,6 +12,7 @@ Validates shapes and dtypes at trace time, then dispatches to one of:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,42 @@ def resolve_impl(impl: str) -> str:
   return "xla"
 
 
-def _shape_str(x) -> str:
-  return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+class ContractShapes(NamedTuple):
+  """The sizes that the contract's operands define (see `lazy_attention`)."""
+
+  batch: int  # B
+  q_len: int  # T
+  num_heads: int  # N
+  head_dim: int  # H
+  num_kv_heads: int  # K
+  group: int  # G = N / K
+  num_pages: int  # physical pages of the pool
+  page_size: int
+  num_logical_pages: int  # M
+
+
+def contract_shapes(q, k_pages, page_table) -> ContractShapes:
+  """Sizes of already validated operands (`check_lazy_attention_shapes`)."""
+  batch, q_len, num_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  return ContractShapes(batch=batch, q_len=q_len, num_heads=num_heads,
+                        head_dim=head_dim, num_kv_heads=num_kv_heads,
+                        group=num_heads // num_kv_heads, num_pages=num_pages,
+                        page_size=page_size,
+                        num_logical_pages=page_table.shape[1])
+
+
+def check_kv_pools(k_pool, v_pool, dtype, *, names=("k_pages", "v_pages"),
+                   dtype_name="q dtype"):
+  """Raises ValueError, naming the pool, unless the K and V pools have one
+  shape and both have `dtype` (described as `dtype_name` in the message)."""
+  if v_pool.shape != k_pool.shape:
+    raise ValueError(f"{names[1]} shape {v_pool.shape} must equal {names[0]} "
+                     f"shape {k_pool.shape}")
+  for name, pool in zip(names, (k_pool, v_pool)):
+    if pool.dtype != dtype:
+      raise ValueError(f"{name} dtype {pool.dtype} must equal {dtype_name} "
+                       f"{dtype}")
 
 
 def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
@@ -52,12 +87,7 @@ def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
   if k_pages.ndim != 4:
     raise ValueError(
         f"k_pages must be [K, num_pages, page_size, H], got shape {k_pages.shape}")
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape "
-                     f"{k_pages.shape}")
-  for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if arr.dtype != q.dtype:
-      raise ValueError(f"{name} dtype {arr.dtype} must equal q dtype {q.dtype}")
+  check_kv_pools(k_pages, v_pages, q.dtype)
   num_kv_heads, _, _, kv_head_dim = k_pages.shape
   if kv_head_dim != head_dim:
     raise ValueError(f"k_pages head dim {kv_head_dim} must equal q head dim "
@@ -225,7 +255,7 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
                    page_len, q_pos, *, rope: RopeConfig, sm_scale=None,
                    impl: str = "auto", interpret: bool = False,
                    page_offset=None, plan=None):
-  """Paged attention with deferred RoPE (DESIGN.md section 2).
+  """Paged attention with deferred RoPE (docs/design.md, 'Kernel contract').
 
   Score of query row (b, t, n) against slot i of logical page m:
     <R(q_pos - page_shift) q, k_pages[n // G, page_table[b, m], i]> * sm_scale

@@ -1,4 +1,6 @@
-"""Plain jnp reference of the lazy attention contract (DESIGN.md section 2).
+"""Plain jnp reference of the lazy attention contract.
+
+The contract: docs/design.md, 'Kernel contract'.
 
 Written for readability, not speed: it rotates every query row separately for
 every logical page, exactly as the contract states the score.

@@ -7,8 +7,9 @@ a tile, a page count and a shape bucket are all computed the same way.
 from __future__ import annotations
 
 
-def ceil_div(a: int, b: int) -> int:
-  """ceil(a / b) for integers, b > 0."""
+def ceil_div(a, b):
+  """ceil(a / b) for b > 0: ints, or integer numpy / jnp arrays (exact for
+  any sign of a, since it is floor division of -a)."""
   return -(-a // b)
 
 

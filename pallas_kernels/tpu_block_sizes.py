@@ -11,16 +11,22 @@ from __future__ import annotations
 import dataclasses
 
 
-def _check_positive(obj, *names):
-  for name in names:
-    value = getattr(obj, name)
-    if not isinstance(value, int) or value <= 0:
-      raise ValueError(
-          f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+class _PositiveSizes:
+  """Checks that every field is a positive int; a field whose default is
+  None may also be None (meaning: the kernel picks)."""
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is None and field.default is None:
+        continue
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{type(self).__name__}.{field.name} must be a "
+                         f"positive int, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class TpuDecodeBlockSizes:
+class TpuDecodeBlockSizes(_PositiveSizes):
   """Decode (T == 1): one program per (batch row, KV split), all KV heads.
 
   Attributes:
@@ -44,16 +50,9 @@ class TpuDecodeBlockSizes:
   kv_buffer_bytes: int = 8 << 20
   max_metadata_bytes: int = 512 << 10
 
-  def __post_init__(self):
-    _check_positive(self, "kv_tokens_per_block", "max_splits",
-                    "min_blocks_per_split", "kv_buffer_bytes",
-                    "max_metadata_bytes")
-    if self.num_splits is not None:
-      _check_positive(self, "num_splits")
-
 
 @dataclasses.dataclass(frozen=True)
-class TpuPrefillBlockSizes:
+class TpuPrefillBlockSizes(_PositiveSizes):
   """Prefill (T > 1): one program per (batch row, KV head, query tile).
 
   A query tile holds `q_tokens_per_block` tokens times the G query heads that
@@ -72,8 +71,3 @@ class TpuPrefillBlockSizes:
   kv_tokens_per_block: int = 512
   kv_buffer_bytes: int = 8 << 20
   max_metadata_bytes: int = 512 << 10
-
-  def __post_init__(self):
-    _check_positive(self, "q_tokens_per_block", "max_q_rows",
-                    "kv_tokens_per_block", "kv_buffer_bytes",
-                    "max_metadata_bytes")

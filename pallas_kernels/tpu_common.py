@@ -1,13 +1,8 @@
 """Pieces shared by the TPU (Pallas / Mosaic) lazy decode and prefill kernels.
 
-Outside the kernels (plain XLA, in the wrappers):
-  - the page metadata is padded to whole KV blocks and flattened to 1-D int32
-    arrays for scalar prefetch into SMEM;
-  - for every (row, KV block) the distinct page shifts are listed once, so a
-    kernel rotates the query once per distinct shift, not once per page;
-  - per program, the number of KV blocks that hold any visible key.
-
-Inside the kernels (Mosaic):
+The page metadata they take in SMEM is built in XLA by `tpu_page_metadata`.
+Here:
+  - `pages_per_block`: the KV block of a call, in whole pages;
   - `KvBlockFetcher`: page-by-page DMA of one KV block from HBM into a VMEM
     slot, skipping pages that no row of the program can see;
   - `block_columns`: logical position and shift index of every slot of a block,
@@ -22,6 +17,7 @@ tile-padded [P, H] slab per page, so every DMA lands tile-aligned.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +25,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.lazy_attention import ContractShapes
 from pallas_kernels.rope import cos_sin_from_chunks
+from pallas_kernels.tpu_page_metadata import (MAX_PAGE_SIZE, page_len_of,
+                                              page_shift_index_of)
 
 # A slot position past any query limit (|positions| < 2^22 after validation).
 INVALID_SLOT_POS = 1 << 30
-# The query limit of a padding row: below every slot position.
-NO_QUERY = -(1 << 30)
 # A shift value no page carries, so the first block always rotates.
 NO_SHIFT = -(1 << 31)
-# page_info packs the valid-slot count (low bits) and the index of the page's
-# shift in its block's distinct-shift list (high bits).
-_INFO_SHIFT_BITS = 16
-_INFO_LEN_MASK = (1 << _INFO_SHIFT_BITS) - 1
-MAX_PAGE_SIZE = _INFO_LEN_MASK
 # Score lanes for the running max / sum scratch: replicated over a full vreg
 # row (128 lanes) so they never need a 1-lane layout.
 STAT_LANES = 128
@@ -90,126 +82,44 @@ def check_page_size(page_size: int):
         f" most {MAX_PAGE_SIZE}), got {page_size}")
 
 
-def pages_per_block(kv_tokens: int, page_size: int, num_logical_pages: int,
-                    buffer_bytes_per_page: int, buffer_budget: int) -> int:
-  """Whole pages per KV block: ~kv_tokens, within the VMEM budget and M."""
-  pages = max(1, kv_tokens // page_size)
-  pages = min(pages, max(1, buffer_budget // buffer_bytes_per_page))
-  return max(1, min(pages, num_logical_pages))
+def pages_per_block(shapes: ContractShapes, kv_dtype, block_sizes, *,
+                    all_kv_heads: bool) -> int:
+  """Whole pages per KV block: about block_sizes.kv_tokens_per_block tokens,
+  at most M, with the double-buffered K and V blocks (of every KV head, or of
+  one) within block_sizes.kv_buffer_bytes."""
+  heads = shapes.num_kv_heads if all_kv_heads else 1
+  # Two slots of K and of V for every page of the block.
+  buffer_bytes_per_page = (4 * heads * shapes.page_size * shapes.head_dim
+                           * jnp.dtype(kv_dtype).itemsize)
+  pages = max(1, block_sizes.kv_tokens_per_block // shapes.page_size)
+  pages = min(pages, max(1, block_sizes.kv_buffer_bytes
+                         // buffer_bytes_per_page))
+  return max(1, min(pages, shapes.num_logical_pages))
 
 
-def round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
+def kv_pool_specs():
+  """in_specs of k_pages and v_pages: left in HBM, fetched by KvBlockFetcher."""
+  return [pl.BlockSpec(memory_space=any_memory_space())] * 2
 
 
-def build_page_metadata(page_table, page_pos, page_shift, page_len, *,
-                        num_physical_pages: int, pages_per_block: int):
-  """Pads the page axis to whole blocks and lists distinct shifts per block.
-
-  Args:
-    page_table, page_pos, page_shift, page_len: int32[B, M] (the contract).
-    num_physical_pages: size of the pool's page axis (page ids are clamped
-      into it, so a stray id can never address memory outside the pool).
-    pages_per_block: pages per KV block.
-
-  Returns:
-    dict of int32 arrays, each flattened row-major for SMEM:
-      page_ids [B * Mp], page_start [B * Mp] (page_pos), page_info [B * Mp]
-      (page_len | shift_index << 16), block_shifts [B * Mp] (slot d of block
-      i holds its d-th distinct shift), block_num_shifts [B * nb] (>= 1);
-    and the padded [B, Mp] page_pos / page_len for `visible_block_counts`.
-  """
-  batch, num_logical = page_table.shape
-  ppb = pages_per_block
-  num_blocks = -(-num_logical // ppb)
-  pad = num_blocks * ppb - num_logical
-
-  def pad_pages(x):
-    return jnp.pad(x, ((0, 0), (0, pad)))
-
-  page_ids = pad_pages(jnp.clip(page_table, 0, num_physical_pages - 1))
-  page_pos = pad_pages(page_pos)
-  page_len = pad_pages(page_len)  # padding pages: length 0, never read
-  page_shift = pad_pages(page_shift)
-
-  # Distinct shifts of each block among its used pages, in order of first use
-  # (the first one usually continues the previous block's document, so the
-  # kernel's cached rotated query stays valid).
-  used = (page_len > 0).reshape(batch, num_blocks, ppb)
-  shifts = page_shift.reshape(batch, num_blocks, ppb)
-  same = (used[..., :, None] & used[..., None, :] &
-          (shifts[..., :, None] == shifts[..., None, :]))  # [B, nb, j, i]
-  earlier = jnp.arange(ppb)[None, :] < jnp.arange(ppb)[:, None]  # i < j
-  is_first = used & ~jnp.any(same & earlier, axis=-1)
-  rank = jnp.cumsum(is_first.astype(jnp.int32), axis=-1) - 1
-  first_page = jnp.argmax(same, axis=-1)  # first page sharing j's shift
-  shift_index = jnp.where(used, jnp.take_along_axis(rank, first_page, -1), 0)
-  num_shifts = jnp.maximum(jnp.sum(is_first, axis=-1), 1).astype(jnp.int32)
-  slot_of = is_first[..., :, None] & (rank[..., :, None] ==
-                                      jnp.arange(ppb)[None, None, None, :])
-  block_shifts = jnp.sum(jnp.where(slot_of, shifts[..., :, None], 0), axis=-2)
-
-  page_info = (page_len.reshape(batch, num_blocks, ppb) |
-               (shift_index << _INFO_SHIFT_BITS))
-  flat = lambda x: x.reshape(-1).astype(jnp.int32)
-  return dict(
-      page_ids=flat(page_ids),
-      page_start=flat(page_pos),
-      page_info=flat(page_info),
-      block_shifts=flat(block_shifts),
-      block_num_shifts=flat(num_shifts),
-      padded_page_pos=page_pos,
-      padded_page_len=page_len,
-  )
+def kv_buffer_scratch(k_pages, v_pages, pages_per_block: int, *,
+                      all_kv_heads: bool):
+  """Scratch of a KvBlockFetcher: K and V buffers [2 slots, heads, pages,
+  P, H] (every KV head, or one) and their DMA semaphores [(K, V), slot]."""
+  num_kv_heads, _, page_size, head_dim = k_pages.shape
+  shape = (2, num_kv_heads if all_kv_heads else 1, pages_per_block,
+           page_size, head_dim)
+  return [pltpu.VMEM(shape, k_pages.dtype), pltpu.VMEM(shape, v_pages.dtype),
+          pltpu.SemaphoreType.DMA((2, 2))]
 
 
-def visible_block_counts(padded_page_pos, padded_page_len, query_max,
-                         pages_per_block: int):
-  """int32[B, X]: KV blocks up to the last page any query of a program sees.
-
-  query_max: int32[B, X], the largest query limit of each program (NO_QUERY
-  for programs of padding rows only).  Pages after the last visible one are
-  causally masked for every row of the program, so the kernel never fetches
-  them; earlier pages are still masked slot by slot.
-  """
-  num_pages = padded_page_pos.shape[1]
-  visible = ((padded_page_len[:, None, :] > 0) &
-             (padded_page_pos[:, None, :] <= query_max[:, :, None]))
-  last = jnp.max(jnp.where(visible, jnp.arange(1, num_pages + 1), 0), axis=-1)
-  return ((last + pages_per_block - 1) // pages_per_block).astype(jnp.int32)
-
-
-def batch_rows_per_call(pages_per_row: int, blocks_per_row: int,
-                        budget_bytes: int) -> int:
-  """Batch rows per kernel call so that the SMEM metadata fits the budget."""
-  row_bytes = 4 * (4 * pages_per_row + blocks_per_row + 4)
-  return max(1, budget_bytes // row_bytes)
-
-
-def run_in_batch_chunks(fn, batched_args, batch: int, rows_per_call: int):
-  """fn over batch chunks of at most rows_per_call rows, concatenated.
-
-  batched_args: arrays with the batch on axis 0.  fn returns a tuple of
-  arrays with the batch on axis 0.
-  """
-  if rows_per_call >= batch:
-    return fn(*batched_args)
-  pieces = []
-  for start in range(0, batch, rows_per_call):
-    stop = min(batch, start + rows_per_call)
-    pieces.append(fn(*(a[start:stop] for a in batched_args)))
-  return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*pieces))
+def shifted_query_scratch(shape, dtype):
+  """Scratch of `ensure_shifted_queries`: the rotated queries and the shift
+  they were rotated by."""
+  return [pltpu.VMEM(shape, dtype), pltpu.SMEM((1,), jnp.int32)]
 
 
 # ----------------------------------------------------------------- in-kernel
-
-
-def page_len_of(info):
-  return info & _INFO_LEN_MASK
-
-
-def page_shift_index_of(info):
-  return info >> _INFO_SHIFT_BITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +133,33 @@ class PageScalars:
   needed: jax.Array  # fetched: some row of the program sees a slot of it
 
 
-def read_block_pages(page_ids_ref, page_start_ref, page_info_ref, first_page,
-                     pages_per_block: int, query_max):
+class PageRefs(NamedTuple):
+  """SMEM refs of the fields of a `tpu_page_metadata.PageMetadata`, each
+  flattened over the batch (Mp: padded pages per row, nb: blocks per row)."""
+
+  page_ids: Any  # [B * Mp]
+  page_pos: Any  # [B * Mp]
+  page_info: Any  # [B * Mp]
+  block_shifts: Any  # [B * Mp]
+  block_num_shifts: Any  # [B * nb]
+
+
+def takes_page_refs(kernel):
+  """Adapts kernel(program_ref_1, program_ref_2, PageRefs, *other_refs) to
+  the flat ref list Pallas passes: two per-program scalar-prefetch refs,
+  then the five of PageRefs, then the rest."""
+  num_page_refs = len(PageRefs._fields)
+
+  def body(*refs, **params):
+    return kernel(*refs[:2], PageRefs(*refs[2:2 + num_page_refs]),
+                  *refs[2 + num_page_refs:], **params)
+
+  body.__name__ = body.__qualname__ = kernel.__name__  # the kernel's name
+  return body
+
+
+def read_block_pages(page_refs: PageRefs, first_page, pages_per_block: int,
+                     query_max):
   """PageScalars of the pages [first_page, first_page + pages_per_block).
 
   A page is needed when it has valid slots and its first slot is at or
@@ -232,11 +167,12 @@ def read_block_pages(page_ids_ref, page_start_ref, page_info_ref, first_page,
   """
   pages = []
   for j in range(pages_per_block):
-    info = page_info_ref[first_page + j]
-    start = page_start_ref[first_page + j]
+    info = page_refs.page_info[first_page + j]
+    start = page_refs.page_pos[first_page + j]
     length = page_len_of(info)
     pages.append(PageScalars(
-        page_id=page_ids_ref[first_page + j], start=start, length=length,
+        page_id=page_refs.page_ids[first_page + j], start=start,
+        length=length,
         shift_index=page_shift_index_of(info),
         needed=(length > 0) & (start <= query_max)))
   return pages
@@ -432,7 +368,3 @@ def online_softmax_update(scores, keep, v, m_ref, l_ref, acc_ref, *,
 def rope_chunks(rope, head_dim: int):
   """int32[NUM_TURN_CHUNKS, H] kernel input for `shift_cos_sin`."""
   return jnp.asarray(rope.turn_chunks(head_dim))
-
-
-def ceil_div(a: int, b: int) -> int:
-  return -(-a // b)

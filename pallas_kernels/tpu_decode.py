@@ -31,19 +31,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_common as tc
+from pallas_kernels.lazy_attention import contract_shapes
+from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import RopeConfig, rotated_query
+from pallas_kernels.sizes import ceil_div, round_up
 from pallas_kernels.tpu_block_sizes import TpuDecodeBlockSizes
+from pallas_kernels.tpu_page_metadata import (build_page_metadata,
+                                              call_in_batch_chunks,
+                                              query_limits,
+                                              visible_block_counts)
 
 
+@tc.takes_page_refs
 def _decode_kernel(
     # Scalar prefetch (SMEM).
     num_blocks_ref,  # [B] KV blocks holding any key the row sees
     q_limit_ref,  # [B] q_pos, or NO_QUERY for a padding row
-    page_ids_ref,  # [B * Mp]
-    page_start_ref,  # [B * Mp]
-    page_info_ref,  # [B * Mp]
-    block_shifts_ref,  # [B * Mp]
-    block_num_shifts_ref,  # [B * nb]
+    page_refs: tc.PageRefs,  # page metadata (tpu_page_metadata)
     # Inputs.
     chunks_ref,  # [6, H] int32 RoPE turn chunks
     q_ref,  # [K, Gp, H] f32, R(q_pos) q * sm_scale
@@ -77,7 +81,7 @@ def _decode_kernel(
   tc.reset_accumulators(acc_ref, m_ref, l_ref, cached_shift_ref)
 
   def block_pages(block):
-    return tc.read_block_pages(page_ids_ref, page_start_ref, page_info_ref,
+    return tc.read_block_pages(page_refs,
                                first_page_of_row + block * pages_per_block,
                                pages_per_block, q_limit)
 
@@ -92,8 +96,8 @@ def _decode_kernel(
     first_page = first_page_of_row + block * pages_per_block
     slot_pos, slot_shift_index = tc.block_columns(pages, page_size)
     keep = slot_pos <= q_limit  # [1, S], the same for every query head
-    num_shifts = block_num_shifts_ref[b * blocks_per_row + block]
-    first_shift = block_shifts_ref[first_page]
+    num_shifts = page_refs.block_num_shifts[b * blocks_per_row + block]
+    first_shift = page_refs.block_shifts[first_page]
 
     tc.ensure_shifted_queries(q_shifted_ref, cached_shift_ref, first_shift,
                               rotate_queries)
@@ -105,7 +109,7 @@ def _decode_kernel(
       def other_shift(d, scores):
         # Rare: a block that spans a document boundary.
         cos, sin = tc.shift_cos_sin(chunks_ref,
-                                    block_shifts_ref[first_page + d])
+                                    page_refs.block_shifts[first_page + d])
         q_d = tc.rotate_by_minus_shift(q_ref[h], q_half_ref[h], cos, sin)
         return jnp.where(slot_shift_index == d,
                          tc.dot_q_kt(q_d.astype(k.dtype), k, precision),
@@ -149,34 +153,27 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
     [B, 1, N, H] in q.dtype.
   """
   block_sizes = block_sizes or TpuDecodeBlockSizes()
-  batch, q_len, num_heads, head_dim = q.shape
-  if q_len != 1:
+  if q.shape[1] != 1:
     raise ValueError(f"lazy_decode_tpu needs q with T == 1, got shape "
                      f"{q.shape}; use lazy_prefill_tpu")
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  tc.check_page_size(page_size)
-  group = num_heads // num_kv_heads
+  tc.check_page_size(k_pages.shape[2])
+  shapes = contract_shapes(q, k_pages, page_table)
+  batch, num_heads, head_dim = shapes.batch, shapes.num_heads, shapes.head_dim
+  num_kv_heads, group = shapes.num_kv_heads, shapes.group
   dtype, precision = tc.compute_dtype(q.dtype)
-  group_padded = tc.round_up(group, tc.sublane_rows(dtype))
-  num_logical = page_table.shape[1]
-  itemsize = jnp.dtype(k_pages.dtype).itemsize
-  ppb = tc.pages_per_block(
-      block_sizes.kv_tokens_per_block, page_size, num_logical,
-      buffer_bytes_per_page=4 * num_kv_heads * page_size * head_dim * itemsize,
-      buffer_budget=block_sizes.kv_buffer_bytes)
+  group_padded = round_up(group, tc.sublane_rows(dtype))
+  ppb = tc.pages_per_block(shapes, k_pages.dtype, block_sizes,
+                           all_kv_heads=True)
 
-  meta = tc.build_page_metadata(page_table, page_pos, page_shift, page_len,
-                                num_physical_pages=num_pages,
-                                pages_per_block=ppb)
-  pages_per_row = meta["padded_page_pos"].shape[1]
-  blocks_per_row = pages_per_row // ppb
+  meta = build_page_metadata(page_table, page_pos, page_shift, page_len,
+                             num_physical_pages=shapes.num_pages,
+                             pages_per_block=ppb)
   q_pos = q_pos[:, 0]
-  q_limit = jnp.where(q_pos >= 0, q_pos, tc.NO_QUERY).astype(jnp.int32)
-  num_blocks = tc.visible_block_counts(meta["padded_page_pos"],
-                                       meta["padded_page_len"],
-                                       q_limit[:, None], ppb)[:, 0]
+  q_limit = query_limits(q_pos)[:, None]  # [B, 1]
+  num_blocks = visible_block_counts(meta, q_limit, ppb)  # [B, 1]
+  blocks_per_row = meta.pages_per_row // ppb
   num_splits = _num_splits(block_sizes, batch, blocks_per_row)
-  blocks_per_split = tc.ceil_div(blocks_per_row, num_splits)
+  blocks_per_split = ceil_div(blocks_per_row, num_splits)
 
   q_rot, q_rot_half = rotated_query(q, q_pos[:, None], rope, sm_scale)
 
@@ -197,32 +194,27 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
 
   q_block = (num_kv_heads, group_padded, head_dim)
   stat_block = (num_kv_heads, group_padded, tc.STAT_LANES)
-  kernel = functools.partial(_decode_kernel, pages_per_row=pages_per_row,
+  kernel = functools.partial(_decode_kernel,
+                             pages_per_row=meta.pages_per_row,
                              blocks_per_split=blocks_per_split,
                              precision=precision)
 
-  def call(num_blocks, q_limit, page_ids, page_start, page_info, block_shifts,
-           block_num_shifts, q_rot, q_rot_half):
-    rows = q_rot.shape[0]
-    buf_shape = (2, num_kv_heads, ppb, page_size, head_dim)
+  def call(scalars, operands):  # operands: q_rot, q_rot_half
+    rows = operands[0].shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=7,
+        num_scalar_prefetch=len(scalars),
         grid=(rows, num_splits),
         in_specs=[
             pl.BlockSpec(chunks.shape, lambda b, s, *_: (0, 0)),
             per_row(q_block),
             per_row(q_block),
-            pl.BlockSpec(memory_space=tc.any_memory_space()),
-            pl.BlockSpec(memory_space=tc.any_memory_space()),
+            *tc.kv_pool_specs(),
         ],
         out_specs=[per_program(q_block), per_program(stat_block),
                    per_program(stat_block)],
         scratch_shapes=[
-            pltpu.VMEM(buf_shape, k_pages.dtype),
-            pltpu.VMEM(buf_shape, v_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM(q_block, dtype),
-            pltpu.SMEM((1,), jnp.int32),
+            *tc.kv_buffer_scratch(k_pages, v_pages, ppb, all_kv_heads=True),
+            *tc.shifted_query_scratch(q_block, dtype),
         ],
     )
     out_shape = [
@@ -237,44 +229,12 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel")),
         interpret=tc.interpret_params(interpret),
-    )(num_blocks, q_limit, page_ids, page_start, page_info, block_shifts,
-      block_num_shifts, chunks, q_rot, q_rot_half, k_pages, v_pages)
+    )(*scalars, chunks, *operands, k_pages, v_pages)
 
-  def per_batch(x, per_row_len):
-    return x.reshape(batch, per_row_len)
-
-  batched = [
-      num_blocks, q_limit,
-      per_batch(meta["page_ids"], pages_per_row),
-      per_batch(meta["page_start"], pages_per_row),
-      per_batch(meta["page_info"], pages_per_row),
-      per_batch(meta["block_shifts"], pages_per_row),
-      per_batch(meta["block_num_shifts"], blocks_per_row),
-      q_rot, q_rot_half,
-  ]
-
-  def flat_call(num_blocks, q_limit, page_ids, page_start, page_info,
-                block_shifts, block_num_shifts, q_rot, q_rot_half):
-    return call(num_blocks, q_limit, page_ids.reshape(-1),
-                page_start.reshape(-1), page_info.reshape(-1),
-                block_shifts.reshape(-1), block_num_shifts.reshape(-1), q_rot,
-                q_rot_half)
-
-  rows_per_call = tc.batch_rows_per_call(pages_per_row, blocks_per_row,
-                                         block_sizes.max_metadata_bytes)
-  acc, m, l = tc.run_in_batch_chunks(flat_call, batched, batch, rows_per_call)
-  out = _merge_splits(acc, m[..., 0], l[..., 0])  # [B, K, Gp, H]
+  acc, m, l = call_in_batch_chunks(
+      call, meta, [num_blocks, q_limit], [q_rot, q_rot_half],
+      max_metadata_bytes=block_sizes.max_metadata_bytes)
+  # acc [B, splits, K, Gp, H], m and l [B, splits, K, Gp] -> [B, K, Gp, H]
+  out = merge_splits(acc, m[..., 0], l[..., 0], axis=1)
   out = out[:, :, :group].reshape(batch, 1, num_heads, head_dim)
   return out.astype(q.dtype)
-
-
-def _merge_splits(acc, m, l):
-  """Merges per-split softmax states [B, S, ...] into normalised outputs."""
-  m_max = jnp.max(m, axis=1, keepdims=True)
-  m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-  weight = jnp.exp(m - m_max)  # 0 for splits that saw nothing
-  numerator = jnp.sum(weight[..., None] * acc, axis=1)
-  denominator = jnp.sum(weight * l, axis=1)[..., None]
-  return jnp.where(denominator > 0,
-                   numerator / jnp.where(denominator > 0, denominator, 1.0),
-                   0.0)

@@ -29,19 +29,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_common as tc
+from pallas_kernels.lazy_attention import contract_shapes
 from pallas_kernels.rope import RopeConfig, rotated_query
+from pallas_kernels.sizes import round_up
 from pallas_kernels.tpu_block_sizes import TpuPrefillBlockSizes
+from pallas_kernels.tpu_page_metadata import (build_page_metadata,
+                                              call_in_batch_chunks,
+                                              query_limits,
+                                              visible_block_counts)
 
 
+@tc.takes_page_refs
 def _prefill_kernel(
     # Scalar prefetch (SMEM).
     tile_blocks_ref,  # [B * nT] KV blocks holding any key the tile sees
     tile_q_max_ref,  # [B * nT] largest query limit of the tile
-    page_ids_ref,  # [B * Mp]
-    page_start_ref,  # [B * Mp]
-    page_info_ref,  # [B * Mp]
-    block_shifts_ref,  # [B * Mp]
-    block_num_shifts_ref,  # [B * nb]
+    page_refs: tc.PageRefs,  # page metadata (tpu_page_metadata)
     # Inputs.
     chunks_ref,  # [6, H] int32 RoPE turn chunks
     q_ref,  # [R, H] f32, R(q_pos) q * sm_scale, rows t * G + g
@@ -77,7 +80,7 @@ def _prefill_kernel(
   tc.reset_accumulators(acc_ref, m_ref, l_ref, cached_shift_ref)
 
   def block_pages(block):
-    return tc.read_block_pages(page_ids_ref, page_start_ref, page_info_ref,
+    return tc.read_block_pages(page_refs,
                                first_page_of_row + block * pages_per_block,
                                pages_per_block, q_max)
 
@@ -92,8 +95,8 @@ def _prefill_kernel(
     first_page = first_page_of_row + block * pages_per_block
     slot_pos, slot_shift_index = tc.block_columns(pages, page_size)
     keep = slot_pos <= q_limit_ref[...]  # [1, S] vs [R, 1] -> [R, S]
-    num_shifts = block_num_shifts_ref[b * blocks_per_row + block]
-    first_shift = block_shifts_ref[first_page]
+    num_shifts = page_refs.block_num_shifts[b * blocks_per_row + block]
+    first_shift = page_refs.block_shifts[first_page]
 
     tc.ensure_shifted_queries(q_shifted_ref, cached_shift_ref, first_shift,
                               rotate_queries)
@@ -103,7 +106,7 @@ def _prefill_kernel(
 
     def other_shift(d, scores):
       # Rare: a block that spans a document boundary.
-      q_d = rotate_queries(block_shifts_ref[first_page + d])
+      q_d = rotate_queries(page_refs.block_shifts[first_page + d])
       return jnp.where(slot_shift_index == d,
                        tc.dot_q_kt(q_d.astype(k.dtype), k, precision), scores)
 
@@ -126,7 +129,7 @@ def _query_tokens_per_tile(block_sizes: TpuPrefillBlockSizes, q_len: int,
   tokens = min(block_sizes.q_tokens_per_block,
                max(align, block_sizes.max_q_rows // group))
   tokens = max(align, tokens // align * align)
-  return min(tokens, tc.round_up(q_len, align))
+  return min(tokens, round_up(q_len, align))
 
 
 def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
@@ -135,46 +138,30 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      block_sizes: TpuPrefillBlockSizes | None = None):
   """Prefill (T > 1) of `pallas_kernels.lazy_attention` on TPU.
 
-  Same arguments and result as `lazy_attention` (inputs already validated),
-  plus:
-    interpret: True runs with `pltpu.InterpretParams()` (TPU semantics, on
-      CPU); a `pltpu.InterpretParams` instance runs with those settings (for
-      example race detection); False compiles the Mosaic kernel.
-    block_sizes: `TpuPrefillBlockSizes`; defaults when None.
-
-  Returns:
-    [B, T, N, H] in q.dtype.
+  Arguments, `interpret` and result as for `tpu_decode.lazy_decode_tpu`;
+  `block_sizes` is a `TpuPrefillBlockSizes` (defaults when None).
   """
   block_sizes = block_sizes or TpuPrefillBlockSizes()
+  tc.check_page_size(k_pages.shape[2])
+  shapes = contract_shapes(q, k_pages, page_table)
   batch, q_len, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  tc.check_page_size(page_size)
-  group = num_heads // num_kv_heads
+  num_kv_heads, group = shapes.num_kv_heads, shapes.group
   dtype, precision = tc.compute_dtype(q.dtype)
-  num_logical = page_table.shape[1]
-  itemsize = jnp.dtype(k_pages.dtype).itemsize
-  ppb = tc.pages_per_block(
-      block_sizes.kv_tokens_per_block, page_size, num_logical,
-      buffer_bytes_per_page=4 * page_size * head_dim * itemsize,
-      buffer_budget=block_sizes.kv_buffer_bytes)
+  ppb = tc.pages_per_block(shapes, k_pages.dtype, block_sizes,
+                           all_kv_heads=False)
   tile_tokens = _query_tokens_per_tile(block_sizes, q_len, group, q.dtype)
-  q_len_padded = tc.round_up(q_len, tile_tokens)
+  q_len_padded = round_up(q_len, tile_tokens)
   num_tiles = q_len_padded // tile_tokens
   tile_rows = tile_tokens * group
 
-  meta = tc.build_page_metadata(page_table, page_pos, page_shift, page_len,
-                                num_physical_pages=num_pages,
-                                pages_per_block=ppb)
-  pages_per_row = meta["padded_page_pos"].shape[1]
-  blocks_per_row = pages_per_row // ppb
-
+  meta = build_page_metadata(page_table, page_pos, page_shift, page_len,
+                             num_physical_pages=shapes.num_pages,
+                             pages_per_block=ppb)
   q_pos = jnp.pad(q_pos, ((0, 0), (0, q_len_padded - q_len)),
                   constant_values=-1)
-  q_limit = jnp.where(q_pos >= 0, q_pos, tc.NO_QUERY).astype(jnp.int32)
+  q_limit = query_limits(q_pos)
   tile_q_max = jnp.max(q_limit.reshape(batch, num_tiles, tile_tokens), -1)
-  tile_blocks = tc.visible_block_counts(meta["padded_page_pos"],
-                                        meta["padded_page_len"], tile_q_max,
-                                        ppb)
+  tile_blocks = visible_block_counts(meta, tile_q_max, ppb)
 
   q = jnp.pad(q, ((0, 0), (0, q_len_padded - q_len), (0, 0), (0, 0)))
   q_rot, q_rot_half = rotated_query(q, q_pos, rope, sm_scale)
@@ -190,61 +177,44 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
 
   tile_spec = pl.BlockSpec((None, None, tile_rows, head_dim),
                            lambda b, h, t, *_: (b, h, t, 0))
-  kernel = functools.partial(_prefill_kernel, pages_per_row=pages_per_row,
+  kernel = functools.partial(_prefill_kernel,
+                             pages_per_row=meta.pages_per_row,
                              precision=precision)
 
-  def call(tile_blocks, tile_q_max, page_ids, page_start, page_info,
-           block_shifts, block_num_shifts, q_rot, q_rot_half, row_limit):
-    rows = q_rot.shape[0]
-    buf_shape = (2, 1, ppb, page_size, head_dim)
+  def call(scalars, operands):  # operands: q_rot, q_rot_half, row_limit
+    rows = operands[0].shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=7,
+        num_scalar_prefetch=len(scalars),
         grid=(rows, num_kv_heads, num_tiles),
         in_specs=[
             pl.BlockSpec(chunks.shape, lambda b, h, t, *_: (0, 0)),
             tile_spec,
             tile_spec,
             pl.BlockSpec((None, tile_rows, 1), lambda b, h, t, *_: (b, t, 0)),
-            pl.BlockSpec(memory_space=tc.any_memory_space()),
-            pl.BlockSpec(memory_space=tc.any_memory_space()),
+            *tc.kv_pool_specs(),
         ],
         out_specs=tile_spec,
         scratch_shapes=[
-            pltpu.VMEM(buf_shape, k_pages.dtype),
-            pltpu.VMEM(buf_shape, v_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
+            *tc.kv_buffer_scratch(k_pages, v_pages, ppb, all_kv_heads=False),
             pltpu.VMEM((tile_rows, tc.STAT_LANES), jnp.float32),
             pltpu.VMEM((tile_rows, tc.STAT_LANES), jnp.float32),
             pltpu.VMEM((tile_rows, head_dim), jnp.float32),
-            pltpu.VMEM((tile_rows, head_dim), dtype),
-            pltpu.SMEM((1,), jnp.int32),
+            *tc.shifted_query_scratch((tile_rows, head_dim), dtype),
         ],
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rot.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(operands[0].shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=tc.interpret_params(interpret),
-    )(tile_blocks.reshape(-1), tile_q_max.reshape(-1), page_ids.reshape(-1),
-      page_start.reshape(-1), page_info.reshape(-1), block_shifts.reshape(-1),
-      block_num_shifts.reshape(-1), chunks, q_rot, q_rot_half, row_limit,
-      k_pages, v_pages)
+    )(*scalars, chunks, *operands, k_pages, v_pages)
     return (out,)
 
-  batched = [
-      tile_blocks, tile_q_max,
-      meta["page_ids"].reshape(batch, pages_per_row),
-      meta["page_start"].reshape(batch, pages_per_row),
-      meta["page_info"].reshape(batch, pages_per_row),
-      meta["block_shifts"].reshape(batch, pages_per_row),
-      meta["block_num_shifts"].reshape(batch, blocks_per_row),
-      q_rot, q_rot_half, row_limit,
-  ]
-  rows_per_call = tc.batch_rows_per_call(pages_per_row, blocks_per_row,
-                                         block_sizes.max_metadata_bytes)
-  (out,) = tc.run_in_batch_chunks(call, batched, batch, rows_per_call)
+  (out,) = call_in_batch_chunks(
+      call, meta, [tile_blocks, tile_q_max], [q_rot, q_rot_half, row_limit],
+      max_metadata_bytes=block_sizes.max_metadata_bytes)
   out = out.reshape(batch, num_kv_heads, q_len_padded, group, head_dim)
   out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(
       batch, q_len_padded, num_heads, head_dim)

@@ -2,8 +2,8 @@
 
 On CPU the kernels run with pallas_call(interpret=True); the same sweep runs
 on a real GPU under `@pytest.mark.gpu` (skipped by CPU CI).  Every case draws
-fresh random inputs (tests/kernel_cases.make_case: ragged documents, an empty
-page between documents, a physical page read by two rows at different
+fresh random inputs (pallas_kernels.testing.make_case: ragged documents, an
+empty page between documents, a physical page read by two rows at different
 shifts, shuffled physical pages, padding query rows, NaN in every unused page
 and padding slot) and is checked against the float64 NumPy truth and the jnp
 reference.  The case list covers every value of every swept axis without the
@@ -26,7 +26,8 @@ from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
 from pallas_kernels.gpu_common import prefix_sum
 from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu, prefill_segments
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
+                                    relative_error, zero_args)
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -183,13 +184,11 @@ def test_block_sizes_validation_and_lookup():
 
 
 def test_head_dim_must_be_power_of_two():
-  q = jnp.zeros((1, 1, 2, 48), jnp.float32)
-  pages = jnp.zeros((1, 4, 8, 48), jnp.float32)
-  meta = jnp.zeros((1, 2), jnp.int32)
+  args = zero_args(batch=1, q_len=1, num_heads=2, num_kv_heads=1,
+                   head_dim=48, num_pages=4, page_size=8,
+                   num_logical_pages=2)
   with pytest.raises(ValueError, match="head dim"):
-    lazy_decode_gpu(q, pages, pages, meta, meta, meta, meta,
-                    jnp.zeros((1, 1), jnp.int32), rope=PLAIN,
-                    sm_scale=jnp.float32(0.1))
+    lazy_decode_gpu(*args, rope=PLAIN, sm_scale=jnp.float32(0.1))
 
 
 @pytest.mark.parametrize("kernel,q_len", [(lazy_decode_gpu, 1),
@@ -199,13 +198,10 @@ def test_head_dim_must_be_power_of_two():
                          ids=["bfloat16", "float32"])
 def test_export_lowers_for_cuda(kernel, q_len, dtype):
   """Real Triton lowering (not interpret) of both kernels, on CPU."""
-  batch, heads, kv_heads, head_dim, pages, page_size, logical = (
-      2, 32, 8, 128, 64, 16, 20)
-  spec = jax.ShapeDtypeStruct
-  args = ([spec((batch, q_len, heads, head_dim), dtype)]
-          + [spec((kv_heads, pages, page_size, head_dim), dtype)] * 2
-          + [spec((batch, logical), jnp.int32)] * 4
-          + [spec((batch, q_len), jnp.int32)])
+  batch, heads, head_dim = 2, 32, 128
+  args = contract_specs(batch=batch, q_len=q_len, num_heads=heads,
+                        num_kv_heads=8, head_dim=head_dim, num_pages=64,
+                        page_size=16, num_logical_pages=20, dtype=dtype)
   fn = jax.jit(lambda *a: kernel(*a, rope=LLAMA3, sm_scale=jnp.float32(0.1),
                                  interpret=False))
   exported = export.export(

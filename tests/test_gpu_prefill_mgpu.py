@@ -1,4 +1,4 @@
-"""Lazy prefill on Hopper through Pallas Mosaic GPU (gpu_prefill_mgpu.py).
+"""Lazy prefill on Hopper through Pallas Mosaic GPU (gpu_prefill_mgpu*.py).
 
 On CPU: the kernel is lowered for CUDA with jax.export (the Pallas Mosaic GPU
 lowering runs here and catches layout, shape and shared-memory errors), run
@@ -9,7 +9,7 @@ On a GPU (`@pytest.mark.gpu`): parity with the jnp reference and the float64
 truth on cases with ragged documents, an empty page (page_len 0), NaN in
 every unused page and padding slot, padding rows (q_pos -1), shuffled
 physical pages and one physical document read by two rows at different
-shifts (tests/kernel_cases.make_case), plus a benchmark-like layout.
+shifts (pallas_kernels.testing.make_case), plus a benchmark-like layout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from jax import export
 from pallas_kernels import RopeConfig, lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
                                              lazy_prefill_mgpu, step_records)
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
+                                    relative_error)
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -36,11 +37,10 @@ BF16_TOLERANCE = 2e-2
 
 def _specs(batch, q_len, heads, kv_heads, head_dim, pages, page_size,
            logical, dtype=jnp.bfloat16):
-  spec = jax.ShapeDtypeStruct
-  return ([spec((batch, q_len, heads, head_dim), dtype)]
-          + [spec((kv_heads, pages, page_size, head_dim), dtype)] * 2
-          + [spec((batch, logical), jnp.int32)] * 4
-          + [spec((batch, q_len), jnp.int32)])
+  return contract_specs(batch=batch, q_len=q_len, num_heads=heads,
+                        num_kv_heads=kv_heads, head_dim=head_dim,
+                        num_pages=pages, page_size=page_size,
+                        num_logical_pages=logical, dtype=dtype)
 
 
 def _export(args, block_sizes=None):
@@ -98,12 +98,12 @@ needs_interpreter = pytest.mark.skipif(
 
 def test_interpret_without_the_interpreter_names_the_missing_module(
     monkeypatch):
-  from pallas_kernels import gpu_prefill_mgpu
+  from pallas_kernels import gpu_prefill_mgpu_kernel
   # None in sys.modules makes the import fail as on a jax without the module.
   monkeypatch.setitem(sys.modules,
                       "jax._src.pallas.mosaic_gpu.interpret.params", None)
   with pytest.raises(ImportError, match="mosaic_gpu.interpret"):
-    gpu_prefill_mgpu._interpreter_params()
+    gpu_prefill_mgpu_kernel._interpreter_params()
 
 
 def _call(args, *, rope=PLAIN, block_sizes=None, interpret=False):
@@ -226,7 +226,7 @@ def _doc_layout_case(rng, *, num_docs, doc_len, q_len, num_heads, num_kv_heads,
   """Benchmark-like layout: whole-page documents stored from angle 0 at
   shift = their start, then the chunk's own pages; shuffled physical pages.
   Most KV steps take the fast path (full pages, fully visible)."""
-  from tests.kernel_cases import LazyCase
+  from pallas_kernels.testing import LazyCase
   doc_pages = doc_len // page_size
   own_pages = -(-q_len // page_size)
   pages = num_docs * doc_pages + own_pages

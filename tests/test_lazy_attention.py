@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels import (MAX_ROPE_POSITION, RopeConfig, lazy_attention,
                             lazy_attention_reference, resolve_impl)
 from pallas_kernels.rope import cos_sin_from_chunks
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,

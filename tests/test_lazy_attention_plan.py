@@ -13,7 +13,7 @@ from jax import export
 from pallas_kernels import (RopeConfig, lazy_attention,
                             lazy_attention_reference, plan_lazy_attention)
 from pallas_kernels.gpu_prefill_mgpu import PrefillPlan
-from tests.kernel_cases import make_case, relative_error
+from pallas_kernels.testing import make_case, relative_error
 
 ROPE = RopeConfig(theta=10000.0)
 

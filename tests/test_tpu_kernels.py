@@ -30,12 +30,13 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
-from pallas_kernels import tpu_common
+from pallas_kernels import tpu_page_metadata
 from pallas_kernels.tpu_block_sizes import (TpuDecodeBlockSizes,
                                             TpuPrefillBlockSizes)
 from pallas_kernels.tpu_decode import lazy_decode_tpu
 from pallas_kernels.tpu_prefill import lazy_prefill_tpu
-from tests.kernel_cases import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
+                                    relative_error, zero_args)
 
 PLAIN = RopeConfig(10000.0)
 LLAMA3 = RopeConfig(500000.0, factor=8.0, low_freq_factor=1.0,
@@ -147,7 +148,7 @@ def test_tpu_kernel_parity_interpret(case):
 
 
 def _page_metadata(*page_arrays, num_physical_pages, pages_per_block):
-  build = jax.jit(functools.partial(tpu_common.build_page_metadata,
+  build = jax.jit(functools.partial(tpu_page_metadata.build_page_metadata,
                                     num_physical_pages=num_physical_pages,
                                     pages_per_block=pages_per_block))
   return build(*(jnp.asarray(a, jnp.int32) for a in page_arrays))
@@ -169,7 +170,7 @@ def test_blocks_spanning_documents_are_exercised():
                           lazy.page_len,
                           num_physical_pages=lazy.k_pages.shape[1],
                           pages_per_block=ppb)
-    assert int(jnp.max(meta["block_num_shifts"])) > 1, case.name
+    assert int(jnp.max(meta.block_num_shifts)) > 1, case.name
 
 
 def test_page_metadata_lists_distinct_shifts_per_block():
@@ -183,9 +184,9 @@ def test_page_metadata_lists_distinct_shifts_per_block():
                         num_physical_pages=num_physical, pages_per_block=ppb)
   num_blocks = -(-num_logical // ppb)
   pages_per_row = num_blocks * ppb
-  info = np.asarray(meta["page_info"]).reshape(batch, pages_per_row)
-  lists = np.asarray(meta["block_shifts"]).reshape(batch, num_blocks, ppb)
-  counts = np.asarray(meta["block_num_shifts"]).reshape(batch, num_blocks)
+  info = np.asarray(meta.page_info).reshape(batch, pages_per_row)
+  lists = np.asarray(meta.block_shifts).reshape(batch, num_blocks, ppb)
+  counts = np.asarray(meta.block_num_shifts).reshape(batch, num_blocks)
   for b in range(batch):
     for blk in range(num_blocks):
       expected = []  # distinct shifts of used pages, in order of first use
@@ -220,10 +221,11 @@ LOWERING_CONFIGS = [
          for c in LOWERING_CONFIGS])
 def test_tpu_kernels_export_for_tpu(q_len, config):
   dtype, num_heads, num_kv_heads, head_dim, page_size = config
-  batch, num_logical, num_pages = 4, 40, 64
-  spec = jax.ShapeDtypeStruct
-  pages = spec((num_kv_heads, num_pages, page_size, head_dim), dtype)
-  meta = spec((batch, num_logical), jnp.int32)
+  batch = 4
+  args = contract_specs(batch=batch, q_len=q_len, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        num_pages=64, page_size=page_size,
+                        num_logical_pages=40, dtype=dtype)
   kernel = lazy_decode_tpu if q_len == 1 else lazy_prefill_tpu
 
   def attend(q, k_pages, v_pages, page_table, page_pos, page_shift, page_len,
@@ -233,9 +235,7 @@ def test_tpu_kernels_export_for_tpu(q_len, config):
                   interpret=False)
 
   exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(
-      spec((batch, q_len, num_heads, head_dim), dtype), pages, pages, meta,
-      meta, meta, meta, spec((batch, q_len), jnp.int32),
-      spec((), jnp.float32))
+      *args, jax.ShapeDtypeStruct((), jnp.float32))
   assert exported.platforms == ("tpu",)
   (out_aval,) = exported.out_avals
   assert out_aval.shape == (batch, q_len, num_heads, head_dim)
@@ -253,10 +253,9 @@ def test_block_sizes_reject_bad_values():
 
 
 def test_page_size_must_fill_sublane_tiles():
-  q = jnp.zeros((1, 1, 2, 64), jnp.float32)
-  pages = jnp.zeros((1, 4, 4, 64), jnp.float32)
-  meta = jnp.zeros((1, 2), jnp.int32)
+  args = zero_args(batch=1, q_len=1, num_heads=2, num_kv_heads=1,
+                   head_dim=64, num_pages=4, page_size=4,
+                   num_logical_pages=2)
   with pytest.raises(ValueError, match="page size"):
-    lazy_decode_tpu(q, pages, pages, meta, meta, meta, meta,
-                    jnp.zeros((1, 1), jnp.int32), rope=PLAIN,
-                    sm_scale=jnp.float32(0.125), interpret=True)
+    lazy_decode_tpu(*args, rope=PLAIN, sm_scale=jnp.float32(0.125),
+                    interpret=True)

@@ -1,17 +1,21 @@
 """Random inputs for the lazy attention contract, and a float64 NumPy truth.
 
-Shared by the kernel tests and benchmarks/kernels.py.  Every physical slot that
-the contract says must never be read (unused pages, padding slots past
-page_len) is filled with NaN, so a stray read shows up as NaN in the output.
+For checking an implementation of the contract: the kernel tests and the
+GPU checks in benchmarks/ use them.  Every physical slot that the contract
+says must never be read (unused pages, padding slots past page_len) is
+filled with NaN, so a stray read shows up as NaN in the output.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.rope import RopeConfig
+from pallas_kernels.sizes import ceil_div
 
 
 @dataclasses.dataclass
@@ -28,6 +32,24 @@ class LazyCase:
   def args(self):
     return (self.q, self.k_pages, self.v_pages, self.page_table, self.page_pos,
             self.page_shift, self.page_len, self.q_pos)
+
+
+def contract_specs(*, batch, q_len, num_heads, num_kv_heads, head_dim,
+                   num_pages, page_size, num_logical_pages,
+                   dtype=jnp.float32):
+  """jax.ShapeDtypeStruct of the contract's eight array arguments, in order
+  (for jax.export and shape-only calls)."""
+  spec = jax.ShapeDtypeStruct
+  pages = spec((num_kv_heads, num_pages, page_size, head_dim), dtype)
+  meta = spec((batch, num_logical_pages), jnp.int32)
+  return ([spec((batch, q_len, num_heads, head_dim), dtype), pages, pages]
+          + [meta] * 4 + [spec((batch, q_len), jnp.int32)])
+
+
+def zero_args(**sizes):
+  """Zero arrays of `contract_specs(**sizes)`: the cheapest valid-shaped
+  call, for argument checks."""
+  return [jnp.zeros(s.shape, s.dtype) for s in contract_specs(**sizes)]
 
 
 def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
@@ -51,7 +73,7 @@ def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
   num_physical = extra_physical_pages
   def alloc(n_tokens):
     nonlocal num_physical
-    n_pages = -(-n_tokens // page_size)
+    n_pages = ceil_div(n_tokens, page_size)
     ids = list(range(num_physical, num_physical + n_pages))
     num_physical += n_pages
     return ids

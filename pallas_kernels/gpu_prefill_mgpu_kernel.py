@@ -1,0 +1,368 @@
+"""The Mosaic GPU (Hopper) lazy prefill kernel: kernel body and builder.
+
+One CTA per (tile of query units, kv head, batch row).  A producer
+warpgroup TMA-copies each step's KV pages, its step record and its segment's
+cos/sin into a ring of shared-memory slots; one or two compute warpgroups
+each take 64 query rows of one query head, rotate them by -shift at a
+segment's first step, and run the online softmax (base 2) with wgmma.  The
+inputs come from `gpu_prefill_mgpu_plan.plan_prefill` and
+`gpu_prefill_mgpu.rotated_query_tokens`.
+
+Design: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
+from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, PrefillPlan,
+                                                  RecordLayout)
+
+# Registers per thread (setmaxnreg) of compute / producer warpgroups.
+_PRODUCER_REGISTERS = 40
+_COMPUTE_REGISTERS = 232
+
+
+class _Ops:
+  """Layout-dependent pieces; the interpreter has no layouts and no wgmma
+  transposes, so it takes plain jnp equivalents."""
+
+  def __init__(self, interpret: bool):
+    self.interpret = interpret
+
+  def cast(self, x, layout):
+    return x if self.interpret else plgpu.layout_cast(x, layout)
+
+  def iota(self, shape, dim, layout):
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
+
+  def qk(self, q_ref, k_ref, shape, between=None):
+    """S = Q K^T in f32 (K rows are keys)."""
+    if self.interpret:
+      if between is not None:
+        between()
+      return lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
+      if between is not None:
+        between()  # runs while the wgmma is in flight
+      return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+  def pv(self, acc, p, v_ref):
+    """acc + P V."""
+    if self.interpret:
+      return acc + lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, p, v_ref)
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+  def optimization_barrier(self, xs):
+    return xs if self.interpret else lax.optimization_barrier(xs)
+
+
+def _select_per_page(page, values):
+  """values[page] for a small static list of scalars (a select chain)."""
+  out = values[0]
+  for j in range(1, len(values)):
+    out = jnp.where(page == j, values[j], out)
+  return out
+
+
+def _kernel(
+    # Plan (per batch, the same for every layer; see PrefillPlan).
+    n_steps_ref,  # int32 [B, tiles]
+    min_row_ref,  # int32 [B, token blocks]
+    rec_ref,  # int32 [B, steps, record width]
+    cs_ref,  # f32 [B, M, 2, H/2]
+    row_pos_ref,  # int32 [B, T_pad]
+    page_offset_ref,  # int32 [1]: added to every physical page id
+    # Operands.
+    q_ref,  # [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), f32 or
+    #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32)
+    k_ref,  # [K, pages * P, H] in the pool's dtype
+    v_ref,  # [K, pages * P, H]
+    # Output.
+    o_ref,  # [B, T_pad, N, H]
+    # Scratch.
+    q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
+    k_bars, v_bars, k_free, v_free, sched_bar, *, cfg: MgpuBlockSizes,
+    page_size: int, group: int, layout: RecordLayout, interpret: bool):
+  ops = _Ops(interpret)
+  nwg, stages, block_kv = cfg.num_compute_wgs, cfg.num_stages, cfg.block_kv
+  ppb = block_kv // page_size
+  head_dim = q_ref.shape[-1]
+  half = head_dim // 2
+  dtype = k_ref.dtype
+  tile = lax.axis_index("tile")
+  head = lax.axis_index("head")
+  batch = lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  n_steps = n_steps_ref[batch, tile]
+  use_sched = nwg == 2 and cfg.schedule_barrier
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+  def schedule():
+    if use_sched:
+      plgpu.barrier_arrive(sched_bar)
+      plgpu.barrier_wait(sched_bar)
+
+  @pl.when(wg < nwg)
+  def _compute():
+    if not interpret:
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    unit = tile * nwg + wg
+    token_block = lax.div(unit, jnp.int32(group))
+    query_head = head * group + (unit - token_block * group)
+    tokens = pl.ds(token_block * WG_ROWS, WG_ROWS)
+    q_store = q_store_smem.at[wg]  # R(q_pos) q, f32 or 16-bit
+    q16 = q16_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, tokens, query_head], q_store,
+                            q_bars.at[wg])
+    plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
+                            q_bars.at[wg])
+    plgpu.barrier_wait(q_bars.at[wg])
+    row_pos = ops.cast(rp_smem[wg], row_layout)
+    oldest_row = min_row_ref[batch, token_block]
+
+    def rotate(slot):
+      """q16 = R(-shift) q in `dtype`; cos/sin of the step's segment."""
+      lo = q_store.at[:, pl.ds(0, half)][...].astype(jnp.float32)
+      hi = q_store.at[:, pl.ds(half, half)][...].astype(jnp.float32)
+      cos = ops.cast(cs_smem[slot, 0], col_layout)
+      sin = ops.cast(cs_smem[slot, 1], col_layout)
+      cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
+      sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
+      q16.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
+      q16.at[:, pl.ds(half, half)][...] = (hi * cos - lo * sin).astype(dtype)
+      plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+    def page_fields(rec, offset):
+      return [rec[offset + j] for j in range(ppb)]
+
+    def mask_scores(s, rec):
+      # Key position of each column, INT32_MAX where the slot is invalid.
+      col = ops.iota((block_kv,), 0, col_layout)
+      page = lax.div(col, jnp.int32(page_size))
+      slot_in_page = col - page * page_size
+      lim = _select_per_page(page, page_fields(rec, layout.lim))
+      pos = _select_per_page(page, page_fields(rec, layout.pos))
+      key_pos = jnp.where(slot_in_page < lim, pos + slot_in_page, INT32_MAX)
+      key_pos = lax.broadcast_in_dim(key_pos, s.shape, [1])
+      visible = key_pos <= lax.broadcast_in_dim(row_pos, s.shape, [0])
+      return jnp.where(visible, s, -jnp.inf)
+
+    def fixup_v(slot, rec):
+      # Zero the V rows of invalid slots (NaN there would survive p = 0).
+      for r0 in range(0, block_kv, WG_ROWS):
+        rows = ops.iota((WG_ROWS,), 0, row_layout) + r0
+        page = lax.div(rows, jnp.int32(page_size))
+        slot_in_page = rows - page * page_size
+        lim = _select_per_page(page, page_fields(rec, layout.lim))
+        ok = lax.broadcast_in_dim(lim - slot_in_page, (WG_ROWS, head_dim),
+                                  [0]) > 0
+        ref = v_smem.at[slot, pl.ds(r0, WG_ROWS)]
+        ref[...] = jnp.where(ok, ref[...], jnp.zeros((), dtype))
+      plgpu.commit_smem()
+
+    m = ops.cast(jnp.full((WG_ROWS,), common.NEG_INIT, jnp.float32),
+                 row_layout)
+    l = ops.cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), row_layout)
+    acc = ops.cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32),
+                   wgmma_layout)
+    if use_sched:
+      pl.when(wg == 1)(schedule)
+
+    def step(i, carry):
+      acc, m, l = carry
+      slot = lax.rem(i, stages)
+      # The record ring is twice as deep as the K/V ring: the record is read
+      # after the K slot is released (masks, V fix-up), and the producer
+      # rewrites record slot r only after both warpgroups released the K of
+      # step i - stages, i.e. after they finished step i - 2 * stages.
+      rec = rec_smem.at[lax.rem(i, 2 * stages)]
+      plgpu.barrier_wait(k_bars.at[slot])
+      pl.when(rec[layout.new_seg] != 0)(lambda: rotate(slot))
+      s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
+      plgpu.barrier_arrive(k_free.at[slot])
+      fixup = rec[layout.fixup] != 0
+      if cfg.mask_fast_path:
+        needs_mask = fixup | (rec[layout.max_pos] > oldest_row)
+        s = lax.cond(needs_mask, lambda s: mask_scores(s, rec), lambda s: s,
+                     s)
+      else:
+        s = mask_scores(s, rec)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
+      if use_sched:
+        plgpu.barrier_arrive(sched_bar)  # softmax done
+      plgpu.barrier_wait(v_bars.at[slot])
+      pl.when(fixup)(lambda: fixup_v(slot, rec))
+      if use_sched:
+        plgpu.barrier_wait(sched_bar)  # tensor cores free
+      acc = ops.pv(acc, p16, v_smem.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
+    if use_sched:
+      pl.when(wg == 0)(schedule)
+    seen = l > 0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    q16[...] = out.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q16, o_ref.at[batch, tokens, query_head])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == nwg)
+  def _produce():
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    page_offset = page_offset_ref[0]
+
+    def step(i, _):
+      slot = lax.rem(i, stages)
+      # Scalar reads first: their latency overlaps the wait for the slot.
+      phys = [rec_ref[batch, i, layout.phys + j] + page_offset
+              for j in range(ppb)]
+      seg = rec_ref[batch, i, layout.seg]
+
+      def copy_pages(pages_ref, ring, barrier):
+        # One TMA copy per page: the block's pages are not contiguous.
+        for j in range(ppb):
+          plgpu.copy_gmem_to_smem(
+              pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
+              ring.at[slot, pl.ds(j * page_size, page_size)], barrier)
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+      copy_pages(k_ref, k_smem, k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(rec_ref.at[batch, i],
+                              rec_smem.at[lax.rem(i, 2 * stages)],
+                              k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
+                              k_bars.at[slot])
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+      copy_pages(v_ref, v_smem, v_bars.at[slot])
+      return ()
+
+    lax.fori_loop(0, n_steps, step, ())
+
+    # Drain: observe the last releases of every slot, so each barrier phase
+    # is seen by its waiter (the interpreter checks this; on the GPU it only
+    # makes the producer wait for the consumers, having nothing left to do).
+    def drain(i, _):
+      slot = lax.rem(i, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      return ()
+
+    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
+
+
+def _interpreter_params():
+  """jax's experimental Mosaic GPU interpreter (a private API, jax >= 0.10)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import (  # pylint: disable=g-import-not-at-top
+        InterpretGPUParams)
+  except ImportError as e:
+    # The installed jax lacks a module this feature needs: an ImportError,
+    # with the module named, for the caller to catch or read.
+    raise ImportError(
+        "interpret=True needs jax's Mosaic GPU interpreter "
+        "(jax._src.pallas.mosaic_gpu.interpret), which this jax "
+        f"{jax.__version__} does not have") from e
+  return InterpretGPUParams()
+
+
+def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
+                        page_offset=0, *, out_dtype,
+                        block_sizes: MgpuBlockSizes | None = None,
+                        interpret: bool = False):
+  """The kernel alone: q_rot from `rotated_query_tokens`, plan from
+  `plan_prefill`.  Returns out_dtype [B, T_pad, N, H]."""
+  block_sizes = block_sizes or MgpuBlockSizes()
+  want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
+  if q_rot.dtype != jnp.dtype(want):
+    raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "
+                     f"for query_in_f32={block_sizes.query_in_f32}")
+  batch, t_pad, num_heads, head_dim = q_rot.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  nwg, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
+  block_kv = block_sizes.block_kv
+  ppb = block_kv // page_size
+  layout = RecordLayout(ppb)
+  num_tiles = plan.n_steps.shape[1]
+  if num_tiles * nwg != t_pad // WG_ROWS * group:
+    raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
+                     f"and group {group} needs {t_pad // WG_ROWS * group} "
+                     f"units over {nwg} warpgroups")
+  page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
+
+  dtype = k_pages.dtype
+  swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
+  tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
+             plgpu.SwizzleTransform(swizzle))
+  tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  scratch = [
+      plgpu.SMEM((nwg, WG_ROWS, head_dim), q_rot.dtype,
+                 transforms=tiled32 if block_sizes.query_in_f32 else tiled16),
+      plgpu.SMEM((nwg, WG_ROWS, head_dim), dtype, transforms=tiled16),
+      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiled16),
+      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiled16),
+      plgpu.SMEM((2 * stages, layout.width), jnp.int32),
+      plgpu.SMEM((stages, 2, head_dim // 2), jnp.float32),
+      plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
+      plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
+      plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
+      plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
+      plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot free
+      plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot free
+      plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong)
+  ]
+  kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
+                             group=group, layout=layout, interpret=interpret)
+  extra = {}
+  if interpret:
+    extra["interpret"] = _interpreter_params()
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim),
+                                    out_dtype),
+      scratch_types=scratch,
+      grid=(num_tiles, num_kv_heads, batch),
+      grid_names=("tile", "head", "batch"),
+      num_threads=nwg + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **extra,
+  )(plan.n_steps, plan.min_row, plan.records, plan.cos_sin, plan.row_pos,
+    page_offset, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages))

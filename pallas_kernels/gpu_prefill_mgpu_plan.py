@@ -1,0 +1,218 @@
+"""Per-batch plan of the Mosaic GPU prefill kernel (XLA, metadata only).
+
+Each batch row's work is flattened into *steps*: one step is one KV block of
+`block_kv / page_size` logical pages of one segment (a run of live pages with
+one shift, `gpu_prefill.prefill_segments`).  A step's int32 record
+(`RecordLayout`) holds the pages' physical ids, positions and valid-slot
+counts (0 for a page outside the segment, dead, or past M), the segment
+index, a new-segment flag, a fix-up flag (some page not fully valid) and the
+newest valid key position.  Per CTA the plan counts the steps that hold a
+page its rows can see (steps are in page order, so that is a prefix), and
+per segment it holds the cos/sin of the shift.  The plan depends only on
+the page metadata and q_pos: a model makes it once per forward pass and
+every layer reuses it.
+
+Design: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
+from pallas_kernels.gpu_prefill import prefill_segments, tile_page_ends
+from pallas_kernels.rope import RopeConfig, cos_sin_from_chunks
+from pallas_kernels.sizes import ceil_div, round_up
+
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+  """Field offsets of one int32 step record."""
+
+  pages_per_block: int
+
+  @property
+  def phys(self):
+    return 0
+
+  @property
+  def pos(self):
+    return self.pages_per_block
+
+  @property
+  def lim(self):
+    return 2 * self.pages_per_block
+
+  @property
+  def seg(self):
+    return 3 * self.pages_per_block
+
+  @property
+  def new_seg(self):
+    return self.seg + 1
+
+  @property
+  def fixup(self):
+    return self.seg + 2
+
+  @property
+  def max_pos(self):
+    return self.seg + 3
+
+  @property
+  def width(self):
+    # A multiple of 32 int32 (128 bytes): the TMA copy's byte count must
+    # split evenly over the 128 threads that arrive on the barrier.
+    return round_up(self.seg + 4, 32)
+
+
+def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
+  """Static bound on the steps of one batch row.
+
+  Steps = sum over segments of the blocks its page range touches <= the
+  number of blocks + (segments - 1) <= cdiv(M, ppb) + M - 1.
+  """
+  return ceil_div(num_logical_pages, pages_per_block) + num_logical_pages
+
+
+def step_records(page_table, page_pos, page_shift, page_len, live, *,
+                 num_pages, page_size, pages_per_block):
+  """Flattens each batch row's work into KV steps (see the module docstring).
+
+  Returns:
+    records: int32 [B, S_max, RecordLayout.width];
+    num_steps: int32 [B];
+    step_first_page: int32 [B, S_max], first page of each step that belongs
+      to its segment (INT32_MAX past the row's steps), nondecreasing;
+    shift: int32 [B, M], shift of segment j (entries past the count unused).
+  """
+  batch, num_logical = page_table.shape
+  ppb = pages_per_block
+  layout = RecordLayout(ppb)
+  segments, segment_of_page = prefill_segments(page_shift, live)
+  first, end, shift = segments[..., 0], segments[..., 1], segments[..., 2]
+  num_segments = segment_of_page[:, -1] + 1  # [B]
+  seg_ids = jnp.arange(num_logical, dtype=jnp.int32)[None, :]
+  seg_valid = seg_ids < num_segments[:, None]
+  first_block = first // ppb
+  end_block = ceil_div(end, ppb)
+  count = jnp.where(seg_valid, end_block - first_block, 0)
+  cum = common.prefix_sum(count.astype(jnp.int32))
+  start = cum - count
+  num_steps = cum[:, -1]
+  s_max = max_steps(num_logical, ppb)
+  steps = jnp.arange(s_max, dtype=jnp.int32)
+  sorted_start = jnp.where(seg_valid, start, INT32_MAX)
+  # compare_all: one [B, S, M] comparison and a sum.  The default binary
+  # search is a while loop, one GPU launch per iteration, and those launches
+  # dominated this wrapper (docs/kernels.md).
+  seg = jax.vmap(lambda a: jnp.searchsorted(a, steps, side="right",
+                                            method="compare_all"))(
+      sorted_start).astype(jnp.int32) - 1
+  seg = jnp.clip(seg, 0, num_logical - 1)  # [B, S]
+  step_valid = steps[None, :] < num_steps[:, None]
+  take = lambda a: jnp.take_along_axis(a, seg, axis=1)
+  seg_first, seg_end, seg_start = take(first), take(end), take(start)
+  block = take(first_block) + steps[None, :] - seg_start
+  page = block[..., None] * ppb + jnp.arange(ppb, dtype=jnp.int32)
+  page_c = jnp.clip(page, 0, num_logical - 1).reshape(batch, -1)
+  gather = lambda a: jnp.take_along_axis(a, page_c, axis=1).reshape(
+      page.shape)
+  in_segment = ((page >= seg_first[..., None]) & (page < seg_end[..., None])
+                & (page < num_logical) & step_valid[..., None])
+  lim = jnp.where(in_segment & gather(live), gather(page_len), 0)
+  phys = jnp.clip(gather(page_table), 0, num_pages - 1)
+  pos = gather(page_pos)
+  new_seg = step_valid & (steps[None, :] == seg_start)
+  fixup = jnp.any(lim < page_size, axis=-1)
+  max_pos = jnp.max(jnp.where(lim > 0, pos + lim - 1, INT32_MIN), axis=-1)
+  step_first = jnp.where(step_valid, jnp.maximum(block * ppb, seg_first),
+                         INT32_MAX)
+  i32 = lambda x: x.astype(jnp.int32)
+  fields = [phys, pos, lim, i32(seg)[..., None], i32(new_seg)[..., None],
+            i32(fixup)[..., None], max_pos[..., None]]
+  records = jnp.concatenate(fields, axis=-1)
+  records = jnp.pad(records, ((0, 0), (0, 0),
+                              (0, layout.width - records.shape[-1])))
+  records = jnp.where(step_valid[..., None], records, 0)
+  return records, num_steps, step_first, shift
+
+
+def segment_cos_sin(shift, rope: RopeConfig, head_dim: int):
+  """f32 [B, M, 2, H/2]: cos and sin of each segment's shift (exact)."""
+  half = head_dim // 2
+  chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :half])
+  cos, sin = cos_sin_from_chunks(shift[..., None], chunks)
+  return jnp.stack([cos, sin], axis=2)
+
+
+class PrefillPlan(NamedTuple):
+  """Per-batch metadata of the kernel (XLA), the same for every layer.
+
+  Computed by `plan_prefill` from the page metadata and q_pos only, so a
+  model can compute it once per forward pass and hand it to every layer's
+  `lazy_prefill_mgpu_planned` (as FlashInfer's plan/run split does); layers
+  that sit at different offsets of one page array pass `page_offset`.
+  """
+
+  n_steps: jax.Array  # int32 [B, tiles]: steps each CTA runs
+  min_row: jax.Array  # int32 [B, T_pad / 64]: oldest q_pos of a token block
+  records: jax.Array  # int32 [B, steps, width]: step records
+  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin
+  row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
+
+
+def padded_query_len(q_len: int, group: int, num_compute_wgs: int) -> int:
+  """Tokens the kernel works on: whole 64-token blocks, and as many blocks
+  that the (block, query head) units split evenly over the CTAs."""
+  blocks = ceil_div(q_len, WG_ROWS)
+  while (blocks * group) % num_compute_wgs:
+    blocks += 1
+  return blocks * WG_ROWS
+
+
+def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
+                 group, head_dim, num_pages, page_size,
+                 block_sizes: MgpuBlockSizes | None = None) -> PrefillPlan:
+  """The layer-independent XLA work before the kernel (see PrefillPlan).
+
+  `num_pages` is the number of pages one layer's page ids index (the plan's
+  physical ids are clipped to it; `page_offset` is added in the kernel).
+  """
+  block_sizes = block_sizes or MgpuBlockSizes()
+  batch, q_len = q_pos.shape
+  nwg = block_sizes.num_compute_wgs
+  ppb = block_sizes.block_kv // page_size
+  t_pad = padded_query_len(q_len, group, nwg)
+  row_pos = jnp.where(q_pos >= 0, q_pos, common.PADDING_ROW)
+  row_pos = jnp.pad(row_pos, ((0, 0), (0, t_pad - q_len)),
+                    constant_values=common.PADDING_ROW)
+  newest = jnp.max(q_pos, axis=1)
+  live = ((page_len > 0) & (page_pos <= newest[:, None])
+          & (newest[:, None] >= 0))
+  records, num_steps, step_first, shift = step_records(
+      page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
+      page_size=page_size, pages_per_block=ppb)
+  # Steps are in page order: a token block's steps are those starting before
+  # the last page it can see.
+  block_end = tile_page_ends(row_pos, page_pos, live, WG_ROWS)  # [B, TB]
+  block_steps = jnp.sum(step_first[:, None, :] < block_end[:, :, None],
+                        axis=-1).astype(jnp.int32)
+  block_steps = jnp.minimum(block_steps, num_steps[:, None])
+  # A CTA runs the steps of the newest token block among its units.
+  num_tiles = t_pad // WG_ROWS * group // nwg
+  unit_block = (np.arange(num_tiles * nwg) // group).reshape(num_tiles, nwg)
+  n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
+  min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
+                    axis=-1)
+  cos_sin = segment_cos_sin(shift, rope, head_dim)
+  return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos)
