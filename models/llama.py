@@ -28,7 +28,8 @@ from flax import nnx
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
 from models.params import LAYER_PARAM_NAMES, init_params, param_shapes
-from pallas_kernels.lazy_attention import lazy_attention, plan_lazy_attention
+from pallas_kernels.lazy_attention import (check_kv_pools, lazy_attention,
+                                           plan_lazy_attention)
 from pallas_kernels.rope import apply_rope
 
 
@@ -273,12 +274,8 @@ class Llama(nnx.Module):
       raise ValueError(
           f"k_cache must be [K, L, num_pages, page_size, H] = "
           f"[{lead[0]}, {lead[1]}, *, *, {c.head_dim}], got {k_cache.shape}")
-    for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
-      if pool.dtype != self.dtype or pool.shape != k_cache.shape:
-        raise ValueError(
-            f"{name} dtype {pool.dtype} and shape {pool.shape} must be the "
-            f"model's compute dtype {self.dtype} and k_cache's shape "
-            f"{k_cache.shape}")
+    check_kv_pools(k_cache, v_cache, self.dtype, names=("k_cache", "v_cache"),
+                   dtype_name="the model's compute dtype")
     if not isinstance(inputs, PagedAttentionInputs):
       raise ValueError("inputs must be a PagedAttentionInputs, got "
                        f"{type(inputs).__name__}")
