@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Sequence
 
+import jax
+
 from lazyattn_jax.cache_state import CacheConfig, init_cache_state
 from lazyattn_jax.config import RunnerConfig, SchedulerConfig, split_settings
 from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
@@ -338,8 +340,11 @@ class LazyEngine:
     step: lazy and block).
 
     Text documents are tokenized exactly as `generate` tokenizes them, so a
-    later request finds them.  Returns, per document, whether it was already
-    cached.  Raises CacheCapacityError if a batch cannot fit.
+    later request finds them.  Works while requests are in flight: it runs
+    between scheduling rounds, where every live request's documents are
+    already encoded.  Returns, per document, whether it was already cached.
+    Raises CacheCapacityError if a batch cannot fit beside what live
+    requests hold.
     """
     if not self._mode.has_document_step:
       raise InvalidRequestError(
@@ -349,17 +354,25 @@ class LazyEngine:
     batch_size = batch_size or self.scheduler_config.max_batch
     hits: list[bool] = []
     from tqdm.auto import tqdm
-    with self._lock, tqdm(total=len(token_docs), desc="Encoding documents",
-                          unit="doc", disable=not progress) as bar:
-      self._check_open()
-      if self.scheduler.has_work():
-        raise RuntimeError("encode_documents() while requests are in flight")
+    with tqdm(total=len(token_docs), desc="Encoding documents", unit="doc",
+              disable=not progress) as bar:
       for start in range(0, len(token_docs), batch_size):
         chunk = token_docs[start:start + batch_size]
-        hits += self.rounds.encode_documents(self._mode.document_keys(chunk),
-                                             chunk)
+        with self._lock:  # one batch at a time: rounds may run in between
+          self._check_open()
+          hits += self.rounds.encode_documents(
+              self._mode.document_keys(chunk), chunk)
         bar.update(len(chunk))
     return hits
+
+  @property
+  def memory(self) -> dict[str, int]:
+    """Device bytes of the weights and of the KV pool (K and V)."""
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params))
+    with self._lock:
+      pool = (0 if self.state is None else
+              self.state.k.nbytes + self.state.v.nbytes)
+    return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool)}
 
   def reset_cache(self):
     """Empties the cache and the counters; compiled programs are kept.

@@ -166,9 +166,9 @@ class RoundExecutor:
     try:
       self._encode([(documents[i], admission.doc_pages[i])
                     for i in admission.missing_docs])
-    except BaseException:
+    except BaseException as error:
       if pool_lost(self.state):
-        self.state = init_cache_state(self.cache_config)
+        self._fail([], error)  # every live request's KV went with it
         raise
       self.state = cache.drop_documents(
           cache.finish(self.state, admission),

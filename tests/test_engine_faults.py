@@ -441,3 +441,35 @@ def test_churn_soak_with_failing_steps(model_and_config):
   ok = [i for i, r in results.items() if r.finish_reason != "error"]
   for i in rng.choice(ok, size=12, replace=False):
     assert results[i].token_ids == fresh.generate(*jobs[i]).token_ids, i
+
+
+def test_encode_documents_while_requests_are_in_flight(model_and_config,
+                                                       corpus):
+  docs, queries = corpus
+  engine = make_engine(model_and_config, decode_steps=2)
+  running = engine.submit(queries[0], [docs["a"]], greedy(8))
+  engine.step()
+  assert engine.scheduler.live  # decoding
+  assert engine.encode_documents([docs["b"], docs["a"]]) == [False, True]
+  ended = {}
+  while engine.has_work():
+    ended.update({r.request_id: r for r in engine.step()})
+  alone = make_engine(model_and_config).generate(queries[0], [docs["a"]],
+                                                 greedy(8))
+  assert ended[running].token_ids == alone.token_ids
+  reused = engine.generate(queries[1], [docs["b"]], greedy(3))
+  assert reused.doc_hits == [True]
+  assert reused.token_ids == make_engine(model_and_config).generate(
+      queries[1], [docs["b"]], greedy(3)).token_ids
+  assert_pages_accounted_for(engine)
+
+
+def test_memory_reports_weights_and_pool(model_and_config):
+  model, config, _ = model_and_config
+  engine = make_engine(model_and_config, num_pages=40)
+  cache = engine.cache_config
+  pool = 2 * 4 * int(np.prod(cache.pool_shape))  # K and V, float32
+  weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(
+      engine.runner.params))
+  assert engine.memory == {"weights_bytes": weights, "kv_pool_bytes": pool}
+  assert weights > 400_000  # the tiny model's 106,816 float32 parameters
