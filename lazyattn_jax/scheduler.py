@@ -110,6 +110,17 @@ class Scheduler:
     nothing live, or whose admission fails, finishes with an error.
     """
     new: list[LiveRequest] = []
+    try:
+      state = self._admit_into(state, new)
+    except BaseException:
+      # Interrupted (KeyboardInterrupt, say): the caller keeps its old
+      # state, so the requests admitted into the new one go back in front.
+      self.waiting.extendleft(reversed(
+          [(r.request_id, r.request, r.submitted_at) for r in new]))
+      raise
+    return state, new
+
+  def _admit_into(self, state, new: list[LiveRequest]):
     round_tokens = 0
     budget = self.config.prefill_tokens_per_step
     while self.waiting and len(self.live) + len(new) < self.config.max_batch:
@@ -130,11 +141,11 @@ class Scheduler:
         self.waiting.popleft()
         self._finish_failed(request_id, request, submitted, _describe(error))
         continue
-      self.waiting.popleft()
       try:
         layout = self.mode.layout(request, admission)
         to_encode = self.mode.documents_to_encode(request, admission)
       except Exception as error:  # noqa: BLE001
+        self.waiting.popleft()
         state = self.cache.drop_documents(
             self.cache.finish(admitted, admission),
             [admission.doc_slots[i] for i in admission.missing_docs])
@@ -142,10 +153,11 @@ class Scheduler:
         continue
       state = admitted
       own = sum(len(tokens) for _, tokens, _ in to_encode) + len(layout.prefill)
+      self.waiting.popleft()
       new.append(LiveRequest(request_id, request, admission, layout,
                              submitted, own))
       round_tokens += own
-    return state, new
+    return state
 
   def first_token_groups(self, new: list[LiveRequest]) -> list[FirstTokenGroup]:
     """Splits a round's requests into groups that prefill one after another.

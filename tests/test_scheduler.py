@@ -90,6 +90,29 @@ def test_a_request_that_does_not_fit_waits_for_live_requests():
   assert [r.request_id for r in later] == [1]
 
 
+def test_an_interrupted_admission_leaves_queue_and_state_as_they_were(
+    monkeypatch):
+  scheduler, state = make_scheduler()
+  for i in range(3):
+    scheduler.add(i, request([doc(i, 6)]), 0.0)
+  layout = scheduler.mode.layout
+  calls = []
+
+  def interrupted(*args):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return layout(*args)
+  monkeypatch.setattr(scheduler.mode, "layout", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    scheduler.admit(state)
+  assert [entry[0] for entry in scheduler.waiting] == [0, 1, 2]
+  assert free_pages(scheduler, state) == 64  # the caller's state is unchanged
+  monkeypatch.undo()
+  state, new = scheduler.admit(state)
+  assert [r.request_id for r in new] == [0, 1, 2]
+
+
 def test_a_request_that_never_fits_finishes_with_an_error():
   scheduler, state = make_scheduler(num_pages=4)
   scheduler.add(0, request([doc(0, 16)]), 0.0)
