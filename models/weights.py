@@ -105,9 +105,12 @@ def load_params(config: LlamaConfig, names: CheckpointNames,
   """The parameter dict of `models.llama.llama_from_params`, on the device.
 
   Tensors are read one at a time and written straight into their place in
-  device arrays of `param_dtype`, so the host holds one tensor at a time
-  (as `load` returns it), never the whole model: a big checkpoint needs host
-  memory for its largest tensor, not for all of them.
+  device arrays of `param_dtype`, so the host holds about one tensor at a
+  time (as `load` returns it), never the whole model: a big checkpoint needs
+  host memory for its largest tensor, not for all of them.  Each write is
+  waited for before the next tensor is read: dispatch is asynchronous, and a
+  host array stays alive until the device has consumed it, so running ahead
+  would pile up every tensor of a layer stack on the host.
 
   Args:
     config: the model (its tensors were checked with `check_tensors`).
@@ -128,19 +131,19 @@ def load_params(config: LlamaConfig, names: CheckpointNames,
       bar.update(1)
       return value
 
-    params = {"embed_tokens": _on_device(read(names.embed_tokens), dtype,
-                                         transpose=False),
-              "final_norm": _on_device(read(names.final_norm), dtype,
-                                       transpose=False)}
+    def table(name, transpose):
+      return _on_device(read(name), dtype, transpose).block_until_ready()
+
+    params = {"embed_tokens": table(names.embed_tokens, False),
+              "final_norm": table(names.final_norm, False)}
     if not config.tie_word_embeddings:
-      params["lm_head"] = _on_device(read(names.lm_head), dtype,
-                                     transpose=True)  # -> [D, V]
+      params["lm_head"] = table(names.lm_head, True)  # -> [D, V]
     params["layers"] = {}
     for param in layer_param_names(config):
       stack = jnp.zeros(shapes["layers"][param], dtype)
       for i in range(config.num_layers):
         stack = _write_layer(stack, i, read(names.layer_tensor(param, i)),
-                             transpose=is_matrix(param))
+                             transpose=is_matrix(param)).block_until_ready()
       params["layers"][param] = stack
   return params
 

@@ -119,6 +119,8 @@ def write_gguf_like_llama_cpp(path, model, arch: str, *,
   writer.add_head_count_kv(c.num_key_value_heads)
   writer.add_layer_norm_rms_eps(c.rms_norm_eps)
   writer.add_rope_freq_base(_rope_theta(c))
+  writer.add_bos_token_id(c.bos_token_id)
+  writer.add_eos_token_id(c.eos_token_id)
   head_dim = getattr(c, "head_dim", None) or (c.hidden_size //
                                               c.num_attention_heads)
   if arch == "qwen3":  # the converter writes head_dim where config has one
@@ -164,7 +166,8 @@ def random_blocks_of(shape, qtype, rng: np.random.Generator) -> np.ndarray:
   data = rng.integers(0, 256, (blocks, type_size), dtype=np.uint8)
   for _ in range(100):
     try:
-      values = gguf.quants.dequantize(data, qtype).reshape(blocks, -1)
+      with np.errstate(all="ignore"):  # inf and NaN are expected here
+        values = gguf.quants.dequantize(data, qtype).reshape(blocks, -1)
     except NotImplementedError:
       break
     bad = ~np.isfinite(values).all(axis=1)
