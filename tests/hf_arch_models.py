@@ -86,8 +86,8 @@ def hf_tensors(model) -> dict[str, np.ndarray]:
 
 def write_gguf_like_llama_cpp(path, model, arch: str, *,
                               matrix_type=Q.F32, tensor_types=None,
-                              random_blocks: np.random.Generator | None = None
-                              ) -> dict[str, np.ndarray | None]:
+                              random_blocks: np.random.Generator | None = None,
+                              metadata=None) -> dict[str, np.ndarray | None]:
   """Writes `model` as convert_hf_to_gguf would, with metadata from its
   config.
 
@@ -101,6 +101,7 @@ def write_gguf_like_llama_cpp(path, model, arch: str, *,
     random_blocks: with a generator, quantized tensors hold random blocks
       (`random_blocks_of`) instead of gguf's quantization of the weights;
       types gguf cannot quantize always do.
+    metadata: more key/value metadata (e.g. the tokenizer's), by GGUF key.
 
   Returns:
     HF tensor name -> the values a correct loader must produce: gguf's
@@ -128,6 +129,8 @@ def write_gguf_like_llama_cpp(path, model, arch: str, *,
     writer.add_value_length(head_dim)
   if gguf_arch == gguf.MODEL_ARCH.LLAMA:
     writer.add_rope_dimension_count(head_dim)
+  for key, value in (metadata or {}).items():
+    _add_metadata(writer, key, value)
   name_map = gguf.get_tensor_name_map(gguf_arch, c.num_hidden_layers)
   rng = random_blocks or np.random.default_rng(0)
   expected = {}
@@ -193,6 +196,19 @@ def _encode(value, qtype, rng):
   if qtype in (Q.F32, Q.F16) or rng is None:
     return gguf.quants.quantize(np.ascontiguousarray(value, np.float32), qtype)
   return random_blocks_of(value.shape, qtype, rng)
+
+
+def _add_metadata(writer, key, value):
+  if isinstance(value, str):
+    writer.add_string(key, value)
+  elif isinstance(value, bool):
+    writer.add_bool(key, value)
+  elif isinstance(value, int):
+    writer.add_uint32(key, value)
+  elif isinstance(value, float):
+    writer.add_float32(key, value)
+  else:
+    writer.add_array(key, list(value))
 
 
 def _permuted_heads(hf_name: str, config) -> int | None:

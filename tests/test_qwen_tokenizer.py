@@ -123,17 +123,28 @@ def test_from_tokenizer_json_matches_transformers(hf_qwen, tmp_path):
       hf_qwen, [{"role": "user", "content": "hi"}])
 
 
-def test_engine_wraps_a_string_query_in_chatml(ours, hf_qwen, tmp_path):
-  """From a Qwen2 checkpoint directory with its tokenizer.json: a string
-  query becomes the shared ChatML prefix (system turn, user header), then
-  the documents, then the query and the assistant header."""
+@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+def test_engine_wraps_a_string_query_in_chatml(form, qwen_metadata, hf_qwen,
+                                               tmp_path):
+  """From a Qwen2 checkpoint, an HF directory with its tokenizer.json or a
+  GGUF file with its tokenizer metadata: a string query becomes the shared
+  ChatML prefix (system turn, user header), then the documents, then the
+  query and the assistant header."""
   from lazyattn_jax.engine import LazyEngine
   from lazyattn_jax.requests import chat_parts
-  from tests.hf_arch_models import hf_model
-  hf_model("qwen2", vocab_size=len(hf_qwen)).save_pretrained(
-      tmp_path, safe_serialization=True)
-  hf_qwen.save_pretrained(tmp_path)
-  engine = LazyEngine.from_pretrained(tmp_path, impl="xla", num_pages=64,
+  from tests.hf_arch_models import hf_model, write_gguf_like_llama_cpp
+  model = hf_model("qwen2", vocab_size=len(hf_qwen))
+  if form == "safetensors":
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    hf_qwen.save_pretrained(tmp_path)
+    path = tmp_path
+  else:
+    path = tmp_path / "qwen2.gguf"
+    write_gguf_like_llama_cpp(path, model, "qwen2", metadata={
+        k: v for k, v in qwen_metadata.items()
+        if k not in ("tokenizer.ggml.bos_token_id",
+                     "tokenizer.ggml.eos_token_id")})
+  engine = LazyEngine.from_pretrained(path, impl="xla", num_pages=64,
                                       page_size=8, max_batch=1,
                                       progress=False)
   prefix, query = chat_parts(engine.tokenizer, "Who built it?")
@@ -142,6 +153,7 @@ def test_engine_wraps_a_string_query_in_chatml(ours, hf_qwen, tmp_path):
       "<|im_start|>user\n")
   assert engine.tokenizer.decode(query, skip_special_tokens=False) == (
       "Who built it?<|im_end|>\n<|im_start|>assistant\n")
+  assert IM_END in engine.default_stop_ids()
   document = "The Orrin Bridge was built in 1887 by Mara Delacourt."
   as_text = engine.generate("Who built it?", [document], max_new_tokens=4,
                             stop_token_ids=())
