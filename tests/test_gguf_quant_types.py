@@ -133,3 +133,14 @@ def test_big_file_streams_tensor_by_tensor(tmp_path):
   assert loaded.layers.down_proj[...].dtype == jnp.bfloat16
   assert float32_model > 8 * 4 * largest  # 8 layers of >= 4 such tensors
   assert peak < 6 * largest, (peak, largest, float32_model)
+
+
+def test_progress_bar_counts_every_tensor(tmp_path, capsys):
+  model = _llama()
+  path = tmp_path / "q4k.gguf"
+  write_gguf_like_llama_cpp(path, model, "llama", matrix_type=Q.Q4_K)
+  load_gguf(path, progress=True)
+  tensors = len(model.state_dict()) - 1  # the tied output is not stored
+  err = capsys.readouterr().err
+  assert "Loading GGUF weights" in err
+  assert f"{tensors}/{tensors}" in err, err
