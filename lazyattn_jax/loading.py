@@ -23,14 +23,16 @@ def load_model(name_or_path: str, dtype, progress: bool) -> LoadedModel:
   """Loads "smollm2-135m-instruct" (the embedded default model, fetched into
   a user cache on first use), a .gguf file, or a HF safetensors directory
   (config.json, *.safetensors, optional tokenizer.json; without a tokenizer
-  the engine takes token ids only)."""
+  the engine takes token ids only), of any architecture and tensor type
+  `models.gguf_loader` and `models.safetensors_loader` accept.  Weights
+  stream tensor by tensor into `dtype` on the device."""
   from lazyattn_jax.default_model import resolve_model_path
   from models.tokenizer import LlamaTokenizer
   dtype = jnp.dtype(dtype)
   path = resolve_model_path(name_or_path)
   if path.is_dir():
     from models.safetensors_loader import load_safetensors
-    config, model = load_safetensors(path, dtype=dtype)
+    config, model = load_safetensors(path, dtype=dtype, progress=progress)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
       tokenizer = LlamaTokenizer.from_tokenizer_json(path)

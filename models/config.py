@@ -19,7 +19,9 @@ class Llama3RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """A Llama decoder: embeddings, RMSNorm, GQA attention with RoPE, SwiGLU.
+  """A Llama-family decoder: embeddings, RMSNorm, GQA attention with RoPE,
+  SwiGLU; optionally biases on Q, K and V (Qwen2) and RMSNorm over each head
+  of Q and K (Qwen3).
 
   Attributes:
     vocab_size: number of token ids.
@@ -35,6 +37,9 @@ class LlamaConfig:
     tie_word_embeddings: the output projection is the embedding table.
     max_position: longest logical position the model is used at.
     bos_token_id, eos_token_id: optional special ids (informational).
+    attention_bias: the Q, K and V projections add a bias (Qwen2).
+    qk_norm: each head of Q and K goes through its own RMSNorm (weights of
+      size head_dim, shared by the heads) before RoPE (Qwen3).
   """
 
   vocab_size: int
@@ -51,6 +56,8 @@ class LlamaConfig:
   max_position: int = 8192
   bos_token_id: int | None = None
   eos_token_id: int | None = None
+  attention_bias: bool = False
+  qk_norm: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -60,6 +67,10 @@ class LlamaConfig:
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(
             f"LlamaConfig.{name} must be a positive int, got {value!r}")
+    for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"LlamaConfig.{name} must be a bool, got "
+                         f"{getattr(self, name)!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of "

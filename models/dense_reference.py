@@ -1,9 +1,10 @@
 """Dense reference forward pass: the same weights, no pages, explicit mask.
 
 Parity tests compare the paged/lazy path against this.  It shares the model's
-projections, norms and MLP (`run_decoder_layers`) but not its attention: here
-queries and keys are rotated at the given positions and attend through a
-plain masked softmax over the given sequence.
+projections (with Q/K/V biases and Q/K norms where the model has them), norms
+and MLP (`run_decoder_layers`) but not its attention: here queries and keys
+are rotated at the given positions and attend through a plain masked softmax
+over the given sequence.
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
-"""Load a llama.cpp GGUF Llama: config, dequantized weights, tokenizer data.
+"""Load a llama.cpp GGUF model: config, dequantized weights, tokenizer data.
 
-Through the `gguf` package (GGUFReader and gguf.quants.dequantize).  Two things
-llama.cpp's converter (convert_hf_to_gguf.py) does to Llama weights are undone
-here:
+The architectures are those of `models.architectures` (llama, which Mistral
+files are too, qwen2 and qwen3).  Every tensor type that
+`gguf.quants.dequantize` can dequantize loads (F32, F16, BF16, the legacy,
+K-, IQ- and TQ-quants, MXFP4, ...); the `gguf` package does all the
+dequantization.  Tensors stream one at a time into device arrays of the
+target dtype (`models.weights.load_params`).
+
+Two things llama.cpp's converter (convert_hf_to_gguf.py) does to llama-family
+weights are undone here:
 - attn_q / attn_k rows are permuted per head for llama.cpp's interleaved RoPE
   (`reshape(n_head, 2, rows_per_head // 2, cols).swapaxes(1, 2)`); this model
   uses the HF `rotate_half` layout, so the permutation is inverted, otherwise
-  every position would be wrong;
+  every position would be wrong (Qwen2 and Qwen3 are stored unpermuted);
 - Llama-3 RoPE scaling is written as a `rope_freqs.weight` tensor of
   per-frequency divisors instead of metadata; it is turned back into
   Llama-3 scaling parameters and checked against the formula.
@@ -17,37 +23,37 @@ The header (metadata, tokenizer data) is read by `models.gguf_metadata`;
 
 from __future__ import annotations
 
+import functools
 import os
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import Llama3RopeScaling, LlamaConfig
+from models.architectures import Architecture, architecture_from_gguf
+from models.config import LlamaConfig
 from models.errors import ModelFormatError
 from models.gguf_metadata import GgufMetadata, open_gguf, read_gguf_metadata
+from models.gguf_rope_freqs import llama3_scaling_from_rope_freqs
 from models.llama import Llama, llama_from_params
-from models.weights import (CheckpointNames, build_params, check_tensors,
-                            expected_shapes)
+from models.weights import (CheckpointNames, check_tensors, expected_shapes,
+                            load_params)
 
-__all__ = ["GgufMetadata", "SUPPORTED_TENSOR_TYPES", "dequantize_tensor",
-           "llama_cpp_permute", "llama_cpp_unpermute", "load_gguf",
-           "read_gguf_metadata"]
-
-SUPPORTED_TENSOR_TYPES = (
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-    gguf.GGMLQuantizationType.Q8_0,
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
-)
+__all__ = ["GgufMetadata", "dequantize_tensor", "llama_cpp_permute",
+           "llama_cpp_unpermute", "load_gguf", "read_gguf_metadata",
+           "supported_tensor_types"]
 
 _GGUF_NAMES = CheckpointNames(
     embed_tokens="token_embd.weight", final_norm="output_norm.weight",
-    lm_head="output.weight", layer_template="blk.{i}.{name}.weight",
-    layer_names=("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))
+    lm_head="output.weight", layer_template="blk.{i}.{name}",
+    layer_names={
+        "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight",
+        "k_proj": "attn_k.weight", "v_proj": "attn_v.weight",
+        "o_proj": "attn_output.weight", "mlp_norm": "ffn_norm.weight",
+        "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
+        "down_proj": "ffn_down.weight", "q_bias": "attn_q.bias",
+        "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+        "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"})
 # Llama-3 RoPE scaling, where present; read into the config, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -72,22 +78,60 @@ def llama_cpp_unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _check_tensor_type(tensor) -> gguf.GGMLQuantizationType:
-  qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-  if qtype not in SUPPORTED_TENSOR_TYPES:
-    supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
-    raise ModelFormatError(f"GGUF tensor {tensor.name!r} has type "
-                           f"{qtype.name}; supported types are {supported}")
+@functools.lru_cache(maxsize=None)
+def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+  # Asked of the gguf package itself, on one zero block: what it supports
+  # grows with its version, and a type it lacks raises NotImplementedError.
+  type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+  try:
+    gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+  except NotImplementedError:
+    return False
+  return True
+
+
+def supported_tensor_types() -> tuple[gguf.GGMLQuantizationType, ...]:
+  """The GGUF tensor types this loader reads: every type the installed
+  `gguf` package can dequantize."""
+  return tuple(t for t in gguf.GGMLQuantizationType
+               if t in gguf.GGML_QUANT_SIZES and _can_dequantize(t))
+
+
+def _check_tensor_type(tensor, path: str) -> gguf.GGMLQuantizationType:
+  try:
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+  except ValueError:
+    raise ModelFormatError(f"{path}: GGUF tensor {tensor.name!r} has unknown "
+                           f"type number {int(tensor.tensor_type)}") from None
+  if qtype not in gguf.GGML_QUANT_SIZES or not _can_dequantize(qtype):
+    supported = ", ".join(t.name for t in supported_tensor_types())
+    raise ModelFormatError(
+        f"{path}: GGUF tensor {tensor.name!r} has type {qtype.name}, which "
+        f"the gguf package (version {_gguf_version()}) cannot dequantize; "
+        f"supported types: {supported}")
   return qtype
 
 
-def dequantize_tensor(tensor) -> np.ndarray:
+def _gguf_version() -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  try:
+    return version("gguf")
+  except PackageNotFoundError:
+    return "unknown"
+
+
+def dequantize_tensor(tensor, path: str = "GGUF file") -> np.ndarray:
   """float32 numpy array of a GGUF tensor, in numpy (row-major) shape.
 
+  Args:
+    tensor: a `gguf.ReaderTensor`.
+    path: the file, for error messages.
+
   Raises:
-    ModelFormatError: the tensor type is not one of SUPPORTED_TENSOR_TYPES.
+    ModelFormatError: gguf cannot dequantize the tensor's type (the message
+      names the tensor and its type).
   """
-  qtype = _check_tensor_type(tensor)
+  qtype = _check_tensor_type(tensor, path)
   # GGUF lists dimensions fastest-first; numpy wants them slowest-first.
   shape = tuple(int(d) for d in reversed(tensor.shape))
   # A plain in-memory copy: dequantizing straight from the reader's memmap
@@ -96,62 +140,10 @@ def dequantize_tensor(tensor) -> np.ndarray:
   return np.asarray(values, np.float32).reshape(shape)
 
 
-def _llama3_scaling_from_rope_freqs(freq_divisors: np.ndarray, head_dim: int,
-                                    theta: float, original_max_position: int,
-                                    path: str) -> Llama3RopeScaling | None:
-  """Recovers Llama-3 scaling parameters from llama.cpp's rope_freqs tensor.
-
-  The Llama-3 rule only depends on original_max_position / low_freq_factor
-  and original_max_position / high_freq_factor, so original_max_position is
-  fixed (from metadata or 8192) and the two factors are fitted to the
-  smoothly interpolated frequencies (or take Llama-3's 1 and 4 when fewer
-  than two frequencies are interpolated); the result is then verified
-  against the tensor.
-  """
-  divisors = np.asarray(freq_divisors, np.float64).reshape(-1)
-  if divisors.shape != (head_dim // 2,):
-    raise ModelFormatError(f"{path}: rope_freqs.weight has {divisors.size} "
-                           f"entries, expected head_dim / 2 = {head_dim // 2}")
-  factor = float(divisors.max())
-  if np.allclose(divisors, 1.0, rtol=0, atol=1e-6):
-    return None
-  base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-  wavelen = 2.0 * np.pi / base
-  tol = 1e-5 * factor
-  smoothed = (divisors > 1.0 + tol) & (divisors < factor - tol)
-  low, high = 1.0, 4.0
-  if factor > 1.0 and smoothed.sum() >= 2:
-    # 1/divisor = (1 - s)/factor + s  =>  s; and s (high - low) + low = orig/wl.
-    s = (1.0 / divisors[smoothed] - 1.0 / factor) / (1.0 - 1.0 / factor)
-    a = np.stack([1.0 - s, s], axis=1)
-    (low, high), *_ = np.linalg.lstsq(
-        a, original_max_position / wavelen[smoothed], rcond=None)
-  try:
-    scaling = Llama3RopeScaling(
-        factor=factor, low_freq_factor=float(low),
-        high_freq_factor=float(high),
-        original_max_position=int(original_max_position))
-    config = LlamaConfig(vocab_size=1, hidden_size=head_dim, num_layers=1,
-                         num_heads=1, num_kv_heads=1, head_dim=head_dim,
-                         intermediate_size=1, rope_theta=theta,
-                         rope_scaling=scaling)
-    fitted = config.rope.inv_frequencies(head_dim)
-  except ValueError as e:
-    raise ModelFormatError(f"{path}: rope_freqs.weight is not Llama-3 RoPE "
-                           f"scaling ({e})") from e
-  if not np.allclose(fitted, base / divisors, rtol=1e-5, atol=0):
-    raise ModelFormatError(f"{path}: rope_freqs.weight does not match Llama-3 "
-                           "RoPE scaling; this frequency scaling is not "
-                           "supported")
-  return scaling
-
-
-def _config_from_gguf(metadata: GgufMetadata, tensors: dict, path: str,
+def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
+                      tensors: dict, path: str,
                       max_position: int | None) -> LlamaConfig:
-  arch = metadata.architecture
-  if arch != "llama":
-    raise ModelFormatError(f"{path}: general.architecture is {arch!r}; only "
-                           "'llama' GGUF files are supported")
+  arch = metadata.architecture  # the metadata keys' prefix
   fields = metadata.fields
 
   def get(key, default=None, required=False):
@@ -200,8 +192,8 @@ def _config_from_gguf(metadata: GgufMetadata, tensors: dict, path: str,
   context_length = int(get("context_length", 8192))
   rope_scaling = None
   if _ROPE_FREQS in tensors:
-    rope_scaling = _llama3_scaling_from_rope_freqs(
-        dequantize_tensor(tensors[_ROPE_FREQS]), head_dim, theta,
+    rope_scaling = llama3_scaling_from_rope_freqs(
+        dequantize_tensor(tensors[_ROPE_FREQS], path), head_dim, theta,
         int(get("rope.scaling.original_context_length", 8192)), path)
   embed = tensors.get(_GGUF_NAMES.embed_tokens)
   if embed is None:
@@ -232,47 +224,44 @@ def _config_from_gguf(metadata: GgufMetadata, tensors: dict, path: str,
       max_position=int(max_position or context_length),
       bos_token_id=token_id(metadata.bos_token_id),
       eos_token_id=token_id(metadata.eos_token_id),
+      attention_bias=family.attention_bias,
+      qk_norm=family.qk_norm,
   )
 
 
-def _params_from_gguf(config: LlamaConfig, tensors: dict, path: str,
+def _params_from_gguf(config: LlamaConfig, family: Architecture,
+                      tensors: dict, path: str, param_dtype,
                       progress: bool) -> dict:
   expected = expected_shapes(config, _GGUF_NAMES)
   check_tensors({name: tuple(int(d) for d in reversed(t.shape))
                  for name, t in tensors.items() if name != _ROPE_FREQS},
                 expected, path, gguf_order=True)
-  for tensor in tensors.values():  # refuse before dequantizing anything
-    _check_tensor_type(tensor)
   # convert_hf_to_gguf permutes the Q and K rows for llama.cpp's RoPE.
   permuted = {}
-  for i in range(config.num_layers):
-    permuted[_GGUF_NAMES.layer_tensor("q_proj", i)] = config.num_heads
-    permuted[_GGUF_NAMES.layer_tensor("k_proj", i)] = config.num_kv_heads
-
-  bar = None
-  if progress:
-    from tqdm.auto import tqdm
-    bar = tqdm(total=len(tensors), desc="Loading GGUF weights", unit="tensor")
+  if family.llama_cpp_permuted:
+    for i in range(config.num_layers):
+      permuted[_GGUF_NAMES.layer_tensor("q_proj", i)] = config.num_heads
+      permuted[_GGUF_NAMES.layer_tensor("k_proj", i)] = config.num_kv_heads
 
   def load(name):
-    value = dequantize_tensor(tensors[name])
+    value = dequantize_tensor(tensors[name], path)
     if name in permuted:
       value = llama_cpp_unpermute(value, permuted[name])
-    if bar is not None:
-      bar.update(1)
     return value
 
-  params = build_params(config, _GGUF_NAMES, load)
-  if bar is not None:
-    bar.update(int(_ROPE_FREQS in tensors))
-    bar.close()
-  return params
+  return load_params(config, _GGUF_NAMES, load, param_dtype=param_dtype,
+                     progress=progress, description="Loading GGUF weights")
 
 
 def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
               max_position: int | None = None, progress: bool = False
               ) -> tuple[LlamaConfig, Llama, GgufMetadata]:
-  """Loads a llama.cpp GGUF Llama file.
+  """Loads a llama.cpp GGUF file of a supported architecture.
+
+  Everything is checked before any tensor is read (the architecture, every
+  tensor's type, the configuration, every tensor's name and shape); then the
+  tensors are dequantized one at a time, straight into device arrays of
+  `param_dtype`.
 
   Args:
     path: the .gguf file.
@@ -287,22 +276,29 @@ def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
     (tokenizer vocabulary, merges, special ids, chat template).
 
   Raises:
-    ModelFormatError: a corrupted or truncated file, not a Llama GGUF file,
-      a missing, unexpected or wrongly shaped tensor, an unsupported tensor
-      type or configuration; the message names the file and the tensor or
-      field (ModelFileNotFoundError, also a FileNotFoundError: no such file).
+    ModelFormatError: a corrupted or truncated file, an unsupported
+      architecture (the message lists the supported ones), a tensor type the
+      gguf package cannot dequantize (the message names the tensor and its
+      type), a missing, unexpected or wrongly shaped tensor, an unsupported
+      configuration; the message names the file and the tensor or field
+      (ModelFileNotFoundError, also a FileNotFoundError: no such file).
   """
   path = os.fspath(path)
   reader, metadata = open_gguf(path)
+  family = architecture_from_gguf(metadata.architecture, path)
   tensors = {t.name: t for t in reader.tensors}
+  for tensor in tensors.values():  # refuse before dequantizing anything
+    _check_tensor_type(tensor, path)
   try:
-    config = _config_from_gguf(metadata, tensors, path, max_position)
+    config = _config_from_gguf(metadata, family, tensors, path, max_position)
   except ModelFormatError:
     raise
   except (ValueError, TypeError) as e:  # LlamaConfig's checks, odd values
     raise ModelFormatError(f"{path}: unsupported model configuration: {e}"
                            ) from e
-  params = _params_from_gguf(config, tensors, path, progress)
+  param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+  params = _params_from_gguf(config, family, tensors, path, param_dtype,
+                             progress)
   model = llama_from_params(config, params, dtype=dtype,
                             param_dtype=param_dtype)
   return config, model, metadata

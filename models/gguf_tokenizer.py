@@ -16,7 +16,8 @@ import dataclasses
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import (AddedToken, Regex, decoders, models, normalizers,
+                        pre_tokenizers)
 
 from models.errors import UnsupportedTokenizerError
 
@@ -31,6 +32,10 @@ _GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
                  r"|\s+")
+# Qwen2's (Qwen2, Qwen2.5, Qwen3): Llama 3's, with every digit on its own.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+                r"|\s+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class _PreTokenizerSpec:
   one isolates its matches), then the byte-level alphabet."""
   splits: tuple[str, ...]
   ignore_merges: bool = False  # a whole pre-token in the vocab wins (Llama 3)
+  nfc: bool = False  # text is NFC-normalized first (Qwen2's tokenizer.json)
 
 
 _GPT2_SPEC = _PreTokenizerSpec((_GPT2_SPLIT,))
@@ -47,6 +53,9 @@ _GPT2_SPEC = _PreTokenizerSpec((_GPT2_SPLIT,))
 # Digits(individual_digits=True) followed by ByteLevel(use_regex=True).
 _DIGITS_THEN_GPT2_SPEC = _PreTokenizerSpec((r"\p{N}", _GPT2_SPLIT))
 _LLAMA3_SPEC = _PreTokenizerSpec((_LLAMA3_SPLIT,), ignore_merges=True)
+# llama.cpp does not normalize; the model's own tokenizer (and transformers'
+# Qwen2Tokenizer) does, and they are what the model was trained with.
+_QWEN2_SPEC = _PreTokenizerSpec((_QWEN2_SPLIT,), nfc=True)
 
 _PRE_TOKENIZER_SPLITS: dict[str, _PreTokenizerSpec] = {
     "default": _GPT2_SPEC,
@@ -61,6 +70,7 @@ _PRE_TOKENIZER_SPLITS: dict[str, _PreTokenizerSpec] = {
     "falcon3": _LLAMA3_SPEC,
     "smaug-bpe": _LLAMA3_SPEC,
     "dbrx": _LLAMA3_SPEC,
+    "qwen2": _QWEN2_SPEC,
 }
 
 
@@ -153,6 +163,8 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
   backend = tokenizers.Tokenizer(models.BPE(
       vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
       ignore_merges=spec.ignore_merges))
+  if spec.nfc:
+    backend.normalizer = normalizers.NFC()
   backend.pre_tokenizer = _pre_tokenizer(spec)
   backend.decoder = decoders.ByteLevel()
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
-from models.params import LAYER_PARAM_NAMES, init_params, param_shapes
+from models.params import init_params, layer_param_names, param_shapes
 from pallas_kernels.lazy_attention import (check_kv_pools, lazy_attention,
                                            plan_lazy_attention)
 from pallas_kernels.rope import apply_rope
@@ -43,13 +43,14 @@ def kv_cache_shape(config: LlamaConfig, num_pages: int, page_size: int
 class DecoderLayers(nnx.Module):
   """All decoder blocks' weights, stacked on a leading layer axis [L, ...]."""
 
-  def __init__(self, arrays: Mapping[str, jax.Array]):
-    for name in LAYER_PARAM_NAMES:
+  def __init__(self, names: tuple[str, ...], arrays: Mapping[str, jax.Array]):
+    self.names = tuple(names)  # models.params.layer_param_names(config)
+    for name in self.names:
       setattr(self, name, nnx.Param(arrays[name]))
 
   def stacked(self) -> dict[str, jax.Array]:
-    """The stacked arrays, keyed by LAYER_PARAM_NAMES (scan input)."""
-    return {name: getattr(self, name)[...] for name in LAYER_PARAM_NAMES}
+    """The stacked arrays, keyed by parameter name (scan input)."""
+    return {name: getattr(self, name)[...] for name in self.names}
 
 
 def rms_norm(x, weight, eps: float, dtype):
@@ -69,6 +70,31 @@ def _precision(dtype):
 def _project(x, w, dtype):
   return jnp.einsum("...i,io->...o", x, w.astype(dtype),
                     precision=_precision(dtype)).astype(dtype)
+
+
+def _project_with_bias(x, w, b, dtype):
+  # The bias joins the float32 accumulator, as in a fused matmul-plus-bias,
+  # so a 16-bit model rounds once, not twice.
+  out = jnp.einsum("...i,io->...o", x, w.astype(dtype),
+                   precision=_precision(dtype),
+                   preferred_element_type=jnp.float32)
+  return (out + b.astype(jnp.float32)).astype(dtype)
+
+
+def _attention_inputs(h, p, c: LlamaConfig, dtype):
+  """Q [B,T,N,H], K and V [B,T,K,H] of one block, before RoPE: projections,
+  plus biases (attention_bias) and per-head RMSNorm of Q and K (qk_norm)."""
+  heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+  out = {}
+  for name, num in heads.items():
+    w = p[f"{name}_proj"]
+    x = (_project_with_bias(h, w, p[f"{name}_bias"], dtype)
+         if c.attention_bias else _project(h, w, dtype))
+    out[name] = x.reshape(*h.shape[:-1], num, c.head_dim)
+  if c.qk_norm:
+    for name in ("q", "k"):
+      out[name] = rms_norm(out[name], p[f"{name}_norm"], c.rms_norm_eps, dtype)
+  return out["q"], out["k"], out["v"]
 
 
 # attend(layer_index, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], carry)
@@ -101,12 +127,7 @@ def run_decoder_layers(layers: Mapping[str, jax.Array], x, carry,
     x, carry = state
     layer_index, p = xs
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
-    q = _project(h, p["q_proj"], dtype).reshape(batch, q_len, c.num_heads,
-                                                c.head_dim)
-    k = _project(h, p["k_proj"], dtype).reshape(batch, q_len, c.num_kv_heads,
-                                                c.head_dim)
-    v = _project(h, p["v_proj"], dtype).reshape(batch, q_len, c.num_kv_heads,
-                                                c.head_dim)
+    q, k, v = _attention_inputs(h, p, c, dtype)
     attn, carry = attend(layer_index, q, k, v, carry)
     attn = attn.astype(dtype).reshape(batch, q_len, c.num_heads * c.head_dim)
     x = x + _project(attn, p["o_proj"], dtype)
@@ -123,7 +144,8 @@ def run_decoder_layers(layers: Mapping[str, jax.Array], x, carry,
 
 
 class Llama(nnx.Module):
-  """Llama decoder (embeddings, RMSNorm, GQA attention with RoPE, SwiGLU).
+  """Llama-family decoder (embeddings, RMSNorm, GQA attention with RoPE,
+  SwiGLU; Q/K/V biases and Q/K norms where the config has them).
 
   Args:
     config: the model's LlamaConfig.
@@ -142,7 +164,7 @@ class Llama(nnx.Module):
     self.param_dtype = jnp.dtype(param_dtype)
     params = init_params(rngs.params(), config, self.param_dtype)
     self.embed_tokens = nnx.Param(params["embed_tokens"])
-    self.layers = DecoderLayers(params["layers"])
+    self.layers = DecoderLayers(layer_param_names(config), params["layers"])
     self.final_norm = nnx.Param(params["final_norm"])
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(params["lm_head"])

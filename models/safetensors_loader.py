@@ -1,14 +1,15 @@
-"""Load a Hugging Face Llama checkpoint directory (config.json + safetensors).
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) of a
+supported architecture (`models.architectures`: llama, mistral, qwen2, qwen3).
 
 Handles one `*.safetensors` file or many, with `model.safetensors.index.json`
 when sharded, and both spellings of the RoPE settings (`rope_theta` +
 `rope_scaling` of transformers 4, `rope_parameters` of transformers 5).
 
-Tensors are read straight from the files into host memory (numpy memmap, with
-ml_dtypes for bfloat16, which numpy itself cannot name), stacked per layer on
-the host, and only then handed to the device: the safetensors package's numpy
-backend rejects bfloat16, and its jax backend would place every tensor on the
-accelerator before stacking.
+Tensors are read one at a time straight from the files (numpy memmap, with
+ml_dtypes for bfloat16, which numpy itself cannot name) and written into
+device arrays of the target dtype (`models.weights.load_params`): the
+safetensors package's numpy backend rejects bfloat16, and its jax backend
+would place every tensor on the accelerator in the file's dtype.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from models.architectures import Architecture, architecture_from_hf
 from models.config import Llama3RopeScaling, LlamaConfig
 from models.errors import ModelFileNotFoundError, ModelFormatError
 from models.llama import Llama, llama_from_params
-from models.weights import (CheckpointNames, build_params, check_tensors,
-                            expected_shapes)
+from models.weights import (CheckpointNames, check_tensors, expected_shapes,
+                            load_params)
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -34,11 +36,20 @@ _SAFETENSORS_DTYPES = {
 }
 _HF_NAMES = CheckpointNames(
     embed_tokens="model.embed_tokens.weight", final_norm="model.norm.weight",
-    lm_head="lm_head.weight", layer_template="model.layers.{i}.{name}.weight",
-    layer_names=("input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                 "self_attn.v_proj", "self_attn.o_proj",
-                 "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-                 "mlp.down_proj"))
+    lm_head="lm_head.weight", layer_template="model.layers.{i}.{name}",
+    layer_names={
+        "attn_norm": "input_layernorm.weight",
+        "q_proj": "self_attn.q_proj.weight",
+        "k_proj": "self_attn.k_proj.weight",
+        "v_proj": "self_attn.v_proj.weight",
+        "o_proj": "self_attn.o_proj.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+        "down_proj": "mlp.down_proj.weight",
+        "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+        "v_bias": "self_attn.v_proj.bias",
+        "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight"})
 # Byte width of every dtype a safetensors header may name (to check offsets
 # of tensors we do not load, too).
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -73,23 +84,60 @@ def _single_token_id(value) -> int | None:
   return None if value is None else int(value)
 
 
+def _sliding_window(hf: dict, model_type: str) -> int | None:
+  """The attention window of a sliding-window model, or None.
+
+  Mistral's `sliding_window` is in force whenever it is set; Qwen's only with
+  `use_sliding_window` (or a layer of type "sliding_attention").
+  """
+  window = hf.get("sliding_window")
+  if window is None:
+    return None
+  if (model_type == "mistral" or hf.get("use_sliding_window") or
+      "sliding_attention" in (hf.get("layer_types") or ())):
+    return int(window)
+  return None
+
+
+def _max_position(hf: dict, model_type: str, requested: int | None,
+                  path: str) -> int:
+  """The model's positions, limited to its attention window if it has one:
+  within the window, full attention (which the kernels compute) and
+  sliding-window attention are the same function."""
+  window = _sliding_window(hf, model_type)
+  if window is not None and requested is not None and requested > window:
+    raise ModelFormatError(
+        f"{path}: max_position {requested} exceeds the model's sliding "
+        f"window of {window} tokens; sliding-window attention is not "
+        "supported beyond the window")
+  configured = int(requested or hf.get("max_position_embeddings", 8192))
+  return configured if window is None else min(configured, window)
+
+
+def _check_unsupported_flags(hf: dict, family: Architecture, path: str):
+  if hf.get("mlp_bias"):
+    raise ModelFormatError(f"{path}: mlp_bias=true is not supported")
+  # HF's attention_bias also puts a bias on the output projection, which
+  # this model does not have; Qwen2's Q/K/V biases come with its family.
+  if hf.get("attention_bias"):
+    raise ModelFormatError(f"{path}: attention_bias=true is not supported "
+                           f"for model_type {family.name!r}")
+
+
 def config_from_hf(hf: dict, path: str = "config.json",
                    max_position: int | None = None) -> LlamaConfig:
-  """LlamaConfig from the dict of an HF Llama `config.json`.
+  """LlamaConfig from the dict of an HF `config.json` of a supported
+  architecture (a missing `model_type` means llama).
 
   Raises:
-    ModelFormatError: not a supported Llama configuration (message says why).
+    ModelFormatError: not a supported configuration (message says why; an
+      unsupported model type lists the supported ones).
   """
   if not isinstance(hf, dict):
     raise ModelFormatError(f"{path}: expected a JSON object, got "
                            f"{type(hf).__name__}")
-  model_type = hf.get("model_type", "llama")
-  if model_type != "llama":
-    raise ModelFormatError(f"{path}: model_type {model_type!r} is not "
-                           "supported (only 'llama')")
-  for flag in ("attention_bias", "mlp_bias"):
-    if hf.get(flag):
-      raise ModelFormatError(f"{path}: {flag}=true is not supported")
+  family = architecture_from_hf(hf.get("model_type", "llama"), path)
+  _check_unsupported_flags(hf, family, path)
   if hf.get("hidden_act", "silu") != "silu":
     raise ModelFormatError(f"{path}: hidden_act {hf['hidden_act']!r} is not "
                            "supported (only 'silu')")
@@ -112,10 +160,11 @@ def config_from_hf(hf: dict, path: str = "config.json",
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position=int(max_position or
-                         hf.get("max_position_embeddings", 8192)),
+        max_position=_max_position(hf, family.name, max_position, path),
         bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
         eos_token_id=eos if eos is not None and 0 <= eos < vocab else None,
+        attention_bias=family.attention_bias,
+        qk_norm=family.qk_norm,
     )
   except KeyError as e:
     raise ModelFormatError(f"{path}: missing field {e.args[0]!r}") from e
@@ -246,7 +295,8 @@ def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
 
 def _params_from_checkpoint(config: LlamaConfig,
                             tensors: dict[str, _SafetensorsFile],
-                            directory: str) -> dict:
+                            directory: str, param_dtype,
+                            progress: bool) -> dict:
   expected = expected_shapes(config, _HF_NAMES)
   # Older checkpoints store RoPE's inverse frequencies; they are recomputed.
   check_tensors({name: file.shape(name) for name, file in tensors.items()
@@ -254,14 +304,19 @@ def _params_from_checkpoint(config: LlamaConfig,
                 expected, directory)
   for name in expected:  # refuse before reading anything
     tensors[name].check_dtype(name)
-  return build_params(config, _HF_NAMES,
-                      lambda name: tensors[name].get(name))
+  return load_params(config, _HF_NAMES, lambda name: tensors[name].get(name),
+                     param_dtype=param_dtype, progress=progress,
+                     description="Loading safetensors weights")
 
 
 def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
-                     max_position: int | None = None
+                     max_position: int | None = None, progress: bool = False
                      ) -> tuple[LlamaConfig, Llama]:
-  """Loads an HF Llama checkpoint directory.
+  """Loads an HF checkpoint directory of a supported architecture.
+
+  Everything is checked before any tensor is read (the configuration, every
+  tensor's name, shape and dtype); then the tensors are read one at a time,
+  straight into device arrays of `param_dtype`.
 
   Args:
     directory: holds config.json and *.safetensors (and
@@ -269,7 +324,9 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
       read by the tokenizer, not here.
     dtype: compute dtype of the model.
     param_dtype: storage dtype of the weights (default: `dtype`).
-    max_position: overrides max_position_embeddings.
+    max_position: overrides max_position_embeddings (a sliding-window
+      model is limited to its window).
+    progress: show a progress bar while reading the tensors.
 
   Returns:
     (config, model).
@@ -279,7 +336,8 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
       directory, config.json, safetensors files, or a shard the index names.
     ModelFormatError: not a supported Llama checkpoint: an unreadable
       config.json or weights file, a missing, unexpected or wrongly shaped
-      tensor, an unsupported dtype or architecture (message says which).
+      tensor, an unsupported dtype or architecture (message says which;
+      for an architecture, it lists the supported ones).
   """
   directory = os.fspath(directory)
   if not os.path.isdir(directory):
@@ -295,7 +353,9 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
     raise ModelFormatError(f"{config_path}: not valid JSON ({e})") from e
   config = config_from_hf(hf, config_path, max_position)
   tensors = _open_checkpoint(directory)
-  params = _params_from_checkpoint(config, tensors, directory)
+  param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+  params = _params_from_checkpoint(config, tensors, directory, param_dtype,
+                                   progress)
   model = llama_from_params(config, params, dtype=dtype,
                             param_dtype=param_dtype)
   return config, model

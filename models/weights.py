@@ -1,6 +1,6 @@
-"""What the GGUF and safetensors loaders share: the tensors a Llama
-checkpoint must hold, a check of their names and shapes, and the stacking
-into `models.llama`'s parameter layout.
+"""What the GGUF and safetensors loaders share: the tensors a checkpoint of a
+model must hold, a check of their names and shapes, and the streaming of
+those tensors into `models.llama`'s parameter layout on the device.
 
 Both formats store one tensor per layer and parameter, matrices as HF does
 ([out, in] rows in numpy order; GGUF lists the same dimensions fastest
@@ -10,43 +10,48 @@ first).  The model wants layers stacked and matrices as [in, out].
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from models.config import LlamaConfig
 from models.errors import ModelFormatError
-from models.params import LAYER_PARAM_NAMES, param_shapes
+from models.params import (ATTENTION_BIAS_NAMES, LAYER_PARAM_NAMES,
+                           QK_NORM_NAMES, is_matrix, layer_param_names,
+                           param_shapes)
 
 Shape = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointNames:
-  """How a checkpoint format names a Llama's tensors.
+  """How a checkpoint format names a model's tensors.
 
   Attributes:
     embed_tokens, final_norm, lm_head: the tensors' names.
     layer_template: the name of a layer's tensor, with {i} for the layer
       index and {name} for the format's name of the parameter.
-    layer_names: the format's names of LAYER_PARAM_NAMES, in that order.
+    layer_names: our name of every layer parameter (models.params, optional
+      ones included) -> the format's name.
   """
 
   embed_tokens: str
   final_norm: str
   lm_head: str
   layer_template: str
-  layer_names: tuple[str, ...]
+  layer_names: Mapping[str, str]
 
   def __post_init__(self):
-    if len(self.layer_names) != len(LAYER_PARAM_NAMES):
-      raise ValueError(f"layer_names must name {LAYER_PARAM_NAMES}")
+    every = LAYER_PARAM_NAMES + ATTENTION_BIAS_NAMES + QK_NORM_NAMES
+    if set(self.layer_names) != set(every):
+      raise ValueError(f"layer_names must name exactly {every}")
 
   def layer_tensor(self, param: str, layer: int) -> str:
-    name = self.layer_names[LAYER_PARAM_NAMES.index(param)]
-    return self.layer_template.format(i=layer, name=name)
+    return self.layer_template.format(i=layer, name=self.layer_names[param])
 
 
 def expected_shapes(config: LlamaConfig,
@@ -58,9 +63,9 @@ def expected_shapes(config: LlamaConfig,
               names.final_norm: shapes["final_norm"]}
   if not config.tie_word_embeddings:
     expected[names.lm_head] = shapes["lm_head"][::-1]
-  for param in LAYER_PARAM_NAMES:
+  for param in layer_param_names(config):
     per_layer = shapes["layers"][param][1:]
-    stored = per_layer if _is_norm(param) else per_layer[::-1]
+    stored = per_layer[::-1] if is_matrix(param) else per_layer
     for i in range(config.num_layers):
       expected[names.layer_tensor(param, i)] = stored
   return expected
@@ -79,8 +84,8 @@ def check_tensors(found: Mapping[str, Shape], expected: Mapping[str, Shape],
   """
   unexpected = sorted(set(found) - set(expected))
   if unexpected:
-    raise ModelFormatError(f"{where}: unexpected tensors for a Llama model: "
-                           f"{unexpected[:8]}")
+    raise ModelFormatError(f"{where}: unexpected tensors for this model's "
+                           f"architecture and configuration: {unexpected[:8]}")
   missing = sorted(set(expected) - set(found))
   if missing:
     raise ModelFormatError(f"{where}: missing tensors: {missing[:8]}")
@@ -93,34 +98,66 @@ def check_tensors(found: Mapping[str, Shape], expected: Mapping[str, Shape],
           "model's configuration")
 
 
-@jax.jit
-def _swap_last_axes(x):
-  return jnp.swapaxes(x, -1, -2)
+def load_params(config: LlamaConfig, names: CheckpointNames,
+                load: Callable[[str], np.ndarray], *, param_dtype,
+                progress: bool = False,
+                description: str = "Loading weights") -> dict:
+  """The parameter dict of `models.llama.llama_from_params`, on the device.
 
-
-def build_params(config: LlamaConfig, names: CheckpointNames,
-                 load: Callable[[str], np.ndarray]) -> dict:
-  """The parameter dict of `models.llama.llama_from_params`.
+  Tensors are read one at a time and written straight into their place in
+  device arrays of `param_dtype`, so the host holds about one tensor at a
+  time (as `load` returns it), never the whole model: a big checkpoint needs
+  host memory for its largest tensor, not for all of them.  Each write is
+  waited for before the next tensor is read: dispatch is asynchronous, and a
+  host array stays alive until the device has consumed it, so running ahead
+  would pile up every tensor of a layer stack on the host.
 
   Args:
     config: the model (its tensors were checked with `check_tensors`).
     names: the checkpoint's tensor names.
     load: tensor name -> its values as a numpy array, [out, in] for matrices.
+    param_dtype: the weights' dtype on the device.
+    progress: show a progress bar (one step per tensor).
+    description: the progress bar's label.
   """
-  params = {"embed_tokens": load(names.embed_tokens),
-            "final_norm": load(names.final_norm)}
-  if not config.tie_word_embeddings:
-    params["lm_head"] = _swap_last_axes(load(names.lm_head))  # -> [D, V]
-  params["layers"] = {}
-  for param in LAYER_PARAM_NAMES:
-    # Stack contiguous [out, in] rows on the host (a plain copy), transpose
-    # to [in, out] in XLA: numpy's strided transposing copy is far slower.
-    stacked = np.stack([load(names.layer_tensor(param, i))
-                        for i in range(config.num_layers)])
-    params["layers"][param] = (stacked if _is_norm(param) else
-                               _swap_last_axes(stacked))
+  dtype = jnp.dtype(param_dtype)
+  shapes = param_shapes(config)
+  count = len(expected_shapes(config, names))
+  with tqdm(total=count, desc=description, unit="tensor",
+            disable=not progress) as bar:
+
+    def read(name):
+      value = load(name)
+      bar.update(1)
+      return value
+
+    def table(name, transpose):
+      return _on_device(read(name), dtype, transpose).block_until_ready()
+
+    params = {"embed_tokens": table(names.embed_tokens, False),
+              "final_norm": table(names.final_norm, False)}
+    if not config.tie_word_embeddings:
+      params["lm_head"] = table(names.lm_head, True)  # -> [D, V]
+    params["layers"] = {}
+    for param in layer_param_names(config):
+      stack = jnp.zeros(shapes["layers"][param], dtype)
+      for i in range(config.num_layers):
+        stack = _write_layer(stack, i, read(names.layer_tensor(param, i)),
+                             transpose=is_matrix(param)).block_until_ready()
+      params["layers"][param] = stack
   return params
 
 
-def _is_norm(param: str) -> bool:
-  return param.endswith("norm")
+# Conversion and transposition run in XLA, on the device: numpy's strided
+# transposing copy is far slower, and a 16-bit target never exists as float32
+# on the host.
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _on_device(value, dtype, transpose: bool):
+  return (value.T if transpose else value).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="transpose")
+def _write_layer(stack, layer, value, transpose: bool):
+  """`stack` with `value` as layer `layer`, updated in place (donated)."""
+  value = (value.T if transpose else value).astype(stack.dtype)
+  return jax.lax.dynamic_update_index_in_dim(stack, value, layer, 0)

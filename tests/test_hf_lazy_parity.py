@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from tests.engine_helpers import block_diagonal_mask
-from tests.hf_fixtures import hf_smollm2, smollm2_gguf_path  # noqa: F401
+from tests.hf_fixtures import (hf_lazy_greedy, hf_smollm2,  # noqa: F401
+                               smollm2_gguf_path)
 
 DOCS = [
     "Lake Varnis is a cold mountain lake in the northern highlands. It freezes "
@@ -21,38 +22,6 @@ DOCS = [
     "roasted lightly over cedar wood.\n\n",
 ]
 QUESTION = "Who built the Orrin Bridge, and when?"
-
-
-def hf_lazy_greedy(model, documents, query, steps):
-  """Greedy decoding with the block-diagonal document mask, recomputed fully
-  at every step; returns (tokens, first-token logits)."""
-  import torch
-  prompt = [t for d in documents for t in d] + list(query)
-  lengths = [len(d) for d in documents]
-  threads = torch.get_num_threads()
-  torch.set_num_threads(1)  # small matmuls: threads only contend (2-core CI)
-  try:
-    return _greedy_loop(model, prompt, lengths, steps)
-  finally:
-    torch.set_num_threads(threads)
-
-
-def _greedy_loop(model, prompt, lengths, steps):
-  import torch
-  tokens, first = [], None
-  with torch.no_grad():
-    for _ in range(steps):
-      seq = prompt + tokens
-      n = len(seq)
-      allowed = block_diagonal_mask(lengths, n)
-      mask = torch.where(torch.from_numpy(allowed), 0.0,
-                         torch.finfo(torch.float32).min)[None, None]
-      out = model(torch.tensor([seq]), attention_mask=mask,
-                  position_ids=torch.arange(n)[None]).logits[0, -1].numpy()
-      if first is None:
-        first = out
-      tokens.append(int(np.argmax(out)))
-  return tokens, first
 
 
 def test_hf_4d_mask_is_honoured(hf_smollm2):

@@ -41,7 +41,9 @@ def _random_norms(model, seed=1):
   graphdef, state = split_model(model)
   params = nnx.to_pure_dict(state)
   rng = np.random.default_rng(seed)
-  for name in ("attn_norm", "mlp_norm"):
+  for name in params["layers"]:
+    if not name.endswith("norm"):
+      continue
     shape = params["layers"][name].shape
     params["layers"][name] = 1.0 + 0.3 * rng.standard_normal(shape)
   params["final_norm"] = 1.0 + 0.3 * rng.standard_normal(
@@ -75,6 +77,9 @@ CONFIGS = {
         Llama3RopeScaling(factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position=64))),
     "tied": LlamaConfig.tiny(tie_word_embeddings=True, num_kv_heads=1),
+    # Qwen2's Q/K/V biases (random in our init) and Qwen3's Q/K norms.
+    "biases": LlamaConfig.tiny(attention_bias=True),
+    "qk_norm": LlamaConfig.tiny(qk_norm=True, head_dim=32),
 }
 
 
@@ -88,7 +93,7 @@ def _model(name: str) -> Llama:
   return _random_norms(Llama(CONFIGS[name], rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.parametrize("name", ["plain", "llama3", "tied"])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_paged_prefill_matches_dense_causal(name):
   model = _model(name)
   lengths = LENGTHS
@@ -280,6 +285,8 @@ def test_call_rejects_bad_pool_and_inputs():
     (dict(rope_theta=1.0), "rope_theta"),
     (dict(rms_norm_eps=0.0), "rms_norm_eps"),
     (dict(eos_token_id=256), "eos_token_id"),
+    (dict(attention_bias=1), "attention_bias"),
+    (dict(qk_norm="yes"), "qk_norm"),
     (dict(rope_scaling=(8.0, 1.0, 4.0, 8192)), "rope_scaling"),
     (dict(rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=4.0,
                                          high_freq_factor=1.0)),
@@ -331,3 +338,15 @@ def test_llama_from_params_rejects_wrong_shapes():
   missing = {k: v for k, v in params.items() if k != "lm_head"}
   with pytest.raises(ValueError, match="lm_head"):
     llama_from_params(LlamaConfig.tiny(), missing)
+
+
+def test_optional_parameters_exist_only_where_configured():
+  from models.params import LAYER_PARAM_NAMES
+  layers = lambda config: set(nnx.to_pure_dict(split_model(
+      _model(config))[1])["layers"])
+  assert layers("plain") == set(LAYER_PARAM_NAMES)
+  assert layers("biases") == set(LAYER_PARAM_NAMES) | {"q_bias", "k_bias",
+                                                       "v_bias"}
+  assert layers("qk_norm") == set(LAYER_PARAM_NAMES) | {"q_norm", "k_norm"}
+  shapes = nnx.to_pure_dict(split_model(_model("qk_norm"))[1])["layers"]
+  assert shapes["q_norm"].shape == (2, 32)

@@ -169,7 +169,9 @@ def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
   return expected
 
 
-MATRIX_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
+# The types gguf can quantize as well as dequantize; every other type it
+# dequantizes is covered by random blocks in tests/test_gguf_quant_types.py.
+MATRIX_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 
 
 def _weight_error(expected, params):
@@ -270,13 +272,6 @@ def test_gguf_llama3_rope_freqs_become_scaling(tmp_path, head_dim):
                    rope_freqs=bad)
   with pytest.raises(ValueError, match="rope_freqs"):
     load_gguf(tmp_path / "bad.gguf")
-
-
-def test_gguf_rejects_unsupported_tensor_type(tmp_path):
-  config, params = _source(True)
-  write_llama_gguf(tmp_path / "q5.gguf", config, params, Q.Q5_0)
-  with pytest.raises(ValueError, match=r"token_embd\.weight.*Q5_0"):
-    load_gguf(tmp_path / "q5.gguf")
 
 
 def test_gguf_missing_file_and_wrong_architecture(tmp_path):
@@ -440,11 +435,8 @@ def test_garbage_gguf_is_a_model_format_error(tmp_path):
     load_gguf(tmp_path / "nope.gguf")
 
 
-def test_gguf_unsupported_content_is_a_model_format_error(tmp_path):
+def test_gguf_missing_layer_is_a_model_format_error(tmp_path):
   config, params = _source(True)
-  write_llama_gguf(tmp_path / "q5.gguf", config, params, Q.Q5_0)
-  with pytest.raises(ModelFormatError, match="Q5_0"):
-    load_gguf(tmp_path / "q5.gguf")
   write_llama_gguf(tmp_path / "layers.gguf", config, params, Q.F32,
                    uint_fields={"llama.block_count": 3})
   with pytest.raises(ModelFormatError, match=r"missing tensors.*blk\.2\."):
