@@ -133,66 +133,61 @@ def run_demo(args) -> int:
   return 0
 
 
+# Settings of `lazyattn serve` taken from their dataclasses.
+SERVER_OPTIONS = ("max_queue", "default_max_tokens", "drain_timeout_s",
+                  "max_registered_documents", "retry_after_s")
+ENGINE_OPTIONS = ("max_batch", "decode_steps", "max_prefill_tokens",
+                  "first_token_group_tokens")
+
+
 def run_serve(args) -> int:
+  from lazyattn_jax.cli_options import chosen
+  from lazyattn_jax.server import ServerConfig
   try:
     import uvicorn
-    from lazyattn_jax.server import ServerConfig, create_app
+    from lazyattn_jax.server import create_app
   except ImportError as e:
     raise UsageError(f"lazyattn serve needs the serve extra ({e.name} is "
                      f"missing): pip install 'lazyattn-jax[serve]'") from None
   try:
     server_config = ServerConfig(
         model_name=args.served_model_name or args.model,
-        max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
-        drain_timeout_s=args.drain_timeout)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
-  try:
+        **chosen(args, SERVER_OPTIONS))
     engine = _load_engine(args.model, args, mode=args.mode,
                           page_size=args.page_size, dtype=args.dtype,
-                          max_batch=args.max_batch,
-                          decode_steps=args.decode_steps)
-  except ValueError as e:  # a setting the engine refuses
+                          **chosen(args, ENGINE_OPTIONS))
+  except ValueError as e:  # a setting the server or the engine refuses
     raise UsageError(_first_line(e)) from None
   app = create_app(engine, server_config, close_engine=True)
   print(f"Serving {server_config.model_name!r} ({args.mode} mode) on "
         f"http://{args.host}:{args.port}/v1", flush=True)
   uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-              timeout_graceful_shutdown=args.drain_timeout)
+              timeout_graceful_shutdown=server_config.drain_timeout_s)
   return 0
 
 
-def _add_serve_parser(sub):
+def _add_serve_parser(sub, common):
+  from lazyattn_jax.cli_options import add_config_options
+  from lazyattn_jax.config import SchedulerConfig
+  from lazyattn_jax.server.config import ServerConfig
   serve = sub.add_parser(
-      "serve", help="an OpenAI-compatible HTTP server with a documents field")
-  serve.add_argument("--model", default="smollm2-135m-instruct",
-                     help="model name or path (.gguf file or HF directory)")
-  serve.add_argument("--served-model-name", default=None,
+      "serve", parents=[common],
+      help="an OpenAI-compatible HTTP server with a documents field")
+  serve.add_argument("--served-model-name",
                      help="the name clients give as `model` (default: "
                           "--model)")
   serve.add_argument("--host", default="127.0.0.1")
   serve.add_argument("--port", type=int, default=8000)
   serve.add_argument("--mode", default="lazy",
                      help="KV reuse mode: lazy, block, prefix or full")
-  serve.add_argument("--num-pages", dest="cache_pages", type=int,
-                     default=1024, help="KV pool size in pages")
   serve.add_argument("--page-size", type=int, default=16)
   serve.add_argument("--dtype", default="float32",
                      help="compute and cache dtype (float32 or bfloat16)")
-  serve.add_argument("--max-batch", type=int, default=8,
-                     help="requests generated at once")
-  serve.add_argument("--decode-steps", type=int, default=4,
-                     help="decode steps per scheduling round")
-  serve.add_argument("--impl", default="auto",
-                     help=f"attention implementation: {', '.join(IMPLS)}")
-  serve.add_argument("--max-queue", type=int, default=256,
-                     help="waiting requests beyond which new ones get 429")
-  serve.add_argument("--default-max-tokens", type=int, default=256,
-                     help="max_tokens of a request that gives none")
-  serve.add_argument("--drain-timeout", type=float, default=30.0,
-                     help="seconds requests in flight may finish at shutdown")
   serve.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"])
+  add_config_options(serve, SchedulerConfig, ENGINE_OPTIONS,
+                     use_defaults=False)
+  add_config_options(serve, ServerConfig, SERVER_OPTIONS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,19 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--model", default="smollm2-135m-instruct",
                       help="model name or path (.gguf file or HF directory)")
-  common.add_argument("--max-new-tokens", type=int, default=48)
-  common.add_argument("--cache-pages", type=int, default=1024,
+  common.add_argument("--cache-pages", "--num-pages", dest="cache_pages",
+                      type=int, default=1024,
                       help="KV cache size in pages of 16 tokens")
   common.add_argument("--impl", default="auto",
                       help=f"attention implementation: {', '.join(IMPLS)}")
-  sub.add_parser("demo", parents=[common],
+  answering = argparse.ArgumentParser(add_help=False)
+  answering.add_argument("--max-new-tokens", type=int, default=48)
+  sub.add_parser("demo", parents=[common, answering],
                  help="answer questions over a built-in corpus, reusing documents")
-  rag = sub.add_parser("rag", parents=[common],
+  rag = sub.add_parser("rag", parents=[common, answering],
                        help="answer a query over your documents")
   rag.add_argument("--doc", nargs="+", required=True, metavar="FILE",
                    help="UTF-8 text files, one document each")
   rag.add_argument("--query", required=True)
-  _add_serve_parser(sub)
+  _add_serve_parser(sub, common)
   return parser
 
 

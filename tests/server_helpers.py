@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import time
 
-import numpy as np
 import pytest
 
 from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.config import split_settings
 from lazyattn_jax.engine import LazyEngine
 from tests.hf_fixtures import smollm2_gguf_path  # noqa: F401 - a fixture
+from tests.test_engine_faults import assert_pages_accounted_for  # noqa: F401
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -93,18 +93,6 @@ def wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):
     if time.monotonic() > deadline:
       raise AssertionError(f"timed out waiting for {what}")
     time.sleep(0.02)
-
-
-def assert_pages_accounted_for(engine):
-  """Every page is free or held once by a cached document; no reader."""
-  state = engine.state
-  refcount = np.asarray(state.page_refcount)
-  valid = np.asarray(state.doc_valid)
-  doc_pages = np.asarray(state.doc_pages)[valid]
-  held = np.zeros_like(refcount)
-  np.add.at(held, doc_pages[doc_pages >= 0], 1)
-  np.testing.assert_array_equal(refcount, held)
-  assert not np.asarray(state.doc_users).any()
 
 
 @contextlib.contextmanager

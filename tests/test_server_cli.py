@@ -65,7 +65,7 @@ def test_serve_answers_over_http_and_stops_on_sigterm(model_dir):
       [sys.executable, "-m", "lazyattn_jax.cli", "serve", "--model",
        str(model_dir), "--served-model-name", "tiny", "--port", str(port),
        "--impl", "xla", "--num-pages", "64", "--max-batch", "2",
-       "--log-level", "warning", "--drain-timeout", "5"],
+       "--log-level", "warning", "--drain-timeout-s", "5"],
       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
   try:

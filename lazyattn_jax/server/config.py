@@ -14,8 +14,7 @@ class ServerConfig:
       `model` (a request naming another model gets 404).
     max_queue: requests waiting for admission beyond which new ones get
       429 (requests being generated do not count).
-    default_max_tokens: `max_tokens` of a request that gives none (capped
-      by the positions the model has left).
+    default_max_tokens: `max_tokens` of a request that gives none.
     drain_timeout_s: on shutdown, how long requests in flight may finish
       before they are cancelled.
     max_registered_documents: documents `POST /v1/documents` remembers by
