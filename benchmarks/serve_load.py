@@ -162,6 +162,8 @@ def make_requests(args, engine, tokenizer):
                 temperature=0, return_token_ids=True,
                 stream=kind == "disconnect_stream" or (
                     kind == "normal" and not args.no_stream))
+    if kind.startswith("disconnect"):  # long answers the client leaves
+      body["max_tokens"] = 4 * args.output_len
     if kind == "bad_field":
       body["temperature"] = -1
     elif kind == "unknown_id":
@@ -312,6 +314,16 @@ def http_summary(out) -> dict:
   return result
 
 
+def finish_reasons(metrics_text: str) -> dict:
+  """Requests the server ended, by finish reason, from its /metrics."""
+  reasons = {}
+  for line in metrics_text.splitlines():
+    if line.startswith('lazyattn_requests_total{finish_reason="'):
+      reason = line.split('"')[1]
+      reasons[reason] = int(float(line.rsplit(" ", 1)[1]))
+  return reasons
+
+
 def _as_expected(record) -> bool:
   kind, outcome = record["kind"], record["outcome"]
   if kind in EXPECTED_STATUS:
@@ -333,7 +345,8 @@ def main(argv=None) -> int:
   warm_up(engine, requests, args.warmup_requests)
   out = http_run(args, engine, requests)
   report = {"args": {k: v for k, v in vars(args).items()},
-            "http": http_summary(out), "accounting": out["accounting"]}
+            "http": http_summary(out), "accounting": out["accounting"],
+            "server_finish_reasons": finish_reasons(out["metrics"])}
   report["check"] = check_answers(args, engine, requests, out["records"])
   if args.direct:
     warm_up(engine, requests, args.warmup_requests)

@@ -81,8 +81,11 @@ class CompletionService:
       raise unavailable(str(error)) from None
     builder = ResponseBuilder(chat, self.config.model_name,
                               body.return_token_ids)
+    # Text is assembled here only where it is needed as it grows; a plain
+    # answer takes the engine's own detokenized text.
     output = (TextOutput(self.engine.tokenizer, stops)
-              if self.engine.tokenizer is not None else None)
+              if self.engine.tokenizer is not None and (body.stream or stops)
+              else None)
     if body.stream:
       include_usage = bool(body.stream_options and
                            body.stream_options.include_usage)
