@@ -20,6 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
 from lazyattn_jax.server.completions import CompletionService
@@ -82,6 +83,11 @@ def create_app(engine, config: ServerConfig | None = None, *,
         "invalid_request_error")
     return error_response(APIError(error.status_code, str(error.detail),
                                    type=kind))
+
+  @app.exception_handler(ClientDisconnect)
+  async def client_left(_request, _error):
+    # The client left while sending its body: nobody reads this answer.
+    return Response(status_code=499)
 
   @app.exception_handler(Exception)
   async def unexpected_error(_request, error: Exception):
