@@ -100,7 +100,8 @@ def parse_args(argv=None):
 
 
 def build(args):
-  """(engine, tokenizer or None, dtype name)."""
+  """(engine, tokenizer or None, make_engine(mode) for another engine on the
+  same model)."""
   from benchmarks import rag_serving
   from lazyattn_jax.default_model import default_gguf_path
   from models.tokenizer import LlamaTokenizer
@@ -127,9 +128,10 @@ def build(args):
   engine_args = argparse.Namespace(**vars(args))
   if args.api != "completions":  # text re-tokenizes to somewhat more tokens
     engine_args.doc_len = 2 * args.doc_len
-  engine = rag_serving.make_engine(engine_args, config, model, dtype,
-                                   args.mode, pages, tokenizer=tokenizer)
-  return engine, tokenizer
+  def make_engine(mode):
+    return rag_serving.make_engine(engine_args, config, model, dtype, mode,
+                                   pages, tokenizer=tokenizer)
+  return make_engine(args.mode), tokenizer, make_engine
 
 
 def make_requests(args, engine, tokenizer):
@@ -232,7 +234,7 @@ def page_accounting(engine) -> dict:
       live_document_references=int(np.asarray(state.doc_users).sum()))
 
 
-def check_answers(args, engine, requests, records) -> dict:
+def check_answers(args, engine, make_engine, requests, records) -> dict:
   """Answers of a random sample of finished normal requests against the same
   requests run directly through an engine in --check-mode, cache emptied."""
   from lazyattn_jax.engine import Request
@@ -241,13 +243,8 @@ def check_answers(args, engine, requests, records) -> dict:
   sample = [ok[i] for i in sorted(rng.choice(len(ok), min(args.check,
                                                           len(ok)),
                                              replace=False))]
-  checker = engine
   mode = args.check_mode or args.mode
-  if mode != engine.mode:
-    from benchmarks.rag_serving import make_engine
-    checker = make_engine(args, engine.config, engine.runner.model, (
-        engine.cache_config.dtype), mode, engine.cache_config.num_pages,
-        tokenizer=engine.tokenizer)
+  checker = engine if mode == engine.mode else make_engine(mode)
   checker.reset_cache()
   results = checker.generate_batch([
       Request(requests[r["index"]]["query"], requests[r["index"]]["documents"],
@@ -336,7 +333,7 @@ def _as_expected(record) -> bool:
 def main(argv=None) -> int:
   args = parse_args(argv)
   import jax
-  engine, tokenizer = build(args)
+  engine, tokenizer, make_engine = build(args)
   requests = make_requests(args, engine, tokenizer)
   print(f"{len(requests)} requests at {args.rate}/s; pool of "
         f"{engine.cache_config.num_pages} pages ({args.cache_fraction:.0%} of "
@@ -347,7 +344,8 @@ def main(argv=None) -> int:
   report = {"args": {k: v for k, v in vars(args).items()},
             "http": http_summary(out), "accounting": out["accounting"],
             "server_finish_reasons": finish_reasons(out["metrics"])}
-  report["check"] = check_answers(args, engine, requests, out["records"])
+  report["check"] = check_answers(args, engine, make_engine, requests,
+                                  out["records"])
   if args.direct:
     warm_up(engine, requests, args.warmup_requests)
     report["direct"] = direct_run(engine, requests)
