@@ -164,25 +164,27 @@ def test_a_client_that_leaves_while_queued_is_cancelled(text_model):
     assert httpx.post(url + "/v1/chat/completions", json=chat_body(),
                       timeout=60).status_code == 200
     release = _block_loop(app)
+    # Two long answers take both rows (max_batch 2); the third waits.  A
+    # stream's headers come at once, so each client holds its connection.
     streams = [httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
                             json=chat_body(max_tokens=600, stream=True))
-               for _ in range(2)]
-    opened = [s.__enter__() for s in streams]
-    # The third waits behind the two (max_batch 2); its client gives up.
-    thread, outcome = _post_in_background(
-        url, "chat/completions", chat_body(max_tokens=3), timeout=3.0)
-    time.sleep(0.3)
+               for _ in range(3)]
+    for count, stream in enumerate(streams, 1):  # in this order
+      stream.__enter__()
+      wait_until(lambda: app.state.engine_loop.queue_depth() == count, 60,
+                 "the request to reach the loop")
     release.set()
     wait_until(lambda: on_loop(app, lambda e: e.request_counts()) ==
                {"waiting": 1, "running": 2}, 60, "the third to queue")
-    thread.join()
-    assert isinstance(outcome.get("error"), httpx.TimeoutException)
+    streams[2].__exit__(None, None, None)  # its client leaves
     wait_until(lambda: on_loop(app, lambda e: e.request_counts()) ==
                {"waiting": 0, "running": 2}, 60, "the cancel")
-    for stream in streams:
+    text = httpx.get(url + "/metrics").text
+    assert metric(text,
+                  'lazyattn_requests_total{finish_reason="cancelled"}') == 1
+    for stream in streams[:2]:
       stream.__exit__(None, None, None)
     wait_until(lambda: pool_is_idle(app), 60, "the pages to be released")
-    del opened
 
 
 def test_a_full_queue_gets_429_with_retry_after(text_model):
