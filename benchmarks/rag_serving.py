@@ -91,7 +91,8 @@ def build_model(args):
   raise SystemExit(f"unknown --model {args.model!r}")
 
 
-def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
+def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
+                tokenizer=None):
   from lazyattn_jax.cache_state import CacheConfig
   from lazyattn_jax.config import RunnerConfig, SchedulerConfig
   from lazyattn_jax.engine import LazyEngine
@@ -112,7 +113,7 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int):
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
                         decode_layer_unroll=True if args.decode_unroll else 1)
   return LazyEngine(config, model, cache_config, mode=mode,
-                    scheduler=scheduler, runner=runner)
+                    scheduler=scheduler, runner=runner, tokenizer=tokenizer)
 
 
 def run_trace(engine, trace: Trace, args, progress=None):

@@ -3,6 +3,8 @@
   lazyattn demo [--model NAME_OR_PATH] [--max-new-tokens N]
   lazyattn rag --doc FILE [FILE ...] --query TEXT [--max-new-tokens N]
                [--model NAME_OR_PATH]
+  lazyattn serve [--model NAME_OR_PATH] [--host H] [--port P] [--mode M]
+                 [--num-pages N] [--max-batch B] ...
 
 Bad input exits with status 2 and a one-line message (no traceback).
 """
@@ -28,13 +30,14 @@ def _first_line(error: Exception) -> str:
   return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-def _load_engine(model: str, args):
+def _load_engine(model: str, args, **settings):
   from lazyattn_jax.default_model import ModelUnavailableError, UnknownModelError
   from lazyattn_jax.engine import LazyEngine
   from models.errors import ModelFormatError
   try:
     return LazyEngine.from_pretrained(model, num_pages=args.cache_pages,
-                                      impl=args.impl, progress=True)
+                                      impl=args.impl, progress=True,
+                                      **settings)
   except (UnknownModelError, ModelUnavailableError) as e:
     raise UsageError(_first_line(e)) from None
   except FileNotFoundError as e:
@@ -130,6 +133,63 @@ def run_demo(args) -> int:
   return 0
 
 
+# Settings of `lazyattn serve` taken from their dataclasses.
+SERVER_OPTIONS = ("max_queue", "default_max_tokens", "drain_timeout_s",
+                  "max_registered_documents", "retry_after_s")
+ENGINE_OPTIONS = ("max_batch", "decode_steps", "max_prefill_tokens",
+                  "first_token_group_tokens")
+
+
+def run_serve(args) -> int:
+  from lazyattn_jax.cli_options import chosen
+  from lazyattn_jax.server import ServerConfig
+  try:
+    import uvicorn
+    from lazyattn_jax.server import create_app
+  except ImportError as e:
+    raise UsageError(f"lazyattn serve needs the serve extra ({e.name} is "
+                     f"missing): pip install 'lazyattn-jax[serve]'") from None
+  try:
+    server_config = ServerConfig(
+        model_name=args.served_model_name or args.model,
+        **chosen(args, SERVER_OPTIONS))
+    engine = _load_engine(args.model, args, mode=args.mode,
+                          page_size=args.page_size, dtype=args.dtype,
+                          **chosen(args, ENGINE_OPTIONS))
+  except ValueError as e:  # a setting the server or the engine refuses
+    raise UsageError(_first_line(e)) from None
+  app = create_app(engine, server_config, close_engine=True)
+  print(f"Serving {server_config.model_name!r} ({args.mode} mode) on "
+        f"http://{args.host}:{args.port}/v1", flush=True)
+  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+              timeout_graceful_shutdown=server_config.drain_timeout_s)
+  return 0
+
+
+def _add_serve_parser(sub, common):
+  from lazyattn_jax.cli_options import add_config_options
+  from lazyattn_jax.config import SchedulerConfig
+  from lazyattn_jax.server.config import ServerConfig
+  serve = sub.add_parser(
+      "serve", parents=[common],
+      help="an OpenAI-compatible HTTP server with a documents field")
+  serve.add_argument("--served-model-name",
+                     help="the name clients give as `model` (default: "
+                          "--model)")
+  serve.add_argument("--host", default="127.0.0.1")
+  serve.add_argument("--port", type=int, default=8000)
+  serve.add_argument("--mode", default="lazy",
+                     help="KV reuse mode: lazy, block, prefix or full")
+  serve.add_argument("--page-size", type=int, default=16)
+  serve.add_argument("--dtype", default="float32",
+                     help="compute and cache dtype (float32 or bfloat16)")
+  serve.add_argument("--log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug"])
+  add_config_options(serve, SchedulerConfig, ENGINE_OPTIONS,
+                     use_defaults=False)
+  add_config_options(serve, ServerConfig, SERVER_OPTIONS)
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="lazyattn",
@@ -139,26 +199,31 @@ def build_parser() -> argparse.ArgumentParser:
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--model", default="smollm2-135m-instruct",
                       help="model name or path (.gguf file or HF directory)")
-  common.add_argument("--max-new-tokens", type=int, default=48)
-  common.add_argument("--cache-pages", type=int, default=1024,
+  common.add_argument("--cache-pages", "--num-pages", dest="cache_pages",
+                      type=int, default=1024,
                       help="KV cache size in pages of 16 tokens")
   common.add_argument("--impl", default="auto",
                       help=f"attention implementation: {', '.join(IMPLS)}")
-  sub.add_parser("demo", parents=[common],
+  answering = argparse.ArgumentParser(add_help=False)
+  answering.add_argument("--max-new-tokens", type=int, default=48)
+  sub.add_parser("demo", parents=[common, answering],
                  help="answer questions over a built-in corpus, reusing documents")
-  rag = sub.add_parser("rag", parents=[common],
+  rag = sub.add_parser("rag", parents=[common, answering],
                        help="answer a query over your documents")
   rag.add_argument("--doc", nargs="+", required=True, metavar="FILE",
                    help="UTF-8 text files, one document each")
   rag.add_argument("--query", required=True)
+  _add_serve_parser(sub, common)
   return parser
 
 
 def _check_arguments(args):
   """Value checks argparse does not make, as one-line usage errors (argparse's
   own errors print the usage too)."""
-  if args.max_new_tokens < 1:
+  if getattr(args, "max_new_tokens", 1) < 1:
     raise UsageError("--max-new-tokens must be >= 1")
+  if not 0 <= getattr(args, "port", 0) <= 65535:
+    raise UsageError(f"--port must lie in [0, 65535], got {args.port}")
   if args.cache_pages < 1:
     raise UsageError(f"--cache-pages must be >= 1, got {args.cache_pages}")
   if args.impl not in IMPLS:
@@ -173,6 +238,8 @@ def main(argv=None) -> int:
     _check_arguments(args)
     if args.command == "demo":
       return run_demo(args)
+    if args.command == "serve":
+      return run_serve(args)
     return run_rag(args)
   except UsageError as e:
     print(f"lazyattn: error: {e}", file=sys.stderr)

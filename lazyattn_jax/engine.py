@@ -192,6 +192,19 @@ class LazyEngine:
     with self._lock:
       return self.scheduler.has_work()
 
+  def request_counts(self) -> dict[str, int]:
+    """Requests in flight: "waiting" (queued, not yet admitted) and
+    "running" (admitted, still generating)."""
+    with self._lock:
+      return {"waiting": len(self.scheduler.waiting),
+              "running": len(self.scheduler.live)}
+
+  def tokens_so_far(self, request_id: int) -> list[int]:
+    """The tokens a request has generated up to the last round (all of them
+    once it has finished and until its result is popped; [] if unknown)."""
+    with self._lock:
+      return list(self.scheduler.tokens_so_far(request_id))
+
   # --- requests --------------------------------------------------------------------
   def submit(self, query, documents=(), sampling: SamplingParams | None = None,
              *, arrival_time: float | None = None, **sampling_overrides) -> int:
@@ -203,8 +216,28 @@ class LazyEngine:
     `sampling`.  Results come back from `step()` and stay available to
     `pop_result` until popped.
     """
-    request = self.validator.validate(query, documents, sampling,
-                                      sampling_overrides)
+    request = self.prepare(query, documents, sampling, **sampling_overrides)
+    with self._lock:
+      return self._enqueue(request, arrival_time)
+
+  def prepare(self, query, documents=(), sampling: SamplingParams | None = None,
+              **sampling_overrides) -> TokenRequest:
+    """Checks and tokenizes a request without queueing it.
+
+    Takes no lock and changes nothing, so a server can validate on many
+    threads while one thread drives `step()`; `submit_prepared` queues the
+    result.  Raises what `submit` raises for bad input.
+    """
+    return self.validator.validate(query, documents, sampling,
+                                   sampling_overrides)
+
+  def submit_prepared(self, request: TokenRequest, *,
+                      arrival_time: float | None = None) -> int:
+    """Queues a request made by this engine's `prepare`; returns its id."""
+    if not isinstance(request, TokenRequest):
+      raise InvalidRequestError(
+          f"submit_prepared takes the TokenRequest of prepare(), got "
+          f"{type(request).__name__}")
     with self._lock:
       return self._enqueue(request, arrival_time)
 

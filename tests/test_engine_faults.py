@@ -473,3 +473,29 @@ def test_memory_reports_weights_and_pool(model_and_config):
       engine.runner.params))
   assert engine.memory == {"weights_bytes": weights, "kv_pool_bytes": pool}
   assert weights > 400_000  # the tiny model's 106,816 float32 parameters
+
+
+def test_prepare_then_submit_prepared_equals_submit(model_and_config, corpus):
+  """A server validates on its handler threads (`prepare`, no lock, no state
+  change) and queues from its engine loop (`submit_prepared`)."""
+  docs, queries = corpus
+  engine = make_engine(model_and_config, decode_steps=2)
+  prepared = engine.prepare(queries[0], [docs["a"], docs["b"]], greedy(6))
+  assert not engine.has_work()
+  with pytest.raises(InvalidRequestError, match="TokenRequest"):
+    engine.submit_prepared((queries[0], [docs["a"]]))
+  with pytest.raises(InvalidRequestError):
+    engine.prepare(queries[0], [[]], greedy(6))
+  request_id = engine.submit_prepared(prepared)
+  assert engine.request_counts() == {"waiting": 1, "running": 0}
+  engine.step()
+  assert engine.request_counts() == {"waiting": 0, "running": 1}
+  assert 0 < len(engine.tokens_so_far(request_id)) < 6
+  while engine.has_work():
+    engine.step()
+  result = engine.pop_result(request_id)
+  assert engine.tokens_so_far(request_id) == []
+  want = make_engine(model_and_config).generate(
+      queries[0], [docs["a"], docs["b"]], greedy(6))
+  assert result.token_ids == want.token_ids
+  assert_pages_accounted_for(engine)

@@ -1,0 +1,237 @@
+"""`CompletionService`: one chat or text completion, from parsed body to
+response, for both endpoints.
+
+The steps: refuse unsupported fields, an unknown model or a full queue;
+resolve the documents; build the query and sampling; tokenize and validate
+on a worker thread (`LazyEngine.prepare`); hand the request to the engine
+loop; then wait for its ending, or stream its tokens, while listening for
+the client going away (which cancels the request at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import anyio
+from fastapi.responses import JSONResponse, Response
+
+from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
+from lazyattn_jax.server import prompts
+from lazyattn_jax.server.disconnects import (ClientDisconnected,
+                                             EventStreamResponse,
+                                             wait_for_disconnect)
+from lazyattn_jax.server.documents import parse_documents
+from lazyattn_jax.server.engine_loop import (Failed, Finished, LoopClosedError,
+                                             QueueFullError, RequestHandle,
+                                             Tokens)
+from lazyattn_jax.server.errors import (APIError, bad_request, not_found,
+                                        queue_full, server_error, unavailable)
+from lazyattn_jax.server.responses import DONE, ResponseBuilder, sse
+from lazyattn_jax.server.text_output import TextOutput
+
+# Words of the engine's InvalidRequestError messages -> the request field.
+_ENGINE_FIELDS = (("document", "documents"), ("chat prefix", "messages"),
+                  ("request needs", "max_tokens"), ("stop", "stop"))
+
+
+class CompletionService:
+  """Serves completions through one engine loop.
+
+  Args:
+    engine: the `LazyEngine` (only `prepare` and its tokenizer are used
+      here; the loop drives everything else).
+    loop: the `EngineLoop`.
+    registry: the `DocumentRegistry` for document ids.
+    config: `ServerConfig`.
+    metrics: `ServerMetrics`.
+  """
+
+  def __init__(self, engine, loop, registry, config, metrics):
+    self.engine = engine
+    self.loop = loop
+    self.registry = registry
+    self.config = config
+    self.metrics = metrics
+
+  def check_model(self, model: str | None):
+    if model is not None and model != self.config.model_name:
+      raise not_found(f"model {model!r} is not served here (this server "
+                      f"serves {self.config.model_name!r})", param="model",
+                      code="model_not_found")
+
+  async def complete(self, request, body, *, chat: bool, arrived: float):
+    """The response to a parsed chat or text completion body."""
+    prompts.check_unsupported(body, chat)
+    self.check_model(body.model)
+    if self.loop.queue_depth() >= self.config.max_queue:
+      raise queue_full(self.config.retry_after_s)  # before tokenizing
+    documents = self.registry.resolve(parse_documents(body.documents))
+    sampling = prompts.sampling_params(body, self.config.default_max_tokens)
+    stops = prompts.stop_strings(body, self.engine.tokenizer)
+    prepared = await anyio.to_thread.run_sync(
+        self._prepare, body, chat, documents, sampling)
+    handle = RequestHandle(prepared, arrived,
+                           wants_tokens=body.stream or bool(stops))
+    try:
+      self.loop.submit(handle)
+    except QueueFullError:
+      raise queue_full(self.config.retry_after_s) from None
+    except LoopClosedError as error:
+      raise unavailable(str(error)) from None
+    builder = ResponseBuilder(chat, self.config.model_name,
+                              body.return_token_ids)
+    # Text is assembled here only where it is needed as it grows; a plain
+    # answer takes the engine's own detokenized text.
+    output = (TextOutput(self.engine.tokenizer, stops)
+              if self.engine.tokenizer is not None and (body.stream or stops)
+              else None)
+    if body.stream:
+      include_usage = bool(body.stream_options and
+                           body.stream_options.include_usage)
+      return EventStreamResponse(
+          self._stream(handle, builder, output, include_usage))
+    try:
+      result = await self._wait(handle, request, output)
+    except ClientDisconnected:
+      return Response(status_code=499)  # nobody reads it
+    return JSONResponse(builder.completion(self._text(result, output),
+                                           _finish_reason(result, output),
+                                           result))
+
+  # --- tokenizing and validating (worker thread) --------------------------------
+  def _prepare(self, body, chat: bool, documents, sampling):
+    tokenizer = self.engine.tokenizer
+    query = (prompts.chat_query(body.messages, tokenizer) if chat else
+             prompts.completion_query(body.prompt, tokenizer))
+    leading = [query.conversation] if query.conversation else []
+    try:
+      prepared = self.engine.prepare(query.query, leading + documents,
+                                     sampling)
+    except InvalidRequestError as error:
+      raise bad_request(str(error), param=_engine_field(
+          str(error), "messages" if chat else "prompt")) from None
+    except CacheCapacityError as error:
+      raise bad_request(str(error), param="documents",
+                        code="cache_capacity_exceeded") from None
+    if leading:  # the conversation is ours, not one of the caller's documents
+      prepared = dataclasses.replace(prepared,
+                                     leading=prepared.leading + len(leading))
+    return prepared
+
+  # --- waiting ----------------------------------------------------------------------
+  async def _events(self, handle, request=None):
+    """The handle's events up to its ending.  With `request`, raises
+    ClientDisconnected as soon as the client goes away.  A request left
+    before its ending (disconnect, cancelled handler) is cancelled."""
+    watcher = (asyncio.ensure_future(wait_for_disconnect(request.receive))
+               if request is not None else None)
+    getter = None
+    ended = False
+    try:
+      while not ended:
+        getter = asyncio.ensure_future(handle.events.get())
+        waiting = {getter} if watcher is None else {getter, watcher}
+        done, _ = await asyncio.wait(waiting,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if getter not in done:
+          raise ClientDisconnected()
+        event = getter.result()
+        ended = isinstance(event, (Finished, Failed))
+        yield event
+    finally:
+      for task in (watcher, getter):
+        if task is not None:
+          task.cancel()
+      if not ended:
+        self.loop.cancel(handle)
+
+  async def _wait(self, handle, request, output):
+    """The request's result, its text cut at a stop string if one came."""
+    events = self._events(handle, request)
+    try:
+      async for event in events:
+        if isinstance(event, Tokens) and output is not None:
+          output.push(event.token_ids)
+          if output.stopped:
+            self.loop.cancel(handle, as_stop=True)
+        elif isinstance(event, Failed):
+          raise server_error(f"the request failed: {event.error}")
+        elif isinstance(event, Finished):
+          _check_ended_well(event.result)
+          if output is not None and not output.stopped:
+            output.push(event.result.token_ids[handle.sent:])
+          return event.result
+    finally:
+      await events.aclose()
+    raise server_error("the request ended without a result")
+
+  async def _stream(self, handle, builder, output, include_usage: bool):
+    """SSE chunks: text as it is generated, then the finish reason, usage
+    if asked for, and [DONE]."""
+    if builder.chat:
+      yield builder.first_chunk()
+    events = self._events(handle)
+    try:
+      async for event in events:
+        if isinstance(event, Tokens):
+          if output is not None and output.stopped:
+            continue  # the rest was cut at the stop string
+          piece = output.push(event.token_ids) if output is not None else ""
+          if output is not None and output.stopped:
+            self.loop.cancel(handle, as_stop=True)
+          if piece or builder.return_token_ids:
+            yield builder.chunk(piece, event.token_ids)
+          continue
+        if isinstance(event, Failed):
+          yield sse(server_error(f"the request failed: {event.error}").body())
+          break
+        result = event.result
+        try:
+          _check_ended_well(result)
+        except APIError as error:
+          yield sse(error.body())
+          break
+        tail_tokens = result.token_ids[handle.sent:]
+        piece = ""
+        if output is not None:
+          if not output.stopped:
+            piece = output.push(tail_tokens)
+          piece += output.finish()
+        if piece or (builder.return_token_ids and tail_tokens):
+          yield builder.chunk(piece, tail_tokens)
+        yield builder.chunk("", finish_reason=_finish_reason(result, output))
+        if include_usage:
+          yield builder.usage_chunk(result)
+    finally:
+      await events.aclose()
+    yield DONE
+
+  @staticmethod
+  def _text(result, output) -> str:
+    if output is None:
+      return result.text or ""
+    output.finish()
+    return output.text
+
+
+def _check_ended_well(result):
+  if result.finish_reason == "error":
+    raise server_error(f"the engine failed while serving the request: "
+                       f"{result.error}")
+  if result.finish_reason == "cancelled":
+    raise unavailable("the request was cancelled: the server is shutting "
+                      "down")
+
+
+def _finish_reason(result, output) -> str:
+  if output is not None and output.stopped:
+    return "stop"
+  return result.finish_reason
+
+
+def _engine_field(message: str, query_field: str) -> str:
+  for start, field in _ENGINE_FIELDS:
+    if message.startswith(start):
+      return field
+  return query_field

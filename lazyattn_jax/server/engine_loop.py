@@ -1,0 +1,307 @@
+"""`EngineLoop`: the one thread that drives the engine for every HTTP request.
+
+HTTP handlers never touch the engine's lock.  They validate and tokenize on
+worker threads (`LazyEngine.prepare`, which takes no lock), then hand the
+prepared request to the loop, which queues it (`submit_prepared`), runs
+`step()` while anything is in flight, and posts each request's new tokens
+and its result back to the asyncio event loop of its handler.  Cancels and
+other engine calls (`encode_documents`, pool statistics) run on the same
+thread between rounds, so the engine's lock is never contended: a thread
+waiting for a lock that a busy loop keeps retaking could wait for many
+rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+
+from lazyattn_jax.requests import GenerationResult
+
+logger = logging.getLogger("lazyattn_jax.server")
+
+
+class QueueFullError(Exception):
+  """More requests are waiting for admission than the server allows."""
+
+
+class LoopClosedError(Exception):
+  """The loop is shutting down and takes no new work."""
+
+
+@dataclasses.dataclass
+class Tokens:
+  """Tokens a request generated since its last event."""
+  token_ids: list[int]
+
+
+@dataclasses.dataclass
+class Finished:
+  """The request ended (any finish reason)."""
+  result: GenerationResult
+
+
+@dataclasses.dataclass
+class Failed:
+  """The request could not be queued or the loop failed under it."""
+  error: BaseException
+
+
+class RequestHandle:
+  """One HTTP request's link to the engine loop.  Make it on the event loop
+  that will read its `events`.
+
+  Args:
+    prepared: the `TokenRequest` of `LazyEngine.prepare`.
+    arrival: `time.perf_counter()` when the HTTP request arrived (TTFT
+      counts from it).
+    wants_tokens: post a `Tokens` event after every round that produced
+      some (streaming, stop strings); otherwise only the ending is posted.
+  """
+
+  def __init__(self, prepared, arrival: float, *, wants_tokens: bool):
+    self.prepared = prepared
+    self.arrival = arrival
+    self.wants_tokens = wants_tokens
+    self.request_id: int | None = None
+    self.cancelled = False
+    self.ends_as_stop = False
+    self.sent = 0  # tokens already posted
+    self.events: asyncio.Queue = asyncio.Queue()
+    self._event_loop = asyncio.get_running_loop()
+
+  def post(self, event):
+    """Thread-safe; a closed event loop means nobody is listening."""
+    try:
+      self._event_loop.call_soon_threadsafe(self.events.put_nowait, event)
+    except RuntimeError:
+      pass
+
+
+class EngineLoop:
+  """Drives `engine.step()` on a background thread for all requests.
+
+  Args:
+    engine: a `LazyEngine`; only this loop's thread calls it once started.
+    max_queue: requests waiting for admission beyond which `submit`
+      raises `QueueFullError`.
+    metrics: a `ServerMetrics` to update, or None.
+    pool_stats_every_s: how often to refresh the pool gauges while busy.
+  """
+
+  def __init__(self, engine, *, max_queue: int, metrics=None,
+               pool_stats_every_s: float = 0.5):
+    self.engine = engine
+    self.max_queue = max_queue
+    self.metrics = metrics
+    self.pool_stats_every_s = pool_stats_every_s
+    self._cond = threading.Condition()
+    self._inbox: list[RequestHandle] = []
+    self._cancels: list[RequestHandle] = []
+    self._calls: list[tuple] = []
+    self._active: dict[int, RequestHandle] = {}
+    self._engine_waiting = 0  # queued in the engine, as of the last round
+    self._in_flight = 0
+    self._accepting = True
+    self._stop = False
+    self._pool_stats_at = 0.0
+    self._thread = threading.Thread(target=self._run, name="lazyattn-engine",
+                                    daemon=True)
+
+  # --- any thread ------------------------------------------------------------
+  def start(self):
+    self._thread.start()
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive() and self._accepting
+
+  def queue_depth(self) -> int:
+    """Requests waiting for admission (in the inbox or the engine's queue)."""
+    with self._cond:
+      return len(self._inbox) + self._engine_waiting
+
+  def submit(self, handle: RequestHandle):
+    """Hands a prepared request to the loop; never blocks on the engine."""
+    with self._cond:
+      if not self._accepting:
+        raise LoopClosedError("the server is shutting down")
+      if len(self._inbox) + self._engine_waiting >= self.max_queue:
+        raise QueueFullError(f"{self.max_queue} requests are already waiting")
+      self._inbox.append(handle)
+      self._cond.notify_all()
+
+  def cancel(self, handle: RequestHandle, *, as_stop: bool = False):
+    """Ends the request before the next round (its pages and document
+    references are released then); a `Finished` event follows if it was
+    running.  `as_stop`: the caller found a stop string, so the request
+    ends as "stop", not "cancelled"."""
+    with self._cond:
+      if handle.cancelled:
+        return
+      handle.cancelled = True
+      handle.ends_as_stop = as_stop
+      self._cancels.append(handle)
+      self._cond.notify_all()
+
+  def call(self, fn) -> concurrent.futures.Future:
+    """Runs `fn(engine)` on the loop's thread between rounds."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with self._cond:
+      if self._stop:
+        future.set_exception(LoopClosedError("the engine loop has stopped"))
+        return future
+      self._calls.append((fn, future))
+      self._cond.notify_all()
+    return future
+
+  def shutdown(self, drain_timeout_s: float):
+    """Stops taking requests, lets those in flight finish for up to
+    `drain_timeout_s`, cancels the rest, and stops the thread."""
+    deadline = time.monotonic() + drain_timeout_s
+    with self._cond:
+      self._accepting = False
+      while self._busy() and self._thread.is_alive():
+        left = deadline - time.monotonic()
+        if left <= 0:
+          break
+        self._cond.wait(left)
+      for handle in self._inbox + list(self._active.values()):
+        if not handle.cancelled:
+          handle.cancelled = True
+          self._cancels.append(handle)
+      self._stop = True
+      self._cond.notify_all()
+    if self._thread.is_alive():
+      self._thread.join()
+
+  def _busy(self) -> bool:
+    return bool(self._inbox or self._in_flight)
+
+  # --- the loop's thread -------------------------------------------------------
+  def _run(self):
+    try:
+      while self._iteration():
+        pass
+    except BaseException:  # a bug here must not leave handlers waiting
+      logger.exception("the engine loop stopped")
+      self._fail_all(RuntimeError("the engine loop stopped"))
+      with self._cond:
+        self._accepting = False
+        self._cond.notify_all()
+      raise
+
+  def _iteration(self) -> bool:
+    with self._cond:
+      while not (self._inbox or self._cancels or self._calls or self._active
+                 or self._stop):
+        self._cond.wait()
+      if self._stop and not (self._inbox or self._cancels or self._calls or
+                             self._active):
+        return False
+      inbox, self._inbox = self._inbox, []
+      cancels, self._cancels = self._cancels, []
+      calls, self._calls = self._calls, []
+      self._engine_waiting += len(inbox)
+    for handle in cancels:
+      self._cancel_now(handle)
+    for handle in inbox:
+      self._queue(handle)
+    for fn, future in calls:
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(self.engine))
+        except BaseException as error:  # noqa: BLE001 - the caller gets it
+          future.set_exception(error)
+    if self._active:
+      self._step()
+    self._publish()
+    return True
+
+  def _queue(self, handle: RequestHandle):
+    if handle.cancelled:
+      if self.metrics is not None:
+        self.metrics.observe_cancelled_before_queue()
+      return
+    try:
+      handle.request_id = self.engine.submit_prepared(
+          handle.prepared, arrival_time=handle.arrival)
+    except Exception as error:  # noqa: BLE001 - e.g. the engine was closed
+      handle.post(Failed(error))
+      return
+    self._active[handle.request_id] = handle
+
+  def _cancel_now(self, handle: RequestHandle):
+    request_id = handle.request_id
+    if request_id is None or request_id not in self._active:
+      return  # not queued yet (`_queue` drops it) or already ended
+    del self._active[request_id]
+    self.engine.cancel(request_id)
+    result = self.engine.pop_result(request_id)
+    if result is not None:
+      if handle.ends_as_stop:
+        result = dataclasses.replace(result, finish_reason="stop")
+      self._finish(handle, result)
+
+  def _step(self):
+    try:
+      results = self.engine.step()
+    except Exception as error:  # noqa: BLE001 - step handles request faults
+      logger.exception("engine.step() failed")
+      self._fail_all(error)
+      return
+    for result in results:
+      self.engine.pop_result(result.request_id)
+      handle = self._active.pop(result.request_id, None)
+      if handle is not None:
+        self._finish(handle, result)
+    for request_id, handle in self._active.items():
+      if handle.wants_tokens:
+        tokens = self.engine.tokens_so_far(request_id)
+        if len(tokens) > handle.sent:
+          handle.post(Tokens(tokens[handle.sent:]))
+          handle.sent = len(tokens)
+
+  def _finish(self, handle: RequestHandle, result: GenerationResult):
+    if self.metrics is not None:
+      self.metrics.observe_result(result)
+    handle.post(Finished(result))
+
+  def _fail_all(self, error: BaseException):
+    active, self._active = self._active, {}
+    for request_id, handle in active.items():
+      try:
+        self.engine.cancel(request_id)
+        self.engine.pop_result(request_id)
+      except Exception:  # noqa: BLE001 - the engine itself may be gone
+        pass
+      handle.post(Failed(error))
+    with self._cond:
+      inbox, self._inbox = self._inbox, []
+    for handle in inbox:
+      handle.post(Failed(error))
+
+  def _publish(self):
+    try:
+      counts = self.engine.request_counts()
+    except Exception:  # noqa: BLE001 - a closed engine has nothing in flight
+      counts = {"waiting": 0, "running": 0}
+    with self._cond:
+      self._engine_waiting = counts["waiting"]
+      self._in_flight = len(self._active)
+      self._cond.notify_all()
+    if self.metrics is None:
+      return
+    self.metrics.observe_queue(waiting=self.queue_depth(),
+                               running=counts["running"])
+    now = time.monotonic()
+    if not self._active or now - self._pool_stats_at >= self.pool_stats_every_s:
+      self._pool_stats_at = now
+      try:
+        self.metrics.observe_pool(self.engine.cache.stats(self.engine.state))
+      except Exception:  # noqa: BLE001 - a closed engine has no pool
+        pass

@@ -1,0 +1,229 @@
+"""The HTTP server through the real `openai` client: sync, async and
+streaming; 32 concurrent clients get exactly the engine's greedy tokens;
+documents by text, token ids and registered id; usage, models, health and
+metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from lazyattn_jax.engine import Request
+from lazyattn_jax.sampling import SamplingParams
+from tests.server_helpers import (CORPUS, MODEL_NAME, QUESTIONS,  # noqa: F401
+                                  make_engine, metric, on_loop, pool_is_idle,
+                                  serving, smollm2_gguf_path, text_model)
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server(text_model):
+  engine = make_engine(text_model)
+  with serving(engine) as (app, url):
+    yield app, url
+
+
+def client(url) -> "openai.OpenAI":
+  return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def direct(text_model, jobs):
+  """Greedy tokens and text of (question, documents, max_tokens) jobs run
+  directly through a fresh LazyEngine."""
+  engine = make_engine(text_model)
+  results = engine.generate_batch([
+      Request(q, docs, SamplingParams(max_new_tokens=n, temperature=0.0))
+      for q, docs, n in jobs])
+  return [(r.token_ids, r.text) for r in results]
+
+
+def chat(c, question, documents, max_tokens, **extra):
+  return c.chat.completions.create(
+      model=MODEL_NAME, messages=[{"role": "user", "content": question}],
+      max_tokens=max_tokens, temperature=0,
+      extra_body={"documents": documents, "return_token_ids": True, **extra})
+
+
+def test_sync_chat_with_documents_reuses_them_and_reports_usage(server,
+                                                                text_model):
+  _, url = server
+  c = client(url)
+  docs = CORPUS[:2]
+  first = chat(c, QUESTIONS[0], docs, 6)
+  (want_tokens, want_text), = direct(text_model, [(QUESTIONS[0], docs, 6)])
+  choice = first.choices[0]
+  assert choice.token_ids == want_tokens
+  assert choice.message.content == want_text
+  assert choice.message.role == "assistant"
+  assert choice.finish_reason in ("stop", "length")
+  assert first.object == "chat.completion" and first.model == MODEL_NAME
+  assert first.usage.completion_tokens == len(want_tokens)
+  # The same documents from another client, in another order: hits, read in
+  # place; cached_tokens counts them and the chat prefix.
+  again = chat(client(url), QUESTIONS[1], [{"text": docs[1]},
+                                           {"text": docs[0]}], 4)
+  assert again.usage.cached_documents == 2
+  assert again.usage.prompt_tokens_details.cached_tokens == (
+      again.usage.cached_tokens)
+  assert 0 < again.usage.cached_tokens < again.usage.prompt_tokens
+  assert again.usage.total_tokens == (again.usage.prompt_tokens +
+                                      again.usage.completion_tokens)
+
+
+def test_text_completion_with_token_id_documents(server, text_model):
+  _, url = server
+  _, _, tokenizer = text_model
+  doc = tokenizer.encode(CORPUS[3])
+  out = client(url).completions.create(
+      model=MODEL_NAME, prompt="Bramley makes", max_tokens=5, temperature=0,
+      extra_body={"documents": [{"token_ids": doc}],
+                  "return_token_ids": True})
+  engine = make_engine(text_model)
+  want = engine.generate(tokenizer.encode("Bramley makes"), [doc],
+                         max_new_tokens=5, temperature=0.0)
+  assert out.object == "text_completion"
+  assert out.choices[0].token_ids == want.token_ids
+  assert out.choices[0].text == want.text
+  assert out.usage.prompt_tokens == len(doc) + len(
+      tokenizer.encode("Bramley makes"))
+
+
+def test_streaming_chunks_join_to_the_whole_answer(server, text_model):
+  _, url = server
+  stream = client(url).chat.completions.create(
+      model=MODEL_NAME, messages=[{"role": "user", "content": QUESTIONS[2]}],
+      max_tokens=12, temperature=0, stream=True,
+      stream_options={"include_usage": True},
+      extra_body={"documents": CORPUS[2:4]})
+  chunks = list(stream)
+  (want_tokens, want_text), = direct(text_model,
+                                     [(QUESTIONS[2], CORPUS[2:4], 12)])
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert all(c.object == "chat.completion.chunk" for c in chunks)
+  text = "".join(c.choices[0].delta.content or "" for c in chunks
+                 if c.choices)
+  assert text == want_text
+  finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+  assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+  assert not chunks[-1].choices  # the usage chunk comes last
+  assert chunks[-1].usage.completion_tokens == len(want_tokens)
+
+
+def test_stream_ends_with_done(server):
+  _, url = server
+  body = {"model": MODEL_NAME, "prompt": "The bridge", "max_tokens": 3,
+          "temperature": 0, "stream": True}
+  with httpx.stream("POST", url + "/v1/completions", json=body,
+                    timeout=60) as response:
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.iter_lines() if line]
+  assert lines[-1] == "data: [DONE]"
+  assert all(line.startswith("data: ") for line in lines)
+
+
+def test_32_concurrent_async_clients_get_the_engines_greedy_tokens(
+    server, text_model):
+  """Each job: its own question, documents and length, from its own
+  client; together they batch, queue and evict in the server."""
+  app, url = server
+  jobs = []
+  for i in range(32):
+    docs = [CORPUS[(i + k) % len(CORPUS)] for k in range(1 + i % 3)]
+    jobs.append((QUESTIONS[i % len(QUESTIONS)] + f" ({i})", docs, 3 + i % 6))
+  want = direct(text_model, jobs)
+
+  async def one(question, docs, n):
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused",
+                           max_retries=0)
+    async with c:
+      out = await c.chat.completions.create(
+          model=MODEL_NAME, messages=[{"role": "user", "content": question}],
+          max_tokens=n, temperature=0,
+          extra_body={"documents": docs, "return_token_ids": True})
+    return out.choices[0].token_ids, out.choices[0].message.content
+
+  async def run_all():
+    return await asyncio.gather(*(one(*job) for job in jobs))
+  got = asyncio.run(run_all())
+  assert got == want
+  assert pool_is_idle(app)
+
+
+def test_registered_documents_are_used_by_id(server, text_model):
+  app, url = server
+  response = httpx.post(url + "/v1/documents",
+                        json={"documents": [CORPUS[5], {"text": CORPUS[6]}]},
+                        timeout=60)
+  assert response.status_code == 200
+  data = response.json()["data"]
+  assert [d["object"] for d in data] == ["document", "document"]
+  ids = [d["id"] for d in data]
+  # Registering the same text again gives the same id, now cached.
+  again = httpx.post(url + "/v1/documents", json={"documents": [CORPUS[5]]},
+                     timeout=60).json()["data"]
+  assert again[0]["id"] == ids[0] and again[0]["cached"]
+  out = chat(client(url), QUESTIONS[0], [{"id": ids[1]}, {"id": ids[0]}], 5)
+  assert out.usage.cached_documents == 2
+  (want_tokens, _), = direct(text_model,
+                             [(QUESTIONS[0], [CORPUS[6], CORPUS[5]], 5)])
+  assert out.choices[0].token_ids == want_tokens
+  assert on_loop(app, lambda e: e.cache.stats(e.state)["cached_docs"]) >= 2
+
+
+def test_models_health_and_metrics(server):
+  _, url = server
+  models = client(url).models.list()
+  assert [m.id for m in models.data] == [MODEL_NAME]
+  assert httpx.get(url + "/health").json() == {"status": "ok"}
+  chat(client(url), QUESTIONS[3], CORPUS[:1], 4)
+  chat(client(url), QUESTIONS[3], CORPUS[:1], 4)
+  text = httpx.get(url + "/metrics").text
+  for name in ("lazyattn_time_to_first_token_seconds_count",
+               "lazyattn_time_per_output_token_seconds_count",
+               "lazyattn_generation_tokens_total",
+               "lazyattn_prompt_tokens_total",
+               "lazyattn_document_hits_total",
+               "lazyattn_document_lookups_total"):
+    assert metric(text, name) > 0, name
+  assert 0 < metric(text, "lazyattn_document_hit_rate") <= 1
+  assert metric(text, "lazyattn_kv_pages_used") > 0
+  assert metric(text, "lazyattn_kv_pages_free") > 0
+  for gauge in ("lazyattn_requests_waiting", "lazyattn_requests_running"):
+    assert f"# TYPE {gauge} gauge" in text
+
+
+def test_a_conversation_and_stop_strings(server, text_model):
+  _, url = server
+  _, _, tokenizer = text_model
+  c = client(url)
+  document = "The Fenwick mill grinds barley for the whole valley."
+  messages = [{"role": "system", "content": "Answer briefly."},
+              {"role": "user", "content": "Hello"},
+              {"role": "assistant", "content": "Hi."},
+              {"role": "user", "content": QUESTIONS[0]}]
+  full = c.chat.completions.create(
+      model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+      extra_body={"documents": [document], "return_token_ids": True})
+  text = full.choices[0].message.content
+  assert full.usage.cached_documents == 0  # the conversation is not counted
+  # The same conversation with a stop string taken from its own answer.
+  cut = len(text) // 2
+  stop = text[cut:cut + 3]
+  assert stop and stop in text
+  stopped = c.chat.completions.create(
+      model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+      stop=[stop], extra_body={"documents": [document]})
+  assert stopped.choices[0].finish_reason == "stop"
+  assert stopped.choices[0].message.content == text[:text.index(stop)]
+  assert stopped.usage.cached_documents == 1
+  streamed = c.chat.completions.create(
+      model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+      stop=stop, stream=True, extra_body={"documents": [document]})
+  chunks = list(streamed)
+  assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (
+      text[:text.index(stop)])
+  assert chunks[-1].choices[0].finish_reason == "stop"
+  assert tokenizer.decode(full.choices[0].token_ids) == text

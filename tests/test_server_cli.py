@@ -1,0 +1,105 @@
+"""`lazyattn serve`: argument errors exit 2 in one line, and the command
+serves a model directory (weights, tokenizer.json, chat template) over HTTP
+until it is told to stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from lazyattn_jax.cli import main
+from tests.server_helpers import CORPUS, QUESTIONS  # noqa: F401
+from tests.server_helpers import smollm2_gguf_path, text_model  # noqa: F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port must lie in"),
+    (["--mode", "nope"], "mode must be one of"),
+    (["--max-queue", "0"], "max_queue must be an integer >= 1"),
+    (["--num-pages", "0"], "must be >= 1"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
+  assert main(["serve", "--model", "no-such-model", *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("lazyattn: error:") and message in err
+  assert len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(text_model, tmp_path_factory):
+  """A HF-style directory of the tiny text model."""
+  from models.llama import split_model
+  from flax import nnx
+  from tests.hf_fixtures import write_hf_checkpoint
+  config, model, tokenizer = text_model
+  directory = tmp_path_factory.mktemp("tiny-text")
+  write_hf_checkpoint(directory, config,
+                      nnx.to_pure_dict(split_model(model)[1]))
+  (directory / "tokenizer.json").write_text(tokenizer.backend.to_str())
+  eos = tokenizer.backend.id_to_token(tokenizer.eos_token_id)
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": tokenizer.chat_template, "eos_token": eos}))
+  return directory
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_serve_answers_over_http_and_stops_on_sigterm(model_dir):
+  openai = pytest.importorskip("openai")
+  port = _free_port()
+  process = subprocess.Popen(
+      [sys.executable, "-m", "lazyattn_jax.cli", "serve", "--model",
+       str(model_dir), "--served-model-name", "tiny", "--port", str(port),
+       "--impl", "xla", "--num-pages", "64", "--max-batch", "2",
+       "--log-level", "warning", "--drain-timeout-s", "5"],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 180
+    while True:
+      assert process.poll() is None, process.stdout.read()
+      try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      assert time.monotonic() < deadline, "the server did not come up"
+      time.sleep(0.5)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                           max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    registered = client.post("/documents", cast_to=object,
+                             body={"documents": [CORPUS[1]]})
+    bridge = {"id": registered["data"][0]["id"]}
+    answers = [client.chat.completions.create(
+        model="tiny", max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+        extra_body={"documents": [bridge, CORPUS[0]]}) for _ in range(2)]
+    assert answers[0].choices[0].message.content == (
+        answers[1].choices[0].message.content)
+    assert [a.usage.cached_documents for a in answers] == [1, 2]
+  finally:
+    process.send_signal(signal.SIGTERM)
+    try:
+      output = process.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+      process.kill()
+      raise
+  # uvicorn shuts down gracefully, then re-raises the signal it caught.
+  assert process.returncode in (0, -signal.SIGTERM), output
+  assert "Traceback" not in output
+  assert "Serving 'tiny' (lazy mode)" in output

@@ -1,0 +1,271 @@
+"""The server under bad input, disconnects, a full queue, a failing request
+and shutdown: every refusal is an OpenAI error naming the field, a client
+that leaves frees its pages at once, and nobody else is harmed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_helpers import (CORPUS, MODEL_NAME, QUESTIONS,  # noqa: F401
+                                  assert_pages_accounted_for, make_engine,
+                                  metric, on_loop, pool_is_idle, serving,
+                                  slow_down, smollm2_gguf_path, text_model,
+                                  wait_until)
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server(text_model):
+  with serving(make_engine(text_model, max_batch=2)) as (app, url):
+    yield app, url
+
+
+def chat_body(**fields):
+  body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0,
+          "messages": [{"role": "user", "content": QUESTIONS[0]}]}
+  body.update(fields)
+  return body
+
+
+def completion_body(**fields):
+  body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0,
+          "prompt": "The bridge"}
+  body.update(fields)
+  return body
+
+
+BAD_REQUESTS = {
+    # name: (endpoint, body, status, param the error names)
+    "max_tokens as text": ("chat/completions", chat_body(max_tokens="5"), 400,
+                           "max_tokens"),
+    "temperature too high": ("chat/completions", chat_body(temperature=3), 400,
+                             "temperature"),
+    "n of 2": ("chat/completions", chat_body(n=2), 400, "n"),
+    "no messages": ("chat/completions", chat_body(messages=[]), 400, "messages"),
+    "unknown role": ("chat/completions", chat_body(messages=[{"role": "robot",
+                                                  "content": "x"}]), 400,
+                     "messages[0].role"),
+    "ends with the assistant": ("chat/completions", chat_body(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"}]), 400, "messages[1].role"),
+    "unknown field": ("chat/completions", chat_body(frobnicate=1), 400, "frobnicate"),
+    "document of a number": ("chat/completions", chat_body(documents=["ok", 5]), 400,
+                             "documents[1]"),
+    "empty document": ("chat/completions", chat_body(documents=[{"text": " "}]), 400,
+                       "documents[0].text"),
+    "unknown document id": ("chat/completions", chat_body(documents=[
+        {"id": "doc-0123456789abcdef01234567"}]), 404, "documents[0].id"),
+    "unknown model": ("chat/completions", chat_body(model="gpt-9"), 404, "model"),
+    "penalty": ("chat/completions", chat_body(presence_penalty=0.5), 400,
+                "presence_penalty"),
+    "too many positions": ("chat/completions", chat_body(max_tokens=5000), 400,
+                           "max_tokens"),
+    "empty prompt": ("completions", completion_body(prompt=""), 400,
+                     "prompt"),
+    "token id outside the vocabulary": (
+        "completions", completion_body(prompt=[1, 10**7]), 400, "prompt"),
+    "two prompts": ("completions", completion_body(prompt=["a", "b"]), 400,
+                    "prompt"),
+    "too many stop strings": ("completions",
+                              completion_body(stop=["x"] * 17), 400, "stop"),
+    "echo": ("completions", completion_body(echo=True), 400, "echo"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
+def test_bad_requests_get_openai_errors_naming_the_field(server, name):
+  _, url = server
+  endpoint, body, status, param = BAD_REQUESTS[name]
+  response = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=60)
+  assert response.status_code == status, response.text
+  error = response.json()["error"]
+  assert error["param"] == param, error
+  assert error["message"] and error["type"]
+
+
+def test_openai_client_raises_its_own_errors_and_the_server_goes_on(server):
+  app, url = server
+  c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+  with pytest.raises(openai.BadRequestError, match="temperature"):
+    c.chat.completions.create(model=MODEL_NAME, temperature=-1,
+                              messages=[{"role": "user", "content": "x"}])
+  with pytest.raises(openai.NotFoundError, match="doc-missing"):
+    c.chat.completions.create(model=MODEL_NAME, max_tokens=2, messages=[
+        {"role": "user", "content": "x"}], extra_body={"documents": [
+            {"id": "doc-missing"}]})
+  response = httpx.post(url + "/v1/completions", content=b"{not json",
+                        headers={"content-type": "application/json"})
+  assert response.status_code == 400
+  assert response.json()["error"]["code"] == "invalid_json"
+  assert httpx.get(url + "/v1/nothing").status_code == 404
+  out = c.completions.create(model=MODEL_NAME, prompt="The bridge",
+                             max_tokens=3, temperature=0)
+  assert out.usage.completion_tokens == 3
+  assert pool_is_idle(app)
+
+
+def test_a_disconnect_mid_stream_frees_the_pages_at_once(text_model):
+  engine = make_engine(text_model, max_batch=2)
+  slow_down(engine, 0.02)
+  with serving(engine) as (app, url):
+    body = chat_body(max_tokens=600, stream=True, documents=CORPUS[:3])
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+      lines = response.iter_lines()
+      assert '"role":"assistant"' in next(lines)
+      assert '"content"' in next(line for line in lines if line)  # a token
+      assert on_loop(app, lambda e: e.request_counts()["running"]) == 1
+      used = on_loop(app, lambda e: e.cache.stats(e.state))
+      assert used["docs_in_use"] == 4  # three documents and the chat prefix
+    # The client is gone: the request ends long before its 600 tokens.
+    wait_until(lambda: pool_is_idle(app), 60, "the pages to be released")
+    text = httpx.get(url + "/metrics").text
+    assert metric(text,
+                  'lazyattn_requests_total{finish_reason="cancelled"}') == 1
+    on_loop(app, assert_pages_accounted_for)
+
+
+def _block_loop(app):
+  """Holds the engine loop's thread until the returned event is set."""
+  release, held = threading.Event(), threading.Event()
+
+  def hold(_engine):
+    held.set()
+    release.wait(60)
+  app.state.engine_loop.call(hold)
+  held.wait(60)
+  return release
+
+
+def _post_in_background(url, endpoint, body, timeout=60.0):
+  outcome = {}
+
+  def run():
+    try:
+      outcome["response"] = httpx.post(f"{url}/v1/{endpoint}", json=body,
+                                       timeout=timeout)
+    except httpx.HTTPError as error:
+      outcome["error"] = error
+  thread = threading.Thread(target=run)
+  thread.start()
+  return thread, outcome
+
+
+def test_a_client_that_leaves_while_queued_is_cancelled(text_model):
+  engine = make_engine(text_model, max_batch=2, num_pages=256)
+  slow_down(engine, 0.02)
+  with serving(engine) as (app, url):
+    # Compiled first, so the rounds below take milliseconds.
+    assert httpx.post(url + "/v1/chat/completions", json=chat_body(),
+                      timeout=60).status_code == 200
+    release = _block_loop(app)
+    # Two long answers take both rows (max_batch 2); the third waits.  A
+    # stream's headers come at once, so each client holds its connection.
+    streams = [httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                            json=chat_body(max_tokens=600, stream=True))
+               for _ in range(3)]
+    for count, stream in enumerate(streams, 1):  # in this order
+      stream.__enter__()
+      wait_until(lambda: app.state.engine_loop.queue_depth() == count, 60,
+                 "the request to reach the loop")
+    release.set()
+    wait_until(lambda: on_loop(app, lambda e: e.request_counts()) ==
+               {"waiting": 1, "running": 2}, 60, "the third to queue")
+    streams[2].__exit__(None, None, None)  # its client leaves
+    wait_until(lambda: on_loop(app, lambda e: e.request_counts()) ==
+               {"waiting": 0, "running": 2}, 60, "the cancel")
+    text = httpx.get(url + "/metrics").text
+    assert metric(text,
+                  'lazyattn_requests_total{finish_reason="cancelled"}') == 1
+    for stream in streams[:2]:
+      stream.__exit__(None, None, None)
+    wait_until(lambda: pool_is_idle(app), 60, "the pages to be released")
+
+
+def test_a_full_queue_gets_429_with_retry_after(text_model):
+  with serving(make_engine(text_model, max_batch=2), max_queue=2) as (app,
+                                                                      url):
+    release = _block_loop(app)
+    waiting = [_post_in_background(url, "completions", completion_body())
+               for _ in range(2)]
+    wait_until(lambda: app.state.engine_loop.queue_depth() == 2, 10,
+               "two queued requests")
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as refused:
+      c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert refused.value.body["code"] == "queue_full"
+    release.set()
+    for thread, outcome in waiting:
+      thread.join()
+      assert outcome["response"].status_code == 200
+    assert pool_is_idle(app)
+    text = httpx.get(url + "/metrics").text
+    assert metric(text, 'lazyattn_rejected_requests_total{status="429"}') == 1
+
+
+def test_a_request_the_engine_fails_does_not_harm_the_others(text_model):
+  engine = make_engine(text_model, max_batch=4)
+  doomed = 4242  # a token id only the failing request's prompt holds
+  layout = engine._mode.layout
+
+  def failing_layout(request, admission):
+    if doomed in request.query:
+      raise RuntimeError("injected fault")
+    return layout(request, admission)
+  engine._mode.layout = failing_layout
+  with serving(engine) as (app, url):
+    release = _block_loop(app)  # all four reach the same round
+    jobs = [_post_in_background(url, "completions", completion_body(
+        prompt=[11, 12, 13 + i] + ([doomed] if i == 2 else []),
+        documents=CORPUS[i:i + 2], return_token_ids=True))
+        for i in range(4)]
+    wait_until(lambda: app.state.engine_loop.queue_depth() == 4, 10,
+               "four queued requests")
+    release.set()
+    responses = []
+    for thread, outcome in jobs:
+      thread.join()
+      responses.append(outcome["response"])
+    assert [r.status_code for r in responses] == [200, 200, 500, 200]
+    assert "injected fault" in responses[2].json()["error"]["message"]
+    assert pool_is_idle(app)
+  direct = make_engine(text_model)
+  for i in (0, 1, 3):
+    want = direct.generate([11, 12, 13 + i], CORPUS[i:i + 2],
+                           max_new_tokens=4, temperature=0.0)
+    assert responses[i].json()["choices"][0]["token_ids"] == want.token_ids
+
+
+def test_shutdown_drains_short_requests_and_cancels_long_ones(text_model):
+  from lazyattn_jax.server import ServerConfig, create_app
+  from lazyattn_jax.server.background import BackgroundServer
+  engine = make_engine(text_model, max_batch=2, num_pages=256)
+  slow_down(engine, 0.05)  # the long one needs 11 s and more
+  app = create_app(engine, ServerConfig(model_name=MODEL_NAME,
+                                        drain_timeout_s=3.0))
+  server = BackgroundServer(app, graceful_timeout_s=3.0).start()
+  url = server.url
+  assert httpx.post(url + "/v1/completions", json=completion_body(),
+                    timeout=60).status_code == 200  # compiled first
+  short = _post_in_background(url, "completions",
+                              completion_body(max_tokens=8))
+  long = _post_in_background(url, "completions",
+                             completion_body(max_tokens=900))
+  wait_until(lambda: on_loop(app, lambda e: e.request_counts()["running"])
+             == 2, 60, "both to run")
+  started = time.monotonic()
+  server.stop()
+  assert time.monotonic() - started < 11
+  for thread, _ in (short, long):
+    thread.join()
+  assert short[1]["response"].status_code == 200
+  assert short[1]["response"].json()["usage"]["completion_tokens"] == 8
+  assert "response" not in long[1] or long[1]["response"].status_code != 200
+  assert not engine.has_work()
+  assert_pages_accounted_for(engine)
