@@ -253,10 +253,14 @@ def test_shutdown_drains_short_requests_and_cancels_long_ones(text_model):
   url = server.url
   assert httpx.post(url + "/v1/completions", json=completion_body(),
                     timeout=60).status_code == 200  # compiled first
+  release = _block_loop(app)  # both start in the same round
   short = _post_in_background(url, "completions",
-                              completion_body(max_tokens=8))
+                              completion_body(max_tokens=16))
   long = _post_in_background(url, "completions",
                              completion_body(max_tokens=900))
+  wait_until(lambda: app.state.engine_loop.queue_depth() == 2, 60,
+             "both to reach the loop")
+  release.set()
   wait_until(lambda: on_loop(app, lambda e: e.request_counts()["running"])
              == 2, 60, "both to run")
   started = time.monotonic()
@@ -265,7 +269,7 @@ def test_shutdown_drains_short_requests_and_cancels_long_ones(text_model):
   for thread, _ in (short, long):
     thread.join()
   assert short[1]["response"].status_code == 200
-  assert short[1]["response"].json()["usage"]["completion_tokens"] == 8
+  assert short[1]["response"].json()["usage"]["completion_tokens"] == 16
   assert "response" not in long[1] or long[1]["response"].status_code != 200
   assert not engine.has_work()
   assert_pages_accounted_for(engine)
