@@ -17,6 +17,8 @@ import os
 import sys
 from importlib import resources
 
+from lazyattn_jax.errors import RequestFailedError
+
 EXIT_USAGE = 2
 # Attention implementations (pallas_kernels.lazy_attention's impl argument).
 IMPLS = ("auto", "xla", "gpu", "tpu")
@@ -244,6 +246,10 @@ def main(argv=None) -> int:
   except UsageError as e:
     print(f"lazyattn: error: {e}", file=sys.stderr)
     return EXIT_USAGE
+  except RequestFailedError as e:  # the engine failed, not the input
+    print(f"lazyattn: error: generation failed: {str(e).splitlines()[0]}",
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -142,3 +142,15 @@ def test_rag_labels_what_was_cached_before_the_run(tmp_path):
   lines = [l for l in proc.stdout.splitlines() if "time to first token" in l]
   assert len(lines) == 1, proc.stdout
   assert "a.txt [encoded], b.txt [encoded]" in lines[0], lines[0]
+
+
+def test_a_failed_generation_is_one_line_and_exit_1(monkeypatch, capsys):
+  from lazyattn_jax import cli
+  from lazyattn_jax.errors import RequestFailedError
+
+  def fail(args):
+    raise RequestFailedError("RuntimeError: device lost\ndetails")
+  monkeypatch.setattr(cli, "run_rag", fail)
+  assert cli.main(["rag", "--doc", "x.txt", "--query", "q"]) == 1
+  err = capsys.readouterr().err
+  assert err == "lazyattn: error: generation failed: RuntimeError: device lost\n"
