@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (MAX_ROPE_POSITION, RopeConfig, lazy_attention,
-                            lazy_attention_reference, resolve_impl)
+                            lazy_attention_reference)
+from pallas_kernels.lazy_attention import resolve_impl
 from pallas_kernels.rope import cos_sin_from_chunks
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
