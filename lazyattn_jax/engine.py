@@ -28,6 +28,7 @@ from typing import Sequence
 import jax
 
 from lazyattn_jax.cache_state import CacheConfig, init_cache_state
+from lazyattn_jax.completion import run_to_completion, stream_text
 from lazyattn_jax.config import RunnerConfig, SchedulerConfig, split_settings
 from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
                                  RequestFailedError)
@@ -35,7 +36,7 @@ from lazyattn_jax.model_runner import ModelRunner
 from lazyattn_jax.modes import MODES, make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
 from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
-                                   TokenRequest)
+                                   TokenRequest, default_stop_ids)
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
@@ -94,7 +95,7 @@ class LazyEngine:
     self.rounds = RoundExecutor(self.scheduler, self.runner, cache_config)
     self.validator = RequestValidator(
         tokenizer, config.vocab_size, config.max_position, cache_config,
-        self._mode, self.default_stop_ids())
+        self._mode, default_stop_ids(tokenizer, config))
     self._ids = itertools.count()
     self._lock = threading.RLock()
     self._closed = False
@@ -181,12 +182,7 @@ class LazyEngine:
 
   def default_stop_ids(self) -> tuple[int, ...]:
     """Stop tokens used when SamplingParams.stop_token_ids is None."""
-    if self.tokenizer is not None:
-      return tuple(self.tokenizer.stop_token_ids)
-    eos = getattr(self.config, "eos_token_id", None)
-    if eos is None:
-      return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return self.validator.default_stop_ids
 
   def has_work(self) -> bool:
     with self._lock:
@@ -282,7 +278,7 @@ class LazyEngine:
     """
     request = self.validator.validate(query, documents, sampling,
                                       sampling_overrides)
-    (result,) = self._serve([request])
+    (result,) = run_to_completion(self, [request])
     if result.finish_reason == "error":
       raise RequestFailedError(result.error, result)
     return result
@@ -296,28 +292,7 @@ class LazyEngine:
     """
     validated = [self.validator.validate(r.query, r.documents, r.sampling)
                  for r in requests]
-    return self._serve(validated)
-
-  def _serve(self, requests: list[TokenRequest]) -> list[GenerationResult]:
-    with self._lock:
-      ids = [self._enqueue(r, None) for r in requests]
-    try:
-      while True:
-        with self._lock:
-          if all(i in self.scheduler.finished for i in ids):
-            return [self.scheduler.finished.pop(i) for i in ids]
-          self.step()
-    except BaseException:
-      self._abandon(ids)
-      raise
-
-  def _abandon(self, ids):
-    """Cancels and forgets requests whose caller is gone."""
-    with self._lock:
-      for request_id in ids:
-        if not self._closed:
-          self.rounds.state, _ = self.scheduler.cancel(self.state, request_id)
-        self.scheduler.finished.pop(request_id, None)
+    return run_to_completion(self, validated)
 
   def generate_stream(self, query, documents=(),
                       sampling: SamplingParams | None = None,
@@ -331,35 +306,7 @@ class LazyEngine:
     if self.tokenizer is None:
       raise InvalidRequestError("streaming text needs an engine with a tokenizer")
     request_id = self.submit(query, documents, sampling, **sampling_overrides)
-    return self._stream(request_id)
-
-  def _stream(self, request_id: int):
-    decoder = self.tokenizer.incremental_decoder()
-    sent = 0
-    try:
-      while True:
-        with self._lock:
-          if request_id in self.scheduler.finished:
-            result = self.scheduler.finished.pop(request_id)
-            break
-          self.step()
-          tokens = list(self.scheduler.tokens_so_far(request_id))
-        if len(tokens) > sent:
-          piece = decoder.push(tokens[sent:])
-          sent = len(tokens)
-          if piece:
-            yield piece
-    except BaseException:
-      self._abandon([request_id])
-      raise
-    if result.finish_reason == "error":
-      raise RequestFailedError(result.error, result)
-    if len(result.token_ids) > sent:
-      decoder.push(result.token_ids[sent:])
-    tail = decoder.finish()
-    if tail:
-      yield tail
-    return result
+    return stream_text(self, request_id)
 
   # --- scheduling ------------------------------------------------------------------
   def step(self) -> list[GenerationResult]:

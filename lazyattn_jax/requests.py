@@ -189,6 +189,16 @@ def encode_request(tokenizer, query, documents, vocab_size: int):
   return query_ids, docs, 0
 
 
+def default_stop_ids(tokenizer, config) -> tuple[int, ...]:
+  """Stop tokens of a model: its tokenizer's, else the config's EOS."""
+  if tokenizer is not None:
+    return tuple(tokenizer.stop_token_ids)
+  eos = getattr(config, "eos_token_id", None)
+  if eos is None:
+    return ()
+  return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
 # --- validation ----------------------------------------------------------------
 
 
