@@ -9,8 +9,6 @@ over the given sequence.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,7 +51,8 @@ def dense_attention(q, k, v, positions, mask, rope, dtype):
   return out.reshape(batch, q_len, num_heads, head_dim).astype(dtype)
 
 
-def dense_forward(model: Llama, tokens, positions, mask) -> jax.Array:
+def dense_forward(model: Llama, tokens, positions, mask, *,
+                  embeddings=None) -> jax.Array:
   """Logits float32 [B, T, V] of `model` over `tokens` with an explicit mask.
 
   Args:
@@ -63,6 +62,8 @@ def dense_forward(model: Llama, tokens, positions, mask) -> jax.Array:
       logical positions with padding removed).
     mask: bool[B, T, T]; mask[b, t, s] lets token t attend to token s
       (causal: s <= t; block-diagonal over documents for lazy parity).
+    embeddings: optional [B, T, D] input vectors used instead of the token
+      embeddings (e.g. with a learned preamble's rows written in).
   """
   tokens = jnp.asarray(tokens)
   positions = jnp.asarray(positions, jnp.int32)
@@ -74,12 +75,19 @@ def dense_forward(model: Llama, tokens, positions, mask) -> jax.Array:
   if mask.shape != (batch, q_len, q_len):
     raise ValueError(f"mask shape {mask.shape} must be [B, T, T] = "
                      f"{(batch, q_len, q_len)}")
+  width = model.config.hidden_size
+  if embeddings is not None and embeddings.shape != (batch, q_len, width):
+    raise ValueError(f"embeddings shape {embeddings.shape} must be [B, T, D] "
+                     f"= {(batch, q_len, width)}")
   graphdef, state = nnx.split(model)
-  return _dense_forward_jit(graphdef, state, tokens, positions, mask)
+  return _dense_forward_jit(graphdef, state, tokens, positions, mask,
+                            embeddings)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _dense_forward_jit(graphdef, state, tokens, positions, mask):
+def dense_apply(graphdef, state, tokens, positions, mask, embeddings=None
+                ) -> jax.Array:
+  """`dense_forward` as a pure function of the model state (unchecked; for
+  use inside jit and grad, e.g. distillation and fine-tuning)."""
   model = nnx.merge(graphdef, state)
   config, dtype = model.config, model.dtype
 
@@ -87,10 +95,13 @@ def _dense_forward_jit(graphdef, state, tokens, positions, mask):
     del layer
     return dense_attention(q, k, v, positions, mask, config.rope, dtype), carry
 
-  x = model.embed(tokens)
+  x = model.embed(tokens) if embeddings is None else embeddings.astype(dtype)
   x, _ = run_decoder_layers(model.layers.stacked(), x, (), attend,
                             config=config, dtype=dtype)
   return model.output_logits(x)
+
+
+_dense_forward_jit = jax.jit(dense_apply, static_argnums=0)
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:

@@ -189,7 +189,7 @@ class Llama(nnx.Module):
   # --- the paged forward pass -------------------------------------------------
   def __call__(self, tokens, k_cache, v_cache, inputs: PagedAttentionInputs,
                *, impl: str = "auto", logits_index=None, unroll: int | bool = 1,
-               pool_as_bits: bool = False):
+               pool_as_bits: bool = False, embeddings=None):
     """One step over the paged pool: prefill (T > 1) or decode (T == 1).
 
     Args:
@@ -209,12 +209,15 @@ class Llama(nnx.Module):
       unroll: layer-scan unroll factor (True unrolls fully).
       pool_as_bits: carry 16-bit pools through the layer scan as uint16 (see
         the comment in the code).
+      embeddings: optional [B, T, D] input vectors used instead of the token
+        embeddings (a learned preamble); `tokens` then only gives the shape.
 
     Returns:
       (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools with
       this step's K/V written at (inputs.write_page, inputs.write_slot).
     """
-    self._check_call(tokens, k_cache, v_cache, inputs, logits_index)
+    self._check_call(tokens, k_cache, v_cache, inputs, logits_index,
+                     embeddings)
     c = self.config
     rope = c.rope
     num_kv_heads, num_layers, num_pages, page_size = k_cache.shape[:4]
@@ -276,7 +279,8 @@ class Llama(nnx.Module):
 
     pools = (to_carry(k_cache.reshape(row_shape)),
              to_carry(v_cache.reshape(row_shape)))
-    x = self.embed(tokens)
+    x = self.embed(tokens) if embeddings is None else embeddings.astype(
+        self.dtype)
     x, (k_out, v_out) = run_decoder_layers(
         self.layers.stacked(), x, pools, attend, config=c, dtype=self.dtype,
         unroll=unroll)
@@ -285,7 +289,8 @@ class Llama(nnx.Module):
     return (self.output_logits(x), to_pool(k_out).reshape(k_cache.shape),
             to_pool(v_out).reshape(v_cache.shape))
 
-  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index):
+  def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index,
+                  embeddings):
     c = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
@@ -306,6 +311,10 @@ class Llama(nnx.Module):
       if arr.shape != tokens.shape:
         raise ValueError(f"inputs.{name} shape {arr.shape} must equal tokens "
                          f"shape {tokens.shape}")
+    if embeddings is not None and embeddings.shape != tokens.shape + (
+        c.hidden_size,):
+      raise ValueError(f"embeddings shape {embeddings.shape} must be [B, T, D] "
+                       f"= {tokens.shape + (c.hidden_size,)}")
     if logits_index is not None and logits_index.shape != tokens.shape[:1]:
       raise ValueError(f"logits_index shape {logits_index.shape} must be "
                        f"[B] = {tokens.shape[:1]}")
@@ -322,11 +331,11 @@ def split_model(model: Llama):
 
 def forward(graphdef, state, tokens, k_cache, v_cache,
             inputs: PagedAttentionInputs, *, impl: str = "auto",
-            logits_index=None, unroll: int | bool = 1):
+            logits_index=None, unroll: int | bool = 1, embeddings=None):
   """Pure-function `Llama.__call__` for jit (donate k_cache and v_cache)."""
   return nnx.merge(graphdef, state)(tokens, k_cache, v_cache, inputs,
                                     impl=impl, logits_index=logits_index,
-                                    unroll=unroll)
+                                    unroll=unroll, embeddings=embeddings)
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, Any], *,
