@@ -86,6 +86,9 @@ def parse_args(argv=None):
   p.add_argument("--check-mode", default="",
                  help="mode of the engine the answers are checked against "
                       "(default: --mode)")
+  p.add_argument("--check-alone", action="store_true",
+                 help="also rerun each checked request alone (batch of one), "
+                      "to tell batch-composition numerics from server faults")
   p.add_argument("--direct", action="store_true",
                  help="also run the trace directly through the engine")
   p.add_argument("--warmup-requests", type=int, default=64)
@@ -251,7 +254,24 @@ def check_answers(args, engine, make_engine, requests, records) -> dict:
               sampling(engine, requests[r["index"]])) for r in sample])
   mismatched = [r["index"] for r, want in zip(sample, results)
                 if r["tokens"] != want.token_ids]
-  return {"checked": len(sample), "mode": mode, "mismatched": mismatched}
+  report = {"checked": len(sample), "mode": mode, "mismatched": mismatched}
+  if args.check_alone:
+    # Alone: the same engine and cache state as the batched rerun, but other
+    # batch shapes.  If these differ from the batched rerun as often as the
+    # server's answers do, the differences are numerics, not the server.
+    alone = []
+    for r in sample:
+      checker.reset_cache()
+      request = requests[r["index"]]
+      alone.append(checker.generate_batch([Request(
+          request["query"], request["documents"],
+          sampling(engine, request))])[0].token_ids)
+    report["alone_vs_batched_mismatched"] = [
+        r["index"] for r, a, b in zip(sample, alone, results)
+        if a != b.token_ids]
+    report["server_vs_alone_mismatched"] = [
+        r["index"] for r, a in zip(sample, alone) if r["tokens"] != a]
+  return report
 
 
 def direct_run(engine, requests) -> dict:
