@@ -198,17 +198,25 @@ class BatchBuilder:
     picks = [self.sample_at(step, slot, index) for slot, index in enumerate(
         order.sample_indices(self.seed, step, self.batch_size,
                              len(self.source)))]
-    samples = [s for _, s in picks]
-    student = [student_sequence(s, self.layout, bool(f))
-               for s, f in zip(samples, full)]
-    teacher = [teacher_sequence(s) for s in samples]
-    answer_len = length_bucket(max(len(s.answer) for s in samples), 16)
-    labels = np.zeros((self.batch_size, answer_len), np.int32)
-    weights = np.zeros((self.batch_size, answer_len), np.float32)
-    for b, s in enumerate(samples):
-      labels[b, :len(s.answer)] = s.answer
-      weights[b, :len(s.answer)] = 1.0
-    bucket = lambda seqs: length_bucket(max(len(q[0]) for q in seqs), 64)
-    return Batch(_pad(student, bucket(student), answer_len),
-                 _pad(teacher, bucket(teacher), answer_len), labels, weights,
-                 full, [i for i, _ in picks])
+    return make_batch([s for _, s in picks], self.layout, full,
+                      [i for i, _ in picks])
+
+
+def make_batch(samples: list[TokenSample], layout: Layout, full=None,
+               indices=None) -> Batch:
+  """The padded Batch of `samples`; `full[b]` lays sample b out with full
+  attention (default: none)."""
+  full = np.zeros(len(samples), bool) if full is None else np.asarray(full)
+  student = [student_sequence(s, layout, bool(f))
+             for s, f in zip(samples, full)]
+  teacher = [teacher_sequence(s) for s in samples]
+  answer_len = length_bucket(max(len(s.answer) for s in samples), 16)
+  labels = np.zeros((len(samples), answer_len), np.int32)
+  weights = np.zeros((len(samples), answer_len), np.float32)
+  for b, s in enumerate(samples):
+    labels[b, :len(s.answer)] = s.answer
+    weights[b, :len(s.answer)] = 1.0
+  bucket = lambda seqs: length_bucket(max(len(q[0]) for q in seqs), 64)
+  return Batch(_pad(student, bucket(student), answer_len),
+               _pad(teacher, bucket(teacher), answer_len), labels, weights,
+               full, list(indices or range(len(samples))))

@@ -36,7 +36,7 @@ from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.checkpoints import Checkpoints
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.export import EXPORT_DTYPES, export_model
-from lazyattn_jax.training.forward import kl_and_ce
+from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.sink_file import check_sink
 
@@ -122,9 +122,20 @@ def _train_step(functions, optimizer: OptimizerConfig, kl_weight: float,
     updates, opt_state = tx.update(grad, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     return dict(params=params, opt_state=opt_state), dict(
-        loss=loss, grad_norm=optax.global_norm(grad), **metrics)
+        loss=loss, grad_norm=global_norm(grad), **metrics)
 
   return tx, jax.jit(step, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _initial_state(params, tx, compute: str):
+  """(train state, teacher weights), as new buffers: the step donates the
+  trained weights, and the caller's must survive it.  The teacher's are
+  only ever used in the compute dtype.  One jit: a copy per array would
+  compile a program per shape."""
+  params = jax.tree.map(lambda x: x.astype(jnp.float32) + 0, params)
+  teacher = jax.tree.map(lambda x: x.astype(compute), params)
+  return dict(params=params, opt_state=tx.init(params)), teacher
 
 
 @dataclasses.dataclass
@@ -185,19 +196,13 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
   optimizer = c.optimizer
   tx, step_fn = _train_step(model.functions, optimizer, c.kl_weight,
                             c.ce_weight, c.remat)
-  schedule = optimizer.schedule()
+  schedule = jax.jit(optimizer.schedule())  # one compile, not one per op
   builder = BatchBuilder(source, model.tokenizer, model.config.vocab_size,
                          layout, batch_size=c.batch_size, seed=c.seed,
                          full_share=c.full_share, max_len=c.max_len)
   compute = jnp.dtype(model.functions.dtype)
-  # Copies: the step donates the trained weights, and the teacher's (only
-  # ever used in the compute dtype) and the caller's must survive it.
-  teacher = parallel.replicate(jax.tree.map(
-      lambda x: jnp.array(x, compute, copy=True), model.params), mesh)
-  params = parallel.replicate(jax.tree.map(
-      lambda x: jnp.array(x, jnp.float32, copy=True), model.params), mesh)
-  state = dict(params=params, opt_state=parallel.replicate(
-      tx.init(params), mesh))
+  state, teacher = parallel.replicate(
+      _initial_state(model.params, tx, compute.name), mesh)
   sink = None if sink is None else parallel.replicate(sink, mesh)
   recipe = dict(config=c.recipe(), model_sha256=model.sha256,
                 model_id=model.model_id, dtype=compute.name)

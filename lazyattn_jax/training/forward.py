@@ -105,3 +105,9 @@ def kl_and_ce(student_logits, teacher_logits, labels, weights):
   ce = -jnp.take_along_axis(log_s, labels[..., None], axis=-1)[..., 0]
   total = jnp.maximum(jnp.sum(weights), 1.0)
   return jnp.sum(kl * weights) / total, jnp.sum(ce * weights) / total
+
+
+def global_norm(tree) -> jax.Array:
+  """The L2 norm of all of a pytree's leaves (optax renamed its own)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                      for x in jax.tree.leaves(tree)))

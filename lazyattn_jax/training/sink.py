@@ -36,7 +36,7 @@ import optax
 from lazyattn_jax.training import parallel, report
 from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.errors import TrainingInputError
-from lazyattn_jax.training.forward import kl_and_ce
+from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.sink_file import check_sink, save_sink
 
@@ -126,7 +126,7 @@ def _train_step(functions, optimizer: OptimizerConfig, remat: bool):
         sink, params, batch)
     updates, opt_state = tx.update(grad, opt_state, sink)
     return optax.apply_updates(sink, updates), opt_state, dict(
-        loss=loss, grad_norm=optax.global_norm(grad), **metrics)
+        loss=loss, grad_norm=global_norm(grad), **metrics)
 
   return tx, jax.jit(step, donate_argnums=(0, 1))
 
