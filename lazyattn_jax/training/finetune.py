@@ -145,7 +145,8 @@ class FinetuneResult:
   Attributes:
     params: the trained float32 weights (pure dict, on the device).
     history: every step's metrics (loss, kl, ce, grad_norm, lr,
-      full_samples), the resumed run's earlier steps included.
+      full_samples, step_s: wall seconds, the first with compiling), the
+      resumed run's earlier steps included.
     step: steps done.
     finished: whether all `steps` are done (else it stopped early and can
       be resumed).
@@ -229,13 +230,15 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
             max_minutes is not None and
             time.monotonic() - started > 60 * max_minutes):
           break
+        tick = time.perf_counter()
         batch = builder.batch(i)
         state, metrics = step_fn(
             state, teacher, sink,
             parallel.shard_batch(batch.arrays(), mesh))
-        metrics = jax.device_get(metrics)
+        metrics = jax.device_get(metrics)  # waits for the step
         history.add(i, dict(metrics, lr=schedule(i),
-                            full_samples=int(batch.full.sum())))
+                            full_samples=int(batch.full.sum()),
+                            step_s=time.perf_counter() - tick))
         done = i + 1
         bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
         bar.update(1)

@@ -9,6 +9,8 @@ import argparse
 import os
 import time
 
+import numpy as np
+
 HELP = ("block fine-tuning for lazy attention (KL to full attention + "
         "cross-entropy); writes checkpoints, a loss curve and a model "
         "directory")
@@ -136,6 +138,13 @@ def run(args) -> int:
   from lazyattn_jax.training.model_io import load_trainable
   _check(args)
   config_from_args(args)  # refuse bad settings before loading anything
+  try:
+    import orbax.checkpoint  # noqa: F401
+  except ImportError as e:
+    from lazyattn_jax.training.errors import TrainingInputError
+    raise TrainingInputError(
+        f"lazyattn finetune needs the train extra ({e.name} is missing): "
+        "pip install 'lazyattn-jax[train]'") from None
   source = load_source(args.data, seed=args.seed + 1,
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
@@ -145,12 +154,16 @@ def run(args) -> int:
                     sink=sink, devices=args.devices,
                     stop_at=args.stop_at_step, max_minutes=args.max_minutes,
                     progress=not args.no_progress)
-  last = result.history.rows[-1] if result.history.rows else {}
+  rows = result.history.rows
+  last = rows[-1] if rows else {}
+  step_s = float(np.median([r["step_s"] for r in rows[1:]])) if len(
+      rows) > 1 else float("nan")
   print(f"{result.step}/{args.steps} steps in {time.time() - started:.0f} s "
         f"(this run); last loss {last.get('loss', float('nan')):.4f} "
         f"(kl {last.get('kl', float('nan')):.4f}, ce "
         f"{last.get('ce', float('nan')):.4f}); samples: "
-        f"{result.lazy_samples} lazy, {result.full_samples} full")
+        f"{result.lazy_samples} lazy, {result.full_samples} full; median "
+        f"step {step_s:.3f} s")
   if result.finished:
     print(f"model: {result.export_dir}\nloss curve: "
           f"{os.path.join(args.out, 'loss.png')}")

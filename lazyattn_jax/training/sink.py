@@ -197,10 +197,11 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
   history = report.History()
   with report.progress_bar(c.steps, 0, "sink", progress) as bar:
     for i in range(c.steps):
+      tick = time.perf_counter()
       batch = parallel.shard_batch(train.batch(i).arrays(), mesh)
       current, opt_state, metrics = step(current, opt_state, params, batch)
-      metrics = jax.device_get(metrics)
-      history.add(i, metrics)
+      metrics = jax.device_get(metrics)  # waits for the step
+      history.add(i, dict(metrics, step_s=time.perf_counter() - tick))
       bar.set_postfix(kl=f"{float(metrics['kl']):.4f}")
       bar.update(1)
   trained = np.asarray(jax.device_get(current), np.float32)
@@ -279,7 +280,10 @@ def run(args) -> dict:
   report.write_log(os.path.join(args.out, "sink_log.json"), vars(args),
                    result.history, metadata=metadata, eval_kl=result.eval_kl,
                    seconds=seconds, devices=[str(d) for d in jax.devices()])
-  summary = dict(sink=path, seconds=round(seconds, 1), **result.eval_kl)
+  times = [r["step_s"] for r in result.history.rows[1:]]
+  summary = dict(sink=path, seconds=round(seconds, 1),
+                 median_step_s=round(float(np.median(times)), 4) if times
+                 else None, **result.eval_kl)
   print(summary)
   return summary
 
