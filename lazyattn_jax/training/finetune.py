@@ -262,6 +262,7 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
             date=time.strftime("%Y-%m-%d")))
   report.write_log(os.path.join(out_dir, "log.json"), recipe, history,
                    step=done, finished=finished, export_dir=export_dir,
-                   devices=[str(d) for d in mesh.devices.flat])
+                   devices=[str(d) for d in mesh.devices.flat],
+                   peak_memory_bytes=parallel.peak_memory_bytes(mesh))
   return FinetuneResult(state["params"], history, done, finished, export_dir,
                         full, len(history.rows) * c.batch_size - full)

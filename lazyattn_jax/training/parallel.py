@@ -51,3 +51,17 @@ def replicate(tree, mesh: Mesh):
 def shard_batch(tree, mesh: Mesh):
   """`tree`'s host arrays split along their first axis over the mesh."""
   return jax.device_put(tree, batch_sharded(mesh))
+
+
+def peak_memory_bytes(mesh: Mesh) -> int | None:
+  """The largest peak of device memory in use over the mesh's devices, or
+  None where the backend does not say (CPU)."""
+  peaks = []
+  for device in mesh.devices.flat:
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # backends without memory statistics
+      stats = {}
+    if "peak_bytes_in_use" in stats:
+      peaks.append(int(stats["peak_bytes_in_use"]))
+  return max(peaks) if peaks else None

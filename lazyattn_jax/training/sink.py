@@ -279,7 +279,9 @@ def run(args) -> dict:
                      keys=("kl",))
   report.write_log(os.path.join(args.out, "sink_log.json"), vars(args),
                    result.history, metadata=metadata, eval_kl=result.eval_kl,
-                   seconds=seconds, devices=[str(d) for d in jax.devices()])
+                   seconds=seconds, devices=[str(d) for d in jax.devices()],
+                   peak_memory_bytes=parallel.peak_memory_bytes(
+                       parallel.data_mesh(args.devices)))
   times = [r["step_s"] for r in result.history.rows[1:]]
   summary = dict(sink=path, seconds=round(seconds, 1),
                  median_step_s=round(float(np.median(times)), 4) if times
