@@ -47,11 +47,19 @@ def plot_losses(history: History, path: str, title: str,
   except ImportError:
     print("matplotlib is not installed: no loss-curve PNG", file=sys.stderr)
     return None
+  import numpy as np
   fig, ax = plt.subplots(figsize=(7, 4))
   for key in keys:
     steps, values = history.series(key)
-    if steps:
-      ax.plot(steps, values, label=key, linewidth=1)
+    if not steps:
+      continue
+    # Each step is one small batch: the raw curve is faint, a moving
+    # average over about 2% of the run is drawn on top.
+    window = max(1, len(values) // 50)
+    line, = ax.plot(steps, values, linewidth=0.6, alpha=0.35)
+    smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1:], smooth, color=line.get_color(), label=key,
+            linewidth=1.4)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats per answer token)")
   ax.set_yscale("log")
