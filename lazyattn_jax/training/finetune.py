@@ -225,20 +225,24 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
     save = lambda n: checkpoints.save(n, state, dict(
         recipe=recipe, step=n, history=history.until(n).rows))
     with report.progress_bar(c.steps, start, "finetune", progress) as bar:
+      batch, tick = None, time.perf_counter()
       for i in range(start, c.steps):
         if (stop_at is not None and i >= stop_at) or (
             max_minutes is not None and
             time.monotonic() - started > 60 * max_minutes):
           break
-        tick = time.perf_counter()
-        batch = builder.batch(i)
+        batch = batch or builder.batch(i)
         state, metrics = step_fn(
             state, teacher, sink,
             parallel.shard_batch(batch.arrays(), mesh))
+        full_samples = int(batch.full.sum())
+        # The step runs asynchronously: build the next batch meanwhile.
+        batch = builder.batch(i + 1) if i + 1 < c.steps else None
         metrics = jax.device_get(metrics)  # waits for the step
+        now = time.perf_counter()
         history.add(i, dict(metrics, lr=schedule(i),
-                            full_samples=int(batch.full.sum()),
-                            step_s=time.perf_counter() - tick))
+                            full_samples=full_samples, step_s=now - tick))
+        tick = now
         done = i + 1
         bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
         bar.update(1)

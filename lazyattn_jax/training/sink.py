@@ -196,12 +196,17 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
   opt_state = parallel.replicate(tx.init(current), mesh)
   history = report.History()
   with report.progress_bar(c.steps, 0, "sink", progress) as bar:
+    batch, tick = train.batch(0), time.perf_counter()
     for i in range(c.steps):
-      tick = time.perf_counter()
-      batch = parallel.shard_batch(train.batch(i).arrays(), mesh)
-      current, opt_state, metrics = step(current, opt_state, params, batch)
+      current, opt_state, metrics = step(
+          current, opt_state, params,
+          parallel.shard_batch(batch.arrays(), mesh))
+      # The step runs asynchronously: build the next batch meanwhile.
+      batch = train.batch(i + 1) if i + 1 < c.steps else None
       metrics = jax.device_get(metrics)  # waits for the step
-      history.add(i, dict(metrics, step_s=time.perf_counter() - tick))
+      now = time.perf_counter()
+      history.add(i, dict(metrics, step_s=now - tick))
+      tick = now
       bar.set_postfix(kl=f"{float(metrics['kl']):.4f}")
       bar.update(1)
   trained = np.asarray(jax.device_get(current), np.float32)
