@@ -163,12 +163,15 @@ class SinkResult:
 
 
 def train_sink(trainable, source, config: SinkConfig, *, sink=None,
+               max_minutes: float | None = None,
                progress: bool = True) -> SinkResult:
   """Trains a sink for `trainable` (a model_io.TrainableModel, frozen) on
   `source` (a data.DataSource).
 
   Args:
     sink: a starting [P, D] array (default: `init_sink`).
+    max_minutes: stop after this much training wall time (the result then
+      has fewer steps in its history).
 
   Raises:
     TrainingInputError (SinkFormatError for a bad `sink`): bad settings.
@@ -197,7 +200,11 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
   history = report.History()
   with report.progress_bar(c.steps, 0, "sink", progress) as bar:
     batch, tick = train.batch(0), time.perf_counter()
+    started = time.monotonic()
     for i in range(c.steps):
+      if max_minutes is not None and (
+          time.monotonic() - started > 60 * max_minutes):
+        break
       current, opt_state, metrics = step(
           current, opt_state, params,
           parallel.shard_batch(batch.arrays(), mesh))
@@ -247,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--eval-batches", type=int, default=4)
   p.add_argument("--devices", type=int, default=None,
                  help="local devices to use (default all)")
+  p.add_argument("--max-minutes", type=float, default=None,
+                 help="stop training after this much wall time and save "
+                      "the sink as it is")
   p.add_argument("--no-progress", action="store_true")
   return p
 
@@ -268,11 +278,13 @@ def run(args) -> dict:
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
   started = time.time()
-  result = train_sink(model, source, config, progress=not args.no_progress)
+  result = train_sink(model, source, config, max_minutes=args.max_minutes,
+                      progress=not args.no_progress)
   seconds = time.time() - started
   os.makedirs(args.out, exist_ok=True)
   metadata = dict(model=args.model, model_id=model.model_id,
-                  model_sha256=model.sha256, steps=config.steps,
+                  model_sha256=model.sha256,
+                  steps=len(result.history.rows),
                   init=config.init, data=args.data, dtype=args.dtype,
                   date=time.strftime("%Y-%m-%d"),
                   **{f"eval_kl_{k}": f"{v:.6g}"
