@@ -78,18 +78,35 @@ def test_bad_settings_are_one_line_usage_errors(tmp_path, model_dir, case,
 
 
 def test_a_run_stops_and_resumes_to_an_export(tmp_path, model_dir, capsys):
-  args = ["finetune", "--model", model_dir, "--out", str(tmp_path),
+  """With a learned sink as the preamble (frozen)."""
+  sink = save_sink(tmp_path / "sink.safetensors",
+                   np.random.default_rng(0).normal(size=(4, 64)))
+  args = ["finetune", "--model", model_dir, "--out", str(tmp_path / "out"),
           "--steps", "3", "--batch-size", "2", "--lr", "1e-3",
           "--warmup-steps", "1", "--checkpoint-every", "1", "--no-progress",
-          "--docs-per-question", "2", "--preamble-text", "Read this."]
+          "--docs-per-question", "2", "--preamble-sink", sink]
+  out = tmp_path / "out"
   assert cli.main(args + ["--stop-at-step", "2"]) == 0
   assert "stopped early" in capsys.readouterr().out
-  assert not os.path.exists(tmp_path / "model")
+  assert not os.path.exists(out / "model")
   assert cli.main(args) == 0
-  out = capsys.readouterr().out
-  assert "3/3 steps" in out and "model:" in out
-  log = json.loads((tmp_path / "log.json").read_text())
+  printed = capsys.readouterr().out
+  assert "3/3 steps" in printed and "model:" in printed
+  log = json.loads((out / "log.json").read_text())
   assert [r["step"] for r in log["history"]] == [0, 1, 2]
-  assert log["settings"]["config"]["layout"]["preamble_len"] > 0
-  assert (tmp_path / "loss.png").is_file()
-  assert (tmp_path / "model" / "tokenizer.json").is_file()
+  assert log["settings"]["config"]["layout"]["preamble_len"] == 4
+  assert log["settings"]["sink_sha256"]
+  assert (out / "loss.png").is_file()
+  assert (out / "model" / "tokenizer.json").is_file()
+
+
+def test_a_text_preamble_is_its_tokens():
+  from lazyattn_jax.training.finetune_cli import _layout
+  args = cli.build_parser().parse_args(
+      ["finetune", "--out", "x", "--preamble-text", "Read this.",
+       "--recompute-tokens", "8"])
+  layout, sink = _layout(args, tiny_tokenizer(), 64)
+  ids = tiny_tokenizer().encode("Read this.", parse_special=False)
+  assert (layout.preamble_len, layout.preamble_ids, sink) == (
+      len(ids), tuple(ids), None)
+  assert layout.recompute_tokens == 8

@@ -81,7 +81,9 @@ def test_answer_rows_predict_exactly_the_answer_tokens(trainable):
     assert batch.labels[0, valid[0]].tolist() == list(tokens.answer)
     lengths = [len(student_sequence(tokens, layout, f)[0])
                for f in (False, True)]
-    for seq, real in ((batch.student, lengths), (batch.teacher, lengths[1:] * 2)):
+    teacher_lengths = lengths[1:] * 2  # full attention is the teacher's
+    for seq, real in ((batch.student, lengths),
+                      (batch.teacher, teacher_lengths)):
       for b in range(2):
         rows = seq["rows"][b, valid[b]]
         # Row r predicts the token at r + 1, which is the answer's.

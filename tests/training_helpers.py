@@ -31,8 +31,8 @@ def tiny_tokenizer() -> LlamaTokenizer:
   texts = [t for i in range(len(source)) for t in (
       *source[i].documents, source[i].query, source[i].answer)]
   texts.append("You answer from the documents. system user assistant")
-  trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=["\n"],
-                                show_progress=False)
+  trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                initial_alphabet=["\n"], show_progress=False)
   backend.train_from_iterator(texts, trainer)
   assert backend.get_vocab_size() == VOCAB, backend.get_vocab_size()
   return LlamaTokenizer(backend, bos_token_id=None,

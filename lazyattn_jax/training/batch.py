@@ -178,7 +178,8 @@ class BatchBuilder:
         self.layout.recompute_tokens * max(k - 1, 0))
     return longest <= self.max_len
 
-  def sample_at(self, step: int, slot: int, index: int) -> tuple[int, TokenSample]:
+  def sample_at(self, step: int, slot: int,
+                index: int) -> tuple[int, TokenSample]:
     """(index, tokens) of the usable sample for this slot."""
     for attempt in range(MAX_ATTEMPTS + 1):
       if attempt:

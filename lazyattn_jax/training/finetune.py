@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import time
@@ -206,7 +207,9 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
       _initial_state(model.params, tx, compute.name), mesh)
   sink = None if sink is None else parallel.replicate(sink, mesh)
   recipe = dict(config=c.recipe(), model_sha256=model.sha256,
-                model_id=model.model_id, dtype=compute.name)
+                model_id=model.model_id, dtype=compute.name,
+                sink_sha256=None if sink is None else hashlib.sha256(
+                    np.asarray(jax.device_get(sink)).tobytes()).hexdigest())
 
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = Checkpoints(os.path.join(out_dir, "checkpoints"),
