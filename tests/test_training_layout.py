@@ -163,3 +163,25 @@ def test_bad_samples_and_settings_are_refused():
     builder.batch(0)
   with pytest.raises(TrainingInputError, match="preamble_ids"):
     Layout(2, (1,))
+
+
+def test_hotpotqa_hook_is_lazy_and_says_when_it_is_missing(monkeypatch):
+  """The library's HotpotQA source imports lazyattn_jax.quality when asked
+  for; without it, one clear error (the real data is not used in tests)."""
+  import sys
+  import types
+  from lazyattn_jax.training.data import load_source
+  from lazyattn_jax.training.errors import DataUnavailableError
+  monkeypatch.setitem(sys.modules, "lazyattn_jax.quality.datasets", None)
+  with pytest.raises(DataUnavailableError, match="load_hotpotqa"):
+    load_source("hotpotqa")
+  fake = types.ModuleType("lazyattn_jax.quality.datasets")
+  fake.load_hotpotqa = lambda split: [
+      {"documents": ["Paris is in France."], "query": "Where is Paris?",
+       "answers": ["In France."], "split": split}]
+  monkeypatch.setitem(sys.modules, "lazyattn_jax.quality.datasets", fake)
+  source = load_source("hotpotqa")
+  assert len(source) == 1 and source[0] == Sample(
+      ("Paris is in France.",), "Where is Paris?", "In France.")
+  with pytest.raises(TrainingInputError, match="unknown data source"):
+    load_source("wiki")
