@@ -5,6 +5,7 @@
                [--model NAME_OR_PATH]
   lazyattn serve [--model NAME_OR_PATH] [--host H] [--port P] [--mode M]
                  [--num-pages N] [--max-batch B] ...
+  lazyattn finetune --out DIR [--model NAME_OR_PATH] [--steps N] ...
 
 Bad input exits with status 2 and a one-line message (no traceback).
 """
@@ -192,6 +193,15 @@ def _add_serve_parser(sub, common):
   add_config_options(serve, ServerConfig, SERVER_OPTIONS)
 
 
+def run_finetune(args) -> int:
+  from lazyattn_jax.training.cli_errors import USER_ERRORS
+  from lazyattn_jax.training.finetune_cli import run
+  try:
+    return run(args)
+  except USER_ERRORS as e:
+    raise UsageError(_first_line(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="lazyattn",
@@ -216,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="UTF-8 text files, one document each")
   rag.add_argument("--query", required=True)
   _add_serve_parser(sub, common)
+  from lazyattn_jax.training.finetune_cli import HELP, add_arguments
+  add_arguments(sub.add_parser("finetune", help=HELP))
   return parser
 
 
@@ -237,6 +249,8 @@ def main(argv=None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
+    if args.command == "finetune":  # its own options and checks
+      return run_finetune(args)
     _check_arguments(args)
     if args.command == "demo":
       return run_demo(args)

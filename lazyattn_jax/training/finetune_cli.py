@@ -1,0 +1,173 @@
+"""`lazyattn finetune` (and `python -m lazyattn_jax.finetune`): options and
+the run.  `lazyattn_jax.cli` adds the subcommand with `add_arguments` and
+calls `run`; errors in `cli_errors.USER_ERRORS` are the user's (one line,
+exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+HELP = ("block fine-tuning for lazy attention (KL to full attention + "
+        "cross-entropy); writes checkpoints, a loss curve and a model "
+        "directory")
+
+
+def add_arguments(p: argparse.ArgumentParser):
+  """The finetune options (defaults: FinetuneConfig's)."""
+  p.add_argument("--model", default="smollm2-135m-instruct",
+                 help="model name or path (.gguf file or HF directory)")
+  p.add_argument("--out", required=True,
+                 help="output directory (checkpoints/, model/, loss.png, "
+                      "log.json); a run there is resumed")
+  p.add_argument("--steps", type=int, default=1000)
+  p.add_argument("--batch-size", type=int, default=16,
+                 help="samples per step, a multiple of the devices")
+  p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
+  p.add_argument("--warmup-steps", type=int, default=50)
+  p.add_argument("--weight-decay", type=float, default=0.01)
+  p.add_argument("--clip-norm", type=float, default=1.0)
+  p.add_argument("--full-share", type=float, default=0.25,
+                 help="share of samples with plain causal full attention")
+  p.add_argument("--kl-weight", type=float, default=1.0,
+                 help="weight of KL(full-attention teacher || student)")
+  p.add_argument("--ce-weight", type=float, default=0.5,
+                 help="weight of the answers' cross-entropy")
+  p.add_argument("--data", default="synthetic",
+                 help="synthetic or hotpotqa (its train split)")
+  p.add_argument("--docs-per-question", type=int, default=4,
+                 help="documents per synthetic sample")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", default="float32",
+                 help="compute dtype: float32 or bfloat16 (weights and "
+                      "optimizer state stay float32)")
+  p.add_argument("--remat", action="store_true",
+                 help="recompute attention in the backward pass")
+  p.add_argument("--max-len", type=int, default=2048,
+                 help="longest dense sequence; longer samples are replaced")
+  preamble = p.add_mutually_exclusive_group()
+  preamble.add_argument("--preamble-text", default=None,
+                        help="a token preamble every document is encoded "
+                             "after")
+  preamble.add_argument("--preamble-sink", default=None, metavar="FILE",
+                        help="a learned sink file (frozen) as the preamble")
+  p.add_argument("--recompute-tokens", type=int, default=0,
+                 help="first tokens of each later document recomputed per "
+                      "request (the engine's first-page recompute)")
+  p.add_argument("--checkpoint-every", type=int, default=200)
+  p.add_argument("--keep-checkpoints", type=int, default=2)
+  p.add_argument("--export-dtype", default="float32",
+                 help="float32, bfloat16 or float16 tensors in the export")
+  p.add_argument("--devices", type=int, default=None,
+                 help="local devices for data parallelism (default all)")
+  p.add_argument("--stop-at-step", type=int, default=None,
+                 help="stop with a checkpoint once this many steps are done")
+  p.add_argument("--max-minutes", type=float, default=None,
+                 help="stop with a checkpoint after this much wall time")
+  p.add_argument("--no-progress", action="store_true")
+
+
+def _check(args):
+  """Value checks argparse does not make, naming the option."""
+  from lazyattn_jax.training.errors import TrainingInputError
+  from lazyattn_jax.training.model_io import check_dtype
+  positive = ("steps", "batch_size", "checkpoint_every", "keep_checkpoints",
+              "max_len", "docs_per_question", "lr", "clip_norm")
+  for name in positive:
+    if not getattr(args, name) > 0:
+      raise TrainingInputError(f"--{name.replace('_', '-')} must be > 0, "
+                               f"got {getattr(args, name)}")
+  for name in ("warmup_steps", "weight_decay", "kl_weight", "ce_weight",
+               "recompute_tokens"):
+    if getattr(args, name) < 0:
+      raise TrainingInputError(f"--{name.replace('_', '-')} must be >= 0, "
+                               f"got {getattr(args, name)}")
+  if not 0.0 <= args.full_share <= 1.0:
+    raise TrainingInputError(f"--full-share must lie in [0, 1], got "
+                             f"{args.full_share}")
+  if args.max_minutes is not None and not args.max_minutes > 0:
+    raise TrainingInputError("--max-minutes must be > 0")
+  if args.preamble_text is not None and not args.preamble_text.strip():
+    raise TrainingInputError("--preamble-text is empty")
+  check_dtype(args.dtype)
+
+
+def config_from_args(args, layout=None):
+  """The FinetuneConfig the options describe."""
+  from lazyattn_jax.training.batch import Layout
+  from lazyattn_jax.training.finetune import FinetuneConfig
+  from lazyattn_jax.training.optim import OptimizerConfig
+  return FinetuneConfig(
+      steps=args.steps, batch_size=args.batch_size, seed=args.seed,
+      full_share=args.full_share, kl_weight=args.kl_weight,
+      ce_weight=args.ce_weight,
+      layout=layout or Layout(recompute_tokens=args.recompute_tokens),
+      remat=args.remat, max_len=args.max_len,
+      checkpoint_every=args.checkpoint_every,
+      keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype,
+      optimizer=OptimizerConfig(learning_rate=args.lr,
+                                warmup_steps=args.warmup_steps,
+                                weight_decay=args.weight_decay,
+                                clip_norm=args.clip_norm))
+
+
+def _layout(args, tokenizer, hidden_size):
+  """(Layout, sink or None) from the preamble options."""
+  from lazyattn_jax.training.batch import Layout
+  from lazyattn_jax.training.errors import TrainingInputError
+  from lazyattn_jax.training.sink_file import load_sink
+  k = args.recompute_tokens
+  if args.preamble_sink:
+    sink, _ = load_sink(args.preamble_sink, hidden_size=hidden_size)
+    return Layout(len(sink), None, k), sink
+  if args.preamble_text:
+    if tokenizer is None:
+      raise TrainingInputError("--preamble-text needs the model's tokenizer")
+    ids = tuple(tokenizer.encode(args.preamble_text, parse_special=False))
+    return Layout(len(ids), ids, k), None
+  return Layout(0, None, k), None
+
+
+def run(args) -> int:
+  """Runs `lazyattn finetune` with parsed `args`; returns the exit status."""
+  from lazyattn_jax.training.data import load_source
+  from lazyattn_jax.training.finetune import finetune
+  from lazyattn_jax.training.model_io import load_trainable
+  _check(args)
+  config_from_args(args)  # refuse bad settings before loading anything
+  try:
+    import orbax.checkpoint  # noqa: F401
+  except ImportError as e:
+    from lazyattn_jax.training.errors import TrainingInputError
+    raise TrainingInputError(
+        f"lazyattn finetune needs the train extra ({e.name} is missing): "
+        "pip install 'lazyattn-jax[train]'") from None
+  source = load_source(args.data, seed=args.seed + 1,
+                       docs_per_question=args.docs_per_question)
+  model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
+  layout, sink = _layout(args, model.tokenizer, model.config.hidden_size)
+  started = time.time()
+  result = finetune(model, source, config_from_args(args, layout), args.out,
+                    sink=sink, devices=args.devices,
+                    stop_at=args.stop_at_step, max_minutes=args.max_minutes,
+                    progress=not args.no_progress)
+  rows = result.history.rows
+  last = rows[-1] if rows else {}
+  step_s = float(np.median([r["step_s"] for r in rows[1:]])) if len(
+      rows) > 1 else float("nan")
+  print(f"{result.step}/{args.steps} steps in {time.time() - started:.0f} s "
+        f"(this run); last loss {last.get('loss', float('nan')):.4f} "
+        f"(kl {last.get('kl', float('nan')):.4f}, ce "
+        f"{last.get('ce', float('nan')):.4f}); samples: "
+        f"{result.lazy_samples} lazy, {result.full_samples} full; median "
+        f"step {step_s:.3f} s")
+  if result.finished:
+    print(f"model: {result.export_dir}\nloss curve: "
+          f"{os.path.join(args.out, 'loss.png')}")
+  else:
+    print(f"stopped early; run the same command again to resume from "
+          f"{os.path.join(args.out, 'checkpoints')}")
+  return 0

@@ -1,0 +1,81 @@
+"""What a training run shows and leaves behind: a progress bar, the loss
+history (JSON) and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from tqdm.auto import tqdm
+
+
+class History:
+  """Per-step metrics of a run (a list of dicts with "step" and floats)."""
+
+  def __init__(self, rows: list[dict] | None = None):
+    self.rows = list(rows or [])
+
+  def add(self, step: int, metrics: dict):
+    self.rows.append({"step": int(step),
+                      **{k: float(v) for k, v in metrics.items()}})
+
+  def until(self, step: int) -> "History":
+    """The rows of steps before `step` (what a checkpoint at `step` holds)."""
+    return History([r for r in self.rows if r["step"] < step])
+
+  def series(self, key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in self.rows if key in r]
+    return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+def progress_bar(total: int, start: int, description: str, enabled: bool):
+  """A tqdm bar on stderr from step `start` of `total`."""
+  return tqdm(total=total, initial=start, desc=description, unit="step",
+              disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def plot_losses(history: History, path: str, title: str,
+                keys=("loss", "kl", "ce")) -> str | None:
+  """Writes a loss-curve PNG; returns its path, or None without matplotlib
+  (the numbers are in the JSON log either way)."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed: no loss-curve PNG", file=sys.stderr)
+    return None
+  import numpy as np
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for key in keys:
+    steps, values = history.series(key)
+    if not steps:
+      continue
+    # Each step is one small batch: the raw curve is faint, a moving
+    # average over about 2% of the run is drawn on top.
+    window = max(1, len(values) // 50)
+    line, = ax.plot(steps, values, linewidth=0.6, alpha=0.35)
+    smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1:], smooth, color=line.get_color(), label=key,
+            linewidth=1.4)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats per answer token)")
+  ax.set_yscale("log")
+  ax.set_title(title)
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def write_log(path: str, settings: dict, history: History, **extra):
+  """The run's settings, extra facts and every step's metrics as JSON."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   settings=settings, **extra, history=history.rows), f,
+              indent=1)

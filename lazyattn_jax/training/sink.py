@@ -1,0 +1,322 @@
+"""Training a learned document sink: P vectors every document is encoded
+after.
+
+The engine can encode each document after a shared preamble (issue #13):
+the document's KV then depends on the preamble, which is encoded once and
+shared, so reuse stays zero-copy.  A learned sink is such a preamble made
+of P free vectors in the embedding space instead of tokens.  The model
+stays frozen; only the sink trains, by distillation: the student is the
+model under the engine's layout with the sink before every document (and
+once, at positions 0..P-1, before the whole request); the teacher is the
+same model over the plain causal prompt.  The loss is KL(teacher ||
+student) on the answer tokens.
+
+The sink starts as the embeddings of real tokens, so step 0 is a working
+token preamble: "chat" takes the first P tokens of the chat template's
+prefix (the system prompt SmolLM2 always sees), continued with
+`GENERIC_TEXT` when the prefix is shorter; "text" takes `GENERIC_TEXT`'s.
+
+  python -m lazyattn_jax.training.sink --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lazyattn_jax.training import parallel, report
+from lazyattn_jax.training.batch import BatchBuilder, Layout
+from lazyattn_jax.training.errors import TrainingInputError
+from lazyattn_jax.training.forward import global_norm, kl_and_ce
+from lazyattn_jax.training.optim import OptimizerConfig
+from lazyattn_jax.training.sink_file import check_sink, save_sink
+
+GENERIC_TEXT = ("The following passage is one of several documents retrieved "
+                "to answer a question. Read it carefully.")
+INITS = ("chat", "text")
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkConfig:
+  """Settings of a sink training run.
+
+  Attributes:
+    preamble_len: P, the number of sink vectors.
+    steps: optimizer steps.
+    batch_size: samples per step (a multiple of the devices).
+    seed: data order seed.
+    init: "chat" (the chat prefix's first P token embeddings) or "text"
+      (GENERIC_TEXT's).
+    remat: recompute attention in the backward pass (less memory).
+    max_len: longest dense sequence; longer samples are replaced.
+    eval_batches: held-out batches scored before and after training.
+    devices: local devices to use (None: all).
+    optimizer: learning rate, warm-up, decay, clipping (Adam).
+  """
+  preamble_len: int = 16
+  steps: int = 300
+  batch_size: int = 8
+  seed: int = 0
+  init: str = "chat"
+  remat: bool = False
+  max_len: int = 2048
+  eval_batches: int = 4
+  devices: int | None = None
+  optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3,
+                                               warmup_steps=20)
+
+  def __post_init__(self):
+    if not 1 <= self.preamble_len <= 1024:
+      raise TrainingInputError(f"preamble_len must lie in [1, 1024], got "
+                               f"{self.preamble_len}")
+    if self.steps < 1 or self.batch_size < 1 or self.eval_batches < 0:
+      raise TrainingInputError("steps and batch_size must be >= 1, "
+                               "eval_batches >= 0")
+    if self.init not in INITS:
+      raise TrainingInputError(f"init must be one of {INITS}, got "
+                               f"{self.init!r}")
+    # The schedule spans the run: total_steps follows steps.
+    if self.optimizer.total_steps != self.steps:
+      object.__setattr__(self, "optimizer", dataclasses.replace(
+          self.optimizer, total_steps=self.steps))
+
+
+def init_tokens(tokenizer, preamble_len: int, how: str = "chat") -> list[int]:
+  """The P token ids whose embeddings start the sink (see the module doc)."""
+  from lazyattn_jax.requests import chat_parts
+  if tokenizer is None:
+    raise TrainingInputError("initializing a sink needs the model's tokenizer")
+  ids = chat_parts(tokenizer, "x")[0] if how == "chat" else []
+  generic = tokenizer.encode(GENERIC_TEXT, parse_special=False)
+  while len(ids) < preamble_len:
+    ids = ids + generic
+  return ids[:preamble_len]
+
+
+def init_sink(trainable, preamble_len: int, how: str = "chat") -> np.ndarray:
+  """float32 [P, D]: the embeddings of `init_tokens`."""
+  ids = init_tokens(trainable.tokenizer, preamble_len, how)
+  table = trainable.params["embed_tokens"]
+  return np.asarray(table[np.asarray(ids)], np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(functions, optimizer: OptimizerConfig, remat: bool):
+  tx = optimizer.build()
+
+  def loss_fn(sink, params, batch):
+    teacher = jax.lax.stop_gradient(
+        functions.answer_logits(params, batch["teacher"], remat=remat))
+    student = functions.answer_logits(params, batch["student"], sink,
+                                      remat=remat)
+    kl, ce = kl_and_ce(student, teacher, batch["labels"], batch["weights"])
+    return kl, dict(kl=kl, ce=ce)
+
+  def step(sink, opt_state, params, batch):
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(
+        sink, params, batch)
+    updates, opt_state = tx.update(grad, opt_state, sink)
+    return optax.apply_updates(sink, updates), opt_state, dict(
+        loss=loss, grad_norm=global_norm(grad), **metrics)
+
+  return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_step(functions):
+  def kl(params, batch, sink):
+    teacher = functions.answer_logits(params, batch["teacher"])
+    student = functions.answer_logits(params, batch["student"], sink)
+    return kl_and_ce(student, teacher, batch["labels"], batch["weights"])[0]
+  return jax.jit(kl)
+
+
+def mean_kl(trainable, builder: BatchBuilder, mesh, batches: int, sink=None,
+            *, first_step: int = 0) -> float:
+  """Mean KL(teacher || student) over `batches` batches of `builder`."""
+  step = _eval_step(trainable.functions)
+  params = parallel.replicate(trainable.params, mesh)
+  sink = None if sink is None else parallel.replicate(jnp.asarray(sink), mesh)
+  values = [float(step(params, parallel.shard_batch(
+      builder.batch(first_step + i).arrays(), mesh), sink))
+            for i in range(batches)]
+  return float(np.mean(values)) if values else float("nan")
+
+
+@dataclasses.dataclass
+class SinkResult:
+  """What `train_sink` returns: the sink, its metrics, and held-out KL of
+  the lazy layout without a preamble, with the initial and the trained
+  sink (NaN without eval batches)."""
+  sink: np.ndarray
+  history: report.History
+  eval_kl: dict[str, float]
+
+
+def train_sink(trainable, source, config: SinkConfig, *, sink=None,
+               max_minutes: float | None = None,
+               progress: bool = True) -> SinkResult:
+  """Trains a sink for `trainable` (a model_io.TrainableModel, frozen) on
+  `source` (a data.DataSource).
+
+  Args:
+    sink: a starting [P, D] array (default: `init_sink`).
+    max_minutes: stop after this much training wall time (the result then
+      has fewer steps in its history).
+
+  Raises:
+    TrainingInputError (SinkFormatError for a bad `sink`): bad settings.
+  """
+  c, model = config, trainable
+  if sink is None:
+    sink = init_sink(model, c.preamble_len, c.init)
+  sink = check_sink(sink, hidden_size=model.config.hidden_size,
+                    preamble_len=c.preamble_len)
+  mesh = parallel.data_mesh(c.devices)
+  parallel.check_batch_size(mesh, c.batch_size)
+  optimizer = c.optimizer
+  tx, step = _train_step(model.functions, optimizer, c.remat)
+  make = lambda layout, seed: BatchBuilder(
+      source, model.tokenizer, model.config.vocab_size, layout,
+      batch_size=c.batch_size, seed=seed, max_len=c.max_len)
+  train = make(Layout(c.preamble_len), c.seed)
+  held_out = make(Layout(c.preamble_len), c.seed + 1_000_003)
+  plain = make(Layout(0), c.seed + 1_000_003)
+  evaluate = lambda s, b: mean_kl(model, b, mesh, c.eval_batches, s)
+  eval_kl = dict(no_preamble=evaluate(None, plain),
+                 initial_sink=evaluate(sink, held_out))
+  params = parallel.replicate(model.params, mesh)
+  current = parallel.replicate(jnp.asarray(sink), mesh)
+  opt_state = parallel.replicate(tx.init(current), mesh)
+  history = report.History()
+  with report.progress_bar(c.steps, 0, "sink", progress) as bar:
+    batch, tick = train.batch(0), time.perf_counter()
+    started = time.monotonic()
+    for i in range(c.steps):
+      if max_minutes is not None and (
+          time.monotonic() - started > 60 * max_minutes):
+        break
+      current, opt_state, metrics = step(
+          current, opt_state, params,
+          parallel.shard_batch(batch.arrays(), mesh))
+      # The step runs asynchronously: build the next batch meanwhile.
+      batch = train.batch(i + 1) if i + 1 < c.steps else None
+      metrics = jax.device_get(metrics)  # waits for the step
+      now = time.perf_counter()
+      history.add(i, dict(metrics, step_s=now - tick))
+      tick = now
+      bar.set_postfix(kl=f"{float(metrics['kl']):.4f}")
+      bar.update(1)
+  trained = np.asarray(jax.device_get(current), np.float32)
+  eval_kl["trained_sink"] = evaluate(trained, held_out)
+  return SinkResult(trained, history, eval_kl)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m lazyattn_jax.training.sink",
+      description="Train a learned document sink (P vectors every document "
+                  "is encoded after) by distillation from the frozen model's "
+                  "full attention.  Writes OUT/sink.safetensors, "
+                  "OUT/sink_loss.png and OUT/sink_log.json.")
+  p.add_argument("--model", default="smollm2-135m-instruct",
+                 help="model name or path (.gguf file or HF directory)")
+  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--preamble-len", type=int, default=16,
+                 help="P, the number of sink vectors (default 16)")
+  p.add_argument("--init", choices=INITS, default="chat",
+                 help="initial vectors: the chat prefix's first P token "
+                      "embeddings, or a generic text's (default chat)")
+  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+  p.add_argument("--warmup-steps", type=int, default=20)
+  p.add_argument("--clip-norm", type=float, default=1.0)
+  p.add_argument("--data", default="synthetic",
+                 help="synthetic or hotpotqa (its train split)")
+  p.add_argument("--docs-per-question", type=int, default=4,
+                 help="documents per synthetic sample")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", default="float32",
+                 help="compute dtype: float32 or bfloat16")
+  p.add_argument("--remat", action="store_true",
+                 help="recompute attention in the backward pass")
+  p.add_argument("--max-len", type=int, default=2048)
+  p.add_argument("--eval-batches", type=int, default=4)
+  p.add_argument("--devices", type=int, default=None,
+                 help="local devices to use (default all)")
+  p.add_argument("--max-minutes", type=float, default=None,
+                 help="stop training after this much wall time and save "
+                      "the sink as it is")
+  p.add_argument("--no-progress", action="store_true")
+  return p
+
+
+def run(args) -> dict:
+  """Runs the command line's training; returns its summary."""
+  from lazyattn_jax.training.data import load_source
+  from lazyattn_jax.training.model_io import check_dtype, load_trainable
+  check_dtype(args.dtype)
+  config = SinkConfig(
+      preamble_len=args.preamble_len, steps=args.steps,
+      batch_size=args.batch_size, seed=args.seed, init=args.init,
+      remat=args.remat, max_len=args.max_len,
+      eval_batches=args.eval_batches, devices=args.devices,
+      optimizer=OptimizerConfig(learning_rate=args.lr,
+                                warmup_steps=args.warmup_steps,
+                                clip_norm=args.clip_norm))
+  source = load_source(args.data, seed=args.seed + 1,
+                       docs_per_question=args.docs_per_question)
+  model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
+  started = time.time()
+  result = train_sink(model, source, config, max_minutes=args.max_minutes,
+                      progress=not args.no_progress)
+  seconds = time.time() - started
+  os.makedirs(args.out, exist_ok=True)
+  metadata = dict(model=args.model, model_id=model.model_id,
+                  model_sha256=model.sha256,
+                  steps=len(result.history.rows),
+                  init=config.init, data=args.data, dtype=args.dtype,
+                  date=time.strftime("%Y-%m-%d"),
+                  **{f"eval_kl_{k}": f"{v:.6g}"
+                     for k, v in result.eval_kl.items()})
+  path = save_sink(os.path.join(args.out, "sink.safetensors"), result.sink,
+                   metadata)
+  report.plot_losses(result.history, os.path.join(args.out, "sink_loss.png"),
+                     f"sink P={config.preamble_len} on {args.data}",
+                     keys=("kl",))
+  report.write_log(os.path.join(args.out, "sink_log.json"), vars(args),
+                   result.history, metadata=metadata, eval_kl=result.eval_kl,
+                   seconds=seconds, devices=[str(d) for d in jax.devices()],
+                   peak_memory_bytes=parallel.peak_memory_bytes(
+                       parallel.data_mesh(args.devices)))
+  times = [r["step_s"] for r in result.history.rows[1:]]
+  summary = dict(sink=path, seconds=round(seconds, 1),
+                 median_step_s=round(float(np.median(times)), 4) if times
+                 else None, **result.eval_kl)
+  print(summary)
+  return summary
+
+
+def main(argv=None) -> int:
+  from lazyattn_jax.training.cli_errors import USER_ERRORS, first_line
+  args = build_parser().parse_args(argv)
+  try:
+    run(args)
+  except USER_ERRORS as e:
+    print(f"sink: error: {first_line(e)}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,112 @@
+"""`lazyattn finetune` and `python -m lazyattn_jax.finetune`: help, one-line
+errors with exit status 2, and a short run that stops and resumes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from lazyattn_jax import cli
+from lazyattn_jax.training.export import export_model
+from lazyattn_jax.training.sink_file import save_sink
+from models.llama import Llama
+from tests.training_helpers import tiny_config, tiny_tokenizer
+
+
+def _run(*args, module="lazyattn_jax.cli"):
+  return subprocess.run([sys.executable, "-m", module, *args],
+                        capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(proc, want):
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+  assert "Traceback" not in proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("lazyattn: error:"), lines
+  assert want in lines[0], lines
+
+
+def test_help(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["finetune", "--help"])
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  for option in ("--full-share", "--kl-weight", "--ce-weight", "--dtype",
+                 "--checkpoint-every", "--preamble-sink", "--out"):
+    assert option in out
+  thin = _run("--help", module="lazyattn_jax.finetune")
+  assert thin.returncode == 0 and "--full-share" in thin.stdout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  """The tiny model and tokenizer as a safetensors directory."""
+  path = tmp_path_factory.mktemp("tiny_model")
+  model = Llama(tiny_config(), rngs=nnx.Rngs(0))
+  return export_model(path, model.config, nnx.to_pure_dict(nnx.state(model)),
+                      tiny_tokenizer())
+
+
+def test_a_bad_argument_exits_2_with_one_line(tmp_path):
+  _one_error_line(_run("finetune", "--out", str(tmp_path), "--full-share",
+                       "1.5"), "--full-share must lie in [0, 1], got 1.5")
+
+
+@pytest.mark.parametrize("case", ["steps", "dtype", "model", "sink width",
+                                  "data"])
+def test_bad_settings_are_one_line_usage_errors(tmp_path, model_dir, case,
+                                                capsys):
+  extra, want = {
+      "steps": (["--steps", "0"], "--steps must be > 0"),
+      "dtype": (["--dtype", "float8"], "dtype must be one of"),
+      "model": (["--model", str(tmp_path / "nope")], "nope"),
+      "sink width": (["--model", model_dir, "--preamble-sink",
+                      str(tmp_path / "s.safetensors")], "sink width 32"),
+      "data": (["--model", model_dir, "--data", "wiki"],
+               "unknown data source 'wiki'"),
+  }[case]
+  save_sink(tmp_path / "s.safetensors", np.zeros((4, 32), np.float32))
+  status = cli.main(["finetune", "--out", str(tmp_path / "out"),
+                     "--no-progress", *extra])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 2 and len(err) == 1, err
+  assert err[0].startswith("lazyattn: error:") and want in err[0], err
+
+
+def test_a_run_stops_and_resumes_to_an_export(tmp_path, model_dir, capsys):
+  """With a learned sink as the preamble (frozen)."""
+  sink = save_sink(tmp_path / "sink.safetensors",
+                   np.random.default_rng(0).normal(size=(4, 64)))
+  args = ["finetune", "--model", model_dir, "--out", str(tmp_path / "out"),
+          "--steps", "3", "--batch-size", "2", "--lr", "1e-3",
+          "--warmup-steps", "1", "--checkpoint-every", "1", "--no-progress",
+          "--docs-per-question", "2", "--preamble-sink", sink]
+  out = tmp_path / "out"
+  assert cli.main(args + ["--stop-at-step", "2"]) == 0
+  assert "stopped early" in capsys.readouterr().out
+  assert not os.path.exists(out / "model")
+  assert cli.main(args) == 0
+  printed = capsys.readouterr().out
+  assert "3/3 steps" in printed and "model:" in printed
+  log = json.loads((out / "log.json").read_text())
+  assert [r["step"] for r in log["history"]] == [0, 1, 2]
+  assert log["settings"]["config"]["layout"]["preamble_len"] == 4
+  assert log["settings"]["sink_sha256"]
+  assert (out / "loss.png").is_file()
+  assert (out / "model" / "tokenizer.json").is_file()
+
+
+def test_a_text_preamble_is_its_tokens():
+  from lazyattn_jax.training.finetune_cli import _layout
+  args = cli.build_parser().parse_args(
+      ["finetune", "--out", "x", "--preamble-text", "Read this.",
+       "--recompute-tokens", "8"])
+  layout, sink = _layout(args, tiny_tokenizer(), 64)
+  ids = tiny_tokenizer().encode("Read this.", parse_special=False)
+  assert (layout.preamble_len, layout.preamble_ids, sink) == (
+      len(ids), tuple(ids), None)
+  assert layout.recompute_tokens == 8
