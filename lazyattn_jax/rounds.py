@@ -190,6 +190,7 @@ class RoundExecutor:
     was not encoded, and the error propagates."""
     cache, mode = self.scheduler.cache, self.scheduler.mode
     keys, lengths = mode.entries(documents)
+    before = self.state
     self.state, admission = cache.admit(self.state, keys, lengths, 0)
     try:
       self._encode(mode.encode_jobs(documents, admission))
@@ -197,9 +198,9 @@ class RoundExecutor:
       if pool_lost(self.state):
         self._fail([], error)  # every live request's KV went with it
         raise
-      self.state = cache.drop_documents(
-          cache.finish(self.state, admission),
-          [admission.doc_slots[i] for i in admission.missing_docs])
+      # Nothing else ran since the admission: the tables as they were (the
+      # pages it wrote are free there), with the pool as it is now.
+      self.state = before.replace(k=self.state.k, v=self.state.v)
       raise
     self.state = cache.finish(self.state, admission)
     return mode.doc_hits(None, admission)
