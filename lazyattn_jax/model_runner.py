@@ -245,14 +245,13 @@ class ModelRunner:
     pages, alone or after its context pages.  Either every job has learned
     input vectors or none has.  Returns the new state."""
     rows, plans = zip(*(job.row_and_plan(self.page_size) for job in jobs))
+    args = (state, list(rows), list(plans), [SamplingParams()] * len(jobs))
     vectors = [job.embeddings for job in jobs]
+    if all(v is None for v in vectors):
+      return self.prefill(*args)[0]
     if any(v is None for v in vectors):
-      if any(v is not None for v in vectors):
-        raise ValueError("one encode call mixes learned vectors and tokens")
-      vectors = None
-    state, _, _ = self.prefill(state, list(rows), list(plans),
-                               [SamplingParams()] * len(jobs), vectors)
-    return state
+      raise ValueError("one encode call mixes learned vectors and tokens")
+    return self.prefill(*args, embeddings=vectors)[0]
 
   def copy_pages(self, state, copies: list[tuple[int, int, int]]):
     """Writes Block-Attention copies: (source, destination, shift) pages,

@@ -15,6 +15,10 @@ isolates the reuse mechanism:
 
 A mode is one class: its cache needs, its page layout, its document step and
 its hit accounting.  Nothing outside this module tests a mode's name.
+
+"lazy" and "block" take answer-quality options (QualityOptions: a shared
+preamble documents are encoded after, first-page recompute); "prefix" and
+"full" refuse them, as their documents already see their neighbours.
 """
 
 from __future__ import annotations

@@ -71,8 +71,10 @@ class GenerationResult:
     finish_reason: "stop" (a stop token), "length" (max_new_tokens),
       "error" (the engine failed while serving it; see `error`) or
       "cancelled" (`LazyEngine.cancel`).
-    prompt_tokens: document plus query tokens.
-    prefill_tokens_computed: tokens this request had to prefill itself.
+    prompt_tokens: preamble (QualityOptions), document and query tokens.
+    prefill_tokens_computed: tokens prefilled for this request: the
+      documents (and preamble) its admission encoded, its recomputed first
+      pages (QualityOptions.recompute) and its query.
     prefill_tokens_before_first_token: tokens the engine prefilled in this
       request's admission round, for it and for other requests, before its
       first token came out: its wait in that round, measured in work rather

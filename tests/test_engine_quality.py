@@ -89,7 +89,8 @@ def test_engine_equals_the_dense_layout(model_and_config, docs, id_queries,
     copies += sum(ceil_div(n, PAGE) - ceil_div(h, PAGE)
                   for n, h in zip(lens, heads))
     seen |= set(names)
-  preamble = len(SINK) if "sink" in name else len(PREFIX) if "chat" in name else 0
+  preamble = {"sink": len(SINK), "chat": len(PREFIX)}.get(
+      name.split("+")[0], 0)
   stats = engine.stats
   # Every token prefilled is counted once: the preamble and each document
   # once, each request's recomputed heads and query every time.
@@ -225,33 +226,34 @@ def test_recompute_reads_shared_pages_in_place(model_and_config, docs,
   assert_pages_accounted_for(engine)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_pressure_never_leaves_a_document_without_its_preamble(
-    model_and_config, eviction):
+    model_and_config):
   """A pool that holds about half the corpus (12 pages; a request takes up
-  to 7): documents are evicted all the time, the preamble never (every admission reads it before evicting), so
-  no cached document is ever without its preamble's KV; answers stay
-  right."""
+  to 7): documents are evicted all the time, the preamble never (every
+  admission reads it before evicting), so no cached document is ever
+  without its preamble's KV; answers stay right.  Both eviction orders, in
+  one test so that they share compiled programs."""
   model, config, _ = model_and_config
-  rng = np.random.default_rng(73)
-  corpus = [random_tokens(rng, int(n), config.vocab_size)
-            for n in rng.integers(3, 8, size=6)]
   quality, layout, _ = OPTIONS["sink+recompute"]
-  engine = quality_engine(model_and_config, quality, num_pages=12,
-                          eviction=eviction)
-  preamble_key = engine._mode.preamble.key
-  seen, misses_after_seen = set(), 0
-  for i in range(10):
-    picks = [int(p) for p in rng.choice(6, size=2, replace=False)]
-    query = random_tokens(rng, 3, config.vocab_size)
-    result = engine.generate(query, [corpus[p] for p in picks], greedy(2))
-    misses_after_seen += sum(p in seen and not hit
-                             for p, hit in zip(picks, result.doc_hits))
-    seen |= set(picks)
-    assert preamble_key in table_keys(engine)
-    if i % 4 == 3:
-      _check(result, dense_greedy(model, [corpus[p] for p in picks], query,
-                                  2, **layout))
-  assert misses_after_seen > 0  # documents were evicted and encoded again
-  assert engine.stats.preambles_prefilled == 1
-  assert_pages_accounted_for(engine)
+  for eviction in ("lru", "lfu"):
+    rng = np.random.default_rng(73)
+    corpus = [random_tokens(rng, int(n), config.vocab_size)
+              for n in rng.integers(3, 8, size=6)]
+    engine = quality_engine(model_and_config, quality, num_pages=12,
+                            eviction=eviction)
+    preamble_key = engine._mode.preamble.key
+    seen, misses_after_seen = set(), 0
+    for i in range(10):
+      picks = [int(p) for p in rng.choice(6, size=2, replace=False)]
+      query = random_tokens(rng, 3, config.vocab_size)
+      result = engine.generate(query, [corpus[p] for p in picks], greedy(2))
+      misses_after_seen += sum(p in seen and not hit
+                               for p, hit in zip(picks, result.doc_hits))
+      seen |= set(picks)
+      assert preamble_key in table_keys(engine)
+      if i % 4 == 3:
+        _check(result, dense_greedy(model, [corpus[p] for p in picks], query,
+                                    2, **layout))
+    assert misses_after_seen > 0, eviction  # evicted and encoded again
+    assert engine.stats.preambles_prefilled == 1
+    assert_pages_accounted_for(engine)

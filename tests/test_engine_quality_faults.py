@@ -153,7 +153,7 @@ def test_a_failed_later_group_keeps_the_preamble_an_earlier_group_reads(
   assert engine.stats.preambles_prefilled == 1
 
 
-# --- options that are malformed or do not apply --------------------------------
+# --- options that are malformed or do not apply ---------------------------
 
 @pytest.mark.parametrize("fields,match", [
     (dict(preamble="system"), "preamble must be one of"),
