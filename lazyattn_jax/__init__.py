@@ -3,7 +3,8 @@
 The user-facing engine is `LazyEngine` (`LazyEngine.from_pretrained(...)`,
 `generate`, `generate_batch`, `generate_stream`, `submit`/`step`) with
 `SamplingParams`, `Request` and the settings `SchedulerConfig`,
-`RunnerConfig` and `CacheConfig`.  The cache itself is a functional pytree
+`RunnerConfig`, `CacheConfig` and `QualityOptions` (answer-quality options
+for independently encoded documents, off by default).  The cache itself is a functional pytree
 (`lazyattn_jax.cache_state`) with pure, jit-compatible transitions.  See
 docs/design.md.
 """
@@ -14,10 +15,12 @@ from lazyattn_jax.engine import EngineStats, LazyEngine
 from lazyattn_jax.errors import (
     CacheCapacityError,
     EngineClosedError,
+    InvalidOptionError,
     InvalidRequestError,
     LazyAttnError,
     RequestFailedError,
 )
+from lazyattn_jax.quality_options import QualityOptions
 from lazyattn_jax.requests import GenerationResult, Request
 from lazyattn_jax.sampling import SamplingParams
 
@@ -27,9 +30,11 @@ __all__ = [
     "EngineClosedError",
     "EngineStats",
     "GenerationResult",
+    "InvalidOptionError",
     "InvalidRequestError",
     "LazyAttnError",
     "LazyEngine",
+    "QualityOptions",
     "Request",
     "RequestFailedError",
     "RunnerConfig",

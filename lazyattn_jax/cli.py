@@ -2,7 +2,8 @@
 
   lazyattn demo [--model NAME_OR_PATH] [--max-new-tokens N]
   lazyattn rag --doc FILE [FILE ...] --query TEXT [--max-new-tokens N]
-               [--model NAME_OR_PATH]
+               [--model NAME_OR_PATH] [--preamble chat | --sink FILE.npy]
+               [--recompute] [--recompute-tokens K]
   lazyattn serve [--model NAME_OR_PATH] [--host H] [--port P] [--mode M]
                  [--num-pages N] [--max-batch B] ...
   lazyattn finetune --out DIR [--model NAME_OR_PATH] [--steps N] ...
@@ -36,6 +37,7 @@ def _first_line(error: Exception) -> str:
 def _load_engine(model: str, args, **settings):
   from lazyattn_jax.default_model import ModelUnavailableError, UnknownModelError
   from lazyattn_jax.engine import LazyEngine
+  from lazyattn_jax.errors import InvalidOptionError
   from models.errors import ModelFormatError
   try:
     return LazyEngine.from_pretrained(model, num_pages=args.cache_pages,
@@ -49,6 +51,8 @@ def _load_engine(model: str, args, **settings):
     raise UsageError(f"cannot load the model: {_first_line(e)}") from None
   except OSError as e:  # unreadable files (permissions, I/O errors)
     raise UsageError(f"cannot read the model: {e}") from None
+  except InvalidOptionError as e:  # answer-quality options
+    raise UsageError(_first_line(e)) from None
 
 
 def _read_document(path: str) -> str:
@@ -86,7 +90,7 @@ def run_rag(args) -> int:
   if not args.query or not args.query.strip():
     raise UsageError("the query is empty")
   texts = [_read_document(p) for p in args.doc]
-  engine = _load_engine(args.model, args)
+  engine = _load_engine(args.model, args, **_quality(args))
   from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
   try:
     # Per document: was it cached before this run?  generate's own doc_hits
@@ -101,6 +105,14 @@ def run_rag(args) -> int:
   return 0
 
 
+def _quality(args) -> dict:
+  from lazyattn_jax.cli_options import quality_settings
+  try:
+    return quality_settings(args)
+  except ValueError as e:
+    raise UsageError(_first_line(e)) from None
+
+
 def load_demo_corpus() -> dict:
   text = resources.files("lazyattn_jax").joinpath("data/demo_corpus.json").read_text("utf-8")
   return json.loads(text)
@@ -109,7 +121,7 @@ def load_demo_corpus() -> dict:
 def run_demo(args) -> int:
   corpus = load_demo_corpus()
   by_title = {d["title"]: d["text"] for d in corpus["documents"]}
-  engine = _load_engine(args.model, args)
+  engine = _load_engine(args.model, args, **_quality(args))
   print(f"Demo corpus: {len(by_title)} documents; {len(corpus['questions'])} "
         f"questions reusing them in different orders.\n")
   # Compile on a first pass, then start again from an empty cache, so that the
@@ -218,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"attention implementation: {', '.join(IMPLS)}")
   answering = argparse.ArgumentParser(add_help=False)
   answering.add_argument("--max-new-tokens", type=int, default=48)
+  from lazyattn_jax.cli_options import add_quality_options
+  add_quality_options(answering)
   sub.add_parser("demo", parents=[common, answering],
                  help="answer questions over a built-in corpus, reusing documents")
   rag = sub.add_parser("rag", parents=[common, answering],

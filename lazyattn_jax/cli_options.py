@@ -1,6 +1,8 @@
 """Command-line options made from a settings dataclass: one option per
 field, named after it, typed by its default, and documented by the class
-docstring's "Attributes:" section, so the help never drifts from the docs."""
+docstring's "Attributes:" section, so the help never drifts from the docs.
+The answer-quality options (QualityOptions) take their help from there too,
+with flags shaped for a command line (a file for the learned preamble)."""
 
 from __future__ import annotations
 
@@ -49,3 +51,48 @@ def chosen(args, names) -> dict:
   """The options of `names` that were given a value."""
   return {name: getattr(args, name) for name in names
           if getattr(args, name) is not None}
+
+
+def add_quality_options(parser):
+  """--preamble chat, --sink FILE.npy, --recompute, --recompute-tokens K."""
+  from lazyattn_jax.quality_options import QualityOptions
+  docs = {k: v.replace("%", "%%")
+          for k, v in attribute_docs(QualityOptions).items()}
+  group = parser.add_argument_group("answer quality (lazy and block modes)")
+  group.add_argument("--preamble", choices=["chat"],
+                     help="encode every document after the chat template's "
+                          "text before the user's words (QualityOptions."
+                          "preamble)")
+  group.add_argument("--sink", metavar="FILE.npy",
+                     help="encode every document after these learned "
+                          "vectors: a .npy file of shape [P, D], D the "
+                          "model's hidden size (QualityOptions.sink)")
+  group.add_argument("--recompute", action="store_true",
+                     help=docs["recompute"].replace(
+                         "`recompute_tokens`", "K (--recompute-tokens)"))
+  group.add_argument("--recompute-tokens", type=int, metavar="K",
+                     help="k, a multiple of the page size (default: one "
+                          "page); implies --recompute")
+
+
+def quality_settings(args) -> dict:
+  """QualityOptions fields from the options of `add_quality_options`, as
+  `LazyEngine.from_pretrained` takes them.  Raises ValueError (a usage
+  error) for a sink file that cannot be read or a contradiction."""
+  settings = {}
+  if args.preamble and args.sink:
+    raise ValueError("--preamble and --sink are two preambles: give one")
+  if args.preamble:
+    settings["preamble"] = args.preamble
+  if args.sink:
+    import numpy as np
+    try:
+      sink = np.load(args.sink, allow_pickle=False)
+    except (OSError, ValueError) as error:
+      raise ValueError(f"cannot read --sink {args.sink}: {error}") from None
+    settings.update(preamble="sink", sink=sink)
+  if args.recompute or args.recompute_tokens is not None:
+    settings["recompute"] = True
+  if args.recompute_tokens is not None:
+    settings["recompute_tokens"] = args.recompute_tokens
+  return settings

@@ -27,21 +27,23 @@ from typing import Sequence
 
 import jax
 
-from lazyattn_jax.cache_state import CacheConfig, init_cache_state
+from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.completion import run_to_completion, stream_text
 from lazyattn_jax.config import RunnerConfig, SchedulerConfig, split_settings
 from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
                                  RequestFailedError)
 from lazyattn_jax.model_runner import ModelRunner
-from lazyattn_jax.modes import MODES, make_mode
+from lazyattn_jax.modes import check_quality, make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
+from lazyattn_jax.quality_options import QualityOptions, split_quality
 from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
                                    TokenRequest, default_stop_ids)
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
 
-__all__ = ["EngineStats", "GenerationResult", "LazyEngine", "Request"]
+__all__ = ["EngineStats", "GenerationResult", "LazyEngine", "QualityOptions",
+           "Request"]
 
 
 class LazyEngine:
@@ -65,12 +67,15 @@ class LazyEngine:
       layer unrolling).
     model_id: identifies the weights and tokenizer in document keys.
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
+    quality: `QualityOptions` (lazy and block modes): a shared preamble
+      documents are encoded after, first-page recompute; off by default.
+      Options that do not apply raise InvalidOptionError.
   """
 
   def __init__(self, config, model, cache_config: CacheConfig,
                mode: str = "lazy", *, scheduler: SchedulerConfig | None = None,
                runner: RunnerConfig | None = None, model_id: str | None = None,
-               tokenizer=None):
+               tokenizer=None, quality: QualityOptions | None = None):
     mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
                   f"model's is {getattr(config, name)})"
                   for name in ("num_layers", "num_kv_heads", "head_dim")
@@ -83,7 +88,11 @@ class LazyEngine:
     self.cache_config = cache_config
     self.mode = mode
     self.model_id = model_id or f"llama:{hash(config) & 0xFFFFFFFF:08x}"
-    self._mode = make_mode(mode, cache_config.page_size, self.model_id)
+    self.quality = split_quality(quality, {})
+    self._mode = make_mode(mode, cache_config.page_size, self.model_id,
+                           self.quality, tokenizer=tokenizer,
+                           hidden_size=config.hidden_size,
+                           max_doc_tokens=cache_config.max_doc_tokens)
     self.scheduler_config = scheduler or SchedulerConfig()
     self.runner_config = runner or RunnerConfig()
     self.cache = PagedKVCache(cache_config)
@@ -107,6 +116,7 @@ class LazyEngine:
                       mode: str = "lazy",
                       scheduler: SchedulerConfig | None = None,
                       runner: RunnerConfig | None = None,
+                      quality: QualityOptions | None = None,
                       progress: bool = True, **settings) -> "LazyEngine":
     """Builds an engine around real weights and their tokenizer.
 
@@ -123,14 +133,16 @@ class LazyEngine:
         bytes of the weights and of the pool).
       cache_config: the paged pool; by default `num_pages` pages of
         `page_size` tokens.
-      mode, scheduler, runner: as for LazyEngine.
+      mode, scheduler, runner, quality: as for LazyEngine.
       progress: show progress bars while fetching and loading.
-      **settings: fields of SchedulerConfig or RunnerConfig by name (for
-        example max_batch=8, impl="xla"); max_batch defaults to 8 here.
+      **settings: fields of SchedulerConfig, RunnerConfig or QualityOptions
+        by name (for example max_batch=8, impl="xla", recompute=True);
+        max_batch defaults to 8 here.
     Settings are checked before anything is loaded.
 
     Raises:
-      ValueError, TypeError: a bad setting or mode.
+      ValueError, TypeError: a bad setting or mode (InvalidOptionError, a
+        ValueError, for QualityOptions that do not apply).
       models.errors.ModelFormatError: a corrupt, truncated or unsupported
         model file or directory: an unsupported architecture (the message
         lists the supported ones) or tensor type (it names the tensor and
@@ -140,16 +152,17 @@ class LazyEngine:
     from lazyattn_jax.loading import default_cache_config, load_model
     if scheduler is None:
       settings.setdefault("max_batch", 8)
+    quality = split_quality(quality, settings)
     scheduler, runner = split_settings(scheduler, runner, settings)
-    if mode not in MODES:
-      raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+    check_quality(mode, (cache_config.page_size if cache_config is not None
+                         else page_size), quality)
     loaded = load_model(name_or_path, dtype, progress)
     if cache_config is None:
       cache_config = default_cache_config(loaded.config, dtype, num_pages,
                                           page_size)
     return cls(loaded.config, loaded.model, cache_config, mode=mode,
                scheduler=scheduler, runner=runner, model_id=loaded.model_id,
-               tokenizer=loaded.tokenizer)
+               tokenizer=loaded.tokenizer, quality=quality)
 
   # --- properties ----------------------------------------------------------------
   @property
@@ -346,8 +359,7 @@ class LazyEngine:
         chunk = token_docs[start:start + batch_size]
         with self._lock:  # one batch at a time: rounds may run in between
           self._check_open()
-          hits += self.rounds.encode_documents(
-              self._mode.document_keys(chunk), chunk)
+          hits += self.rounds.encode_documents(chunk)
         bar.update(len(chunk))
     return hits
 
@@ -369,9 +381,7 @@ class LazyEngine:
       self._check_open()
       if self.scheduler.has_work():
         raise RuntimeError("reset_cache() while requests are in flight")
-      self._free_pool()  # before allocating the new one: two pools may not fit
-      self.rounds.state = init_cache_state(self.cache_config)
-      self.rounds.stats = EngineStats()
+      self.rounds.reset()
 
   def reset_stats(self):
     """Zeroes the counters and keeps the cache (e.g. to measure a workload
@@ -389,15 +399,8 @@ class LazyEngine:
       self._closed = True
       self.scheduler.waiting.clear()
       self.scheduler.live.clear()
-      self._free_pool()
+      self.rounds.free_pool()
 
   def _check_open(self):
     if self._closed:
       raise EngineClosedError("this engine was closed; build a new one")
-
-  def _free_pool(self):
-    state, self.rounds.state = self.rounds.state, None
-    if state is not None:
-      for buffer in (state.k, state.v):
-        if buffer is not None and not buffer.is_deleted():
-          buffer.delete()

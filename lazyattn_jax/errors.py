@@ -5,13 +5,15 @@ submission, `InvalidRequestError` says the input is wrong and
 `CacheCapacityError` that the input is fine but the cache, as configured,
 cannot hold it.  Later, `RequestFailedError` says the engine failed while
 serving a request it had accepted, and `EngineClosedError` that the engine
-was closed.
+was closed.  `InvalidOptionError` says an engine option is malformed or does
+not apply to the engine it was given to; it is raised when the engine (or
+the option) is made, before anything runs.
 """
 
 from __future__ import annotations
 
 __all__ = ["LazyAttnError", "CacheCapacityError", "InvalidRequestError",
-           "RequestFailedError", "EngineClosedError"]
+           "InvalidOptionError", "RequestFailedError", "EngineClosedError"]
 
 
 class LazyAttnError(Exception):
@@ -27,6 +29,14 @@ class CacheCapacityError(LazyAttnError):
 class InvalidRequestError(LazyAttnError, ValueError):
   """Bad user input (empty document, token id out of range, bad sampling
   parameter, ...).  Also a `ValueError`, so generic handlers catch it."""
+
+
+class InvalidOptionError(LazyAttnError, ValueError):
+  """An engine option that is malformed (a learned preamble of the wrong
+  shape or dtype, a recompute length that is not a whole number of pages)
+  or that does not apply (answer-quality options in a mode without a
+  document step, a chat preamble without a chat template).  Also a
+  `ValueError`, like the other settings' errors."""
 
 
 class RequestFailedError(LazyAttnError):

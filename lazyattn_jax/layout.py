@@ -1,11 +1,15 @@
-"""A request's logical page layout, and the tokens it prefills itself.
+"""A request's logical page layout, the tokens it prefills itself, and the
+layout of encoding one cache entry.
 
 A lazy request is laid out as [doc 0][doc 1]...[doc n-1][query][generated]:
 document d (true length L_d) starts at logical position S_d = L_0 + ... + L_{d-1}
 and its pages, stored from angle 0, carry shift S_d; the request's private
 pages hold the query and generated tokens, stored at their logical positions
 (shift 0).  Padding inside a document's last page is masked by page_len.
-See docs/design.md, "Kernel contract" and "Engine".
+With a preamble of P tokens (QualityOptions), the request starts with the
+preamble's pages, S_0 = P, and documents are stored from angle P, so their
+pages carry shift S_d - P.
+See docs/design.md, "Kernel contract", "Engine" and "Answer quality".
 """
 
 from __future__ import annotations
@@ -62,6 +66,48 @@ class PrefillTokens:
 
   def __len__(self):
     return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeJob:
+  """One cache entry to encode: `tokens` at positions `start`, ... into
+  `pages`, attending to `context_pages` (the first `start` positions, read
+  at shift 0) and causally to themselves.
+
+  Attributes:
+    slot: its document-table slot.
+    tokens: its token ids (placeholders where `embeddings` is given).
+    pages: its pages, in order.
+    start: position of its first token (the preamble's length, or 0).
+    context_pages: the preamble's pages, or () for an entry encoded alone.
+    embeddings: float [len(tokens), D] input vectors instead of the token
+      embeddings (a learned preamble), or None.
+    is_preamble: it is the preamble itself (counted apart from documents).
+  """
+  slot: int
+  tokens: tuple[int, ...]
+  pages: list[int]
+  start: int = 0
+  context_pages: tuple[int, ...] = ()
+  embeddings: object = None
+  is_preamble: bool = False
+
+  @property
+  def phase(self) -> int:
+    """Encode order: context-free entries (a preamble before the documents
+    that read it) first; learned vectors in their own prefill calls."""
+    if self.context_pages:
+      return 2
+    return 0 if self.embeddings is not None else 1
+
+  def row_and_plan(self, page_size: int) -> tuple[PageRow, PrefillTokens]:
+    row = PageRow()
+    if self.context_pages:
+      row.add_run(self.context_pages, 0, 0, self.start, page_size)
+    row.add_run(self.pages, self.start, 0, len(self.tokens), page_size)
+    plan = PrefillTokens()
+    plan.add(self.tokens, self.start, self.pages, 0, page_size)
+    return row, plan
 
 
 def pack_rows(rows, num_logical: int, batch: int):

@@ -33,11 +33,13 @@ from pallas_kernels.sizes import next_power_of_two
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl", "pool_as_bits"),
                    donate_argnums=(1, 2))
 def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
-                  sampling, *, graphdef, impl, pool_as_bits=False):
+                  sampling, embeddings=None, *, graphdef, impl,
+                  pool_as_bits=False):
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
                                    impl=impl, logits_index=logits_index,
-                                   pool_as_bits=pool_as_bits)
+                                   pool_as_bits=pool_as_bits,
+                                   embeddings=embeddings)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
                         jnp.zeros_like(seed))
@@ -192,9 +194,11 @@ class ModelRunner:
     return batches
 
   def prefill(self, state, rows: list[PageRow], plans: list[PrefillTokens],
-              samplings):
+              samplings, embeddings=None):
     """One batched prefill call: row b runs plans[b] against rows[b].
 
+    `embeddings`, if given, holds float [len(plans[b]), D] input vectors per
+    row that replace the token embeddings (a learned preamble).
     Returns (state, logits f32[rows, V], first tokens i32[rows]) on host.
     """
     batch = next_power_of_two(len(rows))
@@ -220,29 +224,34 @@ class ModelRunner:
         write_slot=jnp.asarray(write_slot))
     sampling = tuple(jnp.asarray(a) for a in sampling_arrays(samplings, batch))
     tokens = jnp.asarray(tokens)
-    self._note("prefill", state.k, tokens, inputs)
+    vectors = None
+    if embeddings is not None:
+      vectors = np.zeros(tokens.shape + (embeddings[0].shape[-1],),
+                         np.float32)
+      for b, rows_b in enumerate(embeddings):
+        vectors[b, :len(rows_b)] = np.asarray(rows_b, np.float32)
+      vectors = jnp.asarray(vectors)
+    self._note("prefill", state.k, tokens, inputs, vectors)
     logits, first, k, v = _prefill_step(
         self.params, state.k, state.v, tokens, inputs,
-        jnp.asarray(logits_index), sampling, graphdef=self.graphdef,
+        jnp.asarray(logits_index), sampling, vectors, graphdef=self.graphdef,
         impl=self.config.impl, pool_as_bits=self.config.pool_as_bits)
     state = state.replace(k=k, v=v)
     logits, first = jax.device_get((logits, first))
     return state, np.asarray(logits)[:len(rows)], np.asarray(first)[:len(rows)]
 
-  def encode_documents(self, state, documents):
-    """Prefills documents in one call, each alone from position 0, into its
-    pages.  documents: (tokens, pages) pairs.  Returns the new state."""
-    rows, plans = [], []
-    for tokens, pages in documents:
-      row = PageRow()
-      row.add_run(pages, 0, 0, len(tokens), self.page_size)
-      plan = PrefillTokens()
-      plan.add(tokens, 0, pages, 0, self.page_size)
-      rows.append(row)
-      plans.append(plan)
-    state, _, _ = self.prefill(state, rows, plans,
-                               [SamplingParams()] * len(documents))
-    return state
+  def encode_documents(self, state, jobs):
+    """Prefills cache entries (layout.EncodeJob) in one call, each into its
+    pages, alone or after its context pages.  Either every job has learned
+    input vectors or none has.  Returns the new state."""
+    rows, plans = zip(*(job.row_and_plan(self.page_size) for job in jobs))
+    args = (state, list(rows), list(plans), [SamplingParams()] * len(jobs))
+    vectors = [job.embeddings for job in jobs]
+    if all(v is None for v in vectors):
+      return self.prefill(*args)[0]
+    if any(v is None for v in vectors):
+      raise ValueError("one encode call mixes learned vectors and tokens")
+    return self.prefill(*args, embeddings=vectors)[0]
 
   def copy_pages(self, state, copies: list[tuple[int, int, int]]):
     """Writes Block-Attention copies: (source, destination, shift) pages,

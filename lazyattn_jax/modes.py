@@ -15,6 +15,10 @@ isolates the reuse mechanism:
 
 A mode is one class: its cache needs, its page layout, its document step and
 its hit accounting.  Nothing outside this module tests a mode's name.
+
+"lazy" and "block" take answer-quality options (QualityOptions: a shared
+preamble documents are encoded after, first-page recompute); "prefix" and
+"full" refuse them, as their documents already see their neighbours.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import abc
 import dataclasses
 
 from lazyattn_jax.doc_key import document_key
-from lazyattn_jax.layout import PageRow, PrefillTokens
+from lazyattn_jax.errors import InvalidOptionError
+from lazyattn_jax.layout import EncodeJob, PageRow, PrefillTokens
+from lazyattn_jax.preamble import make_preamble
+from lazyattn_jax.quality_options import QualityOptions
 from lazyattn_jax.requests import TokenRequest
 from pallas_kernels.sizes import ceil_div
 
@@ -69,10 +76,15 @@ class ReuseMode(abc.ABC):
       from position 0 (`documents_to_encode`), before the queries run.
     keeps_query_order: queries of a round must prefill in admission order
       (a request may read pages an earlier one of the round writes).
+    takes_quality_options: `QualityOptions` apply (documents are encoded
+      without their neighbours, so there is something to recover).
+    preamble: the `preamble.Preamble` every request starts with, or None.
   """
   name = ""
   has_document_step = False
   keeps_query_order = False
+  takes_quality_options = False
+  preamble = None
 
   def __init__(self, page_size: int, model_id: str):
     self.page_size = page_size
@@ -94,10 +106,16 @@ class ReuseMode(abc.ABC):
     """Words for `count` cache entries of `request`, for error messages."""
     return f"{count} cache entries"
 
+  @property
+  def preamble_tokens(self) -> int:
+    """Positions the preamble takes at the start of every request."""
+    return 0 if self.preamble is None else len(self.preamble)
+
   def documents_to_encode(self, request: TokenRequest, admission
-                          ) -> list[tuple[int, tuple[int, ...], list[int]]]:
-    """(slot, tokens, pages) of each document this request's admission
-    inserted and that must be encoded before anything reads it."""
+                          ) -> list[EncodeJob]:
+    """The cache entries this request's admission inserted and that must be
+    encoded before anything reads them (a preamble before the documents
+    encoded after it)."""
     return []
 
   def _private_run(self, request: TokenRequest, admission, row: PageRow,
@@ -119,71 +137,149 @@ class ReuseMode(abc.ABC):
 
 
 class LazyMode(ReuseMode):
-  """Documents read in place at any position (this project's mode)."""
+  """Documents read in place at any position (this project's mode).
+
+  With a preamble (QualityOptions.preamble), the preamble is the request's
+  first cache entry: every document is encoded after it (positions P..)
+  and read with shift S_d - P; the query reads the preamble once.  With
+  first-page recompute, the first k tokens of each document after the first
+  are prefilled by the request itself into private pages at their request
+  positions (attending to everything before them: causal masking by
+  position hides the document's own later pages), and the request reads
+  those instead of the shared first pages.
+  """
   name = "lazy"
   has_document_step = True
+  takes_quality_options = True
+
+  def __init__(self, page_size: int, model_id: str, preamble=None,
+               recompute_tokens: int = 0):
+    super().__init__(page_size, model_id)
+    self.preamble = preamble
+    self.recompute_tokens = recompute_tokens
+
+  @property
+  def _first_document(self) -> int:
+    """Index of the first document among a request's cache entries."""
+    return 0 if self.preamble is None else 1
 
   def document_keys(self, documents) -> list[tuple[int, int]]:
-    return [document_key(d, self.model_id) for d in documents]
+    context = None if self.preamble is None else self.preamble.key
+    return [document_key(d, self.model_id, context) for d in documents]
+
+  def entries(self, documents) -> tuple[list[tuple[int, int]], list[int]]:
+    """(keys, lengths) of the cache entries `documents` need, the preamble
+    (if any) first."""
+    keys, lengths = self.document_keys(documents), [len(d) for d in documents]
+    if self.preamble is not None:
+      keys, lengths = [self.preamble.key] + keys, [len(self.preamble)] + lengths
+    return keys, lengths
+
+  def _head_lengths(self, documents) -> list[int]:
+    """Tokens of each document recomputed per request (0: none)."""
+    k = self.recompute_tokens
+    return [min(k, len(doc)) if d and k else 0
+            for d, doc in enumerate(documents)]
+
+  def _own_pages(self, request) -> int:
+    """Private pages besides the query's: the recomputed first pages."""
+    return sum(ceil_div(h, self.page_size)
+               for h in self._head_lengths(request.documents))
 
   def cache_needs(self, request):
-    docs = request.documents
-    return CacheNeeds(self.document_keys(docs), [len(d) for d in docs],
+    keys, lengths = self.entries(request.documents)
+    return CacheNeeds(keys, lengths,
+                      self._own_pages(request) * self.page_size +
                       len(request.query) + request.sampling.max_new_tokens)
 
   def describe_entries(self, request, count):
     user = len(set(request.documents[request.leading:]))
     extra = " plus the shared chat prefix" if request.leading else ""
+    if self.preamble is not None:
+      extra += " plus the shared preamble"
     return f"{user} distinct documents{extra} ({count} cache entries)"
 
+  def encode_jobs(self, documents, admission) -> list[EncodeJob]:
+    """The entries `admission` (of `entries(documents)`) found missing."""
+    first, preamble = self._first_document, self.preamble
+    jobs = []
+    for i in admission.missing_docs:
+      slot, pages = admission.doc_slots[i], admission.doc_pages[i]
+      if i < first:
+        jobs.append(EncodeJob(slot, preamble.tokens, pages,
+                              embeddings=preamble.embeddings,
+                              is_preamble=True))
+      elif preamble is None:
+        jobs.append(EncodeJob(slot, documents[i], pages))
+      else:
+        jobs.append(EncodeJob(slot, documents[i - first], pages,
+                              start=len(preamble),
+                              context_pages=tuple(admission.doc_pages[0])))
+    return jobs
+
   def documents_to_encode(self, request, admission):
-    return [(admission.doc_slots[i], request.documents[i],
-             admission.doc_pages[i]) for i in admission.missing_docs]
+    return self.encode_jobs(request.documents, admission)
 
   def doc_hits(self, request, admission):
-    return list(admission.doc_hit)
-
-  def _document_runs(self, request, admission):
-    """(pages, start position, tokens) of each document, in prompt order."""
-    position = 0
-    for pages, doc in zip(admission.doc_pages, request.documents):
-      yield pages, position, len(doc)
-      position += len(doc)
+    return list(admission.doc_hit)[self._first_document:]
 
   def layout(self, request, admission):
-    row = PageRow()
-    end = 0
-    for pages, start, length in self._document_runs(request, admission):
-      row.add_run(pages, start, start, length, self.page_size)
-      end = start + length
-    return self._private_run(request, admission, row, end, [])
+    page_size, first = self.page_size, self._first_document
+    row, plan, copies = PageRow(), PrefillTokens(), []
+    private = list(admission.private_pages)
+    start = self.preamble_tokens  # where documents are stored from
+    if self.preamble is not None:
+      row.add_run(admission.doc_pages[0], 0, 0, start, page_size)
+    position = start
+    for doc, pages, head in zip(request.documents, admission.doc_pages[first:],
+                                self._head_lengths(request.documents)):
+      if head:  # recomputed into private pages at its request positions
+        count = ceil_div(head, page_size)
+        own, private = private[:count], private[count:]
+        row.add_run(own, position, 0, head, page_size)
+        plan.add(doc[:head], position, own, 0, page_size)
+      if len(doc) > head:  # head is 0 or a whole number of pages here
+        private = self._read_shared(row, pages[head // page_size:],
+                                    position + head, position - start,
+                                    len(doc) - head, private, copies)
+      position += len(doc)
+    own = dataclasses.replace(admission, private_pages=private)
+    layout = self._private_run(request, own, row, position, [], plan)
+    layout.copies = copies
+    return layout
+
+  def _read_shared(self, row: PageRow, pages, position: int, shift: int,
+                   num_tokens: int, private: list[int], copies: list
+                   ) -> list[int]:
+    """Adds a run of a document's shared pages to `row`, read in place with
+    `shift`; returns the private pages still unused."""
+    row.add_run(pages, position, shift, num_tokens, self.page_size)
+    return private
 
 
 class BlockMode(LazyMode):
-  """Block-Attention: a re-rotated private copy of each document per use."""
+  """Block-Attention: a re-rotated private copy of each document per use.
+
+  The preamble is read in place (its shift is 0: a copy would equal it);
+  recomputed first pages replace their copies, so only the rest is copied.
+  """
   name = "block"
 
   def cache_needs(self, request):
     needs = super().cache_needs(request)
-    copy_pages = sum(ceil_div(len(d), self.page_size)
-                     for d in request.documents)
+    copy_pages = sum(
+        ceil_div(len(d), self.page_size) - ceil_div(h, self.page_size)
+        for d, h in zip(request.documents,
+                        self._head_lengths(request.documents)))
     return dataclasses.replace(
         needs, private_tokens=needs.private_tokens + copy_pages * self.page_size)
 
-  def layout(self, request, admission):
-    row = PageRow()
-    private = list(admission.private_pages)
-    copies, used, end = [], 0, 0
-    for pages, start, length in self._document_runs(request, admission):
-      copy = private[used:used + len(pages)]
-      used += len(pages)
-      copies += [(src, dst, start) for src, dst in zip(pages, copy)]
-      row.add_run(copy, start, 0, length, self.page_size)
-      end = start + length
-    own = dataclasses.replace(admission, private_pages=private[used:])
-    layout = self._private_run(request, own, row, end, [])
-    layout.copies = copies
-    return layout
+  def _read_shared(self, row, pages, position, shift, num_tokens, private,
+                   copies):
+    copy, private = private[:len(pages)], private[len(pages):]
+    copies += [(src, dst, shift) for src, dst in zip(pages, copy)]
+    row.add_run(copy, position, 0, num_tokens, self.page_size)
+    return private
 
 
 class PrefixMode(ReuseMode):
@@ -256,8 +352,42 @@ class FullMode(ReuseMode):
 MODES = {mode.name: mode for mode in (LazyMode, BlockMode, PrefixMode, FullMode)}
 
 
-def make_mode(name: str, page_size: int, model_id: str) -> ReuseMode:
-  """The reuse mode called `name` (one of MODES)."""
+def make_mode(name: str, page_size: int, model_id: str,
+              quality: QualityOptions | None = None, *, tokenizer=None,
+              hidden_size: int | None = None,
+              max_doc_tokens: int | None = None) -> ReuseMode:
+  """The reuse mode called `name` (one of MODES), with answer-quality
+  options where they apply.
+
+  Raises:
+    ValueError: an unknown mode.
+    InvalidOptionError: options in a mode they do not apply to ("prefix"
+      and "full" prefill plain causal prompts: documents already see their
+      neighbours), or options this model, tokenizer or page size cannot
+      take.
+  """
+  check_quality(name, page_size, quality)
+  mode = MODES[name]
+  if quality is None or not quality.enabled:
+    return mode(page_size, model_id)
+  preamble = make_preamble(quality, model_id=model_id, tokenizer=tokenizer,
+                           hidden_size=hidden_size,
+                           max_doc_tokens=max_doc_tokens)
+  return mode(page_size, model_id, preamble,
+              quality.tokens_to_recompute(page_size))
+
+
+def check_quality(name: str, page_size: int,
+                  quality: QualityOptions | None):
+  """What can be checked of a mode and its options before a model loads."""
   if name not in MODES:
     raise ValueError(f"mode must be one of {tuple(MODES)}, got {name!r}")
-  return MODES[name](page_size, model_id)
+  if quality is None or not quality.enabled:
+    return
+  if not MODES[name].takes_quality_options:
+    applies = tuple(n for n, m in MODES.items() if m.takes_quality_options)
+    raise InvalidOptionError(
+        f"QualityOptions apply to modes {applies}, not {name!r}: it "
+        f"prefills plain causal prompts, where documents see their "
+        f"neighbours already")
+  quality.tokens_to_recompute(page_size)

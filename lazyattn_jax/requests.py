@@ -71,8 +71,10 @@ class GenerationResult:
     finish_reason: "stop" (a stop token), "length" (max_new_tokens),
       "error" (the engine failed while serving it; see `error`) or
       "cancelled" (`LazyEngine.cancel`).
-    prompt_tokens: document plus query tokens.
-    prefill_tokens_computed: tokens this request had to prefill itself.
+    prompt_tokens: preamble (QualityOptions), document and query tokens.
+    prefill_tokens_computed: tokens prefilled for this request: the
+      documents (and preamble) its admission encoded, its recomputed first
+      pages (QualityOptions.recompute) and its query.
     prefill_tokens_before_first_token: tokens the engine prefilled in this
       request's admission round, for it and for other requests, before its
       first token came out: its wait in that round, measured in work rather
@@ -116,6 +118,12 @@ def chat_parts(tokenizer, user_text: str) -> tuple[list[int], list[int]]:
     return [], tokenizer.chat_prompt(user_text)
   before, after = rendered.split(_SENTINEL)
   return tokenizer.encode(before), tokenizer.encode(user_text + after)
+
+
+def chat_prefix(tokenizer) -> list[int]:
+  """The chat template's text before the user's words, in token ids (the
+  same for every one-turn chat; [] without a chat template)."""
+  return chat_parts(tokenizer, "")[0]
 
 
 def _is_token_sequence(value) -> bool:
@@ -255,10 +263,14 @@ class RequestValidator:
           f"stop_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
     query, docs, leading = encode_request(self.tokenizer, query, documents,
                                           self.vocab_size)
-    total = sum(map(len, docs)) + len(query) + sampling.max_new_tokens
+    preamble = self.mode.preamble
+    if leading and preamble is not None and preamble.from_chat:
+      docs, leading = docs[leading:], 0  # the chat prefix is the preamble
+    total = (self.mode.preamble_tokens + sum(map(len, docs)) + len(query) +
+             sampling.max_new_tokens)
     if total > self.max_position:
       raise InvalidRequestError(
-          f"request needs {total} positions (documents + query + "
+          f"request needs {total} positions (preamble + documents + query + "
           f"max_new_tokens) but the model allows {self.max_position}")
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
                            leading)

@@ -23,9 +23,16 @@ logger = logging.getLogger("lazyattn_jax")
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counters since the engine was built (or `reset_stats`)."""
+  """Counters since the engine was built (or `reset_stats`).
+
+  `prefill_tokens_computed` counts every token prefilled: documents, the
+  preamble, requests' recomputed first pages and queries.
+  `kv_pages_written_for_cached_docs` counts pages written per request from
+  cached documents' KV (Block-Attention's copies; 0 in lazy mode).
+  """
   prefill_tokens_computed: int = 0
   documents_prefilled: int = 0
+  preambles_prefilled: int = 0
   kv_pages_written_for_cached_docs: int = 0
   peak_pages_used: int = 0
   decode_steps: int = 0
@@ -69,6 +76,21 @@ class RoundExecutor:
     self.state, results = self.scheduler.retire(self.state)
     return results
 
+  def reset(self):
+    """An empty cache and zeroed counters; the old pool is freed first (two
+    pools may not fit)."""
+    self.free_pool()
+    self.state = init_cache_state(self.cache_config)
+    self.stats = EngineStats()
+
+  def free_pool(self):
+    """Deletes the pool's buffers now (the state is gone after this)."""
+    state, self.state = self.state, None
+    if state is not None:
+      for buffer in (state.k, state.v):
+        if buffer is not None and not buffer.is_deleted():
+          buffer.delete()
+
   def note_pages_used(self):
     used = (self.cache_config.num_pages -
             self.scheduler.cache.free_page_count(self.state))
@@ -94,8 +116,8 @@ class RoundExecutor:
     queries and records their first tokens; returns the round's prefill
     work so far."""
     if group.documents:
-      self._encode([(tokens, pages) for _, tokens, pages in group.documents])
-      round_tokens += sum(len(tokens) for _, tokens, _ in group.documents)
+      self._encode(group.documents)
+      round_tokens += sum(len(job.tokens) for job in group.documents)
     copies = [c for r in group.requests for c in r.layout.copies]
     self.state = self.runner.copy_pages(self.state, copies)
     self.stats.kv_pages_written_for_cached_docs += len(copies)
@@ -114,15 +136,20 @@ class RoundExecutor:
                                          time.perf_counter())
     return round_tokens
 
-  def _encode(self, documents):
-    """Prefills (tokens, pages) documents, each alone from position 0."""
-    lengths = [len(tokens) for tokens, _ in documents]
-    for batch in self.runner.prefill_batches(lengths, self._budget,
-                                             keep_order=False):
-      self.state = self.runner.encode_documents(
-          self.state, [documents[i] for i in batch])
-      self.stats.documents_prefilled += len(batch)
-      self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+  def _encode(self, jobs):
+    """Prefills cache entries (layout.EncodeJob), each alone or after the
+    preamble: a preamble first, then the documents that read it."""
+    for phase in sorted({job.phase for job in jobs}):
+      batch_jobs = [job for job in jobs if job.phase == phase]
+      lengths = [len(job.tokens) for job in batch_jobs]
+      for batch in self.runner.prefill_batches(lengths, self._budget,
+                                               keep_order=False):
+        chunk = [batch_jobs[i] for i in batch]
+        self.state = self.runner.encode_documents(self.state, chunk)
+        preambles = sum(job.is_preamble for job in chunk)
+        self.stats.preambles_prefilled += preambles
+        self.stats.documents_prefilled += len(chunk) - preambles
+        self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
 
   def _decode(self, decoding):
     cfg = self.scheduler.config
@@ -156,26 +183,27 @@ class RoundExecutor:
     self.state = self.scheduler.fail(self.state, requests, error,
                                      prefilled=prefilled)
 
-  def encode_documents(self, keys, documents) -> list[bool]:
-    """Admits and encodes documents alone (no request reads them); returns
-    per document whether it was cached already.  On failure nothing stays
-    cached that was not encoded, and the error propagates."""
-    cache = self.scheduler.cache
-    self.state, admission = cache.admit(self.state, keys,
-                                        [len(d) for d in documents], 0)
+  def encode_documents(self, documents) -> list[bool]:
+    """Admits and encodes documents (and the preamble they are encoded
+    after, if missing) with no request reading them; returns per document
+    whether it was cached already.  On failure nothing stays cached that
+    was not encoded, and the error propagates."""
+    cache, mode = self.scheduler.cache, self.scheduler.mode
+    keys, lengths = mode.entries(documents)
+    before = self.state
+    self.state, admission = cache.admit(self.state, keys, lengths, 0)
     try:
-      self._encode([(documents[i], admission.doc_pages[i])
-                    for i in admission.missing_docs])
+      self._encode(mode.encode_jobs(documents, admission))
     except BaseException as error:
       if pool_lost(self.state):
         self._fail([], error)  # every live request's KV went with it
         raise
-      self.state = cache.drop_documents(
-          cache.finish(self.state, admission),
-          [admission.doc_slots[i] for i in admission.missing_docs])
+      # Nothing else ran since the admission: the tables as they were (the
+      # pages it wrote are free there), with the pool as it is now.
+      self.state = before.replace(k=self.state.k, v=self.state.v)
       raise
     self.state = cache.finish(self.state, admission)
-    return list(admission.doc_hit)
+    return mode.doc_hits(None, admission)
 
 
 def pool_lost(state) -> bool:

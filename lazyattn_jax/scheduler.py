@@ -57,10 +57,10 @@ class LiveRequest:
 
 @dataclasses.dataclass
 class FirstTokenGroup:
-  """Requests that get their first tokens together, after `documents`
-  (slot, tokens, pages) of the round are encoded."""
+  """Requests that get their first tokens together, after the cache entries
+  `documents` (layout.EncodeJob) of the round are encoded."""
   requests: list[LiveRequest]
-  documents: list[tuple[int, tuple[int, ...], list[int]]]
+  documents: list  # layout.EncodeJob
 
 
 class Scheduler:
@@ -152,7 +152,7 @@ class Scheduler:
         self._finish_failed(request_id, request, submitted, _describe(error))
         continue
       state = admitted
-      own = sum(len(tokens) for _, tokens, _ in to_encode) + len(layout.prefill)
+      own = sum(len(job.tokens) for job in to_encode) + len(layout.prefill)
       self.waiting.popleft()
       new.append(LiveRequest(request_id, request, admission, layout,
                              submitted, own))
@@ -177,9 +177,8 @@ class Scheduler:
     """
     todo = {}
     for live in new:
-      for slot, tokens, pages in self.mode.documents_to_encode(live.request,
-                                                               live.admission):
-        todo.setdefault(slot, (tokens, pages))
+      for job in self.mode.documents_to_encode(live.request, live.admission):
+        todo.setdefault(job.slot, job)
     if not todo:
       return [FirstTokenGroup(list(new), [])]
     needs = [{slot for slot in live.admission.doc_slots if slot in todo}
@@ -191,10 +190,10 @@ class Scheduler:
 
     def close():
       groups.append(FirstTokenGroup(
-          group, [(slot, *todo[slot]) for slot in sorted(group_slots)]))
+          group, [todo[slot] for slot in sorted(group_slots)]))
 
     while order:
-      costs = [sum(len(todo[slot][0]) for slot in needs[i] - planned)
+      costs = [sum(len(todo[slot].tokens) for slot in needs[i] - planned)
                for i in order]
       pick = int(np.argmin(costs))  # first of the cheapest: admission order
       if group and group_tokens + costs[pick] > self.config.group_tokens:
@@ -301,7 +300,8 @@ class Scheduler:
         request_id=request_id, token_ids=[], doc_hits=[False] * (
             len(request.documents) - request.leading),
         ttft_s=0.0, latency_s=now - submitted, finish_reason=reason,
-        prompt_tokens=sum(map(len, request.documents)) + len(request.query),
+        prompt_tokens=(self.mode.preamble_tokens +
+                       sum(map(len, request.documents)) + len(request.query)),
         prefill_tokens_computed=0, error=error,
         text="" if self.detokenize is not None else None)
     self.finished[request_id] = result

@@ -61,18 +61,20 @@ def dense_lazy_logits(model, documents, tokens_after, pad_to=None, *,
   return np.asarray(logits[0, np.asarray(rows, np.int32)], np.float32)
 
 
-def dense_greedy(model, documents, query, steps, **layout):
+def dense_greedy(model, documents, query, steps, *, pad_to=None, **layout):
   """Greedy tokens and first logits from the dense reference (`layout`:
-  dense_lazy_logits's preamble options)."""
+  dense_lazy_logits's preamble options).  Every step pads to the whole
+  layout's length, or to `pad_to` if longer (one compiled shape for many
+  calls)."""
   generated = []
   first_logits = None
   from models.dense_layout import request_segments
   preamble = layout.get("preamble") or ()
   if layout.get("preamble_embeddings") is not None:
     preamble = layout["preamble_embeddings"]
-  pad_to = sum(s.length for s in request_segments(
+  pad_to = max(pad_to or 0, sum(s.length for s in request_segments(
       len(preamble), [len(d) for d in documents], len(query) + steps,
-      recompute_tokens=layout.get("recompute_tokens", 0)))
+      recompute_tokens=layout.get("recompute_tokens", 0))))
   for _ in range(steps):
     logits = dense_lazy_logits(model, documents, list(query) + generated,
                                pad_to=pad_to, **layout)

@@ -154,3 +154,38 @@ def test_a_failed_generation_is_one_line_and_exit_1(monkeypatch, capsys):
   assert cli.main(["rag", "--doc", "x.txt", "--query", "q"]) == 1
   err = capsys.readouterr().err
   assert err == "lazyattn: error: generation failed: RuntimeError: device lost\n"
+
+
+def test_quality_flags_become_engine_settings(tmp_path):
+  import numpy as np
+  from lazyattn_jax.cli import build_parser
+  from lazyattn_jax.cli_options import quality_settings
+  from lazyattn_jax.quality_options import QualityOptions
+  sink = np.ones((2, 8), np.float32)
+  np.save(tmp_path / "sink.npy", sink)
+  parse = lambda *flags: quality_settings(build_parser().parse_args(
+      ["rag", "--doc", "a.txt", "--query", "q", *flags]))
+  assert parse() == {}
+  assert parse("--preamble", "chat", "--recompute") == dict(
+      preamble="chat", recompute=True)
+  settings = parse("--sink", str(tmp_path / "sink.npy"),
+                   "--recompute-tokens", "32")
+  assert QualityOptions(**settings) == QualityOptions(
+      preamble="sink", sink=sink, recompute=True, recompute_tokens=32)
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--recompute-tokens", "6"],
+     "recompute_tokens=6 is not a multiple of the page size (16)"),
+    (["--preamble", "chat", "--sink", "s.npy"], "two preambles"),
+    (["--sink", "no-such.npy"], "cannot read --sink no-such.npy"),
+])
+def test_bad_quality_flags_are_one_line_usage_errors(files, flags, want,
+                                                     capsys):
+  # Refused before any model is loaded (a missing model would say so).
+  from lazyattn_jax import cli
+  status = cli.main(["rag", "--doc", str(files[0]), "--query", "q",
+                     "--model", "/no/such/model.gguf", *flags])
+  err = capsys.readouterr().err
+  assert status == 2 and err.count("\n") == 1, err
+  assert err.startswith("lazyattn: error:") and want in err, err

@@ -139,7 +139,7 @@ def test_first_token_groups_serve_cached_requests_first():
   assert [[r.request_id for r in g.requests] for g in groups] == [
       [1, 3], [2], [0]]
   # Each missing document is encoded once, in the first group that reads it.
-  assert [[len(tokens) for _, tokens, _ in g.documents] for g in groups] == [
+  assert [[len(job.tokens) for job in g.documents] for g in groups] == [
       [9], [10], [12]]
 
 

@@ -1,0 +1,152 @@
+"""Answer-quality options for documents encoded without their neighbours.
+
+A stock model loses answers when each document is encoded alone (lazy and
+block modes): nothing before a document's first token, and an attention
+sink at the start of every document the query reads.  Two training-free
+remedies keep every document's pages shared (zero copy):
+
+- a shared preamble: each document is encoded after the same preamble (the
+  chat template's prefix, or P learned vectors), whose KV is itself one
+  cache entry; the query reads the preamble once;
+- first-page recompute (as in EPIC and MEPIC): per request, the first k
+  tokens of each document after the first are computed again, attending to
+  everything before them, into the request's private pages; the rest of
+  the document is read from the shared pages.
+
+Both are off by default.  See docs/design.md, "Answer quality".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from lazyattn_jax.errors import InvalidOptionError
+
+PREAMBLES = (None, "chat", "sink")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QualityOptions:
+  """Training-free answer-quality options (lazy and block modes only).
+
+  Attributes:
+    preamble: what every document is encoded after: None (nothing: each
+      document alone from position 0), "chat" (the chat template's text
+      before the user's words; needs a tokenizer with a chat template), or
+      "sink" (the learned vectors in `sink`).
+    sink: float array [P, D], D the model's hidden size: a learned
+      preamble whose KV is computed from these vectors instead of token
+      embeddings (preamble="sink" only).
+    recompute: recompute the first `recompute_tokens` tokens of each
+      document after the first per request, attending to everything before
+      them; the rest of the document stays shared.
+    recompute_tokens: k, a multiple of the page size (None: one page); a
+      shorter document is recomputed whole.
+  """
+
+  preamble: str | None = None
+  sink: Any = None
+  recompute: bool = False
+  recompute_tokens: int | None = None
+
+  def __post_init__(self):
+    if self.preamble not in PREAMBLES:
+      raise InvalidOptionError(
+          f"QualityOptions.preamble must be one of {PREAMBLES}, got "
+          f"{self.preamble!r}")
+    if (self.sink is not None) != (self.preamble == "sink"):
+      raise InvalidOptionError(
+          "QualityOptions.sink is given exactly when preamble='sink' (got "
+          f"preamble={self.preamble!r} and "
+          f"{'a' if self.sink is not None else 'no'} sink)")
+    if self.sink is not None:
+      object.__setattr__(self, "sink", _checked_sink(self.sink))
+    if not isinstance(self.recompute, bool):
+      raise InvalidOptionError(
+          f"QualityOptions.recompute must be a bool, got {self.recompute!r}")
+    k = self.recompute_tokens
+    if k is not None:
+      if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidOptionError(
+            f"QualityOptions.recompute_tokens must be an int >= 1 or None, "
+            f"got {k!r}")
+      if not self.recompute:
+        raise InvalidOptionError(
+            "QualityOptions.recompute_tokens needs recompute=True")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether any option is on."""
+    return self.preamble is not None or self.recompute
+
+  def tokens_to_recompute(self, page_size: int) -> int:
+    """k for pages of `page_size` tokens (0: recompute is off).
+
+    A whole number of pages, so that a document's shared pages split
+    exactly where the recomputed tokens end.
+    """
+    if not self.recompute:
+      return 0
+    k = self.recompute_tokens or page_size
+    if k % page_size:
+      raise InvalidOptionError(
+          f"QualityOptions.recompute_tokens={k} is not a multiple of the "
+          f"page size ({page_size})")
+    return k
+
+  def check_sink_width(self, hidden_size: int):
+    if self.sink is not None and self.sink.shape[1] != hidden_size:
+      raise InvalidOptionError(
+          f"QualityOptions.sink has shape {self.sink.shape}; it must be "
+          f"[P, D] with D = the model's hidden size {hidden_size}")
+
+  def _identity(self):
+    sink = None if self.sink is None else (
+        str(self.sink.dtype), self.sink.shape, self.sink.tobytes())
+    return (self.preamble, sink, self.recompute, self.recompute_tokens)
+
+  def __eq__(self, other):
+    if not isinstance(other, QualityOptions):
+      return NotImplemented
+    return self._identity() == other._identity()
+
+  def __hash__(self):
+    return hash(self._identity())
+
+
+def _checked_sink(sink) -> np.ndarray:
+  """A read-only copy of a learned preamble: 2-D, floating, finite."""
+  try:
+    array = np.array(sink, copy=True)
+  except Exception as error:  # noqa: BLE001 - any non-array input
+    raise InvalidOptionError(
+        f"QualityOptions.sink must be an array [P, D], got "
+        f"{type(sink).__name__}: {error}") from None
+  if not jnp.issubdtype(array.dtype, jnp.floating):
+    raise InvalidOptionError(
+        f"QualityOptions.sink must hold floats, got dtype {array.dtype}")
+  if array.ndim != 2 or 0 in array.shape:
+    raise InvalidOptionError(
+        f"QualityOptions.sink must be [P, D] with P, D >= 1, got shape "
+        f"{array.shape}")
+  if not np.isfinite(array.astype(np.float32)).all():
+    raise InvalidOptionError("QualityOptions.sink holds NaN or infinity")
+  array.setflags(write=False)
+  return array
+
+
+def split_quality(quality: QualityOptions | None,
+                  settings: dict) -> QualityOptions:
+  """`quality` (default QualityOptions()) with the QualityOptions fields
+  among keyword `settings` applied; those fields leave `settings`."""
+  quality = quality or QualityOptions()
+  if not isinstance(quality, QualityOptions):
+    raise InvalidOptionError(
+        f"quality must be a QualityOptions, got {type(quality).__name__}")
+  names = [f.name for f in dataclasses.fields(QualityOptions)]
+  given = {name: settings.pop(name) for name in names if name in settings}
+  return dataclasses.replace(quality, **given) if given else quality
