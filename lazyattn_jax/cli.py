@@ -2,7 +2,7 @@
 
   lazyattn demo [--model NAME_OR_PATH] [--max-new-tokens N]
   lazyattn rag --doc FILE [FILE ...] --query TEXT [--max-new-tokens N]
-               [--model NAME_OR_PATH] [--preamble chat | --sink FILE.npy]
+               [--model NAME_OR_PATH] [--preamble chat | --sink FILE]
                [--recompute] [--recompute-tokens K]
   lazyattn serve [--model NAME_OR_PATH] [--host H] [--port P] [--mode M]
                  [--num-pages N] [--max-batch B] ...

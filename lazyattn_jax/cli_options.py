@@ -63,16 +63,32 @@ def add_quality_options(parser):
                      help="encode every document after the chat template's "
                           "text before the user's words (QualityOptions."
                           "preamble)")
-  group.add_argument("--sink", metavar="FILE.npy",
+  group.add_argument("--sink", metavar="FILE",
                      help="encode every document after these learned "
-                          "vectors: a .npy file of shape [P, D], D the "
-                          "model's hidden size (QualityOptions.sink)")
+                          "vectors: the .safetensors file that `python -m "
+                          "lazyattn_jax.training.sink` writes, or a .npy "
+                          "file of shape [P, D], D the model's hidden size "
+                          "(QualityOptions.sink)")
   group.add_argument("--recompute", action="store_true",
                      help=docs["recompute"].replace(
                          "`recompute_tokens`", "K (--recompute-tokens)"))
   group.add_argument("--recompute-tokens", type=int, metavar="K",
                      help="k, a multiple of the page size (default: one "
                           "page); implies --recompute")
+
+
+def read_sink(path: str):
+  """A learned sink's [P, D] array from a .npy file or a sink .safetensors
+  file.  Raises ValueError naming the file when it cannot be read."""
+  import numpy as np
+  from lazyattn_jax.training.errors import SinkFormatError
+  from lazyattn_jax.training.sink_file import load_sink
+  try:
+    if str(path).endswith(".npy"):
+      return np.load(path, allow_pickle=False)
+    return load_sink(path)[0]
+  except (OSError, ValueError, SinkFormatError) as error:
+    raise ValueError(f"cannot read --sink {path}: {error}") from None
 
 
 def quality_settings(args) -> dict:
@@ -85,12 +101,7 @@ def quality_settings(args) -> dict:
   if args.preamble:
     settings["preamble"] = args.preamble
   if args.sink:
-    import numpy as np
-    try:
-      sink = np.load(args.sink, allow_pickle=False)
-    except (OSError, ValueError) as error:
-      raise ValueError(f"cannot read --sink {args.sink}: {error}") from None
-    settings.update(preamble="sink", sink=sink)
+    settings.update(preamble="sink", sink=read_sink(args.sink))
   if args.recompute or args.recompute_tokens is not None:
     settings["recompute"] = True
   if args.recompute_tokens is not None:

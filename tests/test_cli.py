@@ -172,6 +172,10 @@ def test_quality_flags_become_engine_settings(tmp_path):
                    "--recompute-tokens", "32")
   assert QualityOptions(**settings) == QualityOptions(
       preamble="sink", sink=sink, recompute=True, recompute_tokens=32)
+  # The file the sink trainer writes reads back to the same vectors.
+  from lazyattn_jax.training.sink_file import save_sink
+  trained = save_sink(tmp_path / "sink.safetensors", sink + 1, {"steps": 3})
+  np.testing.assert_array_equal(parse("--sink", trained)["sink"], sink + 1)
 
 
 @pytest.mark.parametrize("flags,want", [
@@ -179,6 +183,8 @@ def test_quality_flags_become_engine_settings(tmp_path):
      "recompute_tokens=6 is not a multiple of the page size (16)"),
     (["--preamble", "chat", "--sink", "s.npy"], "two preambles"),
     (["--sink", "no-such.npy"], "cannot read --sink no-such.npy"),
+    (["--sink", "no-such.safetensors"],
+     "cannot read --sink no-such.safetensors: sink file not found"),
 ])
 def test_bad_quality_flags_are_one_line_usage_errors(files, flags, want,
                                                      capsys):
