@@ -86,17 +86,21 @@ def runs_from_args(args) -> list[Run]:
 def route_options(options: dict) -> tuple[dict, dict, dict]:
   """(CacheConfig fields, Scheduler/RunnerConfig settings, LazyEngine
   keyword arguments) of a run's options; TypeError for an option nobody
-  takes."""
+  takes.  QualityOptions fields become one `quality=QualityOptions(...)`
+  argument; `sink=PATH` reads a sink file (and implies preamble=sink)."""
   from lazyattn_jax.cache_config import CacheConfig
   from lazyattn_jax.config import RunnerConfig, SchedulerConfig
   from lazyattn_jax.engine import LazyEngine
   cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
   setting_fields = {f.name for c in (SchedulerConfig, RunnerConfig)
                     for f in dataclasses.fields(c)}
+  from lazyattn_jax.quality_options import QualityOptions
+  quality_fields = {f.name for f in dataclasses.fields(QualityOptions)}
   cache = {k: v for k, v in options.items() if k in cache_fields}
   settings = {k: v for k, v in options.items() if k in setting_fields}
+  quality = {k: v for k, v in options.items() if k in quality_fields}
   extra = {k: v for k, v in options.items()
-           if k not in cache and k not in settings}
+           if k not in cache and k not in settings and k not in quality}
   params = inspect.signature(LazyEngine.__init__).parameters
   takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
   fixed = {"self", "config", "model", "cache_config", "mode", "scheduler",
@@ -105,8 +109,14 @@ def route_options(options: dict) -> tuple[dict, dict, dict]:
                    if k in fixed or (not takes_any and k not in params))
   if unknown:
     raise TypeError(f"unknown engine options {unknown}: not a field of "
-                    "CacheConfig, SchedulerConfig or RunnerConfig nor a "
-                    "keyword argument of LazyEngine")
+                    "CacheConfig, SchedulerConfig, RunnerConfig or "
+                    "QualityOptions nor a keyword argument of LazyEngine")
+  if quality:
+    if isinstance(quality.get("sink"), str):  # a sink file's path
+      from lazyattn_jax.cli_options import read_sink
+      quality = dict(quality, sink=read_sink(quality["sink"]),
+                     preamble=quality.get("preamble", "sink"))
+    extra["quality"] = QualityOptions(**quality)
   return cache, settings, extra
 
 

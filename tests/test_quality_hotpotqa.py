@@ -13,6 +13,7 @@ import os
 import subprocess
 import zipfile
 
+import numpy as np
 import pytest
 
 from lazyattn_jax import wheel_cache
@@ -240,6 +241,7 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
           "--sweep-docs", "3", "--questions", "3", "--max-new-tokens", "4",
           "--batch", "4", "--impl", "xla", "--modes", "full",
           "--run", "lazy,decode_steps=2,label=lazy two-step",
+          "--run", "lazy,preamble=chat,recompute=true,label=lazy options",
           "--engine-option", "eviction=lru", "--save-predictions",
           "--no-progress", "--out", str(out)]
   main(argv)
@@ -251,7 +253,7 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
   assert report["layout"] == "gold-sweep" and report["questions_used"] == 3
   held_out = ds.load_hotpotqa("eval", path=fixture_json)[:3]
   runs = {r["label"]: r for r in report["runs"]}
-  assert list(runs) == ["full", "lazy two-step"]
+  assert list(runs) == ["full", "lazy two-step", "lazy options"]
   assert runs["lazy two-step"]["options"] == {"eviction": "lru",
                                                "decode_steps": 2}
   for run in runs.values():
@@ -264,6 +266,22 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
   # Lazy reads each question's documents again at its second position.
   assert runs["lazy two-step"]["doc_hit_rate"] > 0
   assert runs["full"]["doc_hit_rate"] == 0
+
+
+def test_quality_options_become_one_engine_argument(tmp_path):
+  from benchmarks.quality_runs import route_options
+  from lazyattn_jax.quality_options import QualityOptions
+  from lazyattn_jax.training.sink_file import save_sink
+  cache, settings, extra = route_options(
+      {"eviction": "lru", "decode_steps": 2, "preamble": "chat",
+       "recompute": True})
+  assert (cache, settings) == ({"eviction": "lru"}, {"decode_steps": 2})
+  assert extra == {"quality": QualityOptions(preamble="chat", recompute=True)}
+  sink = np.full((2, 8), 0.5, np.float32)
+  path = save_sink(tmp_path / "sink.safetensors", sink)
+  _, _, extra = route_options({"sink": path})
+  assert extra["quality"].preamble == "sink"
+  np.testing.assert_array_equal(extra["quality"].sink, sink)
 
 
 @pytest.mark.parametrize("argv, message", [
