@@ -169,19 +169,27 @@ def test_hotpotqa_hook_is_lazy_and_says_when_it_is_missing(monkeypatch):
   """The library's HotpotQA source imports lazyattn_jax.quality when asked
   for; without it, one clear error (the real data is not used in tests)."""
   import sys
-  import types
   from lazyattn_jax.training.data import load_source
   from lazyattn_jax.training.errors import DataUnavailableError
   monkeypatch.setitem(sys.modules, "lazyattn_jax.quality.datasets", None)
   with pytest.raises(DataUnavailableError, match="load_hotpotqa"):
     load_source("hotpotqa")
-  fake = types.ModuleType("lazyattn_jax.quality.datasets")
-  fake.load_hotpotqa = lambda split: [
-      {"documents": ["Paris is in France."], "query": "Where is Paris?",
-       "answers": ["In France."], "split": split}]
-  monkeypatch.setitem(sys.modules, "lazyattn_jax.quality.datasets", fake)
+  monkeypatch.undo()
+  from lazyattn_jax.quality import datasets
+  from lazyattn_jax.quality.hotpotqa import make_query
+  raw = [{"_id": "q1", "question": "Where is Paris?", "answer": "France",
+          "type": "bridge", "level": "easy",
+          "supporting_facts": [["Paris", 0]],
+          "context": [["Paris", ["Paris is in France."]],
+                      ["Oslo", ["Oslo is in Norway."]]]}]
+  asked = []
+  monkeypatch.setattr(datasets, "load_hotpotqa", lambda split: (
+      asked.append(split), datasets.parse_hotpotqa(raw))[1])
   source = load_source("hotpotqa")
-  assert len(source) == 1 and source[0] == Sample(
-      ("Paris is in France.",), "Where is Paris?", "In France.")
+  # The train split, prompted exactly as the benchmark prompts it.
+  assert asked == ["train"] and len(source) == 1
+  assert source[0] == Sample(("Paris: Paris is in France.",
+                              "Oslo: Oslo is in Norway."),
+                             make_query("Where is Paris?"), "France")
   with pytest.raises(TrainingInputError, match="unknown data source"):
     load_source("wiki")

@@ -183,12 +183,14 @@ def load_source(name: str, *, seed: int = 1, docs_per_question: int = 4,
   if name == "hotpotqa":
     try:
       from lazyattn_jax.quality.datasets import load_hotpotqa
+      from lazyattn_jax.quality.hotpotqa import build_items
     except ImportError as e:
       raise DataUnavailableError(
           "the hotpotqa source needs lazyattn_jax.quality.datasets."
           f"load_hotpotqa, which is not available here ({e})") from e
     try:
-      items = load_hotpotqa(split="train")
+      # The benchmark's own prompt: all paragraphs in the dataset's order.
+      items = build_items(load_hotpotqa(split="train"), "dataset")
     except (OSError, RuntimeError, ValueError) as e:
       raise DataUnavailableError(f"loading HotpotQA's train split failed: "
                                  f"{e}") from e
