@@ -32,24 +32,24 @@ OPTION_RUNS=(--modes full --run lazy
   --run "lazy,preamble=chat,recompute=true,label=lazy + chat preamble + recompute")
 
 if [ "$STAGE" = options ]; then
-  quality quality_synthetic 90 --dataset synthetic --questions 200 \
+  quality quality_synthetic 70 --dataset synthetic --questions 200 \
       --max-new-tokens 16 "${OPTION_RUNS[@]}"
-  quality quality_hotpotqa 200 --dataset hotpotqa --layout dataset \
+  quality quality_hotpotqa 160 --dataset hotpotqa --layout dataset \
       --questions "$Q" "${OPTION_RUNS[@]}"
   log "start sink"
-  timeout 260 python -m lazyattn_jax.training.sink --data hotpotqa \
+  timeout 200 python -m lazyattn_jax.training.sink --data hotpotqa \
       --out "$OUT/sink" --preamble-len 16 --steps "${SINK_STEPS:-400}" \
       --batch-size 16 --lr 3e-3 --warmup-steps 30 --dtype bfloat16 \
-      --eval-batches 4 --remat --max-minutes "${SINK_MINUTES:-3.5}" --no-progress \
+      --eval-batches 4 --remat --max-minutes "${SINK_MINUTES:-2.5}" --no-progress \
       > "$OUT/sink.log" 2>&1
   log "end sink rc=$?"
   SINK="$OUT/sink/sink.safetensors"
   if [ -f "$SINK" ]; then
     SINK_RUNS=(--run "lazy,sink=$SINK,label=lazy + sink"
       --run "lazy,sink=$SINK,recompute=true,label=lazy + sink + recompute")
-    quality quality_synthetic_sink 60 --dataset synthetic --questions 200 \
+    quality quality_synthetic_sink 50 --dataset synthetic --questions 200 \
         --max-new-tokens 16 "${SINK_RUNS[@]}"
-    quality quality_hotpotqa_sink 120 --dataset hotpotqa --layout dataset \
+    quality quality_hotpotqa_sink 90 --dataset hotpotqa --layout dataset \
         --questions "$Q" "${SINK_RUNS[@]}"
   fi
 elif [ "$STAGE" = finetune ]; then
