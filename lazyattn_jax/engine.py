@@ -40,6 +40,8 @@ from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
+from lazyattn_jax.sharding import (per_device_bytes, place_cache_config,
+                                   place_model, tensor_parallel_for)
 
 __all__ = ["EngineStats", "GenerationResult", "LazyEngine", "Request"]
 
@@ -65,12 +67,21 @@ class LazyEngine:
       layer unrolling).
     model_id: identifies the weights and tokenizer in document keys.
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
+    mesh: a `jax.sharding.Mesh` to serve on with tensor parallelism
+      (weights split Megatron-style, the KV pool over KV heads; see
+      `lazyattn_jax.sharding`), or None.
+    tensor_parallel: devices to split the model over, on a mesh of the first
+      N devices (or the size of `mesh`); None or 1: one device, as without.
+    vocab_parallel: split the embedding and LM head over the vocabulary
+      (None: when it divides by the device count; False: replicate them).
+  Raises TensorParallelError if the model cannot be split so.
   """
 
   def __init__(self, config, model, cache_config: CacheConfig,
                mode: str = "lazy", *, scheduler: SchedulerConfig | None = None,
                runner: RunnerConfig | None = None, model_id: str | None = None,
-               tokenizer=None):
+               tokenizer=None, mesh=None, tensor_parallel: int | None = None,
+               vocab_parallel: bool | None = None):
     mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
                   f"model's is {getattr(config, name)})"
                   for name in ("num_layers", "num_kv_heads", "head_dim")
@@ -78,6 +89,11 @@ class LazyEngine:
     if mismatched:
       raise ValueError("cache_config does not match the model: " +
                        ", ".join(mismatched))
+    self.tensor_parallel = tensor_parallel_for(
+        config, mesh=mesh, tensor_parallel=tensor_parallel,
+        vocab_parallel=vocab_parallel)
+    model = place_model(model, config, self.tensor_parallel)
+    cache_config = place_cache_config(cache_config, self.tensor_parallel)
     self.config = config
     self.tokenizer = tokenizer
     self.cache_config = cache_config
@@ -88,7 +104,8 @@ class LazyEngine:
     self.runner_config = runner or RunnerConfig()
     self.cache = PagedKVCache(cache_config)
     self.runner = ModelRunner(model, self.runner_config,
-                              cache_config.num_pages, cache_config.page_size)
+                              cache_config.num_pages, cache_config.page_size,
+                              tensor_parallel=self.tensor_parallel)
     self.scheduler = Scheduler(
         self.scheduler_config, self._mode, self.cache,
         tokenizer.decode if tokenizer is not None else None)
@@ -107,7 +124,10 @@ class LazyEngine:
                       mode: str = "lazy",
                       scheduler: SchedulerConfig | None = None,
                       runner: RunnerConfig | None = None,
-                      progress: bool = True, **settings) -> "LazyEngine":
+                      progress: bool = True, mesh=None,
+                      tensor_parallel: int | None = None,
+                      vocab_parallel: bool | None = None,
+                      **settings) -> "LazyEngine":
     """Builds an engine around real weights and their tokenizer.
 
     Args:
@@ -125,6 +145,9 @@ class LazyEngine:
         `page_size` tokens.
       mode, scheduler, runner: as for LazyEngine.
       progress: show progress bars while fetching and loading.
+      mesh, tensor_parallel, vocab_parallel: as for LazyEngine; the weights
+        are loaded straight into their shards on each device (a model larger
+        than one device loads without being whole on any).
       **settings: fields of SchedulerConfig or RunnerConfig by name (for
         example max_batch=8, impl="xla"); max_batch defaults to 8 here.
     Settings are checked before anything is loaded.
@@ -143,13 +166,17 @@ class LazyEngine:
     scheduler, runner = split_settings(scheduler, runner, settings)
     if mode not in MODES:
       raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
-    loaded = load_model(name_or_path, dtype, progress)
+    parallel = dict(mesh=mesh, tensor_parallel=tensor_parallel,
+                    vocab_parallel=vocab_parallel)
+    loaded = load_model(name_or_path, dtype, progress,
+                        sharding=lambda config: tensor_parallel_for(
+                            config, **parallel))
     if cache_config is None:
       cache_config = default_cache_config(loaded.config, dtype, num_pages,
                                           page_size)
     return cls(loaded.config, loaded.model, cache_config, mode=mode,
                scheduler=scheduler, runner=runner, model_id=loaded.model_id,
-               tokenizer=loaded.tokenizer)
+               tokenizer=loaded.tokenizer, **parallel)
 
   # --- properties ----------------------------------------------------------------
   @property
@@ -353,12 +380,21 @@ class LazyEngine:
 
   @property
   def memory(self) -> dict[str, int]:
-    """Device bytes of the weights and of the KV pool (K and V)."""
+    """Device bytes of the weights and of the KV pool (K and V); under
+    tensor parallelism also the bytes on the fullest device (`*_per_device`;
+    replicated weights and KV head copies count on every device)."""
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params))
     with self._lock:
       pool = (0 if self.state is None else
               self.state.k.nbytes + self.state.v.nbytes)
-    return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool)}
+      sizes = {"weights_bytes": int(weights), "kv_pool_bytes": int(pool)}
+      if self.tensor_parallel is not None:
+        sizes.update(
+            weights_bytes_per_device=per_device_bytes(self.runner.params),
+            kv_pool_bytes_per_device=(0 if self.state is None else
+                                      per_device_bytes((self.state.k,
+                                                        self.state.v))))
+    return sizes
 
   def reset_cache(self):
     """Empties the cache and the counters; compiled programs are kept.
