@@ -313,7 +313,7 @@ class Llama(nnx.Module):
       # Logits whole on every device (every host reads them; sampling is
       # replicated); the pools keep their head split, so a donated pool
       # comes back with the sharding it went in with.
-      logits = tensor_parallel.constrain(logits, P())
+      logits = tensor_parallel.whole_logits(logits)
       k_out, v_out = (tensor_parallel.constrain(pool, P(tensor_parallel.axis))
                       for pool in (k_out, v_out))
     return logits, k_out, v_out

@@ -199,6 +199,16 @@ class TensorParallel:
                        out_specs=(pool, pool))(k_pool, v_pool, *replicated)
     return run
 
+  def whole_logits(self, logits):
+    """Logits [..., V] made whole on every device.  Vocab-parallel, each
+    device first computes its slice of the vocabulary, then the slices are
+    gathered: asked only for whole logits, GSPMD gathers the LM head instead
+    (V x D weights rather than B x V logits)."""
+    if self.vocab_parallel:
+      logits = self.constrain(logits,
+                              P(*(None,) * (logits.ndim - 1), self.axis))
+    return self.constrain(logits, P())
+
   def constrain(self, x, spec: P):
     """`x` with its sharding fixed to `spec` on the mesh (inside jit)."""
     return jax.lax.with_sharding_constraint(x, self.sharding(spec))
