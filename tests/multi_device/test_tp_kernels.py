@@ -133,3 +133,53 @@ def test_sharded_decode_step_moves_activations_only(vocab_parallel, tied):
 def Llama_(config):
   from models.llama import Llama
   return Llama(config, rngs=nnx.Rngs(0))
+
+
+def test_sharded_steps_lower_for_cuda():
+  """The decode step (Triton decode kernel) and the prefill step (Mosaic GPU
+  kernel, its plan made once and passed to every device) of a 2-device bf16
+  model export for CUDA from CPU, the pool split over KV heads."""
+  from jax import export
+  from lazyattn_jax.cache_state import CacheConfig
+  from lazyattn_jax.model_runner import _decode_loop, _prefill_step
+  from lazyattn_jax.sharding import place_cache_config, random_model
+  from models.paged_inputs import PagedAttentionInputs
+  config = CONFIG.replace(head_dim=128)
+  plan = _tp(2, config)
+  model = nnx.eval_shape(lambda: random_model(config, plan,
+                                              dtype=jnp.bfloat16))
+  graphdef, state = nnx.split(model)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nnx.to_pure_dict(state), plan.param_shardings(config)))
+  cache = place_cache_config(CacheConfig(
+      num_pages=64, page_size=16, num_layers=config.num_layers,
+      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+      dtype="bfloat16", max_pages_per_doc=8), plan)
+  pool = jax.ShapeDtypeStruct(cache.pool_shape, jnp.bfloat16,
+                              sharding=plan.pool_sharding)
+  whole = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(
+      shape, dtype, sharding=plan.replicated)
+  batch, pages, length = 4, 8, 64
+  sampling = (whole((batch,), jnp.float32), whole((batch,)),
+              whole((batch,), jnp.float32), whole((batch,)))
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  decode = jax.jit(lambda *a: _decode_loop(
+      *a, graphdef=graphdef, impl="gpu", num_steps=2, tensor_parallel=plan))
+  exported = export.export(decode, platforms=["cuda"],
+                           disabled_checks=[triton])(
+      state, pool, pool, (whole((batch,)),) * 4 + (whole((batch,), bool),),
+      (whole((batch, pages)),) * 4 + (whole((batch,)),), sampling,
+      (whole((batch,)), whole((batch, 4))))
+  text = exported.mlir_module()
+  assert exported.nr_devices == 2 and "xla.gpu.triton" in text
+  assert re.search(r'sharding<@mesh, \[\{"tp"\}, \{\}, \{\}, \{\}, \{\}\]>',
+                   text)
+  prefill = jax.jit(lambda *a: _prefill_step(
+      *a, graphdef=graphdef, impl="gpu", tensor_parallel=plan))
+  exported = export.export(prefill, platforms=["cuda"])(
+      state, pool, pool, whole((batch, length)),
+      PagedAttentionInputs(*(whole((batch, pages)),) * 4,
+                           *(whole((batch, length)),) * 3),
+      whole((batch,)), sampling)
+  assert exported.nr_devices == 2 and "mosaic_gpu" in exported.mlir_module()
