@@ -48,6 +48,42 @@ def test_multi_device_checks_pass_on_eight_cpu_devices():
   assert " passed" in proc.stdout and "skipped" not in proc.stdout
 
 
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_serve_one_engine_in_lockstep(tmp_path):
+  """Two processes (jax.distributed over CPU, gloo collectives), one device
+  each, one engine split over both; process 0 takes the requests (over
+  several rounds, with a cancel and documents encoded ahead) and
+  `Lockstep` replays its calls on process 1.  Answers equal one device's;
+  both processes end with the same cache."""
+  port = _free_port()
+  env = dict(_env(1), XLA_FLAGS="--xla_backend_optimization_level=0")
+  outs = [tmp_path / f"process{i}.json" for i in range(2)]
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "tests.multi_host_worker", str(i), str(port),
+       str(outs[i])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-4000:]
+  leader, follower = (json.loads(out.read_text()) for out in outs)
+  assert leader["devices"] == 2 and leader["local_devices"] == 1
+  assert leader["results"] == follower["reference"]
+  reasons = [reason for reason, _ in leader["results"].values()]
+  assert reasons.count("cancelled") == 1 and reasons.count("length") == 4
+  assert follower["rounds"] > 0
+  assert follower["cache"] == leader["cache"]
+
+
 # --- what cannot be split ----------------------------------------------------
 SMOLLM2_SHAPE = LlamaConfig.tiny(num_heads=9, num_kv_heads=3,
                                  intermediate_size=1536, vocab_size=49152)
