@@ -40,7 +40,7 @@ from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
-from lazyattn_jax.sharding import (per_device_bytes, place_cache_config,
+from lazyattn_jax.sharding import (memory_per_device, place_cache_config,
                                    place_model, tensor_parallel_for)
 
 __all__ = ["EngineStats", "GenerationResult", "LazyEngine", "Request"]
@@ -67,14 +67,10 @@ class LazyEngine:
       layer unrolling).
     model_id: identifies the weights and tokenizer in document keys.
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
-    mesh: a `jax.sharding.Mesh` to serve on with tensor parallelism
-      (weights split Megatron-style, the KV pool over KV heads; see
-      `lazyattn_jax.sharding`), or None.
-    tensor_parallel: devices to split the model over, on a mesh of the first
-      N devices (or the size of `mesh`); None or 1: one device, as without.
-    vocab_parallel: split the embedding and LM head over the vocabulary
-      (None: when it divides by the device count; False: replicate them).
-  Raises TensorParallelError if the model cannot be split so.
+    mesh, tensor_parallel, vocab_parallel: tensor parallelism over `mesh`
+      or the first `tensor_parallel` devices (None or 1: one device, as
+      without); see `lazyattn_jax.sharding.tensor_parallel_for`, which
+      raises TensorParallelError for a model that cannot be split so.
   """
 
   def __init__(self, config, model, cache_config: CacheConfig,
@@ -89,11 +85,11 @@ class LazyEngine:
     if mismatched:
       raise ValueError("cache_config does not match the model: " +
                        ", ".join(mismatched))
-    self.tensor_parallel = tensor_parallel_for(
+    tp = self.tensor_parallel = tensor_parallel_for(
         config, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel)
-    model = place_model(model, config, self.tensor_parallel)
-    cache_config = place_cache_config(cache_config, self.tensor_parallel)
+    model, cache_config = (place_model(model, config, tp),
+                           place_cache_config(cache_config, tp))
     self.config = config
     self.tokenizer = tokenizer
     self.cache_config = cache_config
@@ -387,14 +383,10 @@ class LazyEngine:
     with self._lock:
       pool = (0 if self.state is None else
               self.state.k.nbytes + self.state.v.nbytes)
-      sizes = {"weights_bytes": int(weights), "kv_pool_bytes": int(pool)}
-      if self.tensor_parallel is not None:
-        sizes.update(
-            weights_bytes_per_device=per_device_bytes(self.runner.params),
-            kv_pool_bytes_per_device=(0 if self.state is None else
-                                      per_device_bytes((self.state.k,
-                                                        self.state.v))))
-    return sizes
+      per_device = memory_per_device(self.tensor_parallel, self.runner.params,
+                                     self.state)
+    return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool),
+            **per_device}
 
   def reset_cache(self):
     """Empties the cache and the counters; compiled programs are kept.

@@ -26,8 +26,8 @@ from models.config import LlamaConfig
 from models.params import is_norm, param_shapes
 from models.sharding import KV_HEAD_PARAMS, TensorParallel
 
-__all__ = ["TensorParallel", "make_mesh", "place_model", "place_cache_config",
-           "random_model", "tensor_parallel_for"]
+__all__ = ["TensorParallel", "make_mesh", "memory_per_device", "place_model",
+           "place_cache_config", "random_model", "tensor_parallel_for"]
 
 TP_AXIS = "tp"
 
@@ -241,8 +241,8 @@ def _draw(seed, index, shape, dtype, ones, scale, name, num_kv_heads, tp,
   return draw()
 
 
-def per_device_bytes(arrays) -> int:
-  """Bytes the arrays take on their fullest device."""
+def _per_device_bytes(arrays) -> int:
+  """Bytes the arrays take on their fullest device (of this process)."""
   used: dict = {}
   for x in jax.tree_util.tree_leaves(arrays):
     for shard in x.addressable_shards:
@@ -250,6 +250,13 @@ def per_device_bytes(arrays) -> int:
   return max(used.values(), default=0)
 
 
-def num_devices(tp: TensorParallel | None) -> int:
-  return 1 if tp is None else tp.size
+def memory_per_device(tp: TensorParallel | None, params, state) -> dict:
+  """For `LazyEngine.memory` under tensor parallelism: bytes of the weights
+  and of the pool on the fullest device (replicated weights and KV head
+  copies count on every device that holds them); {} on one device."""
+  if tp is None:
+    return {}
+  pool = 0 if state is None else _per_device_bytes((state.k, state.v))
+  return {"weights_bytes_per_device": _per_device_bytes(params),
+          "kv_pool_bytes_per_device": pool}
 

@@ -20,6 +20,7 @@ from lazyattn_jax.sharding import place_model, tensor_parallel_for
 from models.config import LlamaConfig
 from models.llama import Llama, forward, kv_cache_shape, split_model
 from tests.hf_fixtures import contiguous_paged_inputs
+from tests.multi_device import needs_devices
 
 PAGE = 4
 # Head counts that divide by 4: each device holds whole heads at 2 and 4.
@@ -31,14 +32,14 @@ def model():
   return Llama(CONFIG, rngs=nnx.Rngs(0))
 
 
-def _engine(model, mode, tp, num_pages):
+def _engine(model, mode, tp, num_pages, impl):
   cache = CacheConfig(num_pages=num_pages, page_size=PAGE,
                       num_layers=CONFIG.num_layers,
                       num_kv_heads=CONFIG.num_kv_heads,
                       head_dim=CONFIG.head_dim, dtype="float32", max_docs=16,
                       max_pages_per_doc=8)
   scheduler, runner = split_settings(None, None, dict(
-      impl="xla", max_batch=2, decode_steps=4))
+      impl=impl, max_batch=2, decode_steps=4))
   return LazyEngine(CONFIG, model, cache, mode=mode, scheduler=scheduler,
                     runner=runner, tensor_parallel=tp)
 
@@ -66,10 +67,10 @@ def _pool(mode):
 
 
 @pytest.fixture(scope="module")
-def one_device(model):
+def one_device(model, engine_impl):
   out = {}
   for mode in ("lazy", "block", "prefix", "full"):
-    engine = _engine(model, mode, None, _pool(mode))
+    engine = _engine(model, mode, None, _pool(mode), engine_impl)
     out[mode] = (engine.generate_batch(_workload()), engine.stats)
     engine.close()
   return out
@@ -77,8 +78,9 @@ def one_device(model):
 
 @pytest.mark.parametrize("mode", ["lazy", "block", "prefix", "full"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_engine_matches_one_device(model, one_device, mode, tp):
-  engine = _engine(model, mode, tp, _pool(mode))
+def test_engine_matches_one_device(model, one_device, mode, tp, engine_impl):
+  needs_devices(tp)
+  engine = _engine(model, mode, tp, _pool(mode), engine_impl)
   assert engine.state.k.sharding.spec == P("tp")
   assert engine.state.k.sharding.mesh.size == tp
   results = engine.generate_batch(_workload())
@@ -106,9 +108,10 @@ QWEN_LIKE = LlamaConfig.tiny(num_heads=8, num_kv_heads=2, max_position=512,
                              attention_bias=True, qk_norm=True)
 
 
-def test_fewer_kv_heads_than_devices_replicates_them():
+def test_fewer_kv_heads_than_devices_replicates_them(engine_impl):
   """2 KV heads on 4 devices: each KV head is held by 2 devices (the pool
   holds 2 copies); logits and the pool's contents equal one device's."""
+  needs_devices(4)
   model = Llama(QWEN_LIKE, rngs=nnx.Rngs(1))
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 256, (2, 12)),
                        jnp.int32)
@@ -121,7 +124,8 @@ def test_fewer_kv_heads_than_devices_replicates_them():
     zeros = jnp.zeros(shape[:0] + (config.num_kv_heads,) + shape[1:],
                       device=None if tp is None else tp.pool_sharding)
     step = jax.jit(lambda s, k, v: forward(graphdef, s, tokens, k, v, inputs,
-                                           impl="xla", tensor_parallel=tp))
+                                           impl=engine_impl,
+                                           tensor_parallel=tp))
     return step(state, zeros, zeros)
 
   want_logits, want_k, want_v = run(model, QWEN_LIKE, None)

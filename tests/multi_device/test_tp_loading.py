@@ -19,6 +19,7 @@ from lazyattn_jax.sharding import random_model, tensor_parallel_for
 from models.config import LlamaConfig
 from models.llama import Llama
 from tests.hf_fixtures import write_hf_checkpoint
+from tests.multi_device import needs_devices
 
 T = "tp"
 # The rules, written out here rather than taken from models.sharding.
@@ -31,8 +32,8 @@ EXPECTED = {
                "down_proj": P(None, T, None), "q_bias": P(None, T),
                "k_bias": P(None, T), "v_bias": P(None, T), "q_norm": P(),
                "k_norm": P()}}
-SETTINGS = dict(impl="xla", num_pages=20, page_size=4, max_batch=2,
-                decode_steps=4, progress=False)
+SETTINGS = dict(num_pages=20, page_size=4, max_batch=2, decode_steps=4,
+                progress=False)
 
 
 def _checkpoint(tmp_path, config, model_type="llama", seed=0):
@@ -69,11 +70,11 @@ def _generate(engine, config):
                          max_new_tokens=4, temperature=0.0, stop_token_ids=())
 
 
-def test_safetensors_loads_into_shards(tmp_path, shard_watch):
+def test_safetensors_loads_into_shards(tmp_path, shard_watch, engine_impl):
   config = LlamaConfig.tiny(num_heads=8, num_kv_heads=4, max_position=512)
   directory, params = _checkpoint(tmp_path, config)
   engine = LazyEngine.from_pretrained(str(directory), tensor_parallel=2,
-                                      **SETTINGS)
+                                      impl=engine_impl, **SETTINGS)
   mesh = engine.tensor_parallel.mesh
   assert mesh.size == 2 and engine.tensor_parallel.kv_replicas == 1
   # Every layer tensor arrived split over both devices (a stack and a
@@ -99,19 +100,21 @@ def test_safetensors_loads_into_shards(tmp_path, shard_watch):
       (2,) + k.shape[1:]}
   memory = engine.memory
   assert memory["weights_bytes_per_device"] < memory["weights_bytes"]
-  one = LazyEngine.from_pretrained(str(directory), **SETTINGS)
+  one = LazyEngine.from_pretrained(str(directory), impl=engine_impl,
+                                   **SETTINGS)
   got, want = _generate(engine, config), _generate(one, config)
   assert got.token_ids == want.token_ids
 
 
-def test_qwen2_with_fewer_kv_heads_than_devices(tmp_path):
+def test_qwen2_with_fewer_kv_heads_than_devices(tmp_path, engine_impl):
   """Qwen2 (Q/K/V biases), 2 KV heads on 4 devices: each KV head and its
   bias are loaded twice, one copy per device; answers are one device's."""
+  needs_devices(4)
   config = LlamaConfig.tiny(num_heads=8, num_kv_heads=2, max_position=512,
                             attention_bias=True)
   directory, params = _checkpoint(tmp_path, config, "qwen2", seed=3)
   engine = LazyEngine.from_pretrained(str(directory), tensor_parallel=4,
-                                      **SETTINGS)
+                                      impl=engine_impl, **SETTINGS)
   assert engine.tensor_parallel.kv_replicas == 2
   assert engine.cache_config.num_kv_heads == 4
   assert engine.config.num_kv_heads == 2  # the checkpoint's model
@@ -125,7 +128,8 @@ def test_qwen2_with_fewer_kv_heads_than_devices(tmp_path):
     want = np.repeat(heads, 2, axis=axis).reshape(
         stored.shape[:axis] + (4 * head,))
     np.testing.assert_array_equal(np.asarray(layers[name]), want)
-  one = LazyEngine.from_pretrained(str(directory), **SETTINGS)
+  one = LazyEngine.from_pretrained(str(directory), impl=engine_impl,
+                                   **SETTINGS)
   got, want = _generate(engine, config), _generate(one, config)
   assert got.token_ids == want.token_ids
   np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=1e-4,
@@ -135,6 +139,7 @@ def test_qwen2_with_fewer_kv_heads_than_devices(tmp_path):
 def test_random_weights_are_made_on_their_devices():
   """The benchmark's random model: each parameter drawn straight into its
   shards, the same values at any device count."""
+  needs_devices(4)
   config = LlamaConfig.tiny(num_heads=8, num_kv_heads=2, max_position=512)
   one = nnx.to_pure_dict(nnx.state(random_model(
       config, None, dtype="float32", seed=4), nnx.Param))
