@@ -69,7 +69,7 @@ def parse_args(argv=None):
                       "(auto: when it divides by the device count)")
   p.add_argument("--pool-memory-fraction", type=float, default=None,
                  help="size the pool as this fraction of the device memory "
-                      "left after the weights (default 0.6 for the 70B "
+                      "left after the weights (default 0.5 for the 70B "
                       "shape; otherwise the pool is --cache-fraction of the "
                       "corpus, the same for every device count)")
   p.add_argument("--profile-dir", default="",
@@ -93,7 +93,7 @@ def parse_args(argv=None):
   if not args.tp_list or min(args.tp_list) < 1:
     p.error("--tensor-parallel needs device counts >= 1")
   if args.pool_memory_fraction is None:
-    args.pool_memory_fraction = 0.6 if own.model == "llama3-70b-shape" else 0.0
+    args.pool_memory_fraction = 0.5 if own.model == "llama3-70b-shape" else 0.0
   return args
 
 
