@@ -17,6 +17,14 @@
 #           once) timing against Triton and cuDNN, and its parts timed
 #           alone (issue 2, ~40 s; MGPU_PARITY=1 adds the parity cases);
 #   kernels - the kernel table of record, decode and prefill (issue 2).
+# On two or more GPUs (issue 15, tensor parallelism):
+#   tptests - tests/multi_device with the Pallas kernels (engine parity at
+#           tensor parallel 2 in every mode, kernels per device, loading);
+#   tp    - the paper-like load at tensor parallel 1 and 2 side by side
+#           (Llama-3-8B shape; TP_LIST=1,2), with the communication share of
+#           a profiled decode (TP_FRACTION=0.2 of the corpus as the pool);
+#   tp70  - the same load on a Llama-3-70B shape at tensor parallel 2, the
+#           pool in the memory the weights leave (TP70_POOL=0.5 of it).
 # Usage: bash benchmarks/h200_engine.sh OUTDIR [parts...]
 set -uo pipefail
 out=${1:-/tmp/out}; shift || true
@@ -84,6 +92,20 @@ for part in $parts; do
       parity=--skip-parity; [ "${MGPU_PARITY:-0}" = 1 ] && parity=""
       timeout ${MGPU_TIMEOUT:-120} python3 -m benchmarks.mgpu_prefill_check $parity 2>&1 \
         | grep -v Warning | tee "$out/mgpu_prefill.txt" | tail -20 ;;
+    tptests)
+      timeout 300 python3 -m pytest -q tests/multi_device --engine-impl gpu \
+        -p no:cacheprovider 2>&1 | tail -15 | tee "$out/tp_tests_gpu.txt" ;;
+    tp)
+      timeout ${TP_TIMEOUT:-540} python3 -m benchmarks.tensor_parallel --model llama3-8b-shape \
+        --tensor-parallel ${TP_LIST:-1,2} $bits --cache-fraction ${TP_FRACTION:-0.2} \
+        --profile-dir "$out/tp_profile" --no-progress --out "$out/tp_8b.json" \
+        2>&1 | grep -v Warning | tail -12 ;;
+    tp70)
+      timeout ${TP_TIMEOUT:-540} python3 -m benchmarks.tensor_parallel --model llama3-70b-shape \
+        --tensor-parallel ${TP70_LIST:-2} $bits --pool-memory-fraction ${TP70_POOL:-0.5} \
+        --num-requests ${TP70_REQUESTS:-32} \
+        --profile-dir "$out/tp70_profile" --no-progress --out "$out/tp_70b.json" \
+        2>&1 | grep -v Warning | tail -12 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
         --time-budget ${KERNELS_BUDGET:-480} 2>&1 \

@@ -92,7 +92,9 @@ def build_model(args):
 
 
 def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
-                tokenizer=None):
+                tokenizer=None, **engine_kwargs):
+  """A LazyEngine for the run's settings (`engine_kwargs`: more of its
+  arguments, such as tensor_parallel)."""
   from lazyattn_jax.cache_state import CacheConfig
   from lazyattn_jax.config import RunnerConfig, SchedulerConfig
   from lazyattn_jax.engine import LazyEngine
@@ -113,7 +115,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
                         decode_layer_unroll=True if args.decode_unroll else 1)
   return LazyEngine(config, model, cache_config, mode=mode,
-                    scheduler=scheduler, runner=runner, tokenizer=tokenizer)
+                    scheduler=scheduler, runner=runner, tokenizer=tokenizer,
+                    **engine_kwargs)
 
 
 def run_trace(engine, trace: Trace, args, progress=None):

@@ -14,7 +14,7 @@ from pallas_kernels.rope import RopeConfig, apply_rope
 
 
 def rerotate_pages(k_cache, v_cache, src_pages, dst_pages, shifts,
-                   rope: RopeConfig):
+                   rope: RopeConfig, tensor_parallel=None):
   """Copies pages src -> dst in every layer, rotating keys by `shifts`.
 
   Args:
@@ -24,9 +24,18 @@ def rerotate_pages(k_cache, v_cache, src_pages, dst_pages, shifts,
       (padding entries).
     shifts: int32[n] rotation of each copied page (the document's logical
       start position S_d).
+    rope: the model's RoPE.
+    tensor_parallel: a `models.sharding.TensorParallel` when the pools are
+      split over KV heads: each device then copies its own heads' pages
+      (shard_map), nothing crosses devices.
   Returns:
     (k_cache, v_cache) with the copies written.
   """
+  if tensor_parallel is not None:
+    copy = tensor_parallel.pools_per_device(
+        lambda k, v, src, dst, shift: rerotate_pages(k, v, src, dst, shift,
+                                                     rope))
+    return copy(k_cache, v_cache, src_pages, dst_pages, shifts)
   keys = jnp.moveaxis(k_cache[:, :, src_pages], 2, 0)  # [n, K, L, P, H]
   keys = apply_rope(keys, shifts, rope).astype(k_cache.dtype)
   values = v_cache[:, :, src_pages]  # [K, L, n, P, H]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,6 +46,10 @@ class CacheConfig:
         push it out; counts halve every `FREQUENCY_WINDOW_PER_SLOT *
         max_docs` reads, so a document that stopped being popular ages out.
       "lru": least recently used first.
+    pool_sharding: where the pool lies: None for the default device, or a
+      `jax.sharding.Sharding` of the [K, L, num_pages, page_size, H] pool
+      (the engine sets a split over KV heads under tensor parallelism;
+      `lazyattn_jax.sharding`).
   """
 
   num_pages: int
@@ -56,8 +61,14 @@ class CacheConfig:
   max_docs: int = 1024
   max_pages_per_doc: int
   eviction: str = "lfu"
+  pool_sharding: Any = None
 
   def __post_init__(self):
+    if self.pool_sharding is not None and not isinstance(
+        self.pool_sharding, jax.sharding.Sharding):
+      raise ValueError("CacheConfig.pool_sharding must be a "
+                       "jax.sharding.Sharding or None, got "
+                       f"{type(self.pool_sharding).__name__}")
     if self.eviction not in EVICTION_POLICIES:
       raise ValueError(
           f"CacheConfig.eviction must be one of {EVICTION_POLICIES}, got "

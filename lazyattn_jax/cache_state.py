@@ -101,8 +101,10 @@ def init_cache_state(config: CacheConfig) -> CacheState:
   """An empty cache: zeroed pool, every page free, no documents."""
   D, M = config.max_docs, config.max_pages_per_doc
   return CacheState(
-      k=jnp.zeros(config.pool_shape, config.dtype),
-      v=jnp.zeros(config.pool_shape, config.dtype),
+      k=jnp.zeros(config.pool_shape, config.dtype,
+                  device=config.pool_sharding),
+      v=jnp.zeros(config.pool_shape, config.dtype,
+                  device=config.pool_sharding),
       page_refcount=jnp.zeros((config.num_pages,), jnp.int32),
       doc_key=jnp.zeros((D, 2), jnp.int32),
       doc_valid=jnp.zeros((D,), jnp.bool_),

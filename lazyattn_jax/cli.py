@@ -2,8 +2,9 @@
 
   lazyattn demo [--model NAME_OR_PATH] [--max-new-tokens N]
   lazyattn rag --doc FILE [FILE ...] --query TEXT [--max-new-tokens N]
-               [--model NAME_OR_PATH] [--preamble chat | --sink FILE]
-               [--recompute] [--recompute-tokens K]
+               [--model NAME_OR_PATH] [--tensor-parallel N]
+               [--preamble chat | --sink FILE] [--recompute]
+               [--recompute-tokens K]
   lazyattn serve [--model NAME_OR_PATH] [--host H] [--port P] [--mode M]
                  [--num-pages N] [--max-batch B] ...
   lazyattn finetune --out DIR [--model NAME_OR_PATH] [--steps N] ...
@@ -39,11 +40,14 @@ def _load_engine(model: str, args, **settings):
   from lazyattn_jax.engine import LazyEngine
   from lazyattn_jax.errors import InvalidOptionError
   from models.errors import ModelFormatError
+  from lazyattn_jax.errors import TensorParallelError
   try:
     return LazyEngine.from_pretrained(model, num_pages=args.cache_pages,
                                       impl=args.impl, progress=True,
+                                      tensor_parallel=args.tensor_parallel,
                                       **settings)
-  except (UnknownModelError, ModelUnavailableError) as e:
+  except (UnknownModelError, ModelUnavailableError,
+          TensorParallelError) as e:
     raise UsageError(_first_line(e)) from None
   except FileNotFoundError as e:
     raise UsageError(f"model not found: {_first_line(e)}") from None
@@ -228,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV cache size in pages of 16 tokens")
   common.add_argument("--impl", default="auto",
                       help=f"attention implementation: {', '.join(IMPLS)}")
+  common.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                      help="split the model over N devices (weights "
+                           "Megatron-style, the KV pool over KV heads)")
   answering = argparse.ArgumentParser(add_help=False)
   answering.add_argument("--max-new-tokens", type=int, default=48)
   from lazyattn_jax.cli_options import add_quality_options
@@ -254,6 +261,9 @@ def _check_arguments(args):
     raise UsageError(f"--port must lie in [0, 65535], got {args.port}")
   if args.cache_pages < 1:
     raise UsageError(f"--cache-pages must be >= 1, got {args.cache_pages}")
+  if args.tensor_parallel < 1:
+    raise UsageError(f"--tensor-parallel must be >= 1, got "
+                     f"{args.tensor_parallel}")
   if args.impl not in IMPLS:
     raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got "
                      f"{args.impl!r}")

@@ -41,6 +41,8 @@ from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
+from lazyattn_jax.sharding import (memory_per_device, place_cache_config,
+                                   place_model, tensor_parallel_for)
 
 __all__ = ["EngineStats", "GenerationResult", "LazyEngine", "QualityOptions",
            "Request"]
@@ -70,12 +72,18 @@ class LazyEngine:
     quality: `QualityOptions` (lazy and block modes): a shared preamble
       documents are encoded after, first-page recompute; off by default.
       Options that do not apply raise InvalidOptionError.
+    mesh, tensor_parallel, vocab_parallel: tensor parallelism over `mesh`
+      or the first `tensor_parallel` devices (None or 1: one device, as
+      without); see `lazyattn_jax.sharding.tensor_parallel_for`, which
+      raises TensorParallelError for a model that cannot be split so.
   """
 
   def __init__(self, config, model, cache_config: CacheConfig,
                mode: str = "lazy", *, scheduler: SchedulerConfig | None = None,
                runner: RunnerConfig | None = None, model_id: str | None = None,
-               tokenizer=None, quality: QualityOptions | None = None):
+               tokenizer=None, quality: QualityOptions | None = None,
+               mesh=None, tensor_parallel: int | None = None,
+               vocab_parallel: bool | None = None):
     mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
                   f"model's is {getattr(config, name)})"
                   for name in ("num_layers", "num_kv_heads", "head_dim")
@@ -83,6 +91,11 @@ class LazyEngine:
     if mismatched:
       raise ValueError("cache_config does not match the model: " +
                        ", ".join(mismatched))
+    tp = self.tensor_parallel = tensor_parallel_for(
+        config, mesh=mesh, tensor_parallel=tensor_parallel,
+        vocab_parallel=vocab_parallel)
+    model, cache_config = (place_model(model, config, tp),
+                           place_cache_config(cache_config, tp))
     self.config = config
     self.tokenizer = tokenizer
     self.cache_config = cache_config
@@ -97,7 +110,8 @@ class LazyEngine:
     self.runner_config = runner or RunnerConfig()
     self.cache = PagedKVCache(cache_config)
     self.runner = ModelRunner(model, self.runner_config,
-                              cache_config.num_pages, cache_config.page_size)
+                              cache_config.num_pages, cache_config.page_size,
+                              tensor_parallel=self.tensor_parallel)
     self.scheduler = Scheduler(
         self.scheduler_config, self._mode, self.cache,
         tokenizer.decode if tokenizer is not None else None)
@@ -117,7 +131,10 @@ class LazyEngine:
                       scheduler: SchedulerConfig | None = None,
                       runner: RunnerConfig | None = None,
                       quality: QualityOptions | None = None,
-                      progress: bool = True, **settings) -> "LazyEngine":
+                      progress: bool = True, mesh=None,
+                      tensor_parallel: int | None = None,
+                      vocab_parallel: bool | None = None,
+                      **settings) -> "LazyEngine":
     """Builds an engine around real weights and their tokenizer.
 
     Args:
@@ -135,6 +152,9 @@ class LazyEngine:
         `page_size` tokens.
       mode, scheduler, runner, quality: as for LazyEngine.
       progress: show progress bars while fetching and loading.
+      mesh, tensor_parallel, vocab_parallel: as for LazyEngine; the weights
+        are loaded straight into their shards on each device (a model larger
+        than one device loads without being whole on any).
       **settings: fields of SchedulerConfig, RunnerConfig or QualityOptions
         by name (for example max_batch=8, impl="xla", recompute=True);
         max_batch defaults to 8 here.
@@ -156,13 +176,17 @@ class LazyEngine:
     scheduler, runner = split_settings(scheduler, runner, settings)
     check_quality(mode, (cache_config.page_size if cache_config is not None
                          else page_size), quality)
-    loaded = load_model(name_or_path, dtype, progress)
+    parallel = dict(mesh=mesh, tensor_parallel=tensor_parallel,
+                    vocab_parallel=vocab_parallel)
+    loaded = load_model(name_or_path, dtype, progress,
+                        sharding=lambda config: tensor_parallel_for(
+                            config, **parallel))
     if cache_config is None:
       cache_config = default_cache_config(loaded.config, dtype, num_pages,
                                           page_size)
     return cls(loaded.config, loaded.model, cache_config, mode=mode,
                scheduler=scheduler, runner=runner, model_id=loaded.model_id,
-               tokenizer=loaded.tokenizer, quality=quality)
+               tokenizer=loaded.tokenizer, quality=quality, **parallel)
 
   # --- properties ----------------------------------------------------------------
   @property
@@ -365,12 +389,17 @@ class LazyEngine:
 
   @property
   def memory(self) -> dict[str, int]:
-    """Device bytes of the weights and of the KV pool (K and V)."""
+    """Device bytes of the weights and of the KV pool (K and V); under
+    tensor parallelism also the bytes on the fullest device (`*_per_device`;
+    replicated weights and KV head copies count on every device)."""
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params))
     with self._lock:
       pool = (0 if self.state is None else
               self.state.k.nbytes + self.state.v.nbytes)
-    return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool)}
+      per_device = memory_per_device(self.tensor_parallel, self.runner.params,
+                                     self.state)
+    return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool),
+            **per_device}
 
   def reset_cache(self):
     """Empties the cache and the counters; compiled programs are kept.

@@ -13,7 +13,8 @@ the option) is made, before anything runs.
 from __future__ import annotations
 
 __all__ = ["LazyAttnError", "CacheCapacityError", "InvalidRequestError",
-           "InvalidOptionError", "RequestFailedError", "EngineClosedError"]
+           "InvalidOptionError", "RequestFailedError", "EngineClosedError",
+           "TensorParallelError"]
 
 
 class LazyAttnError(Exception):
@@ -51,3 +52,10 @@ class RequestFailedError(LazyAttnError):
 
 class EngineClosedError(LazyAttnError):
   """The engine was closed (`LazyEngine.close`) and cannot serve."""
+
+
+class TensorParallelError(LazyAttnError, ValueError):
+  """A model cannot be split over the devices asked for (head counts or
+  widths not divisible by the device count, more devices than exist, a
+  mesh of the wrong form).  Raised before any weight is placed; the message
+  names the counts and what would work instead.  Also a `ValueError`."""

@@ -19,26 +19,31 @@ class LoadedModel:
   model_id: str
 
 
-def load_model(name_or_path: str, dtype, progress: bool) -> LoadedModel:
+def load_model(name_or_path: str, dtype, progress: bool,
+               sharding=None) -> LoadedModel:
   """Loads "smollm2-135m-instruct" (the embedded default model, fetched into
   a user cache on first use), a .gguf file, or a HF safetensors directory
   (config.json, *.safetensors, optional tokenizer.json; without a tokenizer
   the engine takes token ids only), of any architecture and tensor type
   `models.gguf_loader` and `models.safetensors_loader` accept.  Weights
-  stream tensor by tensor into `dtype` on the device."""
+  stream tensor by tensor into `dtype` on the device, or, with `sharding`
+  (the file's LlamaConfig -> a models.sharding.TensorParallel or None),
+  into each device's shard of them."""
   from lazyattn_jax.default_model import resolve_model_path
   from models.tokenizer import LlamaTokenizer
   dtype = jnp.dtype(dtype)
   path = resolve_model_path(name_or_path)
   if path.is_dir():
     from models.safetensors_loader import load_safetensors
-    config, model = load_safetensors(path, dtype=dtype, progress=progress)
+    config, model = load_safetensors(path, dtype=dtype, progress=progress,
+                                     sharding=sharding)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
       tokenizer = LlamaTokenizer.from_tokenizer_json(path)
     return LoadedModel(config, model, tokenizer, f"hf:{os.path.abspath(path)}")
   from models.gguf_loader import load_gguf
-  config, model, metadata = load_gguf(path, dtype=dtype, progress=progress)
+  config, model, metadata = load_gguf(path, dtype=dtype, progress=progress,
+                                      sharding=sharding)
   # From the metadata already read: parsing the file again costs seconds.
   tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
   return LoadedModel(config, model, tokenizer,

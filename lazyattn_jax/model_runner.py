@@ -30,16 +30,18 @@ from models.paged_inputs import PagedAttentionInputs
 from pallas_kernels.sizes import next_power_of_two
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "pool_as_bits"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "pool_as_bits",
+                                             "tensor_parallel"),
                    donate_argnums=(1, 2))
 def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                   sampling, embeddings=None, *, graphdef, impl,
-                  pool_as_bits=False):
+                  pool_as_bits=False, tensor_parallel=None):
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
                                    impl=impl, logits_index=logits_index,
                                    pool_as_bits=pool_as_bits,
-                                   embeddings=embeddings)
+                                   embeddings=embeddings,
+                                   tensor_parallel=tensor_parallel)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
                         jnp.zeros_like(seed))
@@ -48,11 +50,12 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
 
 @functools.partial(jax.jit,
                    static_argnames=("graphdef", "impl", "num_steps",
-                                    "pool_as_bits", "layer_unroll"),
+                                    "pool_as_bits", "layer_unroll",
+                                    "tensor_parallel"),
                    donate_argnums=(1, 2))
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
                  graphdef, impl, num_steps, pool_as_bits=False,
-                 layer_unroll=1):
+                 layer_unroll=1, tensor_parallel=None):
   """`num_steps` decode steps of B rows in one compiled loop.
 
   carry: (tokens i32[B] last token, pos i32[B] its logical position,
@@ -92,7 +95,8 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
     logits, k_cache, v_cache = model(
         tokens[:, None], k_cache, v_cache, inputs, impl=impl,
         logits_index=jnp.zeros((batch,), jnp.int32),
-        pool_as_bits=pool_as_bits, unroll=layer_unroll)
+        pool_as_bits=pool_as_bits, unroll=layer_unroll,
+        tensor_parallel=tensor_parallel)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
     stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
     generated_after = generated + step_live
@@ -110,7 +114,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
           out_tokens.T, emitted.T)
 
 
-_rerotate = jax.jit(rerotate_pages, static_argnames=("rope",),
+_rerotate = jax.jit(rerotate_pages, static_argnames=("rope", "tensor_parallel"),
                     donate_argnums=(0, 1))
 _MIN_PREFILL_LEN = 16
 _MIN_COPY_BUCKET = 8
@@ -138,11 +142,15 @@ class ModelRunner:
     config: `RunnerConfig`.
     num_pages: pages in the pool (a write to page `num_pages` is dropped).
     page_size: tokens per page.
+    tensor_parallel: a `models.sharding.TensorParallel` when the model's
+      weights and the pool lie on a mesh (`lazyattn_jax.sharding`); the
+      steps' small inputs are then put whole on every device.
   """
 
   def __init__(self, model, config: RunnerConfig, num_pages: int,
-               page_size: int):
+               page_size: int, tensor_parallel=None):
     self.graphdef, self.params = nnx.split(model)
+    self.tensor_parallel = tensor_parallel
     self.config = config
     self.rope = model.config.rope
     self.num_pages = num_pages
@@ -160,6 +168,14 @@ class ModelRunner:
     this process: runners of one model share programs)."""
     return (_prefill_step._cache_size() + _decode_loop._cache_size() +
             _rerotate._cache_size())
+
+  def _replicated(self, *trees):
+    """The steps' inputs as they were (one device), or put whole on every
+    device of the mesh: committed global arrays, as jit needs them when the
+    mesh spans several processes."""
+    if self.tensor_parallel is None:
+      return trees
+    return jax.device_put(trees, self.tensor_parallel.replicated)
 
   def _note(self, kind, *arrays, **static):
     shapes = tuple((a.shape, str(a.dtype))
@@ -232,10 +248,13 @@ class ModelRunner:
         vectors[b, :len(rows_b)] = np.asarray(rows_b, np.float32)
       vectors = jnp.asarray(vectors)
     self._note("prefill", state.k, tokens, inputs, vectors)
+    tokens, inputs, logits_index, sampling, vectors = self._replicated(
+        tokens, inputs, logits_index, sampling, vectors)
     logits, first, k, v = _prefill_step(
         self.params, state.k, state.v, tokens, inputs,
         jnp.asarray(logits_index), sampling, vectors, graphdef=self.graphdef,
-        impl=self.config.impl, pool_as_bits=self.config.pool_as_bits)
+        impl=self.config.impl, pool_as_bits=self.config.pool_as_bits,
+        tensor_parallel=self.tensor_parallel)
     state = state.replace(k=k, v=v)
     logits, first = jax.device_get((logits, first))
     return state, np.asarray(logits)[:len(rows)], np.asarray(first)[:len(rows)]
@@ -263,8 +282,10 @@ class ModelRunner:
     dst = np.full((n,), self.num_pages, np.int32)
     shift = np.zeros((n,), np.int32)
     src[:len(copies)], dst[:len(copies)], shift[:len(copies)] = zip(*copies)
-    k, v = _rerotate(state.k, state.v, jnp.asarray(src), jnp.asarray(dst),
-                     jnp.asarray(shift), rope=self.rope)
+    k, v = _rerotate(state.k, state.v,
+                     *self._replicated(jnp.asarray(src), jnp.asarray(dst),
+                                       jnp.asarray(shift)), rope=self.rope,
+                     tensor_parallel=self.tensor_parallel)
     return state.replace(k=k, v=v)
 
   # --- decode ------------------------------------------------------------------
@@ -305,12 +326,15 @@ class ModelRunner:
                                            private_start))
     limits = (jnp.asarray(max_new), jnp.asarray(stop_ids))
     self._note("decode", state.k, pages, limits, num_steps=num_steps)
+    carry, pages, sampling, limits = self._replicated(carry, pages, sampling,
+                                                      limits)
     k, v, carry, out, emitted = _decode_loop(
         self.params, state.k, state.v, carry, pages,
         tuple(jnp.asarray(a) for a in sampling), limits,
         graphdef=self.graphdef, impl=self.config.impl, num_steps=num_steps,
         pool_as_bits=self.config.pool_as_bits,
-        layer_unroll=self.config.decode_layer_unroll)
+        layer_unroll=self.config.decode_layer_unroll,
+        tensor_parallel=self.tensor_parallel)
     state = state.replace(k=k, v=v)
     out, emitted, done = jax.device_get((out, emitted, carry[4]))
     return state, out, emitted, done

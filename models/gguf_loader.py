@@ -231,7 +231,7 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
 
 def _params_from_gguf(config: LlamaConfig, family: Architecture,
                       tensors: dict, path: str, param_dtype,
-                      progress: bool) -> dict:
+                      progress: bool, sharding=None) -> dict:
   expected = expected_shapes(config, _GGUF_NAMES)
   check_tensors({name: tuple(int(d) for d in reversed(t.shape))
                  for name, t in tensors.items() if name != _ROPE_FREQS},
@@ -250,12 +250,13 @@ def _params_from_gguf(config: LlamaConfig, family: Architecture,
     return value
 
   return load_params(config, _GGUF_NAMES, load, param_dtype=param_dtype,
-                     progress=progress, description="Loading GGUF weights")
+                     progress=progress, description="Loading GGUF weights",
+                     sharding=sharding)
 
 
 def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
-              max_position: int | None = None, progress: bool = False
-              ) -> tuple[LlamaConfig, Llama, GgufMetadata]:
+              max_position: int | None = None, progress: bool = False,
+              sharding=None) -> tuple[LlamaConfig, Llama, GgufMetadata]:
   """Loads a llama.cpp GGUF file of a supported architecture.
 
   Everything is checked before any tensor is read (the architecture, every
@@ -269,6 +270,9 @@ def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
     param_dtype: storage dtype of the weights (default: `dtype`).
     max_position: overrides the context length from the metadata.
     progress: show a progress bar while dequantizing.
+    sharding: as for `models.safetensors_loader.load_safetensors`: the
+      file's config -> a `models.sharding.TensorParallel` or None; each
+      device then receives only its shard of every tensor.
 
   Returns:
     (config, model, metadata): the LlamaConfig read from the metadata, a
@@ -297,8 +301,10 @@ def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
     raise ModelFormatError(f"{path}: unsupported model configuration: {e}"
                            ) from e
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+  placement = sharding(config) if sharding is not None else None
   params = _params_from_gguf(config, family, tensors, path, param_dtype,
-                             progress)
-  model = llama_from_params(config, params, dtype=dtype,
-                            param_dtype=param_dtype)
+                             progress, placement)
+  model = llama_from_params(
+      config if placement is None else placement.model_config(config),
+      params, dtype=dtype, param_dtype=param_dtype)
   return config, model, metadata

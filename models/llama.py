@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
@@ -189,7 +190,8 @@ class Llama(nnx.Module):
   # --- the paged forward pass -------------------------------------------------
   def __call__(self, tokens, k_cache, v_cache, inputs: PagedAttentionInputs,
                *, impl: str = "auto", logits_index=None, unroll: int | bool = 1,
-               pool_as_bits: bool = False, embeddings=None):
+               pool_as_bits: bool = False, embeddings=None,
+               tensor_parallel=None):
     """One step over the paged pool: prefill (T > 1) or decode (T == 1).
 
     Args:
@@ -211,6 +213,10 @@ class Llama(nnx.Module):
         the comment in the code).
       embeddings: optional [B, T, D] input vectors used instead of the token
         embeddings (a learned preamble); `tokens` then only gives the shape.
+      tensor_parallel: a `models.sharding.TensorParallel` when the weights
+        and pools lie on a mesh by its rules: the KV write and the attention
+        kernel then run per device on its heads (shard_map), the rest is
+        partitioned by GSPMD from the weights' shardings.  None: one device.
 
     Returns:
       (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools with
@@ -256,25 +262,39 @@ class Llama(nnx.Module):
     to_carry = lambda x: jax.lax.bitcast_convert_type(x, carried)
     to_pool = lambda x: jax.lax.bitcast_convert_type(x, pool_dtype)
 
+    def write_and_attend(q, k, v, k_pool, v_pool, rows, offset, key_pos,
+                         inputs, plan):
+      # The KV heads here are this device's under tensor parallelism (all of
+      # them on one device), so head counts come from the shapes.
+      kv_heads = k.shape[2]
+      k_rot = apply_rope(k, key_pos, rope).astype(pool_dtype)
+      # [B, T, K, H] -> [K, B*T, H], one row per written token.
+      k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(kv_heads, -1, c.head_dim)
+      v_rows = jnp.moveaxis(v.astype(pool_dtype), 2, 0).reshape(
+          kv_heads, -1, c.head_dim)
+      k_pool = k_pool.at[:, rows].set(to_carry(k_rows), mode="drop")
+      v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
+      pages = (kv_heads,) + page_shape[1:]
+      out = lazy_attention(q, to_pool(k_pool).reshape(pages),
+                           to_pool(v_pool).reshape(pages),
+                           inputs.page_table, inputs.page_pos,
+                           inputs.page_shift, inputs.page_len, inputs.q_pos,
+                           rope=rope, impl=impl, page_offset=offset,
+                           plan=plan)
+      return out, k_pool, v_pool
+
+    if tensor_parallel is not None:
+      write_and_attend = tensor_parallel.attention_per_device(
+          write_and_attend)
+
     def attend(layer, q, k, v, pools):
       k_pool, v_pool = pools
       offset = layer * num_pages
       rows = jnp.where(write_ok,
                        (inputs.write_page + offset) * page_size +
                        inputs.write_slot, all_rows).reshape(-1)
-      k_rot = apply_rope(k, key_pos, rope).astype(pool_dtype)
-      # [B, T, K, H] -> [K, B*T, H], one row per written token.
-      k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(num_kv_heads, -1, c.head_dim)
-      v_rows = jnp.moveaxis(v.astype(pool_dtype), 2, 0).reshape(
-          num_kv_heads, -1, c.head_dim)
-      k_pool = k_pool.at[:, rows].set(to_carry(k_rows), mode="drop")
-      v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
-      out = lazy_attention(q, to_pool(k_pool).reshape(page_shape),
-                           to_pool(v_pool).reshape(page_shape),
-                           inputs.page_table, inputs.page_pos,
-                           inputs.page_shift, inputs.page_len, inputs.q_pos,
-                           rope=rope, impl=impl, page_offset=offset,
-                           plan=plan)
+      out, k_pool, v_pool = write_and_attend(q, k, v, k_pool, v_pool, rows,
+                                             offset, key_pos, inputs, plan)
       return out, (k_pool, v_pool)
 
     pools = (to_carry(k_cache.reshape(row_shape)),
@@ -286,8 +306,17 @@ class Llama(nnx.Module):
         unroll=unroll)
     if logits_index is not None:
       x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
-    return (self.output_logits(x), to_pool(k_out).reshape(k_cache.shape),
-            to_pool(v_out).reshape(v_cache.shape))
+    logits = self.output_logits(x)
+    k_out = to_pool(k_out).reshape(k_cache.shape)
+    v_out = to_pool(v_out).reshape(v_cache.shape)
+    if tensor_parallel is not None:
+      # Logits whole on every device (every host reads them; sampling is
+      # replicated); the pools keep their head split, so a donated pool
+      # comes back with the sharding it went in with.
+      logits = tensor_parallel.whole_logits(logits)
+      k_out, v_out = (tensor_parallel.constrain(pool, P(tensor_parallel.axis))
+                      for pool in (k_out, v_out))
+    return logits, k_out, v_out
 
   def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index,
                   embeddings):
@@ -331,11 +360,14 @@ def split_model(model: Llama):
 
 def forward(graphdef, state, tokens, k_cache, v_cache,
             inputs: PagedAttentionInputs, *, impl: str = "auto",
-            logits_index=None, unroll: int | bool = 1, embeddings=None):
-  """Pure-function `Llama.__call__` for jit (donate k_cache and v_cache)."""
+            logits_index=None, unroll: int | bool = 1, embeddings=None,
+            tensor_parallel=None):
+  """Pure-function `Llama.__call__` for jit (donate k_cache and v_cache;
+  `tensor_parallel` static)."""
   return nnx.merge(graphdef, state)(tokens, k_cache, v_cache, inputs,
                                     impl=impl, logits_index=logits_index,
-                                    unroll=unroll, embeddings=embeddings)
+                                    unroll=unroll, embeddings=embeddings,
+                                    tensor_parallel=tensor_parallel)
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, Any], *,

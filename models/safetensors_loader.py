@@ -296,7 +296,7 @@ def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
 def _params_from_checkpoint(config: LlamaConfig,
                             tensors: dict[str, _SafetensorsFile],
                             directory: str, param_dtype,
-                            progress: bool) -> dict:
+                            progress: bool, sharding=None) -> dict:
   expected = expected_shapes(config, _HF_NAMES)
   # Older checkpoints store RoPE's inverse frequencies; they are recomputed.
   check_tensors({name: file.shape(name) for name, file in tensors.items()
@@ -306,12 +306,13 @@ def _params_from_checkpoint(config: LlamaConfig,
     tensors[name].check_dtype(name)
   return load_params(config, _HF_NAMES, lambda name: tensors[name].get(name),
                      param_dtype=param_dtype, progress=progress,
-                     description="Loading safetensors weights")
+                     description="Loading safetensors weights",
+                     sharding=sharding)
 
 
 def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
-                     max_position: int | None = None, progress: bool = False
-                     ) -> tuple[LlamaConfig, Llama]:
+                     max_position: int | None = None, progress: bool = False,
+                     sharding=None) -> tuple[LlamaConfig, Llama]:
   """Loads an HF checkpoint directory of a supported architecture.
 
   Everything is checked before any tensor is read (the configuration, every
@@ -327,9 +328,15 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
     max_position: overrides max_position_embeddings (a sliding-window
       model is limited to its window).
     progress: show a progress bar while reading the tensors.
+    sharding: optional callable, the checkpoint's LlamaConfig -> a
+      `models.sharding.TensorParallel` (or None): called once the config is
+      read and before any tensor is, it may refuse the model; each device
+      then receives only its shard of every tensor.
 
   Returns:
-    (config, model).
+    (config, model): the checkpoint's config; the model runs with
+    `sharding.model_config(config)` (more KV heads where they are
+    replicated).
 
   Raises:
     ModelFileNotFoundError (a ModelFormatError and a FileNotFoundError): no
@@ -354,8 +361,10 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
   config = config_from_hf(hf, config_path, max_position)
   tensors = _open_checkpoint(directory)
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+  placement = sharding(config) if sharding is not None else None
   params = _params_from_checkpoint(config, tensors, directory, param_dtype,
-                                   progress)
-  model = llama_from_params(config, params, dtype=dtype,
-                            param_dtype=param_dtype)
+                                   progress, placement)
+  model = llama_from_params(
+      config if placement is None else placement.model_config(config),
+      params, dtype=dtype, param_dtype=param_dtype)
   return config, model

@@ -16,6 +16,7 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from models.config import LlamaConfig
@@ -101,7 +102,8 @@ def check_tensors(found: Mapping[str, Shape], expected: Mapping[str, Shape],
 def load_params(config: LlamaConfig, names: CheckpointNames,
                 load: Callable[[str], np.ndarray], *, param_dtype,
                 progress: bool = False,
-                description: str = "Loading weights") -> dict:
+                description: str = "Loading weights",
+                sharding=None) -> dict:
   """The parameter dict of `models.llama.llama_from_params`, on the device.
 
   Tensors are read one at a time and written straight into their place in
@@ -119,30 +121,55 @@ def load_params(config: LlamaConfig, names: CheckpointNames,
     param_dtype: the weights' dtype on the device.
     progress: show a progress bar (one step per tensor).
     description: the progress bar's label.
+    sharding: a `models.sharding.TensorParallel`, or None for one device.
+      With it, every tensor goes from the host straight into its shards
+      (each device receives its slice only, and no device ever holds a
+      whole stack), KV heads are repeated where it replicates them, and the
+      dict is that of `sharding.model_config(config)`.
   """
   dtype = jnp.dtype(param_dtype)
+  specs = None
+  if sharding is not None:
+    file_config, config = config, sharding.model_config(config)
+    specs = sharding.param_specs(config)
   shapes = param_shapes(config)
   count = len(expected_shapes(config, names))
   with tqdm(total=count, desc=description, unit="tensor",
             disable=not progress) as bar:
 
-    def read(name):
+    def read(name, param=None, spec=None, transposed=False):
+      """The tensor as `load` gives it or, sharded, on the devices: KV heads
+      repeated where they are replicated, and each device sent its slice
+      of the tensor as stored (matrices transposed: [out, in])."""
       value = load(name)
       bar.update(1)
-      return value
+      if sharding is None:
+        return value
+      value = sharding.expand_kv_heads(param, value, file_config.num_kv_heads,
+                                       axis=0)
+      stored = P(*reversed(tuple(spec))) if transposed else spec
+      return jax.device_put(value, sharding.sharding(stored))
 
-    def table(name, transpose):
-      return _on_device(read(name), dtype, transpose).block_until_ready()
+    def table(name, key, transpose):
+      spec = None if specs is None else specs[key]
+      return _on_device(read(name, key, spec, transpose), dtype,
+                        transpose).block_until_ready()
 
-    params = {"embed_tokens": table(names.embed_tokens, False),
-              "final_norm": table(names.final_norm, False)}
+    params = {"embed_tokens": table(names.embed_tokens, "embed_tokens",
+                                    False),
+              "final_norm": table(names.final_norm, "final_norm", False)}
     if not config.tie_word_embeddings:
-      params["lm_head"] = table(names.lm_head, True)  # -> [D, V]
+      params["lm_head"] = table(names.lm_head, "lm_head", True)  # -> [D, V]
     params["layers"] = {}
     for param in layer_param_names(config):
-      stack = jnp.zeros(shapes["layers"][param], dtype)
+      spec = None if specs is None else specs["layers"][param]
+      stack = jnp.zeros(shapes["layers"][param], dtype, device=(
+          None if spec is None else sharding.sharding(spec)))
+      layer_spec = None if spec is None else P(*tuple(spec)[1:])
       for i in range(config.num_layers):
-        stack = _write_layer(stack, i, read(names.layer_tensor(param, i)),
+        stack = _write_layer(stack, i,
+                             read(names.layer_tensor(param, i), param,
+                                  layer_spec, is_matrix(param)),
                              transpose=is_matrix(param)).block_until_ready()
       params["layers"][param] = stack
   return params

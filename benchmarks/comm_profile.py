@@ -1,0 +1,108 @@
+"""The communication share of device time, read from a `jax.profiler` trace.
+
+`jax.profiler.trace(dir, create_perfetto_trace=True)` writes
+`dir/plugins/profile/<run>/*.trace.json.gz` (Chrome trace events).  Where a
+device has its own process in the trace ("/device:GPU:0", "/device:TPU:0"),
+its ops are read from the "XLA Ops" thread when there is one (HLO op names:
+`all-reduce-start.3`, `fusion.12`, ...), else from its stream threads
+(kernel names: NCCL kernels carry "nccl").  On CPU (tests) the ops are the
+thunks on the host's XLA threads, and every device's are counted.
+
+The share is the time inside collective ops over the time inside all ops:
+a fraction of busy device time, not of wall time.  With collectives that
+overlap compute on another stream, the two overlap in the sum as well.
+
+  python -m benchmarks.comm_profile DIR [--device 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+
+_COLLECTIVE = re.compile(
+    r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|"
+    r"nccl|allreduce|allgather|reducescatter|sendrecv", re.IGNORECASE)
+# Host-side bookkeeping in CPU traces (not ops), and control flow, whose
+# span holds its body's ops (counted on their own).
+_CPU_INFRA = re.compile(r"::|^end: |^Wait|Rendezvous|^Handle |^Allocate|^\[|"
+                        r"ThreadpoolListener|^(while|conditional|call)(\.|$)")
+
+
+def latest_trace(trace_dir: str) -> str:
+  """The newest *.trace.json.gz under `trace_dir`."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                    recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+  return max(paths, key=os.path.getmtime)
+
+
+def _events(path: str) -> list[dict]:
+  with gzip.open(path, "rt") as f:
+    data = json.load(f)
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _op_events(events: list[dict], device: int) -> tuple[str, list[dict]]:
+  """(where the ops came from, complete events of one device's ops)."""
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  done = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  pattern = re.compile(rf"/device:(GPU|TPU):{device}( |$)")
+  device_pids = {pid for pid, name in names.items() if pattern.search(name)}
+  if device_pids:
+    mine = [e for e in done if e["pid"] in device_pids]
+    ops = [e for e in mine
+           if threads.get((e["pid"], e["tid"]), "") == "XLA Ops"]
+    if ops:
+      return "xla_ops", ops
+    return "streams", [e for e in mine if "Stream" in threads.get(
+        (e["pid"], e["tid"]), "")]
+  cpu = re.compile(r"XLAPjRtCpuClient|XLAEigen")
+  client = [e for e in done if cpu.search(threads.get((e["pid"], e["tid"]), ""))
+            and not _CPU_INFRA.search(e["name"])]
+  return "cpu_thunks", client
+
+
+def communication_share(trace_dir: str, device: int = 0) -> dict:
+  """Time in collectives against time in all ops of one device (every
+  device on CPU), from the newest trace under `trace_dir`.
+
+  Returns a dict: source ("xla_ops", "streams" or "cpu_thunks"),
+  comm_s, compute_s, comm_share, and the five collectives that took the
+  longest (name, seconds).
+  """
+  source, ops = _op_events(_events(latest_trace(trace_dir)), device)
+  comm, compute, by_name = 0.0, 0.0, {}
+  for e in ops:
+    seconds = float(e["dur"]) * 1e-6  # trace times are microseconds
+    if _COLLECTIVE.search(e["name"]):
+      comm += seconds
+      by_name[e["name"]] = by_name.get(e["name"], 0.0) + seconds
+    else:
+      compute += seconds
+  total = comm + compute
+  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+  return dict(source=source, ops=len(ops), comm_s=comm, compute_s=compute,
+              comm_share=comm / total if total else 0.0,
+              top_collectives=[[n, s] for n, s in top])
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("trace_dir")
+  p.add_argument("--device", type=int, default=0)
+  args = p.parse_args(argv)
+  print(json.dumps(communication_share(args.trace_dir, args.device), indent=2))
+
+
+if __name__ == "__main__":
+  main()
