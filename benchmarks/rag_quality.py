@@ -216,13 +216,12 @@ def main(argv=None):
       args=vars(args), num_pages=pages or args.num_pages, **data_info,
       plot_metric=args.plot_metric, runs=rows)
   if args.out:
+    report["plot"] = os.path.splitext(args.out)[0] + ".png"
     with open(args.out, "w") as f:
       json.dump(report, f, indent=2)
-    png = os.path.splitext(args.out)[0] + ".png"
     quality_runs.plot_by_position(
-        rows, png, metric=args.plot_metric, title=_plot_title(report, items),
-        xlabel=_plot_xlabel(args))
-    report["plot"] = png
+        rows, report["plot"], metric=args.plot_metric,
+        title=_plot_title(report, items), xlabel=_plot_xlabel(args))
   print("run | EM | F1 | contained | items | s/item")
   for r in rows:
     print(f"{r['label']} | {r['em']:.3f} | {r['f1']:.3f} | "

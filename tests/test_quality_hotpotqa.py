@@ -246,6 +246,7 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
           "--no-progress", "--out", str(out)]
   main(argv)
   report = json.loads(out.read_text())
+  assert report["plot"] == str(out.with_suffix(".png"))
   assert out.with_suffix(".png").stat().st_size > 1000
   for key in ("date", "device", "jax", "command", "args"):
     assert report[key]
