@@ -158,7 +158,8 @@ class LazyEngine:
       **settings: fields of SchedulerConfig, RunnerConfig or QualityOptions
         by name (for example max_batch=8, impl="xla", recompute=True);
         max_batch defaults to 8 here.
-    Settings are checked before anything is loaded.
+    Settings are checked before anything is loaded (a learned preamble's
+    width and a chat preamble's template once the model is).
 
     Raises:
       ValueError, TypeError: a bad setting or mode (InvalidOptionError, a
