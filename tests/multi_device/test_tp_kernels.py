@@ -29,7 +29,7 @@ def _tp(n, config=CONFIG):
 
 
 @pytest.mark.parametrize("tp,q_len,impl", [(2, 7, "xla"), (4, 1, "xla"),
-                                           (4, 7, "xla"), (2, 1, "gpu")])
+                                           (2, 1, "gpu")])
 def test_lazy_attention_per_device_matches_reference(tp, q_len, impl):
   """Each device attends with its KV heads' pages and the query heads of
   those KV groups; together they are the whole contract (two layers in one
@@ -92,8 +92,7 @@ def _collectives(hlo: str) -> list[tuple[str, int]]:
   return found
 
 
-@pytest.mark.parametrize("vocab_parallel,tied", [(True, False), (True, True),
-                                                 (False, False)])
+@pytest.mark.parametrize("vocab_parallel,tied", [(True, False), (False, True)])
 def test_sharded_decode_step_moves_activations_only(vocab_parallel, tied):
   """Megatron's pattern: one all-reduce after each row-parallel projection
   (o_proj, down_proj: two in the layer loop's body), vocab-parallel one
