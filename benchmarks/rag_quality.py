@@ -51,19 +51,9 @@ import numpy as np
 
 from benchmarks import quality_runs
 
-FIRST = ["Talia", "Oren", "Mira", "Jonas", "Priya", "Kenji", "Lena", "Tomas",
-         "Amara", "Felix", "Sana", "Ivo", "Noor", "Elias", "Rhea", "Marek",
-         "Yara", "Bastian", "Ines", "Caleb"]
-LAST = ["Brennick", "Falkner", "Osei", "Lindqvist", "Moreau", "Tanaka",
-        "Quill", "Harrow", "Vance", "Okafor", "Delacourt", "Stroud"]
-CITIES = ["Lisbon", "Nairobi", "Oslo", "Kyoto", "Lima", "Cairo", "Dublin",
-          "Hanoi", "Quebec", "Tbilisi", "Perth", "Bogota", "Krakow", "Accra",
-          "Seville", "Manila"]
-JOBS = ["carpenter", "pilot", "chemist", "librarian", "baker", "surgeon",
-        "architect", "fisherman", "violinist", "geologist", "journalist",
-        "gardener"]
-PETS = ["parrot", "tortoise", "ferret", "goldfish", "rabbit", "hamster",
-        "lizard", "beagle", "canary", "hedgehog"]
+# One set of made-up people for the benchmark and the training generator.
+from lazyattn_jax.training.data import CITIES, FIRST, JOBS, LAST, PETS
+
 QUESTIONS = {
     "city": "In which city does {name} live?",
     "job": "What is the job of {name}?",

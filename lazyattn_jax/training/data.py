@@ -67,7 +67,7 @@ class DataSource(Protocol):
   def __getitem__(self, index: int) -> Sample: ...
 
 
-# --- the synthetic fact lookup (word lists as in benchmarks/rag_quality.py) --
+# --- the synthetic fact lookup (benchmarks/rag_quality.py uses these lists) --
 FIRST = ["Talia", "Oren", "Mira", "Jonas", "Priya", "Kenji", "Lena", "Tomas",
          "Amara", "Felix", "Sana", "Ivo", "Noor", "Elias", "Rhea", "Marek",
          "Yara", "Bastian", "Ines", "Caleb"]
