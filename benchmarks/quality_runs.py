@@ -243,6 +243,34 @@ def summarize_run(run: Run, items, results, seconds: float, *,
   return row
 
 
+class CompileClock:
+  """Seconds JAX spent tracing, lowering and compiling while in the `with`
+  block, and how many backend compiles, from `jax.monitoring` events (so a
+  run's time splits into compiling and serving)."""
+
+  _PREFIX = "/jax/core/compile/"
+  _BACKEND = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.seconds = 0.0
+    self.compiles = 0
+
+  def _listen(self, event: str, duration: float, **_):
+    if event.startswith(self._PREFIX):
+      self.seconds += duration
+      self.compiles += event == self._BACKEND
+
+  def __enter__(self):
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc):
+    import jax
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+    return False
+
+
 def run_all(loaded, runs, items, args, pages_for_mode):
   """Every run over the same items; returns the JSON rows."""
   from lazyattn_jax.sampling import SamplingParams
@@ -254,10 +282,11 @@ def run_all(loaded, runs, items, args, pages_for_mode):
                          page_size=args.page_size, dtype=args.dtype,
                          max_batch=args.batch, impl=args.impl)
     try:
-      t0 = time.perf_counter()
-      results = generate_all(engine, items, sampling, args.batch,
-                             desc=run.label, progress=args.progress)
-      seconds = time.perf_counter() - t0
+      with CompileClock() as clock:
+        t0 = time.perf_counter()
+        results = generate_all(engine, items, sampling, args.batch,
+                               desc=run.label, progress=args.progress)
+        seconds = time.perf_counter() - t0
     finally:
       engine.close()  # frees its pool before the next run allocates one
     rows.append(summarize_run(run, items, results, seconds,
@@ -265,6 +294,8 @@ def run_all(loaded, runs, items, args, pages_for_mode):
                               predictions=args.save_predictions,
                               last_gold=args.dataset == "hotpotqa"
                               and args.layout == "dataset"))
+    rows[-1].update(compiles=clock.compiles,
+                    compile_seconds=round(clock.seconds, 2))
     row = {k: v for k, v in rows[-1].items() if k != "predictions"}
     print(json.dumps(row), flush=True)
   return rows

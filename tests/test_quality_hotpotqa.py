@@ -267,6 +267,9 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
   # Lazy reads each question's documents again at its second position.
   assert runs["lazy two-step"]["doc_hit_rate"] > 0
   assert runs["full"]["doc_hit_rate"] == 0
+  # The first run compiles its programs; its time includes that.
+  assert runs["full"]["compiles"] > 0
+  assert 0 < runs["full"]["compile_seconds"] < runs["full"]["seconds"]
 
 
 def test_quality_options_become_one_engine_argument(tmp_path):
