@@ -6,6 +6,8 @@
 #
 #   bash benchmarks/h200_quality.sh OUT options   # baseline + options + sink
 #   bash benchmarks/h200_quality.sh OUT finetune  # fine-tune + measure
+#   bash benchmarks/h200_quality.sh OUT hotpot-options|hotpot-sink|synthetic
+#       # one dataset's runs each, for calls of under 10 minutes
 #
 # Environment: HOTPOT_QUESTIONS (held-out questions, default 300),
 # SINK_STEPS / SINK_MINUTES, FT_STEPS / FT_MINUTES.  The model and the data
@@ -16,6 +18,12 @@ OUT=${1:?usage: h200_quality.sh OUT options|finetune}
 STAGE=${2:-options}
 Q=${HOTPOT_QUESTIONS:-300}
 mkdir -p "$OUT"
+# Compiling, not serving, is most of a run's time on the GPU (about 4 s per
+# program; the runs report `compile_seconds`): keep compiled programs on
+# disk so a later call on the same machine reuses them.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-compile-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+SHIPPED_SINK=lazyattn_jax/data/smollm2_135m_sink.safetensors
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/steps.log"; }
 
 quality() {  # quality NAME SECONDS ARGS...
@@ -52,6 +60,20 @@ if [ "$STAGE" = options ]; then
     quality quality_hotpotqa_sink 90 --dataset hotpotqa --layout dataset \
         --questions "$Q" "${SINK_RUNS[@]}"
   fi
+elif [ "$STAGE" = hotpot-options ]; then
+  quality quality_hotpotqa_options 570 --dataset hotpotqa --layout dataset \
+      --questions "$Q" "${OPTION_RUNS[@]}" \
+      --run "lazy,sink=$SHIPPED_SINK,label=lazy + sink"
+elif [ "$STAGE" = hotpot-sink ]; then
+  quality quality_hotpotqa_sink 570 --dataset hotpotqa --layout dataset \
+      --questions "$Q" --modes full --run lazy \
+      --run "lazy,sink=$SHIPPED_SINK,recompute=true,label=lazy + sink + recompute" \
+      --run "lazy,sink=$SHIPPED_SINK,label=lazy + sink"
+elif [ "$STAGE" = synthetic ]; then
+  quality quality_synthetic_options 570 --dataset synthetic --questions 200 \
+      --max-new-tokens 16 "${OPTION_RUNS[@]}" \
+      --run "lazy,sink=$SHIPPED_SINK,label=lazy + sink" \
+      --run "lazy,sink=$SHIPPED_SINK,recompute=true,label=lazy + sink + recompute"
 elif [ "$STAGE" = finetune ]; then
   log "start finetune"
   timeout 330 python -m lazyattn_jax.cli finetune --data hotpotqa \
