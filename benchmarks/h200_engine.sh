@@ -67,6 +67,7 @@ for part in $parts; do
         --num-requests ${PAPER_REQUESTS:-64} --warm-cache-requests ${WARM_CACHE:-0} \
         --group-tokens ${GROUP_TOKENS:-0} --eviction ${EVICTION:-lfu} \
         --cache-fraction ${PAPER_FRACTION:-$fraction} --modes ${MODES:-lazy,block,full,prefix} --decode-steps 16 \
+        --quality-runs "${QUALITY_RUNS:-}" \
         --no-progress --out "$out/rag_paper_like.json" 2>&1 | grep -v Warning | tail -30 ;;
     tuned)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \

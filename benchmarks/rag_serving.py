@@ -187,19 +187,44 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
 
 
 def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
-             cache_warmer=None):
+             cache_warmer=None, quality_name=""):
   """One mode on a fresh engine and pool (compiled programs are shared by
   every engine on the model, so a new engine does not recompile); the pool is
   freed before returning, so modes never hold two pools at once.
   `cache_warmer`: a trace served (closed loop) before the measured one
-  without emptying the cache in between."""
+  without emptying the cache in between.  `quality_name`: a set of
+  answer-quality options (`quality_options_named`), reported in the row's
+  mode as "MODE + NAME"."""
   from tqdm import tqdm
-  engine = make_engine(args, config, model, dtype, mode, cache_pages)
+  extra = {}
+  if quality_name:
+    extra["quality"] = quality_options_named(quality_name, config,
+                                             args.sink_len)
+  engine = make_engine(args, config, model, dtype, mode, cache_pages, **extra)
+  label = f"{mode} + {quality_name}" if quality_name else mode
   try:
-    return _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
+    return _run_engine(args, engine, label, cache_pages, warm, measured, tqdm,
                        cache_warmer)
   finally:
     engine.close()
+
+
+QUALITY_RUNS = ("recompute", "sink", "sink+recompute")
+
+
+def quality_options_named(name: str, config, sink_len: int):
+  """QualityOptions for a --quality-runs entry.  The sink here is random
+  vectors: what a learned sink costs does not depend on its values."""
+  from lazyattn_jax.quality_options import QualityOptions
+  parts = set(name.split("+"))
+  if name not in QUALITY_RUNS:
+    raise ValueError(f"--quality-runs entries are {QUALITY_RUNS}, got {name!r}")
+  sink = None
+  if "sink" in parts:
+    sink = np.random.default_rng(0).normal(
+        0.0, 0.02, (sink_len, config.hidden_size)).astype(np.float32)
+  return QualityOptions(preamble="sink" if sink is not None else None,
+                        sink=sink, recompute="recompute" in parts)
 
 
 # A warm-up replay that compiled something ran at a different pace than the
@@ -210,7 +235,7 @@ MAX_WARMUP_REPLAYS = 3
 
 def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
                 cache_warmer=None):
-  if mode == "full":  # no cache to warm
+  if mode.split(" ")[0] == "full":  # no cache to warm
     cache_warmer = None
 
   def empty_and_warm_cache():
@@ -285,6 +310,12 @@ def parse_args(argv=None):
                  help="comma-separated corpus fractions for throughput vs budget")
   p.add_argument("--skip-base", action="store_true",
                  help="run only the sweeps")
+  p.add_argument("--quality-runs", default="",
+                 help="also run lazy and block with these answer-quality "
+                      f"option sets, comma-separated from {QUALITY_RUNS} "
+                      "(the cost of the options; the sink is random)")
+  p.add_argument("--sink-len", type=int, default=16,
+                 help="vectors of the sink in --quality-runs")
   p.add_argument("--out", default="", help="JSON output path")
   p.add_argument("--plot-dir", default="", help="where to write PNG plots")
   p.add_argument("--no-progress", action="store_true")
@@ -311,6 +342,10 @@ def parse_args(argv=None):
   bad = [m for m in modes if m not in MODES]
   if bad:
     p.error(f"unknown modes {bad}; choose from {tuple(MODES)}")
+  args.quality_runs = [q for q in args.quality_runs.split(",") if q]
+  bad = [q for q in args.quality_runs if q not in QUALITY_RUNS]
+  if bad:
+    p.error(f"unknown --quality-runs {bad}; choose from {QUALITY_RUNS}")
   if args.warm_cache_requests < 0:
     p.error(f"--warm-cache-requests must be >= 0, got "
             f"{args.warm_cache_requests}")
@@ -401,6 +436,10 @@ def main(argv=None):
     runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
                          measured, cache_warmer))
     record(runs[-1], "base")
+    for name in (args.quality_runs if mode in ("lazy", "block") else []):
+      runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
+                           measured, cache_warmer, quality_name=name))
+      record(runs[-1], "base")
   sweeps = dict(rate=[], cache=[])
   for rate in [float(r) for r in args.sweep_rates.split(",") if r]:
     swept = argparse.Namespace(**vars(args))
