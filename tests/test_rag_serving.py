@@ -131,3 +131,38 @@ def test_unwritable_out_path_is_refused_before_any_work(tmp_path):
   assert done.returncode == 2
   assert "cannot create the output directory" in done.stderr
   assert "Traceback" not in done.stderr
+
+
+def test_quality_runs_measure_the_options_on_the_same_trace(tmp_path):
+  """--quality-runs repeats lazy with answer-quality options: first-page
+  recompute adds one page of tokens per document after the first of each
+  request, and the shared pages are still never written for a hit."""
+  out = tmp_path / "rag.json"
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "20",
+         "--query-len", "6", "--output-len", "2", "--num-requests", "6",
+         "--concurrency", "3", "--max-batch", "4", "--page-size", "8",
+         "--cache-fraction", "1.0", "--add-working-pages", "--modes",
+         "lazy,full", "--quality-runs", "recompute,sink+recompute",
+         "--sink-len", "4", "--out", str(out), "--no-progress"]
+  subprocess.run(cmd, check=True, timeout=600,
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
+  runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  assert list(runs) == ["lazy", "lazy + recompute", "lazy + sink+recompute",
+                        "full"]
+  base, recompute = runs["lazy"], runs["lazy + recompute"]
+  assert base["doc_hit_rate"] == recompute["doc_hit_rate"]
+  # 6 requests x 2 later documents x one 8-token page.
+  assert (recompute["prefill_tokens_computed"] -
+          base["prefill_tokens_computed"]) == 6 * 2 * 8
+  for row in runs.values():
+    assert row["kv_pages_written_for_cached_docs"] == 0
+
+
+def test_unknown_quality_run_is_refused(tmp_path):
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         "--quality-runs", "recompute,chat"]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                        cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert done.returncode == 2
+  assert "unknown --quality-runs ['chat']" in done.stderr
