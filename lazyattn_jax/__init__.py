@@ -4,7 +4,8 @@ The user-facing engine is `LazyEngine` (`LazyEngine.from_pretrained(...)`,
 `generate`, `generate_batch`, `generate_stream`, `submit`/`step`) with
 `SamplingParams`, `Request` and the settings `SchedulerConfig`,
 `RunnerConfig`, `CacheConfig` and `QualityOptions` (answer-quality options
-for independently encoded documents, off by default).  The cache itself is a functional pytree
+for independently encoded documents; `from_pretrained` turns on defaults).
+The cache itself is a functional pytree
 (`lazyattn_jax.cache_state`) with pure, jit-compatible transitions.  See
 docs/design.md.
 """

@@ -172,9 +172,13 @@ def run_serve(args) -> int:
     server_config = ServerConfig(
         model_name=args.served_model_name or args.model,
         **chosen(args, SERVER_OPTIONS))
+    if args.no_default_quality:
+      quality = dict(quality=None)
+    else:
+      quality = {}
     engine = _load_engine(args.model, args, mode=args.mode,
                           page_size=args.page_size, dtype=args.dtype,
-                          **chosen(args, ENGINE_OPTIONS))
+                          **quality, **chosen(args, ENGINE_OPTIONS))
   except ValueError as e:  # a setting the server or the engine refuses
     raise UsageError(_first_line(e)) from None
   app = create_app(engine, server_config, close_engine=True)
@@ -204,6 +208,11 @@ def _add_serve_parser(sub, common):
                      help="compute and cache dtype (float32 or bfloat16)")
   serve.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"])
+  serve.add_argument("--no-default-quality", action="store_true",
+                     help="turn off the answer-quality options on by default "
+                          "in lazy and block modes (first-page recompute, "
+                          "and the shipped learned sink for the default "
+                          "model)")
   add_config_options(serve, SchedulerConfig, ENGINE_OPTIONS,
                      use_defaults=False)
   add_config_options(serve, ServerConfig, SERVER_OPTIONS)

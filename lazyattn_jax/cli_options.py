@@ -54,7 +54,8 @@ def chosen(args, names) -> dict:
 
 
 def add_quality_options(parser):
-  """--preamble chat, --sink FILE.npy, --recompute, --recompute-tokens K."""
+  """--preamble chat, --sink FILE.npy, --recompute, --recompute-tokens K,
+  --no-default-quality."""
   from lazyattn_jax.quality_options import QualityOptions
   docs = {k: v.replace("%", "%%")
           for k, v in attribute_docs(QualityOptions).items()}
@@ -75,6 +76,11 @@ def add_quality_options(parser):
   group.add_argument("--recompute-tokens", type=int, metavar="K",
                      help="k, a multiple of the page size (default: one "
                           "page); implies --recompute")
+  group.add_argument("--no-default-quality", action="store_true",
+                     help="turn off the options on by default in lazy and "
+                          "block modes (first-page recompute, and the "
+                          "shipped learned sink for the default model); "
+                          "the options above still apply")
 
 
 def read_sink(path: str):
@@ -96,6 +102,8 @@ def quality_settings(args) -> dict:
   `LazyEngine.from_pretrained` takes them.  Raises ValueError (a usage
   error) for a sink file that cannot be read or a contradiction."""
   settings = {}
+  if getattr(args, "no_default_quality", False):
+    settings["quality"] = None
   if args.preamble and args.sink:
     raise ValueError("--preamble and --sink are two preambles: give one")
   if args.preamble:

@@ -29,13 +29,13 @@ import jax
 
 from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.completion import run_to_completion, stream_text
-from lazyattn_jax.config import RunnerConfig, SchedulerConfig, split_settings
+from lazyattn_jax.config import RunnerConfig, SchedulerConfig
 from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
                                  RequestFailedError)
 from lazyattn_jax.model_runner import ModelRunner
 from lazyattn_jax.modes import check_quality, make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
-from lazyattn_jax.quality_options import QualityOptions, split_quality
+from lazyattn_jax.quality_options import DEFAULT, QualityOptions, split_quality
 from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
                                    TokenRequest, default_stop_ids)
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
@@ -70,7 +70,8 @@ class LazyEngine:
     model_id: identifies the weights and tokenizer in document keys.
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
     quality: `QualityOptions` (lazy and block modes): a shared preamble
-      documents are encoded after, first-page recompute; off by default.
+      documents are encoded after, first-page recompute; off unless given
+      (`from_pretrained` has defaults).
       Options that do not apply raise InvalidOptionError.
     mesh, tensor_parallel, vocab_parallel: tensor parallelism over `mesh`
       or the first `tensor_parallel` devices (None or 1: one device, as
@@ -130,7 +131,7 @@ class LazyEngine:
                       mode: str = "lazy",
                       scheduler: SchedulerConfig | None = None,
                       runner: RunnerConfig | None = None,
-                      quality: QualityOptions | None = None,
+                      quality: QualityOptions | str | None = DEFAULT,
                       progress: bool = True, mesh=None,
                       tensor_parallel: int | None = None,
                       vocab_parallel: bool | None = None,
@@ -150,7 +151,14 @@ class LazyEngine:
         bytes of the weights and of the pool).
       cache_config: the paged pool; by default `num_pages` pages of
         `page_size` tokens.
-      mode, scheduler, runner, quality: as for LazyEngine.
+      mode, scheduler, runner: as for LazyEngine.
+      quality: "default" (the default): the answer-quality options that
+        recover most of what a stock model loses in lazy and block modes
+        (`quality_options.default_quality`: first-page recompute, and the
+        shipped learned sink for the embedded model); None or
+        QualityOptions() turns them off; a QualityOptions is used as given.
+        QualityOptions fields among `settings` then replace fields of it
+        (recompute=False keeps the default sink only).
       progress: show progress bars while fetching and loading.
       mesh, tensor_parallel, vocab_parallel: as for LazyEngine; the weights
         are loaded straight into their shards on each device (a model larger
@@ -170,24 +178,13 @@ class LazyEngine:
         the type); nothing is half-loaded.
       FileNotFoundError: no such model file or directory.
     """
-    from lazyattn_jax.loading import default_cache_config, load_model
-    if scheduler is None:
-      settings.setdefault("max_batch", 8)
-    quality = split_quality(quality, settings)
-    scheduler, runner = split_settings(scheduler, runner, settings)
-    check_quality(mode, (cache_config.page_size if cache_config is not None
-                         else page_size), quality)
-    parallel = dict(mesh=mesh, tensor_parallel=tensor_parallel,
-                    vocab_parallel=vocab_parallel)
-    loaded = load_model(name_or_path, dtype, progress,
-                        sharding=lambda config: tensor_parallel_for(
-                            config, **parallel))
-    if cache_config is None:
-      cache_config = default_cache_config(loaded.config, dtype, num_pages,
-                                          page_size)
-    return cls(loaded.config, loaded.model, cache_config, mode=mode,
-               scheduler=scheduler, runner=runner, model_id=loaded.model_id,
-               tokenizer=loaded.tokenizer, quality=quality, **parallel)
+    from lazyattn_jax.loading import engine_arguments
+    return cls(**engine_arguments(
+        name_or_path, dtype=dtype, cache_config=cache_config,
+        num_pages=num_pages, page_size=page_size, mode=mode,
+        scheduler=scheduler, runner=runner, quality=quality,
+        progress=progress, mesh=mesh, tensor_parallel=tensor_parallel,
+        vocab_parallel=vocab_parallel, settings=settings))
 
   # --- properties ----------------------------------------------------------------
   @property

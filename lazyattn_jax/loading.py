@@ -60,3 +60,50 @@ def default_cache_config(config, dtype, num_pages: int,
       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
       head_dim=config.head_dim, dtype=jnp.dtype(dtype).name,
       max_docs=max(16, num_pages // 4), max_pages_per_doc=max_doc_pages)
+
+
+def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
+                     page_size, mode, scheduler, runner, quality, progress,
+                     mesh, tensor_parallel, vocab_parallel, settings) -> dict:
+  """`LazyEngine(...)`'s arguments for `LazyEngine.from_pretrained` (whose
+  docstring describes these): settings are checked before the model loads,
+  then the model loads and the default answer-quality options, which
+  depend on the model, are chosen."""
+  from lazyattn_jax.config import split_settings
+  from lazyattn_jax.errors import InvalidOptionError
+  from lazyattn_jax.modes import MODES, check_quality
+  from lazyattn_jax.quality_options import (DEFAULT, QualityOptions,
+                                            default_quality,
+                                            pop_quality_fields, split_quality,
+                                            with_fields)
+  from lazyattn_jax.sharding import tensor_parallel_for
+  settings = dict(settings)
+  if scheduler is None:
+    settings.setdefault("max_batch", 8)
+  use_default = isinstance(quality, str)
+  if use_default and quality != DEFAULT:
+    raise InvalidOptionError(f"quality must be {DEFAULT!r}, None or a "
+                             f"QualityOptions, got {quality!r}")
+  given = pop_quality_fields(settings)
+  if use_default:  # what can be checked before the model (and its sink)
+    takes = mode in MODES and MODES[mode].takes_quality_options
+    quality = QualityOptions(recompute=takes)
+  quality = split_quality(quality, dict(given))
+  scheduler, runner = split_settings(scheduler, runner, settings)
+  page = cache_config.page_size if cache_config is not None else page_size
+  check_quality(mode, page, quality)
+  parallel = dict(mesh=mesh, tensor_parallel=tensor_parallel,
+                  vocab_parallel=vocab_parallel)
+  loaded = load_model(name_or_path, dtype, progress,
+                      sharding=lambda config: tensor_parallel_for(
+                          config, **parallel))
+  if cache_config is None:
+    cache_config = default_cache_config(loaded.config, dtype, num_pages,
+                                        page_size)
+  if use_default:
+    quality = with_fields(default_quality(
+        MODES[mode].takes_quality_options, loaded.model_id), given)
+  return dict(config=loaded.config, model=loaded.model,
+              cache_config=cache_config, mode=mode, scheduler=scheduler,
+              runner=runner, model_id=loaded.model_id,
+              tokenizer=loaded.tokenizer, quality=quality, **parallel)

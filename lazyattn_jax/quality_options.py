@@ -13,7 +13,11 @@ remedies keep every document's pages shared (zero copy):
   everything before them, into the request's private pages; the rest of
   the document is read from the shared pages.
 
-Both are off by default.  See docs/design.md, "Answer quality".
+`LazyEngine.from_pretrained` turns them on by default in lazy and block
+modes (`default_quality`): first-page recompute for every model, and for
+the model the shipped sink was trained on (the embedded SmolLM2), that
+sink as the preamble.  `LazyEngine(...)` itself takes them as given (off
+unless given).  See docs/design.md, "Answer quality".
 """
 
 from __future__ import annotations
@@ -139,6 +143,60 @@ def _checked_sink(sink) -> np.ndarray:
   return array
 
 
+DEFAULT = "default"
+# The learned sink shipped with the package, and the model it was trained
+# for (`lazyattn_jax.training.sink`; benchmarks/RESULTS.md, "Answer quality").
+SHIPPED_SINK = "data/smollm2_135m_sink.safetensors"
+
+
+def shipped_sink_for(model_id: str):
+  """The shipped sink's [P, D] array if it was trained for the model of
+  `model_id` (`LoadedModel.model_id`), else None."""
+  import importlib.resources
+  from lazyattn_jax.training.sink_file import load_sink
+  path = importlib.resources.files("lazyattn_jax").joinpath(SHIPPED_SINK)
+  with importlib.resources.as_file(path) as file:
+    sink, metadata = load_sink(str(file))
+  return sink if metadata.get("model_id") == model_id else None
+
+
+def default_quality(takes_options: bool, model_id: str) -> QualityOptions:
+  """What `from_pretrained` uses unless told otherwise: nothing for modes
+  that take no options (prefix, full); first-page recompute for lazy and
+  block, after the shipped sink where it was trained for this model.
+
+  On SmolLM2-135M-Instruct, lazy with both matches full attention on
+  HotpotQA and the synthetic set, for about 25% more TTFT at the
+  paper-like load (benchmarks/RESULTS.md, "Answer quality")."""
+  if not takes_options:
+    return QualityOptions()
+  sink = shipped_sink_for(model_id)
+  return QualityOptions(preamble=None if sink is None else "sink", sink=sink,
+                        recompute=True)
+
+
+def with_fields(quality: QualityOptions, given: dict) -> QualityOptions:
+  """`quality` with the fields in `given` replaced; a new preamble (or
+  sink) replaces the old one whole, so a default sink gives way to
+  preamble="chat" or preamble=None."""
+  if not given:
+    return quality
+  given = dict(given)
+  if "sink" in given and "preamble" not in given:
+    given["preamble"] = None if given["sink"] is None else "sink"
+  if "preamble" in given and "sink" not in given:
+    given["sink"] = None
+  if given.get("recompute") is False and "recompute_tokens" not in given:
+    given["recompute_tokens"] = None
+  return dataclasses.replace(quality, **given)
+
+
+def pop_quality_fields(settings: dict) -> dict:
+  """The QualityOptions fields among keyword `settings` (they leave it)."""
+  names = [f.name for f in dataclasses.fields(QualityOptions)]
+  return {name: settings.pop(name) for name in names if name in settings}
+
+
 def split_quality(quality: QualityOptions | None,
                   settings: dict) -> QualityOptions:
   """`quality` (default QualityOptions()) with the QualityOptions fields
@@ -147,6 +205,4 @@ def split_quality(quality: QualityOptions | None,
   if not isinstance(quality, QualityOptions):
     raise InvalidOptionError(
         f"quality must be a QualityOptions, got {type(quality).__name__}")
-  names = [f.name for f in dataclasses.fields(QualityOptions)]
-  given = {name: settings.pop(name) for name in names if name in settings}
-  return dataclasses.replace(quality, **given) if given else quality
+  return with_fields(quality, pop_quality_fields(settings))

@@ -53,7 +53,8 @@ def _engine(directory, **settings):
   from lazyattn_jax.engine import LazyEngine
   return LazyEngine.from_pretrained(directory, impl="xla", num_pages=48,
                                     page_size=4, max_batch=2, decode_steps=4,
-                                    progress=False, **settings)
+                                    progress=False,
+                                    **{"quality": None, **settings})
 
 
 def test_block_diagonal_mask_changes_hf_logits(checkpoint):

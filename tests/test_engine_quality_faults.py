@@ -222,7 +222,12 @@ def test_from_pretrained_checks_options_before_loading():
     LazyEngine.from_pretrained(missing, page_size=4, recompute=True,
                                recompute_tokens=6)
   with pytest.raises(InvalidOptionError, match="needs recompute=True"):
-    LazyEngine.from_pretrained(missing, recompute_tokens=16)
+    LazyEngine.from_pretrained(missing, quality=None, recompute_tokens=16)
+  # Recompute is on by default, so its k is checked without recompute=True.
+  with pytest.raises(InvalidOptionError, match="multiple of the page size"):
+    LazyEngine.from_pretrained(missing, page_size=4, recompute_tokens=6)
+  with pytest.raises(InvalidOptionError, match="quality must be 'default'"):
+    LazyEngine.from_pretrained(missing, quality="best")
   with pytest.raises(TypeError, match="unknown engine settings"):
     LazyEngine.from_pretrained(missing, recompute_pages=1)
 

@@ -50,7 +50,8 @@ def test_lazy_request_with_three_documents_matches_hf(smollm2_gguf_path,
   from lazyattn_jax.sampling import SamplingParams
   hf_model, _ = hf_smollm2
   engine = LazyEngine.from_pretrained(smollm2_gguf_path, impl="xla",
-                                      num_pages=128, progress=False)
+                                      num_pages=128, progress=False,
+                                      quality=None)  # the plain layout
   tok = engine.tokenizer
   documents = [tok.encode(d) for d in DOCS]
   query = tok.chat_prompt(QUESTION)
