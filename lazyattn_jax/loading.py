@@ -52,8 +52,10 @@ def load_model(name_or_path: str, dtype, progress: bool,
 
 def default_cache_config(config, dtype, num_pages: int,
                          page_size: int) -> CacheConfig:
-  """A pool of `num_pages` pages for `config`: a quarter as many document
-  slots, and documents up to half the pool (or the model's context)."""
+  """A pool of `num_pages` pages for `config` in `dtype` (the compute dtype,
+  or "float8_e4m3fn": `CacheConfig.pool_bytes` counts its scales): a
+  quarter as many document slots, and documents up to half the pool (or the
+  model's context)."""
   max_doc_pages = max(1, min(num_pages // 2, config.max_position // page_size))
   return CacheConfig(
       num_pages=num_pages, page_size=page_size,
