@@ -105,7 +105,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
   cache_config = CacheConfig(
       num_pages=cache_pages, page_size=args.page_size,
       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-      head_dim=config.head_dim, dtype=dtype, max_docs=max_docs,
+      head_dim=config.head_dim, dtype=args.kv_dtype or dtype,
+      max_docs=max_docs,
       max_pages_per_doc=max(pages_per_doc, 1), eviction=args.eviction)
   scheduler = SchedulerConfig(
       max_batch=args.max_batch, decode_steps=args.decode_steps,
@@ -298,6 +299,9 @@ def parse_args(argv=None):
                  help="add room for max_batch in-flight requests (including "
                       "block-mode copies) on top of --cache-fraction")
   p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--kv-dtype", default="",
+                 help="KV pool dtype (default: the model's compute dtype); "
+                      "float8_e4m3fn: float8 pages with per-page scales")
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--impl", default="auto")

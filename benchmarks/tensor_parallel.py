@@ -118,8 +118,11 @@ def pool_pages(args, config, dtype, tp, devices) -> int:
     if free is not None:
       replicas = 1 if tp is None else tp.kv_replicas
       heads = config.num_kv_heads * replicas // len(devices)
+      kv_dtype = jnp.dtype(args.kv_dtype or dtype)
       per_page = (2 * config.num_layers * heads * args.page_size *
-                  config.head_dim * jnp.dtype(dtype).itemsize)
+                  config.head_dim * kv_dtype.itemsize)
+      if kv_dtype == jnp.float8_e4m3fn:  # a float32 scale per head and layer
+        per_page += 2 * config.num_layers * heads * 4
       return int(args.pool_memory_fraction * free // per_page)
   return args.cache_pages or rag_serving.cache_pages_for(args,
                                                          args.cache_fraction)

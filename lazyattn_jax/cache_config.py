@@ -35,7 +35,11 @@ class CacheConfig:
     num_kv_heads: KV heads per layer (K).
     head_dim: head dimension (H).
     dtype: dtype of the K/V pool, stored as its canonical name (e.g.
-      "bfloat16"); any `jnp.dtype`-compatible value is accepted.
+      "bfloat16"); any `jnp.dtype`-compatible value is accepted.  A float
+      pool is in the model's compute dtype; "float8_e4m3fn" stores float8
+      pages with a float32 scale per (KV head, layer, page) for K and for V
+      (`models.quantized_pool`), about half the bytes of bf16, whatever
+      the model computes in.
     max_docs: rows of the document table.
     max_pages_per_doc: pages one document may occupy, so a document holds at
       most `max_pages_per_doc * page_size` tokens.
@@ -49,7 +53,8 @@ class CacheConfig:
     pool_sharding: where the pool lies: None for the default device, or a
       `jax.sharding.Sharding` of the [K, L, num_pages, page_size, H] pool
       (the engine sets a split over KV heads under tensor parallelism;
-      `lazyattn_jax.sharding`).
+      `lazyattn_jax.sharding`).  A float8 pool's scales [K, L, num_pages]
+      take the same sharding, so it must split axis 0 (KV heads) only.
   """
 
   num_pages: int
@@ -99,7 +104,29 @@ class CacheConfig:
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
           f"CacheConfig.dtype must be a floating dtype, got {dtype.name}")
+    if dtype.itemsize == 1 and dtype != jnp.dtype(jnp.float8_e4m3fn):
+      raise ValueError("CacheConfig.dtype: the only 8-bit pool is "
+                       f"float8_e4m3fn, got {dtype.name}")
     object.__setattr__(self, "dtype", dtype.name)
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the pool holds float8 pages with per-page scales."""
+    return jnp.dtype(self.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+  @property
+  def bytes_per_page(self) -> int:
+    """Device bytes of one page id across K and V, every layer and KV head,
+    scales included (4 bytes per head and layer each for K and V)."""
+    slots = self.num_kv_heads * self.num_layers
+    page = slots * self.page_size * self.head_dim * jnp.dtype(
+        self.dtype).itemsize
+    return 2 * (page + (4 * slots if self.quantized else 0))
+
+  @property
+  def pool_bytes(self) -> int:
+    """Device bytes of the whole pool (K and V, scales included)."""
+    return self.num_pages * self.bytes_per_page
 
   @property
   def max_doc_tokens(self) -> int:

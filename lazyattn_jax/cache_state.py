@@ -35,6 +35,7 @@ import numpy as np
 
 from lazyattn_jax.cache_config import (EVICTION_POLICIES,
                                        FREQUENCY_WINDOW_PER_SLOT, CacheConfig)
+from models.quantized_pool import QuantizedPool, zeros_pool
 
 __all__ = [
     "CacheConfig",
@@ -67,8 +68,11 @@ class CacheState:
   transitions; every transition here leaves them untouched.
   """
 
-  k: jax.Array | None  # [K, L, num_pages, page_size, H] keys, rotated at stored angle
-  v: jax.Array | None  # [K, L, num_pages, page_size, H] values
+  # [K, L, num_pages, page_size, H] keys rotated at their stored angle, and
+  # values: arrays, or models.quantized_pool.QuantizedPool (float8 pages and
+  # float32 scales [K, L, num_pages]) when config.dtype is float8_e4m3fn.
+  k: jax.Array | QuantizedPool | None
+  v: jax.Array | QuantizedPool | None
   page_refcount: jax.Array  # int32[num_pages] holders of each page; 0 = free
   doc_key: jax.Array  # int32[max_docs, 2] document_key of each slot
   doc_valid: jax.Array  # bool[max_docs] slot holds a cached document
@@ -101,10 +105,10 @@ def init_cache_state(config: CacheConfig) -> CacheState:
   """An empty cache: zeroed pool, every page free, no documents."""
   D, M = config.max_docs, config.max_pages_per_doc
   return CacheState(
-      k=jnp.zeros(config.pool_shape, config.dtype,
-                  device=config.pool_sharding),
-      v=jnp.zeros(config.pool_shape, config.dtype,
-                  device=config.pool_sharding),
+      k=zeros_pool(config.pool_shape, config.dtype,
+                   device=config.pool_sharding),
+      v=zeros_pool(config.pool_shape, config.dtype,
+                   device=config.pool_sharding),
       page_refcount=jnp.zeros((config.num_pages,), jnp.int32),
       doc_key=jnp.zeros((D, 2), jnp.int32),
       doc_valid=jnp.zeros((D,), jnp.bool_),

@@ -43,6 +43,7 @@ def _load_engine(model: str, args, **settings):
   from lazyattn_jax.errors import TensorParallelError
   try:
     return LazyEngine.from_pretrained(model, num_pages=args.cache_pages,
+                                      kv_dtype=args.kv_dtype,
                                       impl=args.impl, progress=True,
                                       tensor_parallel=args.tensor_parallel,
                                       **settings)
@@ -239,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument("--cache-pages", "--num-pages", dest="cache_pages",
                       type=int, default=1024,
                       help="KV cache size in pages of 16 tokens")
+  common.add_argument("--kv-dtype", default=None,
+                      choices=("float32", "bfloat16", "float16",
+                               "float8_e4m3fn"),
+                      help="KV cache dtype (default: the compute dtype); "
+                           "float8_e4m3fn stores float8 pages with "
+                           "per-page scales, about half the bytes of "
+                           "bfloat16"),
   common.add_argument("--impl", default="auto",
                       help=f"attention implementation: {', '.join(IMPLS)}")
   common.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

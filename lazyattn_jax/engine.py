@@ -128,7 +128,7 @@ class LazyEngine:
   def from_pretrained(cls, name_or_path: str = "smollm2-135m-instruct", *,
                       dtype="float32", cache_config: CacheConfig | None = None,
                       num_pages: int = 1024, page_size: int = 16,
-                      mode: str = "lazy",
+                      kv_dtype=None, mode: str = "lazy",
                       scheduler: SchedulerConfig | None = None,
                       runner: RunnerConfig | None = None,
                       quality: QualityOptions | str | None = DEFAULT,
@@ -150,7 +150,11 @@ class LazyEngine:
         are dequantized into it, tensor by tensor (`memory` gives the device
         bytes of the weights and of the pool).
       cache_config: the paged pool; by default `num_pages` pages of
-        `page_size` tokens.
+        `page_size` tokens in `kv_dtype`.
+      kv_dtype: dtype of the default pool: None for `dtype`, or
+        "float8_e4m3fn" for float8 pages with per-page scales (about half
+        the bytes of bfloat16 per page, so twice the documents per byte;
+        docs/design.md, "Float8 pages").
       mode, scheduler, runner: as for LazyEngine.
       quality: "default" (the default): the answer-quality options that
         recover most of what a stock model loses in lazy and block modes
@@ -181,8 +185,8 @@ class LazyEngine:
     from lazyattn_jax.loading import engine_arguments
     return cls(**engine_arguments(
         name_or_path, dtype=dtype, cache_config=cache_config,
-        num_pages=num_pages, page_size=page_size, mode=mode,
-        scheduler=scheduler, runner=runner, quality=quality,
+        num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
+        mode=mode, scheduler=scheduler, runner=runner, quality=quality,
         progress=progress, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel, settings=settings))
 

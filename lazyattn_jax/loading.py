@@ -52,8 +52,10 @@ def load_model(name_or_path: str, dtype, progress: bool,
 
 def default_cache_config(config, dtype, num_pages: int,
                          page_size: int) -> CacheConfig:
-  """A pool of `num_pages` pages for `config`: a quarter as many document
-  slots, and documents up to half the pool (or the model's context)."""
+  """A pool of `num_pages` pages for `config` in `dtype` (the compute dtype,
+  or "float8_e4m3fn": `CacheConfig.pool_bytes` counts its scales): a
+  quarter as many document slots, and documents up to half the pool (or the
+  model's context)."""
   max_doc_pages = max(1, min(num_pages // 2, config.max_position // page_size))
   return CacheConfig(
       num_pages=num_pages, page_size=page_size,
@@ -63,7 +65,7 @@ def default_cache_config(config, dtype, num_pages: int,
 
 
 def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
-                     page_size, mode, scheduler, runner, quality, progress,
+                     page_size, kv_dtype, mode, scheduler, runner, quality, progress,
                      mesh, tensor_parallel, vocab_parallel, settings) -> dict:
   """`LazyEngine(...)`'s arguments for `LazyEngine.from_pretrained` (whose
   docstring describes these): settings are checked before the model loads,
@@ -98,8 +100,9 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
                       sharding=lambda config: tensor_parallel_for(
                           config, **parallel))
   if cache_config is None:
-    cache_config = default_cache_config(loaded.config, dtype, num_pages,
-                                        page_size)
+    cache_config = default_cache_config(
+        loaded.config, dtype if kv_dtype is None else kv_dtype, num_pages,
+        page_size)
   if use_default:
     quality = with_fields(default_quality(
         MODES[mode].takes_quality_options, loaded.model_id), given)

@@ -29,6 +29,8 @@ from jax.sharding import PartitionSpec as P
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
 from models.params import init_params, layer_param_names, param_shapes
+from models.quantized_pool import (QuantizedPool, check_quantized_pool,
+                                   write_quantized_rows)
 from pallas_kernels.lazy_attention import (check_kv_pools, lazy_attention,
                                            plan_lazy_attention)
 from pallas_kernels.rope import apply_rope
@@ -203,7 +205,11 @@ class Llama(nnx.Module):
         [K, L * num_pages, P, H] page array and layer l uses pages
         l * num_pages + page, so the attention kernel reads the pool in place
         instead of a per-layer slice that XLA would copy every step.
-      v_cache: same shape and dtype, values.
+      v_cache: same shape and dtype, values.  Either pool may instead be a
+        float8 `models.quantized_pool.QuantizedPool` (both or neither): new
+        K/V are quantized as they are written (per-page scales, re-scaled
+        on later writes to a partly filled page) and the kernel dequantizes
+        in registers.
       inputs: page metadata (models/paged_inputs.py).
       impl: attention implementation for `pallas_kernels.lazy_attention`.
       logits_index: optional int32[B]: return only row `logits_index[b]`'s
@@ -219,8 +225,9 @@ class Llama(nnx.Module):
         partitioned by GSPMD from the weights' shardings.  None: one device.
 
     Returns:
-      (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools with
-      this step's K/V written at (inputs.write_page, inputs.write_slot).
+      (logits float32 [B, T, V] or [B, V], k_cache, v_cache), the pools (of
+      the type given) with this step's K/V written at (inputs.write_page,
+      inputs.write_slot).
     """
     self._check_call(tokens, k_cache, v_cache, inputs, logits_index,
                      embeddings)
@@ -240,7 +247,7 @@ class Llama(nnx.Module):
         (c.num_kv_heads, num_pages, page_size, c.head_dim), k_cache.dtype)
     plan = plan_lazy_attention(
         jax.ShapeDtypeStruct(tokens.shape + (c.num_heads, c.head_dim),
-                             k_cache.dtype), layer_pool, inputs.page_table,
+                             self.dtype), layer_pool, inputs.page_table,
         inputs.page_pos, inputs.page_shift, inputs.page_len, inputs.q_pos,
         rope=rope, impl=impl)
 
@@ -257,30 +264,47 @@ class Llama(nnx.Module):
     # pool-sized temporaries per step); an integer row scatter does not, at
     # the price of bitcasts XLA may or may not fold.
     pool_dtype = k_cache.dtype
+    quantized = isinstance(k_cache, QuantizedPool)
     carried = (jnp.uint16 if pool_as_bits and
                jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
     to_carry = lambda x: jax.lax.bitcast_convert_type(x, carried)
     to_pool = lambda x: jax.lax.bitcast_convert_type(x, pool_dtype)
+
+    def write(pool, new_rows, rows):
+      if quantized:  # pool: (float8 rows, scales [K, L*N])
+        return write_quantized_rows(*pool, rows, new_rows, page_size)
+      return pool.at[:, rows].set(to_carry(new_rows.astype(pool_dtype)),
+                                  mode="drop")
+
+    def page_view(pool, kv_heads):
+      """The kernel's [K, L*N, P, H] pages (and scales [K, L*N])."""
+      pages = (kv_heads,) + page_shape[1:]
+      if quantized:
+        return pool[0].reshape(pages), pool[1]
+      return to_pool(pool).reshape(pages), None
 
     def write_and_attend(q, k, v, k_pool, v_pool, rows, offset, key_pos,
                          inputs, plan):
       # The KV heads here are this device's under tensor parallelism (all of
       # them on one device), so head counts come from the shapes.
       kv_heads = k.shape[2]
-      k_rot = apply_rope(k, key_pos, rope).astype(pool_dtype)
+      # Float pools store the keys in their dtype; float8 pools quantize
+      # the rotated float32 keys directly (one rounding, not two).
+      k_rot = apply_rope(k, key_pos, rope)
+      if not quantized:
+        k_rot = k_rot.astype(pool_dtype)
       # [B, T, K, H] -> [K, B*T, H], one row per written token.
       k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(kv_heads, -1, c.head_dim)
-      v_rows = jnp.moveaxis(v.astype(pool_dtype), 2, 0).reshape(
-          kv_heads, -1, c.head_dim)
-      k_pool = k_pool.at[:, rows].set(to_carry(k_rows), mode="drop")
-      v_pool = v_pool.at[:, rows].set(to_carry(v_rows), mode="drop")
-      pages = (kv_heads,) + page_shape[1:]
-      out = lazy_attention(q, to_pool(k_pool).reshape(pages),
-                           to_pool(v_pool).reshape(pages),
+      v_rows = jnp.moveaxis(v, 2, 0).reshape(kv_heads, -1, c.head_dim)
+      k_pool = write(k_pool, k_rows, rows)
+      v_pool = write(v_pool, v_rows, rows)
+      k_pages, k_scales = page_view(k_pool, kv_heads)
+      v_pages, v_scales = page_view(v_pool, kv_heads)
+      out = lazy_attention(q, k_pages, v_pages,
                            inputs.page_table, inputs.page_pos,
                            inputs.page_shift, inputs.page_len, inputs.q_pos,
                            rope=rope, impl=impl, page_offset=offset,
-                           plan=plan)
+                           plan=plan, k_scales=k_scales, v_scales=v_scales)
       return out, k_pool, v_pool
 
     if tensor_parallel is not None:
@@ -297,8 +321,19 @@ class Llama(nnx.Module):
                                              offset, key_pos, inputs, plan)
       return out, (k_pool, v_pool)
 
-    pools = (to_carry(k_cache.reshape(row_shape)),
-             to_carry(v_cache.reshape(row_shape)))
+    def to_rows(pool):  # the scan's carry
+      if quantized:
+        return (pool.pages.reshape(row_shape),
+                pool.scales.reshape(num_kv_heads, all_pages))
+      return to_carry(pool.reshape(row_shape))
+
+    def from_rows(rows, like):
+      if quantized:
+        return QuantizedPool(pages=rows[0].reshape(like.shape),
+                             scales=rows[1].reshape(like.scales.shape))
+      return to_pool(rows).reshape(like.shape)
+
+    pools = (to_rows(k_cache), to_rows(v_cache))
     x = self.embed(tokens) if embeddings is None else embeddings.astype(
         self.dtype)
     x, (k_out, v_out) = run_decoder_layers(
@@ -307,15 +342,16 @@ class Llama(nnx.Module):
     if logits_index is not None:
       x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
     logits = self.output_logits(x)
-    k_out = to_pool(k_out).reshape(k_cache.shape)
-    v_out = to_pool(v_out).reshape(v_cache.shape)
+    k_out = from_rows(k_out, k_cache)
+    v_out = from_rows(v_out, v_cache)
     if tensor_parallel is not None:
       # Logits whole on every device (every host reads them; sampling is
       # replicated); the pools keep their head split, so a donated pool
       # comes back with the sharding it went in with.
       logits = tensor_parallel.whole_logits(logits)
-      k_out, v_out = (tensor_parallel.constrain(pool, P(tensor_parallel.axis))
-                      for pool in (k_out, v_out))
+      k_out, v_out = (jax.tree.map(
+          lambda x: tensor_parallel.constrain(x, P(tensor_parallel.axis)),
+          pool) for pool in (k_out, v_out))
     return logits, k_out, v_out
 
   def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index,
@@ -330,8 +366,16 @@ class Llama(nnx.Module):
       raise ValueError(
           f"k_cache must be [K, L, num_pages, page_size, H] = "
           f"[{lead[0]}, {lead[1]}, *, *, {c.head_dim}], got {k_cache.shape}")
-    check_kv_pools(k_cache, v_cache, self.dtype, names=("k_cache", "v_cache"),
-                   dtype_name="the model's compute dtype")
+    if isinstance(k_cache, QuantizedPool) or isinstance(v_cache,
+                                                        QuantizedPool):
+      check_quantized_pool(k_cache, "k_cache")
+      check_quantized_pool(v_cache, "v_cache")
+      check_kv_pools(k_cache.pages, v_cache.pages, k_cache.dtype,
+                     names=("k_cache", "v_cache"), dtype_name="k_cache dtype")
+    else:
+      check_kv_pools(k_cache, v_cache, self.dtype,
+                     names=("k_cache", "v_cache"),
+                     dtype_name="the model's compute dtype")
     if not isinstance(inputs, PagedAttentionInputs):
       raise ValueError("inputs must be a PagedAttentionInputs, got "
                        f"{type(inputs).__name__}")

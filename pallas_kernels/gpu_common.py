@@ -120,7 +120,8 @@ def rotate_row_halves(q_lo, q_hi, shift, chunk_rows_lo, dtype):
 
 def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
                   block, *, pages_per_block, page_size, block_k, num_pages,
-                  num_logical_pages, column_filter, key_parts=1):
+                  num_logical_pages, column_filter, key_parts=1,
+                  scale_refs=None):
   """Gathers one block of logical pages of one batch row and kv head.
 
   Args:
@@ -133,13 +134,18 @@ def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
       match, segment range, causal bound, ...).
     key_parts: K comes back as this many column slices [block_k, H / parts]
       (the prefill scores each half of the head dim with its own dot).
+    scale_refs: (k_scale_ref, v_scale_ref), [num_pages] refs of one kv head,
+      for float8 pages; None otherwise.
 
   Returns:
-    (k_parts, v, position): a tuple of K slices and v [block_k, H], zero in
-    every column that is not a valid slot passing `column_filter` (those are
-    never loaded, so NaN in unused pages or padding slots cannot leak);
-    `position` int32 [block_k], the logical position of each column or
-    NEVER_VISIBLE.
+    (k_parts, v, position, scales): a tuple of K slices and v [block_k, H],
+    zero in every column that is not a valid slot passing `column_filter`
+    (those are never loaded, so NaN in unused pages or padding slots cannot
+    leak); `position` int32 [block_k], the logical position of each column or
+    NEVER_VISIBLE; `scales` None, or (k_scale, v_scale) f32 [block_k], each
+    column's page scale (0 in columns that are not loaded).  K and V stay in
+    the pool's dtype: float8 tiles are widened by the caller
+    (`block_scores`, `softmax_step`) and scaled per column.
   """
   cols = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
   page_in_block = lax.div(cols, page_size)
@@ -163,36 +169,53 @@ def load_kv_block(k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref,
                  other=0.0) for j in range(key_parts))
   lanes = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
   v = plgpu.load(v_ref.at[rows, lanes], mask=ok[:, None], other=0.0)
-  return k_parts, v, jnp.where(ok, position, NEVER_VISIBLE)
+  scales = None
+  if scale_refs is not None:
+    scales = tuple(plgpu.load(ref.at[physical], mask=ok, other=0.0)
+                   for ref in scale_refs)
+  return k_parts, v, jnp.where(ok, position, NEVER_VISIBLE), scales
 
 
-def block_scores(q_parts, k_parts):
-  """sum_j q_parts[j] @ k_parts[j]^T, f32 [R, block_k] (base-2 scores)."""
-  precision = dot_precision(k_parts[0].dtype)
+def block_scores(q_parts, k_parts, k_scale=None):
+  """sum_j q_parts[j] @ k_parts[j]^T, f32 [R, block_k] (base-2 scores).
+
+  float8 K parts are widened to the query's dtype (exact) and the scores
+  scaled by `k_scale` f32 [block_k], each column's page scale: the same
+  numbers as scoring against dequantized keys, since scales are powers of
+  two (kv_quant.py), for a multiply per score instead of per key element.
+  """
+  dtype = q_parts[0].dtype
+  precision = dot_precision(dtype)
   scores = None
   for q_j, k_j in zip(q_parts, k_parts):
-    s_j = lax.dot_general(q_j, k_j, (((1,), (1,)), ((), ())),
+    s_j = lax.dot_general(q_j, k_j.astype(dtype), (((1,), (1,)), ((), ())),
                           precision=precision,
                           preferred_element_type=jnp.float32)
     scores = s_j if scores is None else scores + s_j
+  if k_scale is not None:
+    scores = scores * k_scale[None, :]
   return scores
 
 
-def softmax_step(carry, scores, v, visible):
+def softmax_step(carry, scores, v, visible, v_scale=None, dtype=None):
   """One online-softmax step over a KV block, scores in base 2.
 
   carry: (acc f32 [R, H], m f32 [R], l f32 [R]); scores f32 [R, block_k];
-  v [block_k, H] in the KV dtype; visible bool [R, block_k].
+  v [block_k, H] in the KV dtype; visible bool [R, block_k].  float8 V:
+  `v_scale` f32 [block_k] (page scale per column) and `dtype`, the compute
+  dtype V is widened to; P's columns are scaled instead of V's rows.
   """
   acc, m_prev, l_prev = carry
-  precision = dot_precision(v.dtype)
+  dtype = v.dtype if dtype is None else dtype
+  precision = dot_precision(dtype)
   scores = jnp.where(visible, scores, -jnp.inf)
   m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
   alpha = jnp.exp2(m_prev - m_next)
   p = jnp.exp2(scores - m_next[:, None])
   l_next = l_prev * alpha + jnp.sum(p, axis=1)
-  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                       precision=precision,
+  p_v = p if v_scale is None else p * v_scale[None, :]
+  pv = lax.dot_general(p_v.astype(dtype), v.astype(dtype),
+                       (((1,), (0,)), ((), ())), precision=precision,
                        preferred_element_type=jnp.float32)
   return acc * alpha[:, None] + pv, m_next, l_next
 
@@ -268,6 +291,15 @@ def rows_to_heads(out, q_len, group):
                                           head_dim)
   return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(
       batch, q_len, num_kv_heads * group, head_dim)
+
+
+def scale_specs(k_scales, index_map):
+  """in_specs of float8 page scales (K and V, each [K, num_pages]; one kv
+  head's row per program, picked by index_map), or none without them."""
+  if k_scales is None:
+    return []
+  spec = pl.BlockSpec((None, k_scales.shape[1]), index_map)
+  return [spec, spec]
 
 
 def flat_pages(pages):

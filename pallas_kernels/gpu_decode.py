@@ -101,9 +101,13 @@ def _list_work_items(q_pos, page_pos_ref, page_len_ref, page_shift_ref,
 
 def _decode_kernel(scale_ref, q_pos_ref, q_ref, chunks_ref, page_table_ref,
                    page_pos_ref, page_len_ref, page_shift_ref, k_ref, v_ref,
-                   acc_ref, m_ref, l_ref, item_block_ref, item_shift_ref, *,
-                   kv_splits, group, rows, pages_per_block, page_size,
-                   block_k, num_pages, num_logical_pages, interpret):
+                   *refs, kv_splits, group, rows, pages_per_block, page_size,
+                   block_k, num_pages, num_logical_pages, interpret,
+                   compute_dtype, quantized):
+  # float8 pages bring their per-page scales after the pools.
+  scale_refs = refs[:2] if quantized else None
+  acc_ref, m_ref, l_ref, item_block_ref, item_shift_ref = refs[
+      2 if quantized else 0:]
   split = pl.program_id(0)
   batch_row = pl.program_id(2)
   q_pos = q_pos_ref[batch_row, 0]
@@ -140,17 +144,20 @@ def _decode_kernel(scale_ref, q_pos_ref, q_ref, chunks_ref, page_table_ref,
     shift = item_shift_ref[i]
     # R(q_pos - shift) q = q cos(a) + rotate_half(q) sin(a), a exact in int32.
     cos, sin = cos_sin_from_chunks(q_pos - shift, chunk_rows)
-    q_s = (q * cos[None, :] + q_half * sin[None, :]).astype(k_ref.dtype)
-    (k,), v, position = common.load_kv_block(
+    q_s = (q * cos[None, :] + q_half * sin[None, :]).astype(compute_dtype)
+    (k,), v, position, scales = common.load_kv_block(
         k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref, block,
         pages_per_block=pages_per_block, page_size=page_size,
         block_k=block_k, num_pages=num_pages,
         num_logical_pages=num_logical_pages,
         column_filter=lambda page, pos: ((page_shift_ref[page] == shift)
-                                         & (pos <= q_pos)))
+                                         & (pos <= q_pos)),
+        scale_refs=scale_refs)
+    k_scale, v_scale = scales if quantized else (None, None)
     visible = jnp.broadcast_to(position[None, :] <= q_pos, (rows, block_k))
-    return common.softmax_step(carry, common.block_scores((q_s,), (k,)), v,
-                               visible)
+    return common.softmax_step(carry,
+                               common.block_scores((q_s,), (k,), k_scale), v,
+                               visible, v_scale, compute_dtype)
 
   acc, m, l = lax.fori_loop(first, end, body,
                             common.softmax_init(rows, head_dim))
@@ -163,11 +170,14 @@ def _decode_kernel(scale_ref, q_pos_ref, q_ref, chunks_ref, page_table_ref,
 def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
                     interpret: bool = False,
-                    block_sizes: GpuBlockSizes | None = None):
+                    block_sizes: GpuBlockSizes | None = None, k_scales=None,
+                    v_scales=None):
   """Decode step (T == 1) of the lazy attention contract on GPU.
 
   Same arguments and result as `pallas_kernels.lazy_attention` (inputs are
-  validated there); `sm_scale` is an f32 scalar array.  `interpret=True` runs
+  validated there); `sm_scale` is an f32 scalar array.  float8 pages come
+  with `k_scales` / `v_scales` [K, num_pages]; the kernel widens each tile
+  to q's dtype and scales scores and P by the column's page scale.  `interpret=True` runs
   the Pallas kernel in generic interpret mode (CPU).  `block_sizes` overrides
   the tuned/default tiles.
   """
@@ -193,7 +203,8 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       _decode_kernel, kv_splits=kv_splits, group=group, rows=rows,
       pages_per_block=tiles.pages_per_block, page_size=page_size,
       block_k=tiles.block_k, num_pages=num_pages,
-      num_logical_pages=num_logical_pages, interpret=interpret)
+      num_logical_pages=num_logical_pages, interpret=interpret,
+      compute_dtype=q.dtype, quantized=k_scales is not None)
   row_meta = pl.BlockSpec((None, num_logical_pages), lambda s, h, b: (b, 0))
   kv_spec = pl.BlockSpec((None, num_pages * page_size, head_dim),
                          lambda s, h, b: (h, 0, 0))
@@ -218,6 +229,7 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
           row_meta,  # page_shift
           kv_spec,
           kv_spec,
+          *common.scale_specs(k_scales, lambda s, h, b: (h, 0)),
       ],
       out_specs=[
           program_out(rows, head_dim),  # acc
@@ -238,7 +250,8 @@ def lazy_decode_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       name="lazy_decode",
   )(scale, q_pos, q.reshape(batch, num_kv_heads, group, head_dim), chunks,
     page_table, page_pos, page_len, page_shift, common.flat_pages(k_pages),
-    common.flat_pages(v_pages))
+    common.flat_pages(v_pages),
+    *([] if k_scales is None else [k_scales, v_scales]))
 
   # acc [B, K, splits, G, H], m and l [B, K, splits, G]; scores in base 2.
   out = merge_splits(acc[:, :, :, :group], m[..., :group], l[..., :group],

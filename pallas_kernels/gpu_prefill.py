@@ -79,9 +79,12 @@ def prefill_segments(page_shift, live):
 
 def _prefill_kernel(tile_end_ref, segments_ref, segment_of_page_ref,
                     row_pos_ref, q_rot_ref, chunks_ref, page_table_ref,
-                    page_pos_ref, page_len_ref, k_ref, v_ref, o_ref, *,
+                    page_pos_ref, page_len_ref, k_ref, v_ref, *refs,
                     pages_per_block, page_size, block_k, num_pages,
-                    num_logical_pages):
+                    num_logical_pages, compute_dtype, quantized):
+  # float8 pages bring their per-page scales after the pools.
+  scale_refs = refs[:2] if quantized else None
+  (o_ref,) = refs[2 if quantized else 0:]
   # Pages [0, tile_end) hold every page a row of this tile can see.
   tile_end = tile_end_ref[pl.program_id(2), pl.program_id(0)]
   last_segment = segment_of_page_ref[jnp.maximum(tile_end - 1, 0)]
@@ -101,20 +104,22 @@ def _prefill_kernel(tile_end_ref, segments_ref, segment_of_page_ref,
     # rotated halves in the KV dtype stay live.
     q_parts = common.rotate_row_halves(
         q_rot_ref[:, pl.ds(0, half)], q_rot_ref[:, pl.ds(half, half)],
-        shift, chunk_rows, k_ref.dtype)
+        shift, chunk_rows, compute_dtype)
 
     def block_body(block, carry):
-      k_parts, v, position = common.load_kv_block(
+      k_parts, v, position, scales = common.load_kv_block(
           k_ref, v_ref, page_table_ref, page_pos_ref, page_len_ref, block,
           pages_per_block=pages_per_block, page_size=page_size,
           block_k=block_k, num_pages=num_pages,
           num_logical_pages=num_logical_pages,
           column_filter=lambda page, pos: ((page >= first_page)
                                            & (page < end_page)),
-          key_parts=2)
+          key_parts=2, scale_refs=scale_refs)
+      k_scale, v_scale = scales if quantized else (None, None)
       visible = position[None, :] <= row_pos[:, None]
-      return common.softmax_step(carry, common.block_scores(q_parts, k_parts),
-                                 v, visible)
+      return common.softmax_step(
+          carry, common.block_scores(q_parts, k_parts, k_scale), v, visible,
+          v_scale, compute_dtype)
 
     first_block = lax.div(first_page, pages_per_block)
     end_block = lax.div(end_page + (pages_per_block - 1), pages_per_block)
@@ -141,10 +146,12 @@ def tile_page_ends(row_pos, page_pos, live, block_q):
 def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      page_len, q_pos, *, rope: RopeConfig, sm_scale,
                      interpret: bool = False,
-                     block_sizes: GpuBlockSizes | None = None):
+                     block_sizes: GpuBlockSizes | None = None, k_scales=None,
+                     v_scales=None):
   """Prefill (T > 1) of the lazy attention contract on GPU (Triton).
 
-  Arguments, options and result as for `gpu_decode.lazy_decode_gpu`.
+  Arguments, options and result as for `gpu_decode.lazy_decode_gpu`
+  (float8 pages included).
   """
   shapes = contract_shapes(q, k_pages, page_table)
   tiles = common.kv_tiles("prefill", shapes, q.dtype, block_sizes)
@@ -170,7 +177,8 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   kernel = functools.partial(
       _prefill_kernel, pages_per_block=tiles.pages_per_block,
       page_size=page_size, block_k=tiles.block_k, num_pages=num_pages,
-      num_logical_pages=num_logical_pages)
+      num_logical_pages=num_logical_pages, compute_dtype=q.dtype,
+      quantized=k_scales is not None)
   per_row = lambda shape: pl.BlockSpec((None,) + shape,
                                        lambda t, h, b: (b,) + (0,) * len(shape))
   tile_rows = pl.BlockSpec((None, None, block_q, head_dim),
@@ -192,6 +200,7 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
           per_row((num_logical_pages,)),  # page_len
           kv_spec,
           kv_spec,
+          *common.scale_specs(k_scales, lambda t, h, b: (h, 0)),
       ],
       out_specs=tile_rows,
       out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim),
@@ -201,5 +210,6 @@ def lazy_prefill_gpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       name="lazy_prefill",
   )(tile_end, segments, segment_of_page, row_pos, q_rot, chunks,
     page_table, page_pos, page_len, common.flat_pages(k_pages),
-    common.flat_pages(v_pages))
+    common.flat_pages(v_pages),
+    *([] if k_scales is None else [k_scales, v_scales]))
   return common.rows_to_heads(out, q_len, group)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_quant import check_kv_scales, is_quantized
 from pallas_kernels.rope import MAX_ROPE_POSITION, RopeConfig
 
 IMPLS = ("auto", "xla", "gpu", "tpu")
@@ -77,8 +78,12 @@ def check_kv_pools(k_pool, v_pool, dtype, *, names=("k_pages", "v_pages"),
 
 
 def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
-                                page_shift, page_len, q_pos):
-  """Raises ValueError naming the offending argument; works on tracers."""
+                                page_shift, page_len, q_pos, k_scales=None,
+                                v_scales=None):
+  """Raises ValueError naming the offending argument; works on tracers.
+
+  The pools are in q's dtype, or float8_e4m3fn with float32 `k_scales` and
+  `v_scales` [K, num_pages] (pallas_kernels/kv_quant.py)."""
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, N, H], got shape {q.shape}")
   batch, q_len, num_heads, head_dim = q.shape
@@ -87,7 +92,12 @@ def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
   if k_pages.ndim != 4:
     raise ValueError(
         f"k_pages must be [K, num_pages, page_size, H], got shape {k_pages.shape}")
-  check_kv_pools(k_pages, v_pages, q.dtype)
+  if is_quantized(k_pages.dtype):
+    check_kv_pools(k_pages, v_pages, k_pages.dtype,
+                   dtype_name="k_pages dtype")
+  else:
+    check_kv_pools(k_pages, v_pages, q.dtype)
+  check_kv_scales(k_pages, v_pages, k_scales, v_scales, q.dtype)
   num_kv_heads, _, _, kv_head_dim = k_pages.shape
   if kv_head_dim != head_dim:
     raise ValueError(f"k_pages head dim {kv_head_dim} must equal q head dim "
@@ -152,7 +162,9 @@ def _gpu_prefill_kernel(q, k_pages, interpret: bool) -> str:
   Mosaic kernel has its own interpreter tests.
   """
   from pallas_kernels.gpu_prefill_mgpu import mosaic_prefill_supported
-  if interpret or not mosaic_prefill_supported(q.dtype, q.shape[-1],
+  # float8 pages: the Mosaic kernel TMA-copies pages straight into wgmma
+  # operands and has no dequantizing step, so they run the Triton kernel.
+  if interpret or is_quantized(k_pages.dtype) or not mosaic_prefill_supported(q.dtype, q.shape[-1],
                                                 k_pages.shape[2]):
     return "triton"
   return "mosaic" if _mosaic_gpu_target() else "triton"
@@ -165,8 +177,9 @@ def _is_concrete(*arrays) -> bool:
 @functools.partial(jax.jit, static_argnames=("rope", "impl", "interpret",
                                              "gpu_prefill"))
 def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
-                        page_len, q_pos, sm_scale, page_offset, plan, *, rope,
-                        impl, interpret, gpu_prefill="triton"):
+                        page_len, q_pos, sm_scale, page_offset, plan, k_scales,
+                        v_scales, *, rope, impl, interpret,
+                        gpu_prefill="triton"):
   if plan is not None:  # only made for the Mosaic GPU prefill kernel
     from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu_planned
     return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
@@ -177,7 +190,8 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
     from pallas_kernels.xla_attention import lazy_attention_xla
     return lazy_attention_xla(q, k_pages, v_pages, page_table, page_pos,
                               page_shift, page_len, q_pos, rope=rope,
-                              sm_scale=sm_scale)
+                              sm_scale=sm_scale, k_scales=k_scales,
+                              v_scales=v_scales)
   if impl == "gpu":
     if q.shape[1] == 1:
       from pallas_kernels.gpu_decode import lazy_decode_gpu as kernel
@@ -195,7 +209,7 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
       from pallas_kernels.tpu_prefill import lazy_prefill_tpu as kernel
   return kernel(q, k_pages, v_pages, page_table, page_pos, page_shift,
                 page_len, q_pos, rope=rope, sm_scale=sm_scale,
-                interpret=interpret)
+                interpret=interpret, k_scales=k_scales, v_scales=v_scales)
 
 
 def _gpu_prefill(impl: str, q, k_pages, interpret: bool) -> str:
@@ -254,7 +268,8 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
 def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
                    page_len, q_pos, *, rope: RopeConfig, sm_scale=None,
                    impl: str = "auto", interpret: bool = False,
-                   page_offset=None, plan=None):
+                   page_offset=None, plan=None, k_scales=None,
+                   v_scales=None):
   """Paged attention with deferred RoPE (docs/design.md, 'Kernel contract').
 
   Score of query row (b, t, n) against slot i of logical page m:
@@ -266,8 +281,8 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
   Args:
     q: [B, T, N, H] raw query projections (not rotated).
     k_pages: [K, num_pages, page_size, H] keys stored rotated at their
-      stored angle; N must be a multiple of K.
-    v_pages: [K, num_pages, page_size, H].
+      stored angle, in q's dtype or float8_e4m3fn; N must be a multiple of K.
+    v_pages: [K, num_pages, page_size, H], k_pages' dtype.
     page_table: int32[B, M] physical page of each logical page.
     page_pos: int32[B, M] logical position of slot 0 of each logical page.
     page_shift: int32[B, M] logical position minus stored angle.
@@ -283,6 +298,11 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
       layer * pages_per_layer and keeps one page_table (and one plan).
     plan: optional, from `plan_lazy_attention` with the same metadata, q_pos,
       shapes and impl (None is always accepted).
+    k_scales, v_scales: float32 [K, num_pages], with float8_e4m3fn pages
+      only: slot i of page p of head k reads as
+      k_pages[k, p, i] * k_scales[k, p] (pallas_kernels/kv_quant.py).  The
+      kernels dequantize in registers; float8 prefill on GPU runs the
+      Triton kernel, never the Mosaic one.
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -291,7 +311,7 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   impl = resolve_impl(impl)
   check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
-                              page_shift, page_len, q_pos)
+                              page_shift, page_len, q_pos, k_scales, v_scales)
   if page_offset is None:
     page_offset = 0
   if jnp.ndim(page_offset) != 0:
@@ -313,5 +333,6 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
   sm_scale = jnp.asarray(sm_scale, jnp.float32)
   return _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos,
                              page_shift, page_len, q_pos, sm_scale,
-                             page_offset, plan, rope=rope, impl=impl,
+                             page_offset, plan, k_scales, v_scales,
+                             rope=rope, impl=impl,
                              interpret=interpret, gpu_prefill=gpu_prefill)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import dequantize_pages, is_quantized
 from pallas_kernels.masked_softmax import masked_softmax
 from pallas_kernels.rope import RopeConfig, cos_sin_from_chunks, rotate_half
 
 
 def lazy_attention_reference(q, k_pages, v_pages, page_table, page_pos,
                              page_shift, page_len, q_pos, *, rope: RopeConfig,
-                             sm_scale=None):
+                             sm_scale=None, k_scales=None, v_scales=None):
   """Deferred-RoPE paged attention, reference semantics.
 
   Args:
@@ -31,6 +32,9 @@ def lazy_attention_reference(q, k_pages, v_pages, page_table, page_pos,
     q_pos: int32[B, T] logical position of each query row; -1 = padding.
     rope: frequencies.
     sm_scale: softmax scale; defaults to 1/sqrt(H).
+    k_scales, v_scales: float32 [K, P_total] scales of float8_e4m3fn pages
+      (pallas_kernels/kv_quant.py); the pages are dequantized to float32
+      first, so this is the contract on the dequantized pages.
 
   Returns:
     [B, T, N, H] in q.dtype; padding rows and rows with no visible key are 0.
@@ -41,6 +45,9 @@ def lazy_attention_reference(q, k_pages, v_pages, page_table, page_pos,
   num_logical_pages = page_table.shape[1]
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
+  if is_quantized(k_pages.dtype):
+    k_pages = dequantize_pages(k_pages, k_scales)
+    v_pages = dequantize_pages(v_pages, v_scales)
 
   # Gather logical pages: [B, M, Sp, K, H] -> [B, M*Sp, K, H].
   k = jnp.moveaxis(k_pages[:, page_table], 0, -2).astype(jnp.float32)

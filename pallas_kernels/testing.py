@@ -200,3 +200,25 @@ def relative_error(out, truth) -> float:
   out = np.asarray(out, np.float64)
   denom = np.linalg.norm(truth)
   return float(np.linalg.norm(out - truth) / (denom if denom > 0 else 1.0))
+
+
+def quantize_case(case: LazyCase):
+  """float8 pages of `case`: (LazyCase with float8_e4m3fn pages, k_scales,
+  v_scales), scales f32 [K, num_pages] (pallas_kernels/kv_quant.py).
+
+  Slots that must never be read stay NaN in the float8 pages, and pages no
+  row uses get NaN scales, so a kernel that reads either shows NaN.
+  """
+  from pallas_kernels.kv_quant import quantize_pages
+  used = np.zeros(case.k_pages.shape[1], bool)
+  used[case.page_table[case.page_len > 0]] = True
+  quantized = []
+  for pages in (case.k_pages, case.v_pages):
+    fp8, scales = quantize_pages(np.asarray(pages, np.float32))
+    fp8 = jnp.where(jnp.isnan(jnp.asarray(pages, jnp.float32)),
+                    jnp.nan, fp8.astype(jnp.float32)).astype(fp8.dtype)
+    scales = jnp.where(jnp.asarray(used)[None, :], scales, jnp.nan)
+    quantized.append((fp8, scales))
+  (k_fp8, k_scales), (v_fp8, v_scales) = quantized
+  return (dataclasses.replace(case, k_pages=k_fp8, v_pages=v_fp8), k_scales,
+          v_scales)

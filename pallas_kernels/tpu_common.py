@@ -142,15 +142,20 @@ class PageRefs(NamedTuple):
   page_info: Any  # [B * Mp]
   block_shifts: Any  # [B * Mp]
   block_num_shifts: Any  # [B * nb]
+  # float8 pages only (None otherwise): f32 [B * Mp * K], the K and V scale
+  # of every (page, kv head), entry (b * Mp + page) * K + head.
+  k_scales: Any = None
+  v_scales: Any = None
 
 
 def takes_page_refs(kernel):
   """Adapts kernel(program_ref_1, program_ref_2, PageRefs, *other_refs) to
   the flat ref list Pallas passes: two per-program scalar-prefetch refs,
-  then the five of PageRefs, then the rest."""
-  num_page_refs = len(PageRefs._fields)
+  then the five of PageRefs (seven with `quantized=True`: the scales), then
+  the rest."""
 
-  def body(*refs, **params):
+  def body(*refs, quantized=False, **params):
+    num_page_refs = len(PageRefs._fields) - (0 if quantized else 2)
     return kernel(*refs[:2], PageRefs(*refs[2:2 + num_page_refs]),
                   *refs[2 + num_page_refs:], **params)
 
@@ -304,6 +309,24 @@ def block_columns(pages, page_size: int):
   return slot_pos, shift_index
 
 
+def scale_columns(scales_ref, pages, first_page, page_size: int,
+                  num_kv_heads: int, head):
+  """float8 page scales of one kv head as a [1, pages * P] f32 row.
+
+  Columns of slots that are not valid (past page_len, or in pages that were
+  not fetched) get 0: an unused page's scale may be anything, NaN included,
+  and a P column times NaN would reach the output.
+  """
+  width = len(pages) * page_size
+  col = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+  columns = jnp.zeros((1, width), jnp.float32)
+  for j, page in enumerate(pages):
+    valid = (col >= j * page_size) & (col < j * page_size + page.length)
+    scale = scales_ref[(first_page + j) * num_kv_heads + head]
+    columns = jnp.where(valid & page.needed, scale, columns)
+  return columns
+
+
 def shift_cos_sin(chunks_ref, shift):
   """cos/sin rows [1, H] (float32) of angle `shift` * inv_freq, exact."""
   chunks = chunks_ref[...]
@@ -342,8 +365,11 @@ def dot_p_v(p, v, precision):
 
 
 def online_softmax_update(scores, keep, v, m_ref, l_ref, acc_ref, *,
-                          precision):
+                          precision, v_scale=None):
   """One flash step: folds masked scores [R, S] and V [S, H] into the state.
+
+  float8 V: `v_scale` [1, S] holds each column's page scale; P's columns are
+  scaled rather than V's rows (same numbers: the scales are powers of two).
 
   m_ref / l_ref: [R, STAT_LANES] running max / sum (lane replicated);
   acc_ref: [R, H] unnormalised output.  Masked scores become -inf, and a row
@@ -358,7 +384,8 @@ def online_softmax_update(scores, keep, v, m_ref, l_ref, acc_ref, *,
   p = jnp.exp(scores - m_base)
   alpha = jnp.exp(m_prev - m_base)
   l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  acc_ref[...] = alpha * acc_ref[...] + dot_p_v(p.astype(v.dtype), v,
+  p_v = p if v_scale is None else p * v_scale
+  acc_ref[...] = alpha * acc_ref[...] + dot_p_v(p_v.astype(v.dtype), v,
                                                 precision)
   rows = m_ref.shape[0]
   m_ref[...] = jnp.broadcast_to(m_next, (rows, STAT_LANES))

@@ -38,6 +38,7 @@ from pallas_kernels.sizes import ceil_div, round_up
 from pallas_kernels.tpu_block_sizes import TpuDecodeBlockSizes
 from pallas_kernels.tpu_page_metadata import (build_page_metadata,
                                               call_in_batch_chunks,
+                                              gather_page_scales,
                                               query_limits,
                                               visible_block_counts)
 
@@ -116,9 +117,17 @@ def _decode_kernel(
                          scores)
 
       scores = lax.fori_loop(1, num_shifts, other_shift, scores)
+      v_scale = None
+      if page_refs.k_scales is not None:  # float8 pages
+        scores = scores * tc.scale_columns(page_refs.k_scales, pages,
+                                           first_page, page_size,
+                                           num_kv_heads, h)
+        v_scale = tc.scale_columns(page_refs.v_scales, pages, first_page,
+                                   page_size, num_kv_heads, h)
       v = tc.load_block_rows(v_buf, slot, h, q_shifted_ref.dtype)
       tc.online_softmax_update(scores, keep, v, m_ref.at[h], l_ref.at[h],
-                               acc_ref.at[h], precision=precision)
+                               acc_ref.at[h], precision=precision,
+                               v_scale=v_scale)
       return carry
 
     lax.fori_loop(0, num_kv_heads, head_step, 0)
@@ -139,7 +148,7 @@ def _num_splits(block_sizes: TpuDecodeBlockSizes, batch: int,
 def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
                     interpret, block_sizes: TpuDecodeBlockSizes | None =
-                    None):
+                    None, k_scales=None, v_scales=None):
   """Decode step (T == 1) of `pallas_kernels.lazy_attention` on TPU.
 
   Same arguments and result as `lazy_attention` (inputs already validated),
@@ -148,6 +157,9 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
       CPU); a `pltpu.InterpretParams` instance runs with those settings (for
       example race detection); False compiles the Mosaic kernel.
     block_sizes: `TpuDecodeBlockSizes`; defaults when None.
+    k_scales, v_scales: f32 [K, num_pages] with float8 pages: the kernel
+      widens each block to the compute dtype and scales scores and P by
+      the page scales, scalar-prefetched into SMEM per (page, kv head).
 
   Returns:
     [B, 1, N, H] in q.dtype.
@@ -168,6 +180,10 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   meta = build_page_metadata(page_table, page_pos, page_shift, page_len,
                              num_physical_pages=shapes.num_pages,
                              pages_per_block=ppb)
+  # float8 pages: their scales ride in SMEM with the page metadata.
+  quantized = k_scales is not None
+  page_scales = ([gather_page_scales(x, meta) for x in (k_scales, v_scales)]
+                 if quantized else [])
   q_pos = q_pos[:, 0]
   q_limit = query_limits(q_pos)[:, None]  # [B, 1]
   num_blocks = visible_block_counts(meta, q_limit, ppb)  # [B, 1]
@@ -197,7 +213,7 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   kernel = functools.partial(_decode_kernel,
                              pages_per_row=meta.pages_per_row,
                              blocks_per_split=blocks_per_split,
-                             precision=precision)
+                             precision=precision, quantized=quantized)
 
   def call(scalars, operands):  # operands: q_rot, q_rot_half
     rows = operands[0].shape[0]
@@ -233,7 +249,8 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
 
   acc, m, l = call_in_batch_chunks(
       call, meta, [num_blocks, q_limit], [q_rot, q_rot_half],
-      max_metadata_bytes=block_sizes.max_metadata_bytes)
+      max_metadata_bytes=block_sizes.max_metadata_bytes,
+      page_scales=page_scales)
   # acc [B, splits, K, Gp, H], m and l [B, splits, K, Gp] -> [B, K, Gp, H]
   out = merge_splits(acc, m[..., 0], l[..., 0], axis=1)
   out = out[:, :, :group].reshape(batch, 1, num_heads, head_dim)

@@ -125,8 +125,17 @@ def visible_block_counts(meta: PageMetadata, query_max,
   return ceil_div(last, pages_per_block).astype(jnp.int32)
 
 
+def gather_page_scales(scales, meta: PageMetadata):
+  """f32 [B, Mp * K]: the float8 scale of every (logical page, kv head) of
+  each row, entry page * K + head (the kernels' SMEM layout), from the
+  pool's scales [K, num_pages]."""
+  gathered = scales[:, meta.page_ids]  # [K, B, Mp]
+  return jnp.transpose(gathered, (1, 2, 0)).reshape(
+      meta.page_ids.shape[0], -1)
+
+
 def call_in_batch_chunks(call, meta: PageMetadata, program_scalars, operands,
-                         *, max_metadata_bytes: int):
+                         *, max_metadata_bytes: int, page_scales=()):
   """Runs a kernel call over chunks of the batch whose metadata fits SMEM.
 
   call(scalars, operands) runs the kernel on one chunk: `scalars` are the
@@ -138,12 +147,14 @@ def call_in_batch_chunks(call, meta: PageMetadata, program_scalars, operands,
     program_scalars: int32 [B, X] arrays, one entry per program of a row.
     operands: arrays with the batch on axis 0.
     max_metadata_bytes: SMEM budget of one call's scalars.
+    page_scales: float8 pages only: the K and V scales of
+      `gather_page_scales`, passed after the fields of `meta`.
   """
-  scalars = [*program_scalars, *meta]
+  scalars = [*program_scalars, *meta, *page_scales]
   batch = meta.page_ids.shape[0]
-  # Four int32 per page, one per block, a few per row.
+  # Four int32 per page, one per block, a few per row, and the scales.
   row_bytes = 4 * (4 * meta.pages_per_row + meta.block_num_shifts.shape[1]
-                   + 4)
+                   + 4 + sum(x.shape[1] for x in page_scales))
   rows_per_call = max(1, max_metadata_bytes // row_bytes)
 
   def chunk_call(*batched):

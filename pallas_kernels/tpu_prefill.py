@@ -35,6 +35,7 @@ from pallas_kernels.sizes import round_up
 from pallas_kernels.tpu_block_sizes import TpuPrefillBlockSizes
 from pallas_kernels.tpu_page_metadata import (build_page_metadata,
                                               call_in_batch_chunks,
+                                              gather_page_scales,
                                               query_limits,
                                               visible_block_counts)
 
@@ -111,9 +112,17 @@ def _prefill_kernel(
                        tc.dot_q_kt(q_d.astype(k.dtype), k, precision), scores)
 
     scores = lax.fori_loop(1, num_shifts, other_shift, scores)
+    v_scale = None
+    if page_refs.k_scales is not None:  # float8 pages
+      num_kv_heads = pl.num_programs(1)
+      scores = scores * tc.scale_columns(page_refs.k_scales, pages,
+                                         first_page, page_size, num_kv_heads,
+                                         head)
+      v_scale = tc.scale_columns(page_refs.v_scales, pages, first_page,
+                                 page_size, num_kv_heads, head)
     v = tc.load_block_rows(v_buf, slot, 0, q_shifted_ref.dtype)
     tc.online_softmax_update(scores, keep, v, m_ref, l_ref, acc_ref,
-                             precision=precision)
+                             precision=precision, v_scale=v_scale)
 
   fetcher.stream(block_pages, 0, num_blocks, compute_block)
 
@@ -135,11 +144,13 @@ def _query_tokens_per_tile(block_sizes: TpuPrefillBlockSizes, q_len: int,
 def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      page_len, q_pos, *, rope: RopeConfig, sm_scale,
                      interpret,
-                     block_sizes: TpuPrefillBlockSizes | None = None):
+                     block_sizes: TpuPrefillBlockSizes | None = None,
+                     k_scales=None, v_scales=None):
   """Prefill (T > 1) of `pallas_kernels.lazy_attention` on TPU.
 
   Arguments, `interpret` and result as for `tpu_decode.lazy_decode_tpu`;
-  `block_sizes` is a `TpuPrefillBlockSizes` (defaults when None).
+  `block_sizes` is a `TpuPrefillBlockSizes` (defaults when None); float8
+  pages as in `lazy_decode_tpu`.
   """
   block_sizes = block_sizes or TpuPrefillBlockSizes()
   tc.check_page_size(k_pages.shape[2])
@@ -157,6 +168,10 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   meta = build_page_metadata(page_table, page_pos, page_shift, page_len,
                              num_physical_pages=shapes.num_pages,
                              pages_per_block=ppb)
+  # float8 pages: their scales ride in SMEM with the page metadata.
+  quantized = k_scales is not None
+  page_scales = ([gather_page_scales(x, meta) for x in (k_scales, v_scales)]
+                 if quantized else [])
   q_pos = jnp.pad(q_pos, ((0, 0), (0, q_len_padded - q_len)),
                   constant_values=-1)
   q_limit = query_limits(q_pos)
@@ -179,7 +194,7 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                            lambda b, h, t, *_: (b, h, t, 0))
   kernel = functools.partial(_prefill_kernel,
                              pages_per_row=meta.pages_per_row,
-                             precision=precision)
+                             precision=precision, quantized=quantized)
 
   def call(scalars, operands):  # operands: q_rot, q_rot_half, row_limit
     rows = operands[0].shape[0]
@@ -214,7 +229,8 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
 
   (out,) = call_in_batch_chunks(
       call, meta, [tile_blocks, tile_q_max], [q_rot, q_rot_half, row_limit],
-      max_metadata_bytes=block_sizes.max_metadata_bytes)
+      max_metadata_bytes=block_sizes.max_metadata_bytes,
+      page_scales=page_scales)
   out = out.reshape(batch, num_kv_heads, q_len_padded, group, head_dim)
   out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(
       batch, q_len_padded, num_heads, head_dim)
