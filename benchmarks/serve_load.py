@@ -99,6 +99,7 @@ def parse_args(argv=None):
   args.prefill_tokens_per_step = 0
   args.pool_as_bits = False
   args.decode_unroll = False
+  args.kv_dtype = ""  # the pool in the compute dtype
   return args
 
 

@@ -7,11 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from lazyattn_jax.cache_state import CacheConfig
-from lazyattn_jax.config import split_settings
-from lazyattn_jax.engine import LazyEngine
 from lazyattn_jax.quality_options import QualityOptions
-from tests.test_engine import PAGE
+from tests.test_engine import PAGE, make_engine
 from tests.test_engine_faults import FakeChatTokenizer
 
 CHAT = FakeChatTokenizer()
@@ -55,19 +52,9 @@ def quality_engine(model_and_config, quality=None, *, mode="lazy",
   With `nan_pool`, every slot of the pool starts as NaN, so a read of a
   slot nobody wrote (a private page the layout forgot to fill) shows.
   """
-  model, config, impl = model_and_config
-  cache_config = CacheConfig(num_pages=num_pages, page_size=PAGE,
-                             num_layers=config.num_layers,
-                             num_kv_heads=config.num_kv_heads,
-                             head_dim=config.head_dim, dtype="float32",
-                             max_docs=32, max_pages_per_doc=16,
-                             eviction=eviction)
-  scheduler, runner = split_settings(
-      None, None, dict(dict(impl=impl, max_batch=4, decode_steps=4),
-                       **settings))
-  engine = LazyEngine(config, model, cache_config, mode=mode,
-                      scheduler=scheduler, runner=runner, tokenizer=tokenizer,
-                      quality=quality)
+  engine = make_engine(model_and_config, num_pages=num_pages, mode=mode,
+                       eviction=eviction, tokenizer=tokenizer,
+                       quality=quality, **settings)
   if nan_pool:
     state = engine.state
     engine.rounds.state = state.replace(k=jnp.full_like(state.k, jnp.nan),

@@ -29,7 +29,10 @@ def model_and_config(engine_impl):
 
 
 def make_engine(model_and_config, *, num_pages=96, max_batch=4,
-                decode_steps=4, mode="lazy", eviction="lfu", **engine_kwargs):
+                decode_steps=4, mode="lazy", eviction="lfu", tokenizer=None,
+                quality=None, **engine_kwargs):
+  """The tiny test engine: a float32 pool of `num_pages` pages of PAGE
+  tokens; `engine_kwargs` are SchedulerConfig / RunnerConfig fields."""
   model, config, impl = model_and_config
   cache_config = CacheConfig(num_pages=num_pages, page_size=PAGE,
                              num_layers=config.num_layers,
@@ -41,7 +44,8 @@ def make_engine(model_and_config, *, num_pages=96, max_batch=4,
       None, None, dict(impl=impl, max_batch=max_batch,
                        decode_steps=decode_steps, **engine_kwargs))
   return LazyEngine(config, model, cache_config, mode=mode,
-                    scheduler=scheduler, runner=runner)
+                    scheduler=scheduler, runner=runner, tokenizer=tokenizer,
+                    quality=quality)
 
 
 def random_tokens(rng, n, vocab):

@@ -18,36 +18,19 @@ HELP = ("block fine-tuning for lazy attention (KL to full attention + "
 
 def add_arguments(p: argparse.ArgumentParser):
   """The finetune options (defaults: FinetuneConfig's)."""
-  p.add_argument("--model", default="smollm2-135m-instruct",
-                 help="model name or path (.gguf file or HF directory)")
+  from lazyattn_jax.training.cli_options import add_shared_options
+  add_shared_options(p, steps=1000, batch_size=16, lr=2e-5, warmup_steps=50,
+                     batch_help="samples per step, a multiple of the devices")
   p.add_argument("--out", required=True,
                  help="output directory (checkpoints/, model/, loss.png, "
                       "log.json); a run there is resumed")
-  p.add_argument("--steps", type=int, default=1000)
-  p.add_argument("--batch-size", type=int, default=16,
-                 help="samples per step, a multiple of the devices")
-  p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
-  p.add_argument("--warmup-steps", type=int, default=50)
   p.add_argument("--weight-decay", type=float, default=0.01)
-  p.add_argument("--clip-norm", type=float, default=1.0)
   p.add_argument("--full-share", type=float, default=0.25,
                  help="share of samples with plain causal full attention")
   p.add_argument("--kl-weight", type=float, default=1.0,
                  help="weight of KL(full-attention teacher || student)")
   p.add_argument("--ce-weight", type=float, default=0.5,
                  help="weight of the answers' cross-entropy")
-  p.add_argument("--data", default="synthetic",
-                 help="synthetic or hotpotqa (its train split)")
-  p.add_argument("--docs-per-question", type=int, default=4,
-                 help="documents per synthetic sample")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--dtype", default="float32",
-                 help="compute dtype: float32 or bfloat16 (weights and "
-                      "optimizer state stay float32)")
-  p.add_argument("--remat", action="store_true",
-                 help="recompute attention in the backward pass")
-  p.add_argument("--max-len", type=int, default=2048,
-                 help="longest dense sequence; longer samples are replaced")
   preamble = p.add_mutually_exclusive_group()
   preamble.add_argument("--preamble-text", default=None,
                         help="a token preamble every document is encoded "
@@ -61,13 +44,8 @@ def add_arguments(p: argparse.ArgumentParser):
   p.add_argument("--keep-checkpoints", type=int, default=2)
   p.add_argument("--export-dtype", default="float32",
                  help="float32, bfloat16 or float16 tensors in the export")
-  p.add_argument("--devices", type=int, default=None,
-                 help="local devices for data parallelism (default all)")
   p.add_argument("--stop-at-step", type=int, default=None,
                  help="stop with a checkpoint once this many steps are done")
-  p.add_argument("--max-minutes", type=float, default=None,
-                 help="stop with a checkpoint after this much wall time")
-  p.add_argument("--no-progress", action="store_true")
 
 
 def _check(args):

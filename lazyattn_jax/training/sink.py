@@ -228,36 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
                   "is encoded after) by distillation from the frozen model's "
                   "full attention.  Writes OUT/sink.safetensors, "
                   "OUT/sink_loss.png and OUT/sink_log.json.")
-  p.add_argument("--model", default="smollm2-135m-instruct",
-                 help="model name or path (.gguf file or HF directory)")
+  from lazyattn_jax.training.cli_options import add_shared_options
+  add_shared_options(p, steps=300, batch_size=8, lr=3e-3, warmup_steps=20)
   p.add_argument("--out", required=True, help="output directory")
   p.add_argument("--preamble-len", type=int, default=16,
                  help="P, the number of sink vectors (default 16)")
   p.add_argument("--init", choices=INITS, default="chat",
                  help="initial vectors: the chat prefix's first P token "
                       "embeddings, or a generic text's (default chat)")
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch-size", type=int, default=8)
-  p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-  p.add_argument("--warmup-steps", type=int, default=20)
-  p.add_argument("--clip-norm", type=float, default=1.0)
-  p.add_argument("--data", default="synthetic",
-                 help="synthetic or hotpotqa (its train split)")
-  p.add_argument("--docs-per-question", type=int, default=4,
-                 help="documents per synthetic sample")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--dtype", default="float32",
-                 help="compute dtype: float32 or bfloat16")
-  p.add_argument("--remat", action="store_true",
-                 help="recompute attention in the backward pass")
-  p.add_argument("--max-len", type=int, default=2048)
   p.add_argument("--eval-batches", type=int, default=4)
-  p.add_argument("--devices", type=int, default=None,
-                 help="local devices to use (default all)")
-  p.add_argument("--max-minutes", type=float, default=None,
-                 help="stop training after this much wall time and save "
-                      "the sink as it is")
-  p.add_argument("--no-progress", action="store_true")
   return p
 
 
