@@ -16,7 +16,10 @@
 #   mgpu  - Mosaic GPU prefill kernel: per-call and per-layer (plan made
 #           once) timing against Triton and cuDNN, and its parts timed
 #           alone (issue 2, ~40 s; MGPU_PARITY=1 adds the parity cases);
-#   kernels - the kernel table of record, decode and prefill (issue 2).
+#   kernels - the kernel table of record, decode and prefill (issue 2);
+#   fp8   - the paper-like load at a 10% pool in lazy and block, each again
+#           with a float8 pool of the same bytes (issue 16, part 3;
+#           FP8_FRACTION, FP8_MODES).
 # On two or more GPUs (issue 15, tensor parallelism):
 #   tptests - tests/multi_device with the Pallas kernels (engine parity at
 #           tensor parallel 2 in every mode, kernels per device, loading);
@@ -107,6 +110,14 @@ for part in $parts; do
         --num-requests ${TP70_REQUESTS:-32} \
         --profile-dir "$out/tp70_profile" --no-progress --out "$out/tp_70b.json" \
         2>&1 | grep -v Warning | tail -12 ;;
+    fp8)
+      timeout ${PAPER_TIMEOUT:-540} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
+        --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
+        --warm-cache-requests ${WARM_CACHE:-192} --group-tokens ${GROUP_TOKENS:-4096} \
+        --eviction lfu --cache-fraction ${FP8_FRACTION:-0.1} --modes ${FP8_MODES:-lazy,block} \
+        --kv-dtypes float8_e4m3fn --decode-steps 16 \
+        --no-progress --out "$out/rag_paper_like_fp8.json" 2>&1 | grep -v Warning | tail -12 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
         --time-budget ${KERNELS_BUDGET:-480} 2>&1 \

@@ -5,9 +5,13 @@
 # "finetune") block fine-tuning and the fine-tuned model measured.
 #
 #   bash benchmarks/h200_quality.sh OUT options   # baseline + options + sink
-#   bash benchmarks/h200_quality.sh OUT finetune  # fine-tune + measure
+#   bash benchmarks/h200_quality.sh OUT finetune       # fine-tune (~8 min)
+#   bash benchmarks/h200_quality.sh OUT finetune-eval  # then, same machine:
+#       # base full and lazy beside the fine-tuned model (HotpotQA);
+#       # finetune-synthetic likewise on the synthetic set
 #   bash benchmarks/h200_quality.sh OUT hotpot-options|hotpot-sink|synthetic
 #       # one dataset's runs each, for calls of under 10 minutes
+#   bash benchmarks/h200_quality.sh OUT fp8   # float8 pages' quality cost
 #
 # Environment: HOTPOT_QUESTIONS (held-out questions, default 300),
 # SINK_STEPS / SINK_MINUTES, FT_STEPS / FT_MINUTES.  The model and the data
@@ -74,21 +78,34 @@ elif [ "$STAGE" = synthetic ]; then
       --max-new-tokens 16 "${OPTION_RUNS[@]}" \
       --run "lazy,sink=$SHIPPED_SINK,label=lazy + sink" \
       --run "lazy,sink=$SHIPPED_SINK,recompute=true,label=lazy + sink + recompute"
-elif [ "$STAGE" = finetune ]; then
+elif [ "$STAGE" = fp8 ]; then
+  DEFAULTS="sink=$SHIPPED_SINK,recompute=true"
+  quality quality_hotpotqa_fp8 570 --dataset hotpotqa --layout dataset \
+      --questions "$Q" --modes full \
+      --run "full,dtype=float8_e4m3fn,label=full fp8 pages" \
+      --run "lazy,$DEFAULTS,label=lazy + sink + recompute" \
+      --run "lazy,$DEFAULTS,dtype=float8_e4m3fn,label=lazy + sink + recompute fp8 pages"
+elif [ "$STAGE" = finetune ]; then  # training only: about 8 minutes
   log "start finetune"
-  timeout 330 python -m lazyattn_jax.cli finetune --data hotpotqa \
-      --out /tmp/ft --steps "${FT_STEPS:-1500}" --batch-size 32 --lr 2e-5 \
+  timeout 540 python -m lazyattn_jax.cli finetune --data hotpotqa \
+      --out /tmp/ft --steps "${FT_STEPS:-3000}" --batch-size 32 --lr 2e-5 \
       --warmup-steps 50 --dtype bfloat16 --remat --checkpoint-every 100000 \
-      --max-minutes "${FT_MINUTES:-4.5}" --no-progress > "$OUT/finetune.log" 2>&1
+      --max-minutes "${FT_MINUTES:-8}" --no-progress > "$OUT/finetune.log" 2>&1
   log "end finetune rc=$?"
   cp /tmp/ft/*.json /tmp/ft/*.png "$OUT/" 2>/dev/null
+elif [ "$STAGE" = finetune-eval ]; then  # the next call, on the same machine
   MODEL=$(dirname "$(find /tmp/ft -name config.json | head -1)")
-  if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
-    quality quality_hotpotqa_finetuned 150 --model "$MODEL" --dataset hotpotqa \
-        --layout dataset --questions "$Q" --modes full,lazy
-    quality quality_synthetic_finetuned 60 --model "$MODEL" \
-        --dataset synthetic --questions 200 --max-new-tokens 16 --modes full,lazy
-  fi
+  # The base model's full attention beside the fine-tuned model, one process.
+  quality quality_hotpotqa_finetuned 570 --dataset hotpotqa --layout dataset \
+      --questions "$Q" --modes full --run lazy \
+      --run "full,model=$MODEL,label=fine-tuned full" \
+      --run "lazy,model=$MODEL,label=fine-tuned lazy"
+elif [ "$STAGE" = finetune-synthetic ]; then
+  MODEL=$(dirname "$(find /tmp/ft -name config.json | head -1)")
+  quality quality_synthetic_finetuned 570 --dataset synthetic --questions 200 \
+      --max-new-tokens 16 --modes full --run lazy \
+      --run "full,model=$MODEL,label=fine-tuned full" \
+      --run "lazy,model=$MODEL,label=fine-tuned lazy"
 else
   echo "unknown stage $STAGE" >&2; exit 2
 fi

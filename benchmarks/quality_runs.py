@@ -96,6 +96,7 @@ def route_options(options: dict) -> tuple[dict, dict, dict]:
                     for f in dataclasses.fields(c)}
   from lazyattn_jax.quality_options import QualityOptions
   quality_fields = {f.name for f in dataclasses.fields(QualityOptions)}
+  options = {k: v for k, v in options.items() if k != "model"}  # run_all's
   cache = {k: v for k, v in options.items() if k in cache_fields}
   settings = {k: v for k, v in options.items() if k in setting_fields}
   quality = {k: v for k, v in options.items() if k in quality_fields}
@@ -272,13 +273,28 @@ class CompileClock:
 
 
 def run_all(loaded, runs, items, args, pages_for_mode):
-  """Every run over the same items; returns the JSON rows."""
+  """Every run over the same items; returns the JSON rows.  A run with a
+  `model` option runs on that model (a name or path, loaded once, in
+  args.dtype) instead of `loaded`; it must take the same tokens (a
+  fine-tuned copy of the model, say), since the pool is sized from
+  `loaded`'s."""
+  from lazyattn_jax.loading import load_model
   from lazyattn_jax.sampling import SamplingParams
   sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                             temperature=0.0)
+  models = {}
   rows = []
   for run in runs:
-    engine = make_engine(loaded, run, num_pages=pages_for_mode(run.mode),
+    model = loaded
+    if run.options.get("model"):
+      name = str(run.options["model"])
+      if name not in models:
+        models[name] = load_model(name, args.dtype, args.progress)
+      model = models[name]
+      if model.config.vocab_size != loaded.config.vocab_size:
+        raise ValueError(f"run {run.label!r}: model {name} has another "
+                         "vocabulary than --model")
+    engine = make_engine(model, run, num_pages=pages_for_mode(run.mode),
                          page_size=args.page_size, dtype=args.dtype,
                          max_batch=args.batch, impl=args.impl)
     try:

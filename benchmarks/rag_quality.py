@@ -27,7 +27,9 @@ A run is (mode, engine options, label): --modes gives one run per mode with
 the --engine-option KEY=VALUE settings (repeatable); --run
 "MODE,KEY=VALUE,...,label=NAME" (repeatable) adds a run with its own options.
 Options go to CacheConfig, SchedulerConfig or RunnerConfig fields by name,
-or else to LazyEngine(...) as keyword arguments.
+or else to LazyEngine(...) as keyword arguments; model=PATH runs that run
+on another model of the same vocabulary (a fine-tuned one beside the
+base).
 
   python -m benchmarks.rag_quality --dataset hotpotqa --layout gold-sweep \\
       --questions 200 --modes full,lazy --out /tmp/hotpot.json

@@ -188,7 +188,7 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
 
 
 def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
-             cache_warmer=None, quality_name=""):
+             cache_warmer=None, quality_name="", label_suffix=""):
   """One mode on a fresh engine and pool (compiled programs are shared by
   every engine on the model, so a new engine does not recompile); the pool is
   freed before returning, so modes never hold two pools at once.
@@ -202,7 +202,7 @@ def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
     extra["quality"] = quality_options_named(quality_name, config,
                                              args.sink_len)
   engine = make_engine(args, config, model, dtype, mode, cache_pages, **extra)
-  label = f"{mode} + {quality_name}" if quality_name else mode
+  label = (f"{mode} + {quality_name}" if quality_name else mode) + label_suffix
   try:
     return _run_engine(args, engine, label, cache_pages, warm, measured, tqdm,
                        cache_warmer)
@@ -302,6 +302,10 @@ def parse_args(argv=None):
   p.add_argument("--kv-dtype", default="",
                  help="KV pool dtype (default: the model's compute dtype); "
                       "float8_e4m3fn: float8 pages with per-page scales")
+  p.add_argument("--kv-dtypes", default="",
+                 help="also run each mode with pools of these dtypes "
+                      "(comma-separated, e.g. float8_e4m3fn) holding the "
+                      "same bytes as the base pool, so more pages")
   p.add_argument("--modes", default=",".join(MODES))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--impl", default="auto")
@@ -346,6 +350,7 @@ def parse_args(argv=None):
   bad = [m for m in modes if m not in MODES]
   if bad:
     p.error(f"unknown modes {bad}; choose from {tuple(MODES)}")
+  args.kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
   args.quality_runs = [q for q in args.quality_runs.split(",") if q]
   bad = [q for q in args.quality_runs if q not in QUALITY_RUNS]
   if bad:
@@ -373,6 +378,21 @@ def working_pages(args) -> int:
                           args.docs_per_request * args.doc_len, args.page_size) +
                  args.docs_per_request * pages_per_doc)
   return per_request * args.max_batch
+
+
+def same_bytes_pages(config, args, dtype, kv_dtype: str, pages: int) -> int:
+  """Pages of `kv_dtype` that fit in the bytes of `pages` pages of the
+  pool's own dtype (--kv-dtype, else the compute dtype), scales counted."""
+  from lazyattn_jax.cache_config import CacheConfig
+
+  def page_bytes(pool_dtype):
+    return CacheConfig(num_pages=1, page_size=args.page_size,
+                       num_layers=config.num_layers,
+                       num_kv_heads=config.num_kv_heads,
+                       head_dim=config.head_dim, dtype=pool_dtype,
+                       max_pages_per_doc=1).bytes_per_page
+  return max(1, pages * page_bytes(args.kv_dtype or dtype) //
+             page_bytes(kv_dtype))
 
 
 def cache_pages_for(args, fraction: float) -> int:
@@ -440,6 +460,15 @@ def main(argv=None):
     runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
                          measured, cache_warmer))
     record(runs[-1], "base")
+    for kv_dtype in args.kv_dtypes:
+      pooled = argparse.Namespace(**vars(args))
+      pooled.kv_dtype = kv_dtype
+      pages = same_bytes_pages(config, args, dtype, kv_dtype, base_pages)
+      runs.append(run_mode(pooled, config, model, dtype, mode, pages, warm,
+                           measured, cache_warmer,
+                           label_suffix=f" [{kv_dtype} pages]"))
+      runs[-1]["kv_dtype"] = kv_dtype
+      record(runs[-1], "base")
     for name in (args.quality_runs if mode in ("lazy", "block") else []):
       runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
                            measured, cache_warmer, quality_name=name))

@@ -272,6 +272,21 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
   assert 0 < runs["full"]["compile_seconds"] < runs["full"]["seconds"]
 
 
+def test_a_run_may_use_another_model(tiny_model_dir, fixture_json, tmp_path):
+  """model=PATH runs that run on a second load (here of the same files, so
+  the answers must be the same as the first model's)."""
+  from benchmarks.rag_quality import main
+  out = tmp_path / "two.json"
+  main(["--dataset", "hotpotqa", "--hotpotqa-json", str(fixture_json),
+        "--model", str(tiny_model_dir), "--questions", "2",
+        "--max-new-tokens", "3", "--batch", "2", "--impl", "xla",
+        "--modes", "lazy", "--run", f"lazy,model={tiny_model_dir},label=again",
+        "--save-predictions", "--no-progress", "--out", str(out)])
+  first, again = json.loads(out.read_text())["runs"]
+  assert again["options"] == {"model": str(tiny_model_dir)}
+  assert first["predictions"] == again["predictions"]
+
+
 def test_quality_options_become_one_engine_argument(tmp_path):
   from benchmarks.quality_runs import route_options
   from lazyattn_jax.quality_options import QualityOptions

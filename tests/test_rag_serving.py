@@ -166,3 +166,27 @@ def test_unknown_quality_run_is_refused(tmp_path):
                         cwd=pathlib.Path(__file__).resolve().parents[1])
   assert done.returncode == 2
   assert "unknown --quality-runs ['chat']" in done.stderr
+
+
+def test_kv_dtypes_run_the_same_bytes_of_float8_pages(tmp_path):
+  """--kv-dtypes float8_e4m3fn repeats each mode with a float8 pool of the
+  same bytes: a float32 page's bytes hold four float8 pages less their
+  scales, and the larger pool hits at least as often."""
+  out = tmp_path / "rag.json"
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         "--num-docs", "24", "--docs-per-request", "3", "--doc-len", "16",
+         "--query-len", "4", "--output-len", "2", "--num-requests", "8",
+         "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
+         "--zipf", "1.2", "--cache-fraction", "0.3", "--add-working-pages",
+         "--modes", "lazy", "--kv-dtypes", "float8_e4m3fn",
+         "--out", str(out), "--no-progress"]
+  subprocess.run(cmd, check=True, timeout=600,
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
+  runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  base, fp8 = runs["lazy"], runs["lazy [float8_e4m3fn pages]"]
+  assert fp8["kv_dtype"] == "float8_e4m3fn"
+  # tiny: 2 layers x 2 KV heads; a float32 page of 8 x 16 values is 512
+  # bytes, a float8 one 128 bytes plus a 4-byte scale (K and V each).
+  assert fp8["cache_pages"] == base["cache_pages"] * 512 // 132
+  assert fp8["doc_hit_rate"] >= base["doc_hit_rate"]
+  assert fp8["kv_pages_written_for_cached_docs"] == 0
