@@ -10,6 +10,11 @@ Decode, bf16, Hq/Hkv 32/8, H 128, page 16, documents of 512 tokens (so the
 shift changes every 32 pages), B in {8, 32, 64}, context in {4096, 8192}:
   lazy        lazy_decode_gpu with the real per-document shifts;
   lazy-shift0 the same kernel and block sizes with every shift 0;
+  lazy-mosaic[v], lazy-mosaic-shift0[v]
+              the Mosaic GPU (Hopper) decode kernel (lazy_decode_mgpu, what
+              lazy_attention(impl="gpu") runs on Hopper) with each of
+              MOSAIC_DECODE_VARIANTS, real shifts and shift 0 timed in
+              alternation like the Triton pair;
   jax-paged   jax.experimental.pallas.ops.gpu.paged_attention on the same
               pool, read as pre-rotated keys (its default settings);
   xla-dense   a dense XLA decode over contiguous pre-rotated K/V.
@@ -67,7 +72,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
+from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode import lazy_decode_gpu
+from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
@@ -114,6 +121,14 @@ PREFILL_VARIANTS = {
     "q128k64w8s2": _prefill_tiles(128, 64, 8, 2),
     "q128k64w8s3": _prefill_tiles(128, 64, 8, 3),
     "q128k128w8s2": _prefill_tiles(128, 128, 8, 2),
+}
+
+# Mosaic GPU decode tiles, each timed at every decode shape beside the
+# Triton kernel (none measured yet; the default is the first).
+MOSAIC_DECODE_VARIANTS = {
+    "k128s2": MgpuDecodeBlockSizes(),
+    "k64s4": MgpuDecodeBlockSizes(block_kv=64, num_stages=4),
+    "k128s2-nofast": MgpuDecodeBlockSizes(mask_fast_path=False),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
@@ -329,6 +344,27 @@ def _measure(results, section, shape, method, fn, sets, perturb, *, nbytes=0,
   return result
 
 
+def _time_lazy_pair(results, shape, kv_bytes, kernel, sizes, lazy_sets,
+                    shift0_sets, names):
+  """Times `kernel` with real shifts and with shift 0 in alternation and
+  records both rows under `names` (real, shift0)."""
+  fn = _lazy_fn(kernel, sizes)
+  try:
+    lazy_s, shift0_s = time_pair(fn, lazy_sets, fn, shift0_sets,
+                                 _perturb_lazy)
+    pair = list(zip(names, (lazy_s, shift0_s)))
+  except Exception as e:  # keep going: report the failure in the table
+    pair = [(names[0], None)]
+    print(f"  FAILED {names[0]} pair: {type(e).__name__}: {e}", flush=True)
+    traceback.print_exc(file=sys.stdout)
+  for method, seconds in pair:
+    results.append(Result("decode", shape, method, seconds, kv_bytes,
+                          note="timed in alternation"))
+    if seconds:
+      print(f"  {shape:>14s} {method:<24s} {seconds * 1e3:8.3f} ms "
+            f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
+
+
 def _lazy_fn(kernel, block_sizes):
   def run(*args):
     return kernel(*args, rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
@@ -402,14 +438,17 @@ def _decode_inputs(key, rng, batch, context):
   return key, kv_bytes, sets, table, lazy_sets, shift0_sets
 
 
-def run_decode(results, variants, shapes, tuning_shapes, budget):
+def run_decode(results, variants, shapes, tuning_shapes, budget,
+               mosaic_variants=None):
   """Measures every decode row; returns the chosen variant name (or None).
 
   Pass 1, at the tuning shapes: every variant ("tune:" rows).  The variant
   with the lowest geometric-mean time there is chosen.  Pass 2, at every
   shape: the chosen variant with real shifts and with every shift 0, timed in
-  alternation (the 1.05x bar compares these two), then the baselines.
+  alternation (the 1.05x bar compares these two), then each Mosaic GPU
+  decode variant the same way, then the baselines.
   """
+  mosaic_variants = mosaic_variants or {}
   print("# decode", flush=True)
   key = jax.random.PRNGKey(0)
   rng = np.random.default_rng(0)
@@ -432,21 +471,13 @@ def run_decode(results, variants, shapes, tuning_shapes, budget):
     key, kv_bytes, sets, table, lazy_sets, shift0_sets = _decode_inputs(
         key, rng, batch, context)
     if chosen:
-      fn = _lazy_fn(lazy_decode_gpu, variants[chosen])
-      try:
-        lazy_s, shift0_s = time_pair(fn, lazy_sets, fn, shift0_sets,
-                                     _perturb_lazy)
-        pair = [(f"lazy[{chosen}]", lazy_s), (f"lazy-shift0[{chosen}]",
-                                              shift0_s)]
-      except Exception as e:  # keep going: report the failure in the table
-        pair = [(f"lazy[{chosen}]", None)]
-        print(f"  FAILED lazy pair: {type(e).__name__}: {e}", flush=True)
-      for method, seconds in pair:
-        results.append(Result("decode", shape, method, seconds, kv_bytes,
-                              note="timed in alternation"))
-        if seconds:
-          print(f"  {shape:>14s} {method:<24s} {seconds * 1e3:8.3f} ms "
-                f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
+      _time_lazy_pair(results, shape, kv_bytes, lazy_decode_gpu,
+                      variants[chosen], lazy_sets, shift0_sets,
+                      (f"lazy[{chosen}]", f"lazy-shift0[{chosen}]"))
+    for name, sizes in mosaic_variants.items():
+      _time_lazy_pair(results, shape, kv_bytes, lazy_decode_mgpu, sizes,
+                      lazy_sets, shift0_sets,
+                      (f"lazy-mosaic[{name}]", f"lazy-mosaic-shift0[{name}]"))
     lengths = jnp.full((batch,), context, jnp.int32)
     paged_sets = [(q[:, 0], k, v, table, lengths) for q, k, v in sets]
     for name, settings in JAX_PAGED_SETTINGS.items():
@@ -612,11 +643,14 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
         f" ({big.tb_per_s:.2f} TB/s)")
   else:
     out("  >= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)")
+  _report_mosaic_decode(out, results, decode_shapes, decode_variant)
   cudnn = _find(results, "prefill", "chunk512", "cudnn")
   mosaic = [f"lazy-mosaic{part}{suffix}" for suffix in
             [""] + [f"[{name}]" for name in MOSAIC_CANDIDATES]
             for part in ("", " per-layer")]
-  for method in [f"lazy[{prefill_variant}]"] + mosaic:
+  # No prefill bars when the prefill section did not run (--decode-only).
+  for method in ([f"lazy[{prefill_variant}]"] + mosaic
+                 if prefill_shapes else []):
     lazy = _find(results, "prefill", "chunk512", method)
     if lazy and cudnn:
       ratio = lazy.tflop_per_s / cudnn.tflop_per_s
@@ -627,6 +661,36 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
       out(f"  {method} prefill >= 0.7x cuDNN at chunk512: MISS (not "
           "measured)")
   print("\n".join(lines), flush=True)
+
+
+def _report_mosaic_decode(out, results, decode_shapes, triton_variant):
+  """Issue #16 bars of the Mosaic GPU decode, per variant: time / shift-0
+  time <= 1.02 at every shape, >= 4.1 TB/s at B64/ctx8192; and its time
+  against the Triton kernel's."""
+  verdict = lambda ok: "PASS" if ok else "MISS"
+  names = sorted({r.method[len("lazy-mosaic["):-1] for r in results
+                  if r.method.startswith("lazy-mosaic[")})
+  for name in names:
+    ratios, vs_triton = [], []
+    for batch, context in decode_shapes:
+      shape = _decode_shape_name(batch, context)
+      mosaic = _find(results, "decode", shape, f"lazy-mosaic[{name}]")
+      shift0 = _find(results, "decode", shape, f"lazy-mosaic-shift0[{name}]")
+      triton = _find(results, "decode", shape, f"lazy[{triton_variant}]")
+      ratios.append(mosaic.seconds / shift0.seconds
+                    if mosaic and shift0 else None)
+      vs_triton.append(f"{shape} {triton.seconds / mosaic.seconds:.2f}x"
+                       if mosaic and triton else f"{shape} -")
+    if ratios and None not in ratios:
+      out(f"  lazy-mosaic[{name}] / shift-0 time <= 1.02 at every decode "
+          f"shape: {verdict(max(ratios) <= 1.02)} (worst {max(ratios):.3f})")
+    else:
+      out(f"  lazy-mosaic[{name}] / shift-0 <= 1.02: MISS (not measured)")
+    big = _find(results, "decode", "B64/ctx8192", f"lazy-mosaic[{name}]")
+    out(f"  lazy-mosaic[{name}] >= 4.1 TB/s at B64/ctx8192: "
+        + (f"{verdict(big.tb_per_s >= 4.1)} ({big.tb_per_s:.2f} TB/s)"
+           if big else "MISS (not measured)"))
+    out(f"  lazy-mosaic[{name}] speed vs Triton lazy: {', '.join(vs_triton)}")
 
 
 def compile_once():
@@ -657,6 +721,11 @@ def main(argv=None):
   parser.add_argument("--time-budget", type=float, default=480.0,
                       help="seconds after which remaining lazy variants are "
                       "skipped (baselines still run)")
+  parser.add_argument("--decode-only", action="store_true",
+                      help="only the decode section (Triton, Mosaic GPU "
+                      "and the baselines)")
+  parser.add_argument("--no-mosaic-decode", action="store_true",
+                      help="skip the Mosaic GPU decode rows")
   parser.add_argument("--compile-once", action="store_true",
                       help="only run lazy decode (B8/ctx4096) and prefill "
                       "(chunk512) once with the default block sizes, e.g. "
@@ -679,10 +748,17 @@ def main(argv=None):
     return
   budget = Budget(args.time_budget)
   results: list[Result] = []
+  mosaic_decode = {} if args.no_mosaic_decode else MOSAIC_DECODE_VARIANTS
+  if args.quick:
+    mosaic_decode = dict(list(mosaic_decode.items())[:1])
   decode_variant = run_decode(results, decode_variants, decode_shapes,
-                              DECODE_TUNING_SHAPES, budget)
-  prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
-                                PREFILL_TUNING_SHAPE, budget)
+                              DECODE_TUNING_SHAPES, budget, mosaic_decode)
+  prefill_variant = None
+  if args.decode_only:
+    prefill_shapes = []
+  else:
+    prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
+                                  PREFILL_TUNING_SHAPE, budget)
   report(results, decode_shapes, prefill_shapes, decode_variant,
          prefill_variant)
   if args.json:
