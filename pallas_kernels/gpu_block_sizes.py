@@ -4,7 +4,8 @@
 prefill kernels) is what a caller, or benchmarks/kernels.py, passes as
 `block_sizes=`; `block_sizes_for` picks one when none is given: the tuned
 table below first, then the defaults.  `MgpuBlockSizes` are the tiles of the
-Mosaic GPU (Hopper) prefill kernel.  How the tuned values were found:
+Mosaic GPU (Hopper) prefill kernel, `MgpuDecodeBlockSizes` those of the
+Mosaic GPU decode kernel.  How the tuned values were found:
 docs/kernels.md.
 """
 
