@@ -203,14 +203,17 @@ class MgpuDecodeBlockSizes:
 
 
 def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
-                           head_dim: int) -> int:
+                           head_dim: int, quantized: bool = False) -> int:
   """Shared memory of one decode CTA (buffers only): the f32 query tile
-  (reused for the output), its 16-bit rotated copy, the K/V ring, records,
-  cos/sin and the m / l rows."""
+  (reused for the output), its 16-bit rotated copy, the K/V ring (1-byte
+  elements for float8 pages, plus a 16-bit K and V tile they are widened
+  into), records, cos/sin and the m / l rows."""
   stages = block_sizes.num_stages
   q_store = WG_ROWS * head_dim * 4
   q_16 = WG_ROWS * head_dim * 2
-  kv = stages * 2 * block_sizes.block_kv * head_dim * 2
+  kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
+  if quantized:
+    kv += 2 * block_sizes.block_kv * head_dim * 2
   small = stages * (2 * 256 + 2 * head_dim * 4) + 2 * WG_ROWS * 4
   return q_store + q_16 + kv + small
 

@@ -1,7 +1,8 @@
 """Lazy (deferred-RoPE) paged decode on Hopper: Pallas, Mosaic GPU lowering.
 
 Same contract and result as `gpu_decode.lazy_decode_gpu` (the Triton
-kernel) for T == 1 with 16-bit pools on H100/H200: TMA copies of whole KV
+kernel) for T == 1 with 16-bit queries and 16-bit or float8 (e4m3, with
+per-page scales) pools on H100/H200: TMA copies of whole KV
 pages into a shared-memory ring, wgmma for both matmuls, the KV of a row
 split over CTAs (flash-decoding) and merged in XLA.  This module is the entry
 point: input checks (`mosaic_decode_unsupported`), the per-batch plan
@@ -53,13 +54,10 @@ def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
     return f"lazy_decode_mgpu needs one query token (T == 1), got T={q_len}"
   if jnp.dtype(q_dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     return f"lazy_decode_mgpu needs q dtype bfloat16 or float16, got {q_dtype}"
-  if is_quantized(k_dtype):
-    # TMA feeds wgmma straight from the ring; float8 pages would need a
-    # dequantizing pass through shared memory (not built), so float8 decode
-    # runs the Triton kernel.
-    return f"lazy_decode_mgpu does not take float8 pages, got {k_dtype}"
-  if jnp.dtype(k_dtype) != jnp.dtype(q_dtype):
-    return f"k_pages dtype {k_dtype} must equal q dtype {q_dtype}"
+  if (not is_quantized(k_dtype)
+      and jnp.dtype(k_dtype) != jnp.dtype(q_dtype)):
+    return (f"k_pages dtype {k_dtype} must equal q dtype {q_dtype} or be "
+            f"float8_e4m3fn")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     return (f"lazy_decode_mgpu needs q head dim in {SUPPORTED_HEAD_DIMS}, "
             f"got {head_dim}")
@@ -70,7 +68,8 @@ def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
     return (f"lazy_decode_mgpu needs a k_pages page_size that is a multiple "
             f"of 8 and divides block_kv={block_sizes.block_kv}, got "
             f"{page_size}")
-  need = mgpu_decode_smem_bytes(block_sizes, head_dim)
+  need = mgpu_decode_smem_bytes(block_sizes, head_dim,
+                                quantized=is_quantized(k_dtype))
   if need > _SMEM_LIMIT:
     return (f"block_sizes {block_sizes} need {need} bytes of shared memory "
             f"(limit {_SMEM_LIMIT}); use fewer stages or block_kv 64")
@@ -122,17 +121,18 @@ def decode_query_tile(q, q_pos, rope: RopeConfig, sm_scale,
 def lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                      page_len, q_pos, *, rope: RopeConfig, sm_scale,
                      block_sizes: MgpuDecodeBlockSizes | None = None,
-                     interpret: bool = False):
+                     interpret: bool = False, k_scales=None, v_scales=None):
   """Decode (T == 1) of the lazy attention contract, Mosaic GPU (Hopper).
 
   Same arguments and result as `pallas_kernels.lazy_attention` (and
-  `gpu_decode.lazy_decode_gpu`) for 16-bit pools; `sm_scale` is a float or
-  f32 scalar array.  `interpret=True` runs the kernel in the Mosaic GPU
+  `gpu_decode.lazy_decode_gpu`) for 16-bit queries, with pools in q's dtype
+  or float8_e4m3fn with `k_scales`, `v_scales`; `sm_scale` is a float or f32
+  scalar array.  `interpret=True` runs the kernel in the Mosaic GPU
   interpreter on CPU (slow; tests only).  Raises ValueError, naming the
   argument, for inputs it does not support (`mosaic_decode_unsupported`).
   """
   check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
-                              page_shift, page_len, q_pos)
+                              page_shift, page_len, q_pos, k_scales, v_scales)
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   block_sizes = block_sizes or MgpuDecodeBlockSizes()
@@ -147,13 +147,15 @@ def lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                   rope=rope, sm_scale=sm_scale,
                                   block_sizes=block_sizes,
-                                  interpret=interpret)
+                                  interpret=interpret, k_scales=k_scales,
+                                  v_scales=v_scales)
 
 
 def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
                              *, rope: RopeConfig, sm_scale, page_offset=0,
                              block_sizes: MgpuDecodeBlockSizes | None = None,
-                             interpret: bool = False):
+                             interpret: bool = False, k_scales=None,
+                             v_scales=None):
   """The per-layer part of `lazy_decode_mgpu`: query tile, kernel, merge.
 
   `plan` must come from `plan_decode` with the same metadata, q_pos, shapes
@@ -165,6 +167,9 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
                                      k_pages.dtype, block_sizes)
   if reason is not None:
     raise ValueError(reason)
+  if is_quantized(k_pages.dtype) != (k_scales is not None):
+    raise ValueError("k_scales and v_scales go with float8 pages, and only "
+                     "with them")
   batch, _, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -179,6 +184,7 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
   acc, ml = mgpu_decode_kernel(
       q_tile, k_pages, v_pages, plan.n_steps, plan.records, plan.cos_sin,
       plan.q_pos, page_offset, group=group, num_splits=splits,
+      compute_dtype=q.dtype, k_scales=k_scales, v_scales=v_scales,
       block_sizes=block_sizes, interpret=interpret)
   # acc [B, S, K, Gp, H], ml [B, S, K, 2, 64]: keep the G real rows.
   acc = acc[:, :, :, :group]

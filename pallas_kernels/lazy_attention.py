@@ -173,8 +173,8 @@ def _gpu_prefill_kernel(q, k_pages, interpret: bool) -> str:
 def _gpu_decode_kernel(q, k_pages, interpret: bool) -> str:
   """"mosaic" where the Hopper decode kernel applies, else "triton".
 
-  Interpret mode stays on the Triton kernel (generic interpreter); float8
-  pages, float32, other head dims and page sizes run Triton too
+  Interpret mode stays on the Triton kernel (generic interpreter); float32,
+  other head dims and page sizes run Triton too
   (`gpu_decode_mgpu.mosaic_decode_unsupported` says why).
   """
   from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
@@ -198,7 +198,8 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
     from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu_planned
     return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                     rope=rope, sm_scale=sm_scale,
-                                    page_offset=page_offset)
+                                    page_offset=page_offset,
+                                    k_scales=k_scales, v_scales=v_scales)
   if plan is not None:  # Mosaic GPU prefill's plan
     from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu_planned
     return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
@@ -216,7 +217,8 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
       from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu
       return lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos,
                               page_shift, page_len, q_pos, rope=rope,
-                              sm_scale=sm_scale)
+                              sm_scale=sm_scale, k_scales=k_scales,
+                              v_scales=v_scales)
     if q.shape[1] == 1:
       from pallas_kernels.gpu_decode import lazy_decode_gpu as kernel
     elif gpu_kernel == "mosaic":
@@ -288,7 +290,7 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
   Returns:
     An opaque plan, or None where the kernel that `lazy_attention` picks for
     these inputs has no plan (the xla and tpu impls, the Triton kernels:
-    non-Hopper GPUs, float8 or float32 pools, shapes the Mosaic GPU kernels
+    non-Hopper GPUs, float32 pools, float8 prefill, shapes the Mosaic GPU kernels
     do not take); passing None as `plan` is always fine.
   """
   if not isinstance(rope, RopeConfig):
@@ -343,8 +345,8 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     k_scales, v_scales: float32 [K, num_pages], with float8_e4m3fn pages
       only: slot i of page p of head k reads as
       k_pages[k, p, i] * k_scales[k, p] (pallas_kernels/kv_quant.py).  The
-      kernels dequantize in registers; float8 on GPU runs the Triton
-      kernels, never the Mosaic ones.
+      kernels dequantize on chip; float8 prefill on GPU runs the Triton
+      kernel (decode takes the Mosaic GPU kernel on Hopper).
 
   Returns:
     [B, T, N, H] in q's dtype.

@@ -168,6 +168,59 @@ def test_parity_interpret_whole_pages_llama3():
          LLAMA3)
 
 
+@pytest.mark.parametrize("dtype,head_dim,page_size", [
+    (jnp.bfloat16, 128, 16), (jnp.float16, 64, 8)])
+def test_float8_export_lowers_for_cuda(dtype, head_dim, page_size):
+  """float8 pages: the ring holds e4m3, widened in the kernel."""
+  specs = list(_specs(2, 32, 8, head_dim, 64, page_size, 20, dtype))
+  pages = jax.ShapeDtypeStruct(specs[1].shape, jnp.float8_e4m3fn)
+  scales = jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)
+  fn = jax.jit(lambda *a: lazy_attention(
+      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))
+  exported = export.export(fn, platforms=["cuda"])(
+      specs[0], pages, pages, *specs[3:], scales, scales)
+  assert _custom_calls(exported) == {"mosaic_gpu_v2"}
+  assert exported.out_avals[0].dtype == jnp.dtype(dtype)
+
+
+def _check_float8(out, lazy, fp8, k_scales, v_scales, rope):
+  """As test_fp8_kernels: the reference on the same float8 pages and the
+  float64 truth of the dequantized pages at the 16-bit tolerance, the
+  unquantized truth at the quantization tolerance."""
+  from pallas_kernels.kv_quant import dequantize_pages
+  from tests.test_fp8_kernels import QUANTIZATION_TOLERANCE
+  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+  assert not np.isnan(out).any(), "NaN leaked into the output"
+  reference = np.asarray(lazy_attention_reference(
+      *[jnp.asarray(a) for a in fp8.args()], rope=rope, k_scales=k_scales,
+      v_scales=v_scales).astype(jnp.float32))
+  assert relative_error(out, reference) <= BF16_TOLERANCE
+  same_pages = dataclasses.replace(
+      fp8, k_pages=np.asarray(dequantize_pages(fp8.k_pages, k_scales)),
+      v_pages=np.asarray(dequantize_pages(fp8.v_pages, v_scales)))
+  assert relative_error(out, numpy_truth(same_pages, rope)) <= BF16_TOLERANCE
+  err = relative_error(out, numpy_truth(lazy, rope))
+  assert 0 < err <= QUANTIZATION_TOLERANCE, f"vs unquantized: {err:.3g}"
+  assert np.all(out[lazy.q_pos < 0] == 0.0), "padding rows must be zero"
+
+
+@needs_interpreter
+def test_parity_interpret_float8():
+  """float8 pages with NaN in unused slots and NaN scales on unused pages,
+  a padding row, two splits; f16 queries (e4m3 -> f16 in one conversion)."""
+  from pallas_kernels.testing import quantize_case
+  lazy = _ragged_case(5, batch=2, num_heads=4, num_kv_heads=1, head_dim=64,
+                      page_size=16, dtype=jnp.float16, max_doc_len=100)
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  assert np.isnan(np.asarray(k_scales)).any(), "no NaN scale to skip"
+  out = lazy_decode_mgpu(
+      *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
+      sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
+      v_scales=v_scales,
+      block_sizes=MgpuDecodeBlockSizes(block_kv=64, kv_splits=2))
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
 def test_plan_decode_steps():
   """Steps hold only live pages (not empty, not after q_pos), one segment
   per step; padding rows have none."""
@@ -217,7 +270,7 @@ def test_kv_splits():
 @pytest.mark.parametrize("change,message", [
     (dict(q_len=2), "one query token"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(k_dtype=jnp.float8_e4m3fn), "float8"),
+    (dict(k_dtype=jnp.float8_e5m2), "float8_e4m3fn"),
     (dict(head_dim=32), "head dim"),
     (dict(page_size=12), "page_size"),
     (dict(heads=130, kv_heads=2), "at most 64 query heads"),
@@ -259,8 +312,9 @@ def test_block_size_errors():
 
 def test_lazy_attention_picks_the_decode_kernel():
   """impl="gpu" decode: Mosaic (Hopper; no local GPU here, so lowering
-  targets Hopper) for 16-bit pools it takes; Triton for float32, float8,
-  page sizes it cannot tile and interpret mode.  The plan follows."""
+  targets Hopper) for 16-bit queries with 16-bit or float8 pools; Triton
+  for float32, page sizes it cannot tile and interpret mode.  The plan
+  follows."""
   from pallas_kernels.lazy_attention import _gpu_decode_kernel
   q16 = jnp.zeros((1, 1, 4, 128), jnp.bfloat16)
   pages16 = jnp.zeros((1, 4, 16, 128), jnp.bfloat16)
@@ -269,13 +323,16 @@ def test_lazy_attention_picks_the_decode_kernel():
   q32, pages32 = q16.astype(jnp.float32), pages16.astype(jnp.float32)
   assert _gpu_decode_kernel(q32, pages32, interpret=False) == "triton"
   pages8 = pages16.astype(jnp.float8_e4m3fn)
-  assert _gpu_decode_kernel(q16, pages8, interpret=False) == "triton"
+  assert _gpu_decode_kernel(q16, pages8, interpret=False) == "mosaic"
+  assert _gpu_decode_kernel(q32, pages8, interpret=False) == "triton"
   pages12 = jnp.zeros((1, 4, 12, 128), jnp.bfloat16)
   assert _gpu_decode_kernel(q16, pages12, interpret=False) == "triton"
   meta = [jnp.zeros((1, 2), jnp.int32)] * 4 + [jnp.zeros((1, 1), jnp.int32)]
   assert isinstance(plan_lazy_attention(q16, pages16, *meta, rope=PLAIN,
                                         impl="gpu"), DecodePlan)
-  assert plan_lazy_attention(q16, pages8, *meta, rope=PLAIN,
+  assert isinstance(plan_lazy_attention(q16, pages8, *meta, rope=PLAIN,
+                                        impl="gpu"), DecodePlan)
+  assert plan_lazy_attention(q32, pages32, *meta, rope=PLAIN,
                              impl="gpu") is None
 
 
@@ -318,6 +375,20 @@ def test_parity_gpu(case, dtype):
       *a, rope=rope, sm_scale=jnp.float32(head_dim ** -0.5),
       block_sizes=block_sizes))(*[jnp.asarray(a) for a in lazy.args()])
   _check(out, lazy, rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_parity_gpu_float8(dtype):
+  from pallas_kernels.testing import quantize_case
+  lazy = _ragged_case(7, batch=5, num_heads=32, num_kv_heads=8,
+                      head_dim=128, page_size=16, dtype=dtype,
+                      docs_per_row=4, max_doc_len=300, base_position=2**20)
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  out = jax.jit(lambda *a: lazy_attention(
+      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))(
+          *[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
 @pytest.mark.gpu
