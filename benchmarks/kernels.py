@@ -10,6 +10,9 @@ Decode, bf16, Hq/Hkv 32/8, H 128, page 16, documents of 512 tokens (so the
 shift changes every 32 pages), B in {8, 32, 64}, context in {4096, 8192}:
   lazy        lazy_decode_gpu with the real per-document shifts;
   lazy-shift0 the same kernel and block sizes with every shift 0;
+  lazy-fp8[v], lazy-mosaic-fp8[default] (with --fp8)
+              both kernels on float8 e4m3 pools (TB/s of the float8
+              bytes), real shifts and shift 0 in alternation;
   lazy-mosaic[v], lazy-mosaic-shift0[v]
               the Mosaic GPU (Hopper) decode kernel (lazy_decode_mgpu, what
               lazy_attention(impl="gpu") runs on Hopper) with each of
@@ -225,10 +228,10 @@ def _perturb_query(args, zero):
 
 
 def _perturb_lazy(args, zero):
-  q, k, v, table, pos, shift, length, q_pos = args
+  q, k, v, table, pos, shift, length, q_pos, *scales = args
   bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA
   return (q + zero.astype(q.dtype), k, v, table, pos, shift, length,
-          q_pos + bump)
+          q_pos + bump, *scales)
 
 
 def _perturb_paged(args, zero):
@@ -367,9 +370,23 @@ def _time_lazy_pair(results, shape, kv_bytes, kernel, sizes, lazy_sets,
 
 def _lazy_fn(kernel, block_sizes):
   def run(*args):
-    return kernel(*args, rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
-                  interpret=False, block_sizes=block_sizes)
+    # Float8 sets carry k_scales, v_scales after the 8 contract operands.
+    scales = dict(zip(("k_scales", "v_scales"), args[8:]))
+    return kernel(*args[:8], rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
+                  interpret=False, block_sizes=block_sizes, **scales)
   return run
+
+
+def _fp8_sets(sets):
+  """The same input sets with float8 e4m3 pools and their page scales."""
+  from pallas_kernels.kv_quant import quantize_pages
+  out = []
+  for q, k, v, table, pos, shift, length, q_pos in sets:
+    k8, k_scales = quantize_pages(k)
+    v8, v_scales = quantize_pages(v)
+    out.append((q, k8, v8, table, pos, shift, length, q_pos, k_scales,
+                v_scales))
+  return out
 
 
 def _plan(q, k_pages, v_pages, table, pos, shift, length, q_pos,
@@ -439,14 +456,15 @@ def _decode_inputs(key, rng, batch, context):
 
 
 def run_decode(results, variants, shapes, tuning_shapes, budget,
-               mosaic_variants=None):
+               mosaic_variants=None, fp8=False):
   """Measures every decode row; returns the chosen variant name (or None).
 
   Pass 1, at the tuning shapes: every variant ("tune:" rows).  The variant
   with the lowest geometric-mean time there is chosen.  Pass 2, at every
   shape: the chosen variant with real shifts and with every shift 0, timed in
   alternation (the 1.05x bar compares these two), then each Mosaic GPU
-  decode variant the same way, then the baselines.
+  decode variant the same way, with `fp8` both kernels on float8 pools
+  (TB/s of the float8 bytes), then the baselines.
   """
   mosaic_variants = mosaic_variants or {}
   print("# decode", flush=True)
@@ -478,6 +496,15 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
       _time_lazy_pair(results, shape, kv_bytes, lazy_decode_mgpu, sizes,
                       lazy_sets, shift0_sets,
                       (f"lazy-mosaic[{name}]", f"lazy-mosaic-shift0[{name}]"))
+    if fp8:  # float8 pools: half the KV bytes; Triton and the Mosaic default
+      fp8_sets, fp8_shift0 = _fp8_sets(lazy_sets), _fp8_sets(shift0_sets)
+      for kernel, sizes, name in (
+          (lazy_decode_gpu, variants.get(chosen), f"lazy-fp8[{chosen}]"),
+          (lazy_decode_mgpu, None, "lazy-mosaic-fp8[default]")):
+        _time_lazy_pair(results, shape, kv_bytes // 2, kernel, sizes,
+                        fp8_sets, fp8_shift0,
+                        (name, name.replace("-fp8[", "-fp8-shift0[")))
+      del fp8_sets, fp8_shift0
     lengths = jnp.full((batch,), context, jnp.int32)
     paged_sets = [(q[:, 0], k, v, table, lengths) for q, k, v in sets]
     for name, settings in JAX_PAGED_SETTINGS.items():
@@ -726,6 +753,9 @@ def main(argv=None):
                       "and the baselines)")
   parser.add_argument("--no-mosaic-decode", action="store_true",
                       help="skip the Mosaic GPU decode rows")
+  parser.add_argument("--fp8", action="store_true",
+                      help="also time decode (Triton and Mosaic GPU) on "
+                      "float8 e4m3 pools")
   parser.add_argument("--compile-once", action="store_true",
                       help="only run lazy decode (B8/ctx4096) and prefill "
                       "(chunk512) once with the default block sizes, e.g. "
@@ -752,7 +782,8 @@ def main(argv=None):
   if args.quick:
     mosaic_decode = dict(list(mosaic_decode.items())[:1])
   decode_variant = run_decode(results, decode_variants, decode_shapes,
-                              DECODE_TUNING_SHAPES, budget, mosaic_decode)
+                              DECODE_TUNING_SHAPES, budget, mosaic_decode,
+                              fp8=args.fp8)
   prefill_variant = None
   if args.decode_only:
     prefill_shapes = []
