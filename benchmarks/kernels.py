@@ -132,6 +132,9 @@ MOSAIC_DECODE_VARIANTS = {
     "k128s2": MgpuDecodeBlockSizes(),
     "k64s4": MgpuDecodeBlockSizes(block_kv=64, num_stages=4),
     "k128s2-nofast": MgpuDecodeBlockSizes(mask_fast_path=False),
+    # One CTA per (row, kv head): half the CTAs (and their prologue and
+    # output writes) of the default's two splits at B64.
+    "k128s2-split1": MgpuDecodeBlockSizes(kv_splits=1),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
