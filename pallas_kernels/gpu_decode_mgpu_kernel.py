@@ -108,7 +108,8 @@ def _kernel(
     plgpu.barrier_wait(q_bar.at[0])
 
     def rotate(slot):
-      """q16 = R(-shift) q in the pool's dtype, from the f32 tile."""
+      """q16 = R(-shift) q in q's 16-bit dtype, from the f32 tile (all 64
+      rows: the wgmma A operand)."""
       lo = q_smem.at[:, pl.ds(0, half)][...]
       hi = q_smem.at[:, pl.ds(half, half)][...]
       cos = ops.cast(cs_smem[slot, 0], col_layout)
