@@ -12,6 +12,7 @@ Validates shapes and dtypes at trace time, then dispatches to one of:
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -178,6 +179,11 @@ def _gpu_decode_kernel(q, k_pages, interpret: bool) -> str:
   (`gpu_decode_mgpu.mosaic_decode_unsupported` says why).
   """
   from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
+  # LAZYATTN_MOSAIC_DECODE=0 keeps decode on Triton: a switch for comparing
+  # the two (or working around the newer kernel) without code changes; it is
+  # read when a call is traced.
+  if os.environ.get("LAZYATTN_MOSAIC_DECODE", "1") == "0":
+    return "triton"
   if interpret or mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
                                             k_pages.dtype) is not None:
     return "triton"

@@ -336,6 +336,16 @@ def test_lazy_attention_picks_the_decode_kernel():
                              impl="gpu") is None
 
 
+def test_environment_switch_keeps_decode_on_triton(monkeypatch):
+  from pallas_kernels.lazy_attention import _gpu_decode_kernel
+  q16 = jnp.zeros((1, 1, 4, 128), jnp.bfloat16)
+  pages16 = jnp.zeros((1, 4, 16, 128), jnp.bfloat16)
+  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "0")
+  assert _gpu_decode_kernel(q16, pages16, interpret=False) == "triton"
+  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
+  assert _gpu_decode_kernel(q16, pages16, interpret=False) == "mosaic"
+
+
 def test_lazy_attention_refuses_a_prefill_plan_for_decode():
   q = jnp.zeros((1, 4, 4, 128), jnp.bfloat16)
   pages = jnp.zeros((1, 4, 16, 128), jnp.bfloat16)
