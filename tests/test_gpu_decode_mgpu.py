@@ -32,6 +32,13 @@ from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
                                     relative_error)
 from tests.test_gpu_prefill_mgpu import _doc_layout_case, needs_interpreter
 
+
+@pytest.fixture(autouse=True)
+def mosaic_decode_on(monkeypatch):
+  """The Mosaic decode is opt-in until measured on a GPU (lazy_attention's
+  LAZYATTN_MOSAIC_DECODE); these tests are about it."""
+  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
+
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position=8192)
@@ -336,10 +343,12 @@ def test_lazy_attention_picks_the_decode_kernel():
                              impl="gpu") is None
 
 
-def test_environment_switch_keeps_decode_on_triton(monkeypatch):
+def test_mosaic_decode_is_taken_only_when_switched_on(monkeypatch):
   from pallas_kernels.lazy_attention import _gpu_decode_kernel
   q16 = jnp.zeros((1, 1, 4, 128), jnp.bfloat16)
   pages16 = jnp.zeros((1, 4, 16, 128), jnp.bfloat16)
+  monkeypatch.delenv("LAZYATTN_MOSAIC_DECODE")
+  assert _gpu_decode_kernel(q16, pages16, interpret=False) == "triton"
   monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "0")
   assert _gpu_decode_kernel(q16, pages16, interpret=False) == "triton"
   monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
