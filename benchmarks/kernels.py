@@ -10,6 +10,17 @@ Decode, bf16, Hq/Hkv 32/8, H 128, page 16, documents of 512 tokens (so the
 shift changes every 32 pages), B in {8, 32, 64}, context in {4096, 8192}:
   lazy        lazy_decode_gpu with the real per-document shifts;
   lazy-shift0 the same kernel and block sizes with every shift 0;
+  lazy-fp8[v], lazy-mosaic-fp8[default] (with --fp8)
+              both kernels on float8 e4m3 pools (TB/s of the float8
+              bytes), real shifts and shift 0 in alternation;
+  lazy-mosaic[v], lazy-mosaic-shift0[v]
+              the Mosaic GPU (Hopper) decode kernel (lazy_decode_mgpu, what
+              lazy_attention(impl="gpu") runs on Hopper) with each of
+              MOSAIC_DECODE_VARIANTS, real shifts and shift 0 timed in
+              alternation like the Triton pair;
+  lazy-mosaic per-layer, lazy-mosaic-shift0 per-layer
+              the default Mosaic decode with its per-batch plan made once
+              outside the timed call (as the model does for all layers);
   jax-paged   jax.experimental.pallas.ops.gpu.paged_attention on the same
               pool, read as pre-rotated keys (its default settings);
   xla-dense   a dense XLA decode over contiguous pre-rotated K/V.
@@ -67,7 +78,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
+from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode import lazy_decode_gpu
+from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
+                                            lazy_decode_mgpu_planned,
+                                            plan_decode)
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
@@ -114,6 +129,17 @@ PREFILL_VARIANTS = {
     "q128k64w8s2": _prefill_tiles(128, 64, 8, 2),
     "q128k64w8s3": _prefill_tiles(128, 64, 8, 3),
     "q128k128w8s2": _prefill_tiles(128, 128, 8, 2),
+}
+
+# Mosaic GPU decode tiles, each timed at every decode shape beside the
+# Triton kernel (none measured yet; the default is the first).
+MOSAIC_DECODE_VARIANTS = {
+    "k128s2": MgpuDecodeBlockSizes(),
+    "k64s4": MgpuDecodeBlockSizes(block_kv=64, num_stages=4),
+    "k128s2-nofast": MgpuDecodeBlockSizes(mask_fast_path=False),
+    # One CTA per (row, kv head): half the CTAs (and their prologue and
+    # output writes) of the default's two splits at B64.
+    "k128s2-split1": MgpuDecodeBlockSizes(kv_splits=1),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
@@ -210,10 +236,10 @@ def _perturb_query(args, zero):
 
 
 def _perturb_lazy(args, zero):
-  q, k, v, table, pos, shift, length, q_pos = args
+  q, k, v, table, pos, shift, length, q_pos, *scales = args
   bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA
   return (q + zero.astype(q.dtype), k, v, table, pos, shift, length,
-          q_pos + bump)
+          q_pos + bump, *scales)
 
 
 def _perturb_paged(args, zero):
@@ -329,11 +355,63 @@ def _measure(results, section, shape, method, fn, sets, perturb, *, nbytes=0,
   return result
 
 
+def _time_lazy_pair(results, shape, kv_bytes, kernel, sizes, lazy_sets,
+                    shift0_sets, names):
+  """Times `kernel` with real shifts and with shift 0 in alternation and
+  records both rows under `names` (real, shift0)."""
+  fn = _lazy_fn(kernel, sizes)
+  try:
+    lazy_s, shift0_s = time_pair(fn, lazy_sets, fn, shift0_sets,
+                                 _perturb_lazy)
+    pair = list(zip(names, (lazy_s, shift0_s)))
+  except Exception as e:  # keep going: report the failure in the table
+    pair = [(names[0], None)]
+    print(f"  FAILED {names[0]} pair: {type(e).__name__}: {e}", flush=True)
+    traceback.print_exc(file=sys.stdout)
+  for method, seconds in pair:
+    results.append(Result("decode", shape, method, seconds, kv_bytes,
+                          note="timed in alternation"))
+    if seconds:
+      print(f"  {shape:>14s} {method:<24s} {seconds * 1e3:8.3f} ms "
+            f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
+
+
 def _lazy_fn(kernel, block_sizes):
   def run(*args):
-    return kernel(*args, rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
-                  interpret=False, block_sizes=block_sizes)
+    # Float8 sets carry k_scales, v_scales after the 8 contract operands.
+    scales = dict(zip(("k_scales", "v_scales"), args[8:]))
+    return kernel(*args[:8], rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
+                  interpret=False, block_sizes=block_sizes, **scales)
   return run
+
+
+def _decode_planned_sets(sets):
+  """(q, k, v, q_pos, *DecodePlan) per set: the Mosaic decode's per-batch
+  plan made outside the timed call, as a model makes it once per step."""
+  make = jax.jit(functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
+                                   page_size=PAGE_SIZE),
+                 static_argnames="num_pages")
+  return [(q, k, v, q_pos, *make(table, pos, shift, length, q_pos,
+                                 num_pages=k.shape[1]))
+          for q, k, v, table, pos, shift, length, q_pos in sets]
+
+
+def _decode_planned(q, k_pages, v_pages, q_pos, *plan):
+  return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos,
+                                  DecodePlan(*plan), rope=ROPE,
+                                  sm_scale=jnp.float32(SM_SCALE))
+
+
+def _fp8_sets(sets):
+  """The same input sets with float8 e4m3 pools and their page scales."""
+  from pallas_kernels.kv_quant import quantize_pages
+  out = []
+  for q, k, v, table, pos, shift, length, q_pos in sets:
+    k8, k_scales = quantize_pages(k)
+    v8, v_scales = quantize_pages(v)
+    out.append((q, k8, v8, table, pos, shift, length, q_pos, k_scales,
+                v_scales))
+  return out
 
 
 def _plan(q, k_pages, v_pages, table, pos, shift, length, q_pos,
@@ -402,14 +480,18 @@ def _decode_inputs(key, rng, batch, context):
   return key, kv_bytes, sets, table, lazy_sets, shift0_sets
 
 
-def run_decode(results, variants, shapes, tuning_shapes, budget):
+def run_decode(results, variants, shapes, tuning_shapes, budget,
+               mosaic_variants=None, fp8=False):
   """Measures every decode row; returns the chosen variant name (or None).
 
   Pass 1, at the tuning shapes: every variant ("tune:" rows).  The variant
   with the lowest geometric-mean time there is chosen.  Pass 2, at every
   shape: the chosen variant with real shifts and with every shift 0, timed in
-  alternation (the 1.05x bar compares these two), then the baselines.
+  alternation (the 1.05x bar compares these two), then each Mosaic GPU
+  decode variant the same way, with `fp8` both kernels on float8 pools
+  (TB/s of the float8 bytes), then the baselines.
   """
+  mosaic_variants = mosaic_variants or {}
   print("# decode", flush=True)
   key = jax.random.PRNGKey(0)
   rng = np.random.default_rng(0)
@@ -432,21 +514,39 @@ def run_decode(results, variants, shapes, tuning_shapes, budget):
     key, kv_bytes, sets, table, lazy_sets, shift0_sets = _decode_inputs(
         key, rng, batch, context)
     if chosen:
-      fn = _lazy_fn(lazy_decode_gpu, variants[chosen])
+      _time_lazy_pair(results, shape, kv_bytes, lazy_decode_gpu,
+                      variants[chosen], lazy_sets, shift0_sets,
+                      (f"lazy[{chosen}]", f"lazy-shift0[{chosen}]"))
+    for name, sizes in mosaic_variants.items():
+      _time_lazy_pair(results, shape, kv_bytes, lazy_decode_mgpu, sizes,
+                      lazy_sets, shift0_sets,
+                      (f"lazy-mosaic[{name}]", f"lazy-mosaic-shift0[{name}]"))
+    if mosaic_variants:  # the per-layer part alone (default tiles)
       try:
-        lazy_s, shift0_s = time_pair(fn, lazy_sets, fn, shift0_sets,
-                                     _perturb_lazy)
-        pair = [(f"lazy[{chosen}]", lazy_s), (f"lazy-shift0[{chosen}]",
-                                              shift0_s)]
-      except Exception as e:  # keep going: report the failure in the table
-        pair = [(f"lazy[{chosen}]", None)]
-        print(f"  FAILED lazy pair: {type(e).__name__}: {e}", flush=True)
-      for method, seconds in pair:
-        results.append(Result("decode", shape, method, seconds, kv_bytes,
-                              note="timed in alternation"))
-        if seconds:
+        planned, planned0 = (_decode_planned_sets(lazy_sets),
+                             _decode_planned_sets(shift0_sets))
+        layer_s, layer0_s = time_pair(_decode_planned, planned,
+                                      _decode_planned, planned0,
+                                      _perturb_planned)
+        for method, seconds in (("lazy-mosaic per-layer", layer_s),
+                                ("lazy-mosaic-shift0 per-layer", layer0_s)):
+          results.append(Result("decode", shape, method, seconds, kv_bytes,
+                                note="plan made once, outside"))
           print(f"  {shape:>14s} {method:<24s} {seconds * 1e3:8.3f} ms "
                 f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
+        del planned, planned0
+      except Exception as e:  # keep going: report the failure in the table
+        print(f"  FAILED lazy-mosaic per-layer: {type(e).__name__}: {e}",
+              flush=True)
+    if fp8:  # float8 pools: half the KV bytes; Triton and the Mosaic default
+      fp8_sets, fp8_shift0 = _fp8_sets(lazy_sets), _fp8_sets(shift0_sets)
+      for kernel, sizes, name in (
+          (lazy_decode_gpu, variants.get(chosen), f"lazy-fp8[{chosen}]"),
+          (lazy_decode_mgpu, None, "lazy-mosaic-fp8[default]")):
+        _time_lazy_pair(results, shape, kv_bytes // 2, kernel, sizes,
+                        fp8_sets, fp8_shift0,
+                        (name, name.replace("-fp8[", "-fp8-shift0[")))
+      del fp8_sets, fp8_shift0
     lengths = jnp.full((batch,), context, jnp.int32)
     paged_sets = [(q[:, 0], k, v, table, lengths) for q, k, v in sets]
     for name, settings in JAX_PAGED_SETTINGS.items():
@@ -612,11 +712,14 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
         f" ({big.tb_per_s:.2f} TB/s)")
   else:
     out("  >= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)")
+  _report_mosaic_decode(out, results, decode_shapes, decode_variant)
   cudnn = _find(results, "prefill", "chunk512", "cudnn")
   mosaic = [f"lazy-mosaic{part}{suffix}" for suffix in
             [""] + [f"[{name}]" for name in MOSAIC_CANDIDATES]
             for part in ("", " per-layer")]
-  for method in [f"lazy[{prefill_variant}]"] + mosaic:
+  # No prefill bars when the prefill section did not run (--decode-only).
+  for method in ([f"lazy[{prefill_variant}]"] + mosaic
+                 if prefill_shapes else []):
     lazy = _find(results, "prefill", "chunk512", method)
     if lazy and cudnn:
       ratio = lazy.tflop_per_s / cudnn.tflop_per_s
@@ -627,6 +730,36 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
       out(f"  {method} prefill >= 0.7x cuDNN at chunk512: MISS (not "
           "measured)")
   print("\n".join(lines), flush=True)
+
+
+def _report_mosaic_decode(out, results, decode_shapes, triton_variant):
+  """Issue #16 bars of the Mosaic GPU decode, per variant: time / shift-0
+  time <= 1.02 at every shape, >= 4.1 TB/s at B64/ctx8192; and its time
+  against the Triton kernel's."""
+  verdict = lambda ok: "PASS" if ok else "MISS"
+  names = sorted({r.method[len("lazy-mosaic["):-1] for r in results
+                  if r.method.startswith("lazy-mosaic[")})
+  for name in names:
+    ratios, vs_triton = [], []
+    for batch, context in decode_shapes:
+      shape = _decode_shape_name(batch, context)
+      mosaic = _find(results, "decode", shape, f"lazy-mosaic[{name}]")
+      shift0 = _find(results, "decode", shape, f"lazy-mosaic-shift0[{name}]")
+      triton = _find(results, "decode", shape, f"lazy[{triton_variant}]")
+      ratios.append(mosaic.seconds / shift0.seconds
+                    if mosaic and shift0 else None)
+      vs_triton.append(f"{shape} {triton.seconds / mosaic.seconds:.2f}x"
+                       if mosaic and triton else f"{shape} -")
+    if ratios and None not in ratios:
+      out(f"  lazy-mosaic[{name}] / shift-0 time <= 1.02 at every decode "
+          f"shape: {verdict(max(ratios) <= 1.02)} (worst {max(ratios):.3f})")
+    else:
+      out(f"  lazy-mosaic[{name}] / shift-0 <= 1.02: MISS (not measured)")
+    big = _find(results, "decode", "B64/ctx8192", f"lazy-mosaic[{name}]")
+    out(f"  lazy-mosaic[{name}] >= 4.1 TB/s at B64/ctx8192: "
+        + (f"{verdict(big.tb_per_s >= 4.1)} ({big.tb_per_s:.2f} TB/s)"
+           if big else "MISS (not measured)"))
+    out(f"  lazy-mosaic[{name}] speed vs Triton lazy: {', '.join(vs_triton)}")
 
 
 def compile_once():
@@ -657,6 +790,14 @@ def main(argv=None):
   parser.add_argument("--time-budget", type=float, default=480.0,
                       help="seconds after which remaining lazy variants are "
                       "skipped (baselines still run)")
+  parser.add_argument("--decode-only", action="store_true",
+                      help="only the decode section (Triton, Mosaic GPU "
+                      "and the baselines)")
+  parser.add_argument("--no-mosaic-decode", action="store_true",
+                      help="skip the Mosaic GPU decode rows")
+  parser.add_argument("--fp8", action="store_true",
+                      help="also time decode (Triton and Mosaic GPU) on "
+                      "float8 e4m3 pools")
   parser.add_argument("--compile-once", action="store_true",
                       help="only run lazy decode (B8/ctx4096) and prefill "
                       "(chunk512) once with the default block sizes, e.g. "
@@ -679,10 +820,18 @@ def main(argv=None):
     return
   budget = Budget(args.time_budget)
   results: list[Result] = []
+  mosaic_decode = {} if args.no_mosaic_decode else MOSAIC_DECODE_VARIANTS
+  if args.quick:
+    mosaic_decode = dict(list(mosaic_decode.items())[:1])
   decode_variant = run_decode(results, decode_variants, decode_shapes,
-                              DECODE_TUNING_SHAPES, budget)
-  prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
-                                PREFILL_TUNING_SHAPE, budget)
+                              DECODE_TUNING_SHAPES, budget, mosaic_decode,
+                              fp8=args.fp8)
+  prefill_variant = None
+  if args.decode_only:
+    prefill_shapes = []
+  else:
+    prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
+                                  PREFILL_TUNING_SHAPE, budget)
   report(results, decode_shapes, prefill_shapes, decode_variant,
          prefill_variant)
   if args.json:

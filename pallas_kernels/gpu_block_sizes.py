@@ -4,7 +4,8 @@
 prefill kernels) is what a caller, or benchmarks/kernels.py, passes as
 `block_sizes=`; `block_sizes_for` picks one when none is given: the tuned
 table below first, then the defaults.  `MgpuBlockSizes` are the tiles of the
-Mosaic GPU (Hopper) prefill kernel.  How the tuned values were found:
+Mosaic GPU (Hopper) prefill kernel, `MgpuDecodeBlockSizes` those of the
+Mosaic GPU decode kernel.  How the tuned values were found:
 docs/kernels.md.
 """
 
@@ -165,3 +166,64 @@ def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int) -> int:
   kv = stages * 2 * block_sizes.block_kv * head_dim * 2
   small = stages * (2 * 256 + 2 * head_dim * 4) + wgs * WG_ROWS * 4
   return q_store + q_16 + kv + small
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU (Hopper) decode
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuDecodeBlockSizes:
+  """Tiles of the Mosaic GPU decode kernel (gpu_decode_mgpu*.py).
+
+  Attributes:
+    block_kv: keys per step (whole pages): 64 or 128.
+    num_stages: depth of the K/V shared-memory ring (>= 2).
+    kv_splits: CTAs that share one (batch row, kv head), each streaming an
+      even share of the row's steps; None picks from the shape
+      (`mgpu_decode_kv_splits`).
+    mask_fast_path: skip the score mask on steps that need none.
+  """
+
+  # Not measured on a GPU yet: 128-key steps (the width the Triton decode
+  # and the Mosaic prefill measured fastest), two stages (all that fits
+  # beside the float32 query and output tiles at H 128).
+  block_kv: int = 128
+  num_stages: int = 2
+  kv_splits: int | None = None
+  mask_fast_path: bool = True
+
+  def __post_init__(self):
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+    if self.kv_splits is not None and self.kv_splits < 1:
+      raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
+
+
+def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
+                           head_dim: int, quantized: bool = False) -> int:
+  """Shared memory of one decode CTA (buffers only): the f32 query tile
+  (reused for the output), its 16-bit rotated copy, the K/V ring (1-byte
+  elements for float8 pages, plus a 16-bit K and V tile they are widened
+  into), records, cos/sin and the m / l rows."""
+  stages = block_sizes.num_stages
+  q_store = WG_ROWS * head_dim * 4
+  q_16 = WG_ROWS * head_dim * 2
+  kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
+  if quantized:
+    kv += 2 * block_sizes.block_kv * head_dim * 2
+  small = stages * (2 * 256 + 2 * head_dim * 4) + 2 * WG_ROWS * 4
+  return q_store + q_16 + kv + small
+
+
+def mgpu_decode_kv_splits(block_sizes: MgpuDecodeBlockSizes, *, batch: int,
+                          num_kv_heads: int, max_steps: int) -> int:
+  """kv_splits for the Mosaic decode: as given, else about four waves of
+  CTAs (DECODE_TARGET_PROGRAMS), each with at least MIN_BLOCKS_PER_SPLIT
+  steps of the longest possible row."""
+  if block_sizes.kv_splits is not None:
+    return block_sizes.kv_splits
+  wanted = ceil_div(DECODE_TARGET_PROGRAMS, batch * num_kv_heads)
+  return max(1, min(wanted, max_steps // MIN_BLOCKS_PER_SPLIT))

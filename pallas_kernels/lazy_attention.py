@@ -2,9 +2,9 @@
 
 Validates shapes and dtypes at trace time, then dispatches to one of:
   "xla" - pure XLA (pallas_kernels/xla_attention.py), the CPU path;
-  "gpu" - Pallas decode (T == 1, Triton lowering) and prefill (T > 1)
-          kernels; prefill runs the Mosaic GPU (TMA + wgmma) kernel on Hopper
-          for 16-bit inputs it supports, the Triton kernel otherwise;
+  "gpu" - Pallas decode (T == 1) and prefill (T > 1) kernels: both run the
+          Mosaic GPU (TMA + wgmma) kernels on Hopper for the 16-bit inputs
+          they support, the Triton kernels otherwise;
   "tpu" - Pallas/Mosaic TPU decode and prefill kernels;
   "auto" - by jax.default_backend().
 """
@@ -12,6 +12,7 @@ Validates shapes and dtypes at trace time, then dispatches to one of:
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -170,17 +171,42 @@ def _gpu_prefill_kernel(q, k_pages, interpret: bool) -> str:
   return "mosaic" if _mosaic_gpu_target() else "triton"
 
 
+def _gpu_decode_kernel(q, k_pages, interpret: bool) -> str:
+  """"mosaic" where the Hopper decode kernel applies, else "triton".
+
+  Interpret mode stays on the Triton kernel (generic interpreter); float32,
+  other head dims and page sizes run Triton too
+  (`gpu_decode_mgpu.mosaic_decode_unsupported` says why).
+  """
+  from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
+  # The Mosaic decode has not run on a GPU yet: it is taken only with
+  # LAZYATTN_MOSAIC_DECODE=1 (read when a call is traced) until it is
+  # measured on an H200, then it becomes the default and the switch goes.
+  if os.environ.get("LAZYATTN_MOSAIC_DECODE", "0") != "1":
+    return "triton"
+  if interpret or mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
+                                            k_pages.dtype) is not None:
+    return "triton"
+  return "mosaic" if _mosaic_gpu_target() else "triton"
+
+
 def _is_concrete(*arrays) -> bool:
   return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
 @functools.partial(jax.jit, static_argnames=("rope", "impl", "interpret",
-                                             "gpu_prefill"))
+                                             "gpu_kernel"))
 def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
                         page_len, q_pos, sm_scale, page_offset, plan, k_scales,
                         v_scales, *, rope, impl, interpret,
-                        gpu_prefill="triton"):
-  if plan is not None:  # only made for the Mosaic GPU prefill kernel
+                        gpu_kernel="triton"):
+  if plan is not None and q.shape[1] == 1:  # Mosaic GPU decode's plan
+    from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu_planned
+    return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
+                                    rope=rope, sm_scale=sm_scale,
+                                    page_offset=page_offset,
+                                    k_scales=k_scales, v_scales=v_scales)
+  if plan is not None:  # Mosaic GPU prefill's plan
     from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu_planned
     return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                      rope=rope, sm_scale=sm_scale,
@@ -193,9 +219,15 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
                               sm_scale=sm_scale, k_scales=k_scales,
                               v_scales=v_scales)
   if impl == "gpu":
+    if q.shape[1] == 1 and gpu_kernel == "mosaic":
+      from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu
+      return lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos,
+                              page_shift, page_len, q_pos, rope=rope,
+                              sm_scale=sm_scale, k_scales=k_scales,
+                              v_scales=v_scales)
     if q.shape[1] == 1:
       from pallas_kernels.gpu_decode import lazy_decode_gpu as kernel
-    elif gpu_prefill == "mosaic":
+    elif gpu_kernel == "mosaic":
       from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
       return lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos,
                                page_shift, page_len, q_pos, rope=rope,
@@ -212,11 +244,24 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
                 interpret=interpret, k_scales=k_scales, v_scales=v_scales)
 
 
-def _gpu_prefill(impl: str, q, k_pages, interpret: bool) -> str:
-  """The GPU prefill kernel these inputs run ("triton" where none does)."""
-  if impl == "gpu" and q.shape[1] > 1:
-    return _gpu_prefill_kernel(q, k_pages, interpret)
-  return "triton"
+def _gpu_kernel(impl: str, q, k_pages, interpret: bool) -> str:
+  """The GPU kernel family these inputs run: "mosaic" (Hopper) or "triton"
+  ("triton" too where no GPU kernel runs)."""
+  if impl != "gpu":
+    return "triton"
+  if q.shape[1] == 1:
+    return _gpu_decode_kernel(q, k_pages, interpret)
+  return _gpu_prefill_kernel(q, k_pages, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("rope", "head_dim", "num_pages",
+                                             "page_size"))
+def _plan_decode_jit(page_table, page_pos, page_shift, page_len, q_pos, *,
+                     rope, head_dim, num_pages, page_size):
+  from pallas_kernels.gpu_decode_mgpu import plan_decode
+  return plan_decode(page_table, page_pos, page_shift, page_len, q_pos,
+                     rope=rope, head_dim=head_dim, num_pages=num_pages,
+                     page_size=page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("rope", "group", "head_dim",
@@ -250,15 +295,20 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
 
   Returns:
     An opaque plan, or None where the kernel that `lazy_attention` picks for
-    these inputs has no plan (decode, the xla and tpu impls, the Triton
-    prefill kernel); passing None as `plan` is always fine.
+    these inputs has no plan (the xla and tpu impls, the Triton kernels:
+    non-Hopper GPUs, float32 pools, float8 prefill, shapes the Mosaic GPU kernels
+    do not take); passing None as `plan` is always fine.
   """
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   impl = resolve_impl(impl)
-  if _gpu_prefill(impl, q, k_pages, interpret) != "mosaic":
+  if _gpu_kernel(impl, q, k_pages, interpret) != "mosaic":
     return None
   num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+  if q.shape[1] == 1:
+    return _plan_decode_jit(page_table, page_pos, page_shift, page_len,
+                            q_pos, rope=rope, head_dim=head_dim,
+                            num_pages=num_pages, page_size=page_size)
   return _plan_jit(page_table, page_pos, page_shift, page_len, q_pos,
                    rope=rope, group=q.shape[2] // num_kv_heads,
                    head_dim=head_dim, num_pages=num_pages,
@@ -301,8 +351,8 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     k_scales, v_scales: float32 [K, num_pages], with float8_e4m3fn pages
       only: slot i of page p of head k reads as
       k_pages[k, p, i] * k_scales[k, p] (pallas_kernels/kv_quant.py).  The
-      kernels dequantize in registers; float8 prefill on GPU runs the
-      Triton kernel, never the Mosaic one.
+      kernels dequantize on chip; float8 prefill on GPU runs the Triton
+      kernel (decode takes the Mosaic GPU kernel on Hopper).
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -323,11 +373,16 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     check_lazy_attention_values(k_pages, offset_table, page_pos, page_shift,
                                 page_len, q_pos)
   page_offset = jnp.asarray(page_offset, jnp.int32)
-  gpu_prefill = _gpu_prefill(impl, q, k_pages, interpret)
-  if plan is not None and gpu_prefill != "mosaic":
+  gpu_kernel = _gpu_kernel(impl, q, k_pages, interpret)
+  if plan is not None and gpu_kernel != "mosaic":
     raise ValueError("plan was given, but these inputs do not run the kernel "
                      "it was made for; pass the plan_lazy_attention result "
                      "for the same q, pool and impl")
+  if plan is not None:
+    want = "DecodePlan" if q.shape[1] == 1 else "PrefillPlan"
+    if type(plan).__name__ != want:
+      raise ValueError(f"plan is a {type(plan).__name__}; T={q.shape[1]} "
+                       f"needs a {want} from plan_lazy_attention with this q")
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   sm_scale = jnp.asarray(sm_scale, jnp.float32)
@@ -335,4 +390,4 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
                              page_shift, page_len, q_pos, sm_scale,
                              page_offset, plan, k_scales, v_scales,
                              rope=rope, impl=impl,
-                             interpret=interpret, gpu_prefill=gpu_prefill)
+                             interpret=interpret, gpu_kernel=gpu_kernel)

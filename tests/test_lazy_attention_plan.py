@@ -12,6 +12,7 @@ from jax import export
 
 from pallas_kernels import (RopeConfig, lazy_attention,
                             lazy_attention_reference, plan_lazy_attention)
+from pallas_kernels.gpu_decode_mgpu import DecodePlan
 from pallas_kernels.gpu_prefill_mgpu import PrefillPlan
 from pallas_kernels.testing import make_case, relative_error
 
@@ -47,7 +48,8 @@ def test_page_offset_reads_the_shifted_pages(q_len):
   assert relative_error(traced, np.asarray(reference, np.float64)) <= 1e-5
 
 
-def test_plan_exists_only_for_the_mosaic_prefill_kernel():
+def test_plan_exists_only_for_the_mosaic_kernels(monkeypatch):
+  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")  # opt-in until measured
   bf16 = jnp.bfloat16
   lazy = make_case(np.random.default_rng(0), q_len=7, num_heads=8,
                    num_kv_heads=2, head_dim=128, dtype=np.float32)
@@ -61,8 +63,18 @@ def test_plan_exists_only_for_the_mosaic_prefill_kernel():
   assert plan.row_pos.shape == (q.shape[0], 64)
   assert plan_lazy_attention(q16, k16, *meta, rope=ROPE, impl="xla") is None
   assert plan_lazy_attention(q, k, *meta, rope=ROPE, impl="gpu") is None
+  # Decode has its own plan (the Mosaic GPU decode kernel), float32 none.
   decode = jax.ShapeDtypeStruct((q.shape[0], 1) + q.shape[2:], bf16)
+  decode_plan = plan_lazy_attention(decode, k16, table, pos, shift, length,
+                                    q_pos[:, :1], rope=ROPE, impl="gpu")
+  assert isinstance(decode_plan, DecodePlan)
+  monkeypatch.delenv("LAZYATTN_MOSAIC_DECODE")  # Triton decode: no plan
   assert plan_lazy_attention(decode, k16, table, pos, shift, length,
+                             q_pos[:, :1], rope=ROPE, impl="gpu") is None
+  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
+  assert decode_plan.n_steps.shape == (q.shape[0],)
+  decode32 = jax.ShapeDtypeStruct(decode.shape, jnp.float32)
+  assert plan_lazy_attention(decode32, k, table, pos, shift, length,
                              q_pos[:, :1], rope=ROPE, impl="gpu") is None
   assert plan_lazy_attention(q16, k16, *meta, rope=ROPE, impl="gpu",
                              interpret=True) is None

@@ -1,0 +1,193 @@
+"""Lazy (deferred-RoPE) paged decode on Hopper: Pallas, Mosaic GPU lowering.
+
+Same contract and result as `gpu_decode.lazy_decode_gpu` (the Triton
+kernel) for T == 1 with 16-bit queries and 16-bit or float8 (e4m3, with
+per-page scales) pools on H100/H200: TMA copies of whole KV
+pages into a shared-memory ring, wgmma for both matmuls, the KV of a row
+split over CTAs (flash-decoding) and merged in XLA.  This module is the entry
+point: input checks (`mosaic_decode_unsupported`), the per-batch plan
+(`plan_decode`: the prefill's step records with T == 1), the query tile, the
+kernel (`gpu_decode_mgpu_kernel`) and the merge.  `interpret=True` runs the
+kernel in jax's Mosaic GPU interpreter on CPU.
+
+Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
+                                            mgpu_decode_kv_splits,
+                                            mgpu_decode_smem_bytes)
+from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
+from pallas_kernels.gpu_prefill_mgpu_plan import (segment_cos_sin,
+                                                  step_records)
+from pallas_kernels.kv_quant import is_quantized
+from pallas_kernels.lazy_attention import check_lazy_attention_shapes
+from pallas_kernels.masked_softmax import merge_splits
+from pallas_kernels.rope import RopeConfig, rotated_query
+from pallas_kernels.sizes import ceil_div
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+# Shared memory we allow ourselves (H100/H200: 227 KB per block opt-in),
+# less a margin for barriers and alignment.
+_SMEM_LIMIT = 227 * 1024 - 4096
+
+
+def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
+                              block_sizes: MgpuDecodeBlockSizes | None = None
+                              ) -> str | None:
+  """Why the Mosaic decode kernel cannot take these inputs, or None.
+
+  q_shape [B, T, N, H], k_shape [K, num_pages, P, H].
+  """
+  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  q_len, num_heads, head_dim = q_shape[1], q_shape[2], q_shape[3]
+  num_kv_heads, page_size = k_shape[0], k_shape[2]
+  if q_len != 1:
+    return f"lazy_decode_mgpu needs one query token (T == 1), got T={q_len}"
+  if jnp.dtype(q_dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+    return f"lazy_decode_mgpu needs q dtype bfloat16 or float16, got {q_dtype}"
+  if (not is_quantized(k_dtype)
+      and jnp.dtype(k_dtype) != jnp.dtype(q_dtype)):
+    return (f"k_pages dtype {k_dtype} must equal q dtype {q_dtype} or be "
+            f"float8_e4m3fn")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return (f"lazy_decode_mgpu needs q head dim in {SUPPORTED_HEAD_DIMS}, "
+            f"got {head_dim}")
+  if num_heads // num_kv_heads > WG_ROWS:
+    return (f"lazy_decode_mgpu needs at most {WG_ROWS} query heads per kv "
+            f"head, got {num_heads // num_kv_heads}")
+  if page_size % 8 or block_sizes.block_kv % page_size:
+    return (f"lazy_decode_mgpu needs a k_pages page_size that is a multiple "
+            f"of 8 and divides block_kv={block_sizes.block_kv}, got "
+            f"{page_size}")
+  need = mgpu_decode_smem_bytes(block_sizes, head_dim,
+                                quantized=is_quantized(k_dtype))
+  if need > _SMEM_LIMIT:
+    return (f"block_sizes {block_sizes} need {need} bytes of shared memory "
+            f"(limit {_SMEM_LIMIT}); use fewer stages or block_kv 64")
+  return None
+
+
+class DecodePlan(NamedTuple):
+  """Per-batch metadata of the decode kernel (XLA), the same for every layer
+  (made once per decode step by `plan_decode`)."""
+
+  n_steps: jax.Array  # int32 [B]: KV steps of each row
+  records: jax.Array  # int32 [B, steps, width]: step records (prefill's)
+  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin
+  q_pos: jax.Array  # int32 [B]: q_pos, PADDING_ROW for padding rows
+
+
+def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
+                rope: RopeConfig, head_dim: int, num_pages: int,
+                page_size: int,
+                block_sizes: MgpuDecodeBlockSizes | None = None
+                ) -> DecodePlan:
+  """Step records of each row's live pages (page_len > 0, page_pos <=
+  q_pos; none for a padding row), in page order, one segment (one shift) per
+  step, and the cos / sin of each segment's shift (exact)."""
+  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  row = q_pos[:, 0]
+  live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
+  records, num_steps, _, shift = step_records(
+      page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
+      page_size=page_size, pages_per_block=block_sizes.block_kv // page_size)
+  return DecodePlan(num_steps.astype(jnp.int32), records,
+                    segment_cos_sin(shift, rope, head_dim),
+                    jnp.where(row >= 0, row, common.PADDING_ROW))
+
+
+def decode_query_tile(q, q_pos, rope: RopeConfig, sm_scale,
+                      num_kv_heads: int):
+  """f32 [B, K, 64, H]: R(q_pos) q * sm_scale * log2(e) of the one token of
+  q [B, 1, N, H]; rows 0..G-1 of kv head k are its G query heads (the wgmma
+  M is 64 rows), the rows below and padding rows (q_pos -1) are zero."""
+  scale = jnp.asarray(sm_scale, jnp.float32) * jnp.float32(common.LOG2_E)
+  q_rot, _ = rotated_query(q, q_pos, rope, scale)
+  batch, _, num_heads, head_dim = q.shape
+  group = num_heads // num_kv_heads
+  tile = q_rot.reshape(batch, num_kv_heads, group, head_dim)
+  return jnp.pad(tile, ((0, 0), (0, 0), (0, WG_ROWS - group), (0, 0)))
+
+
+def lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
+                     page_len, q_pos, *, rope: RopeConfig, sm_scale,
+                     block_sizes: MgpuDecodeBlockSizes | None = None,
+                     interpret: bool = False, k_scales=None, v_scales=None):
+  """Decode (T == 1) of the lazy attention contract, Mosaic GPU (Hopper).
+
+  Same arguments and result as `pallas_kernels.lazy_attention` (and
+  `gpu_decode.lazy_decode_gpu`) for 16-bit queries, with pools in q's dtype
+  or float8_e4m3fn with `k_scales`, `v_scales`; `sm_scale` is a float or f32
+  scalar array.  `interpret=True` runs the kernel in the Mosaic GPU
+  interpreter on CPU (slow; tests only).  Raises ValueError, naming the
+  argument, for inputs it does not support (`mosaic_decode_unsupported`).
+  """
+  check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
+                              page_shift, page_len, q_pos, k_scales, v_scales)
+  if not isinstance(rope, RopeConfig):
+    raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
+  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  reason = mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
+                                     k_pages.dtype, block_sizes)
+  if reason is not None:
+    raise ValueError(reason)
+  plan = plan_decode(page_table, page_pos, page_shift, page_len, q_pos,
+                     rope=rope, head_dim=q.shape[-1],
+                     num_pages=k_pages.shape[1], page_size=k_pages.shape[2],
+                     block_sizes=block_sizes)
+  return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
+                                  rope=rope, sm_scale=sm_scale,
+                                  block_sizes=block_sizes,
+                                  interpret=interpret, k_scales=k_scales,
+                                  v_scales=v_scales)
+
+
+def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
+                             *, rope: RopeConfig, sm_scale, page_offset=0,
+                             block_sizes: MgpuDecodeBlockSizes | None = None,
+                             interpret: bool = False, k_scales=None,
+                             v_scales=None):
+  """The per-layer part of `lazy_decode_mgpu`: query tile, kernel, merge.
+
+  `plan` must come from `plan_decode` with the same metadata, q_pos, shapes
+  and block_sizes; `page_offset` (int or int32 scalar) is added to every
+  physical page id of the plan (layers at offsets of one page array).
+  """
+  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  reason = mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
+                                     k_pages.dtype, block_sizes)
+  if reason is not None:
+    raise ValueError(reason)
+  if is_quantized(k_pages.dtype) != (k_scales is not None):
+    raise ValueError("k_scales and v_scales go with float8 pages, and only "
+                     "with them")
+  batch, _, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  if plan.n_steps.shape != (batch,):
+    raise ValueError(f"plan was made for {plan.n_steps.shape[0]} rows; q "
+                     f"has {batch}")
+  num_logical = plan.cos_sin.shape[1]
+  splits = mgpu_decode_kv_splits(
+      block_sizes, batch=batch, num_kv_heads=num_kv_heads,
+      max_steps=ceil_div(num_logical, block_sizes.block_kv // page_size))
+  q_tile = decode_query_tile(q, q_pos, rope, sm_scale, num_kv_heads)
+  acc, ml = mgpu_decode_kernel(
+      q_tile, k_pages, v_pages, plan.n_steps, plan.records, plan.cos_sin,
+      plan.q_pos, page_offset, group=group, num_splits=splits,
+      compute_dtype=q.dtype, k_scales=k_scales, v_scales=v_scales,
+      block_sizes=block_sizes, interpret=interpret)
+  # acc [B, S, K, Gp, H], ml [B, S, K, 2, 64]: keep the G real rows.
+  acc = acc[:, :, :, :group]
+  m, l = ml[:, :, :, 0, :group], ml[:, :, :, 1, :group]
+  out = merge_splits(acc, m, l, axis=1, exp=jnp.exp2)  # [B, K, G, H]
+  return out.reshape(batch, 1, num_heads, head_dim).astype(q.dtype)

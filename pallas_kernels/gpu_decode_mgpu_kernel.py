@@ -1,0 +1,378 @@
+"""The Mosaic GPU (Hopper) lazy decode kernel: kernel body and builder.
+
+One CTA per (KV split, kv head, batch row).  The G query heads of the kv
+head are the first G rows of one 64-row wgmma tile (GQA: every KV byte is
+read once for the group; the other rows are zero).  A producer warpgroup
+TMA-copies each step's KV pages, its step record and its segment's cos/sin
+into a ring of shared-memory slots; one compute warpgroup rotates the query
+tile by -shift at a segment's first step (or its split's first step), and
+runs the online softmax (base 2) with wgmma.  Float8 pages (e4m3) are
+widened by the compute warpgroup from the ring into a 16-bit K / V tile
+(the wgmma operands), their per-page scales applied per score column (K)
+and per P column (V).  Each CTA writes its
+unnormalised partial state (acc, m, l); XLA merges the splits
+(`masked_softmax.merge_splits`).  The inputs come from
+`gpu_decode_mgpu.plan_decode` and `gpu_decode_mgpu.decode_query_tile`.
+
+Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuDecodeBlockSizes
+from pallas_kernels.gpu_prefill_mgpu_kernel import (_interpreter_params, _Ops,
+                                                    _select_per_page)
+from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
+from pallas_kernels.sizes import round_up
+
+# Registers per thread (setmaxnreg) of the compute / producer warpgroups.
+_PRODUCER_REGISTERS = 40
+_COMPUTE_REGISTERS = 232
+
+
+def _to_operand(x, dtype):
+  """Values of a float8 or 16-bit tile as `dtype` (16-bit).  Hopper converts
+  e4m3 to f16 in hardware (exact: e4m3 fits f16); f16 -> bf16 goes through
+  f32 (also exact: 4 mantissa bits), as Mosaic GPU has no direct cast."""
+  if x.dtype == jnp.dtype(dtype):
+    return x
+  if x.dtype == jnp.dtype(jnp.float8_e4m3fn):
+    x = x.astype(jnp.float16)
+  if x.dtype != jnp.dtype(dtype):
+    x = x.astype(jnp.float32).astype(dtype)
+  return x
+
+
+def out_rows(group: int) -> int:
+  """Rows of the partial output per (split, kv head): G rounded up to the
+  8-row tile of the shared-memory layout the output is copied from."""
+  return round_up(group, 8)
+
+
+def _kernel(
+    # Plan (per batch, the same for every layer; see DecodePlan).
+    n_steps_ref,  # int32 [B]: steps of each row
+    rec_ref,  # int32 [B, steps, record width]
+    cs_ref,  # f32 [B, M, 2, H/2]: cos / sin of each segment's shift
+    q_pos_ref,  # int32 [B]: q_pos, PADDING_ROW for padding rows
+    page_offset_ref,  # int32 [1]: added to every physical page id
+    # Operands.
+    q_ref,  # f32 [B, K, 64, H]: R(q_pos) q * sm_scale * log2(e), G rows
+    k_ref,  # [K, pages * P, H], 16-bit or float8_e4m3fn
+    v_ref,  # [K, pages * P, H]
+    ks_ref,  # f32 [K, pages]: K scale of each page (float8; else unused)
+    vs_ref,  # f32 [K, pages]: V scale of each page
+    # Outputs (partial states of each split).
+    acc_ref,  # f32 [B, S, K, Gp, H]
+    ml_ref,  # f32 [B, S, K, 2, 64]: running max m and sum l of each row
+    # Scratch (float8: two more 16-bit tiles, K16 and V16, at the end).
+    q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem, q_bar,
+    k_bars, v_bars, k_free, v_free, *wide_smem, cfg: MgpuDecodeBlockSizes,
+    page_size: int, num_splits: int, rows: int, layout: RecordLayout,
+    dtype, interpret: bool):
+  ops = _Ops(interpret)
+  stages, block_kv = cfg.num_stages, cfg.block_kv
+  ppb = block_kv // page_size
+  head_dim = q_ref.shape[-1]
+  half = head_dim // 2
+  quantized = bool(wide_smem)  # dtype: the 16-bit wgmma operand dtype
+  split = lax.axis_index("split")
+  head = lax.axis_index("head")
+  batch = lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  # An even share of this row's steps (rows differ in length, so the share
+  # is per row, not per launch).  Steps are in page order.
+  total = n_steps_ref[batch]
+  per_split = lax.div(total + (num_splits - 1), jnp.int32(num_splits))
+  first = jnp.minimum(split * per_split, total)
+  n_steps = jnp.minimum(per_split, total - first)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+  @pl.when(wg == 0)
+  def _compute():
+    if not interpret:
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_bar.at[0])
+    q_pos = q_pos_ref[batch]
+    plgpu.barrier_wait(q_bar.at[0])
+
+    def rotate(slot):
+      """q16 = R(-shift) q in q's 16-bit dtype, from the f32 tile (all 64
+      rows: the wgmma A operand)."""
+      lo = q_smem.at[:, pl.ds(0, half)][...]
+      hi = q_smem.at[:, pl.ds(half, half)][...]
+      cos = ops.cast(cs_smem[slot, 0], col_layout)
+      sin = ops.cast(cs_smem[slot, 1], col_layout)
+      cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
+      sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
+      q16_smem.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
+      q16_smem.at[:, pl.ds(half, half)][...] = (hi * cos
+                                                - lo * sin).astype(dtype)
+      plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+    def page_fields(rec, offset):
+      return [rec[offset + j] for j in range(ppb)]
+
+    def mask_scores(s, rec):
+      # Key position of each column, INT32_MAX where the slot is invalid;
+      # every row is the same token, so one comparison with q_pos.
+      col = ops.iota((block_kv,), 0, col_layout)
+      page = lax.div(col, jnp.int32(page_size))
+      slot_in_page = col - page * page_size
+      lim = _select_per_page(page, page_fields(rec, layout.lim))
+      pos = _select_per_page(page, page_fields(rec, layout.pos))
+      key_pos = jnp.where(slot_in_page < lim, pos + slot_in_page, INT32_MAX)
+      visible = lax.broadcast_in_dim(key_pos <= q_pos, s.shape, [1])
+      return jnp.where(visible, s, -jnp.inf)
+
+    def fixup_v(src, dst, rec):
+      # dst = src with the V rows of invalid slots zeroed: TMA copies whole
+      # pages, and a NaN there would survive p = 0 in P V.  For float8, src
+      # is the ring slot and dst the 16-bit tile (widened here).
+      for r0 in range(0, block_kv, WG_ROWS):
+        kv_rows = ops.iota((WG_ROWS,), 0, row_layout) + r0
+        page = lax.div(kv_rows, jnp.int32(page_size))
+        slot_in_page = kv_rows - page * page_size
+        lim = _select_per_page(page, page_fields(rec, layout.lim))
+        ok = lax.broadcast_in_dim(lim - slot_in_page, (WG_ROWS, head_dim),
+                                  [0]) > 0
+        values = _to_operand(src.at[pl.ds(r0, WG_ROWS)][...], dtype)
+        dst.at[pl.ds(r0, WG_ROWS)][...] = jnp.where(ok, values,
+                                                    jnp.zeros((), dtype))
+      plgpu.commit_smem()
+
+    def widen(src, dst):
+      # float8 ring slot -> 16-bit wgmma operand (e4m3 is exact in bf16 and
+      # f16), in 64-row pieces to bound the registers it takes.
+      for r0 in range(0, block_kv, WG_ROWS):
+        dst.at[pl.ds(r0, WG_ROWS)][...] = _to_operand(
+            src.at[pl.ds(r0, WG_ROWS)][...], dtype)
+      plgpu.commit_smem()
+
+    page_offset = page_offset_ref[0]
+
+    def column_scales(rec, scales_ref):
+      # Scale of each key column's page; 0 for pages the step does not read
+      # (an unused page's scale may be NaN, and 0 * NaN would leak).
+      values = [jnp.where(rec[layout.lim + j] > 0,
+                          scales_ref[head, rec[layout.phys + j] + page_offset],
+                          jnp.float32(0.0)) for j in range(ppb)]
+      col = ops.iota((block_kv,), 0, col_layout)
+      return _select_per_page(lax.div(col, jnp.int32(page_size)), values)
+
+    m = ops.cast(jnp.full((WG_ROWS,), common.NEG_INIT, jnp.float32),
+                 row_layout)
+    l = ops.cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), row_layout)
+    acc = ops.cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32),
+                   wgmma_layout)
+
+    def step(i, carry):
+      acc, m, l = carry
+      slot = lax.rem(i, stages)
+      # The record ring is twice as deep as the K/V ring: the record is read
+      # after the K slot is released (mask, V fix-up); see the prefill.
+      rec = rec_smem.at[lax.rem(i, 2 * stages)]
+      plgpu.barrier_wait(k_bars.at[slot])
+      # A split may start inside a segment: rotate at its first step too.
+      pl.when((rec[layout.new_seg] != 0) | (i == 0))(lambda: rotate(slot))
+      if quantized:
+        k16_smem, v16_smem = wide_smem
+        # Scale loads (scalar, from global memory) first: their latency
+        # overlaps the widening.
+        k_cols = column_scales(rec, ks_ref)
+        v_cols = column_scales(rec, vs_ref)
+        widen(k_smem.at[slot], k16_smem)
+        plgpu.barrier_arrive(k_free.at[slot])  # the slot is copied out
+        s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
+        s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
+      else:
+        s = ops.qk(q16_smem, k_smem.at[slot], (WG_ROWS, block_kv))
+        plgpu.barrier_arrive(k_free.at[slot])
+      fixup = rec[layout.fixup] != 0
+      if cfg.mask_fast_path:
+        needs_mask = fixup | (rec[layout.max_pos] > q_pos)
+        s = lax.cond(needs_mask, lambda s: mask_scores(s, rec), lambda s: s,
+                     s)
+      else:
+        s = mask_scores(s, rec)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      if quantized:  # V scales per P column; l keeps the unscaled p
+        p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
+      p16 = p.astype(dtype)
+      acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_wait(v_bars.at[slot])
+      if quantized:
+        pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v16_smem, rec))
+        pl.when(jnp.logical_not(fixup))(
+            lambda: widen(v_smem.at[slot], v16_smem))
+        plgpu.barrier_arrive(v_free.at[slot])
+        acc = ops.pv(acc, p16, v16_smem)
+      else:
+        pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v_smem.at[slot],
+                                       rec))
+        acc = ops.pv(acc, p16, v_smem.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
+    # The f32 query tile is dead now: it stages the partial output.
+    q_smem[...] = acc
+    ml_smem[0] = m
+    ml_smem[1] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows)],
+                            acc_ref.at[batch, split, head])
+    plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, split, head])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _produce():
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    page_offset = page_offset_ref[0]
+
+    def step(i, _):
+      slot = lax.rem(i, stages)
+      # Scalar reads first: their latency overlaps the wait for the slot.
+      phys = [rec_ref[batch, first + i, layout.phys + j] + page_offset
+              for j in range(ppb)]
+      seg = rec_ref[batch, first + i, layout.seg]
+
+      def copy_pages(pages_ref, ring, barrier):
+        # One TMA copy per page: the block's pages are not contiguous.
+        for j in range(ppb):
+          plgpu.copy_gmem_to_smem(
+              pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
+              ring.at[slot, pl.ds(j * page_size, page_size)], barrier)
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+      copy_pages(k_ref, k_smem, k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(rec_ref.at[batch, first + i],
+                              rec_smem.at[lax.rem(i, 2 * stages)],
+                              k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
+                              k_bars.at[slot])
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+      copy_pages(v_ref, v_smem, v_bars.at[slot])
+      return ()
+
+    lax.fori_loop(0, n_steps, step, ())
+
+    # Drain: observe the last releases of every slot, so each barrier phase
+    # is seen by its waiter (the interpreter checks this).
+    def drain(i, _):
+      slot = lax.rem(i, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      return ()
+
+    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
+
+
+def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
+                       q_pos, page_offset=0, *, group: int, num_splits: int,
+                       compute_dtype, k_scales=None, v_scales=None,
+                       block_sizes: MgpuDecodeBlockSizes | None = None,
+                       interpret: bool = False):
+  """The kernel alone.
+
+  Args:
+    q_tile: f32 [B, K, 64, H] from `gpu_decode_mgpu.decode_query_tile`.
+    k_pages, v_pages: [K, num_pages, P, H], 16-bit (compute_dtype), or
+      float8_e4m3fn with f32 k_scales, v_scales [K, num_pages].
+    n_steps, records, cos_sin, q_pos: the DecodePlan fields.
+    page_offset: int32 scalar added to every physical page id.
+    group: G = N / K (rows of q_tile that are real heads).
+    num_splits: S, CTAs per (batch row, kv head).
+    compute_dtype: q's 16-bit dtype: the wgmma operands.
+
+  Returns:
+    (acc f32 [B, S, K, Gp, H], ml f32 [B, S, K, 2, 64]) with Gp =
+    out_rows(G): unnormalised partial outputs, running max and sum (base 2).
+  """
+  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  batch, num_kv_heads, _, head_dim = q_tile.shape
+  page_size = k_pages.shape[2]
+  stages, block_kv = block_sizes.num_stages, block_sizes.block_kv
+  ppb = block_kv // page_size
+  layout = RecordLayout(ppb)
+  if records.shape[-1] != layout.width:
+    raise ValueError(f"records width {records.shape[-1]} must be "
+                     f"{layout.width} for block_kv {block_kv} and page size "
+                     f"{page_size}")
+  rows = out_rows(group)
+  page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
+  dtype = jnp.dtype(compute_dtype)
+  quantized = k_scales is not None
+  if not quantized:  # unused operands, one f32 each
+    k_scales = v_scales = jnp.zeros((1, 1), jnp.float32)
+  swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
+  tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
+             plgpu.SwizzleTransform(swizzle))
+  swizzle8 = min(128, head_dim)  # bytes of one row of float8 elements
+  tiled8 = (plgpu.TilingTransform((8, swizzle8)),
+            plgpu.SwizzleTransform(swizzle8))
+  ring = tiled8 if quantized else tiled16
+  tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  scratch = [
+      plgpu.SMEM((WG_ROWS, head_dim), jnp.float32, transforms=tiled32),
+      plgpu.SMEM((WG_ROWS, head_dim), dtype, transforms=tiled16),
+      plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
+                 transforms=ring),
+      plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
+                 transforms=ring),
+      plgpu.SMEM((2 * stages, layout.width), jnp.int32),
+      plgpu.SMEM((stages, 2, head_dim // 2), jnp.float32),
+      plgpu.SMEM((2, WG_ROWS), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=1),  # query tile
+      plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
+      plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot free
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot free
+  ] + ([plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)] * 2
+       if quantized else [])
+  kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
+                             num_splits=num_splits, rows=rows, layout=layout,
+                             dtype=dtype, interpret=interpret)
+  extra = {}
+  if interpret:
+    extra["interpret"] = _interpreter_params()
+  out_shape = (
+      jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, rows, head_dim),
+                           jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, 2, WG_ROWS),
+                           jnp.float32),
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=out_shape,
+      scratch_types=scratch,
+      grid=(num_splits, num_kv_heads, batch),
+      grid_names=("split", "head", "batch"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **extra,
+  )(n_steps, records, cos_sin, q_pos, page_offset, q_tile,
+    common.flat_pages(k_pages), common.flat_pages(v_pages), k_scales,
+    v_scales)
