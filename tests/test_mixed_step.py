@@ -1,0 +1,269 @@
+"""The mixed step (decode rows and prefill-chunk rows in one forward pass)
+against today's separate steps, on CPU (XLA attention path).
+
+Every case starts from a live engine (requests decoding, documents cached)
+whose free pages are NaN, so a stray read or write shows as NaN.  The
+reference runs the chunk rows through `ModelRunner.prefill` (`_prefill_step`)
+and then one step of `ModelRunner.decode` (`_decode_loop`) on a copy of the
+same state; the mixed step must give the same logits, tokens and pool.
+
+Tolerance: the dense parts run on [B_d + B_p * T, D] rows instead of
+[B_p * T, D] and [B_d, D], so XLA's CPU matmuls may block the rows
+differently and round differently; attention and everything else per token
+is the same computation.  The float32 matmuls run at HIGHEST precision, so
+the difference is float32 rounding.  Measured (jax 0.10.2, CPU): a step of
+one part only is bit-identical to today's step; with both parts the largest
+difference is 2.4e-6 on logits of magnitude up to 3.6 (about 8 ulps there)
+and 1.4e-6 in the pool.  RTOL = ATOL = 2e-5 is 8x that, far below a wrong
+page or position (differences of order 1; the engine's paged-vs-dense
+tests allow 1e-3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyattn_jax.layout import PageRow, PrefillTokens
+from lazyattn_jax.sampling import SamplingParams
+from lazyattn_jax.step_packing import decode_step_inputs, pack_decode
+from models.llama import forward
+from tests.test_engine import (PAGE, greedy, make_engine, model_and_config,
+                               random_tokens)
+
+RTOL = ATOL = 2e-5
+MAX_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def live(model_and_config):
+  """(engine, decoding requests) after one round: three requests with
+  documents are decoding; a fourth row of the decode batch is padding."""
+  _, config, _ = model_and_config
+  engine = make_engine(model_and_config, max_batch=MAX_BATCH, decode_steps=2)
+  rng = np.random.default_rng(7)
+  docs = [random_tokens(rng, n, config.vocab_size) for n in (6, 9, 3)]
+  for d, sampling in ((docs[:2], greedy(12)), (docs[1:], greedy(12)),
+                      (docs[2:], SamplingParams(max_new_tokens=12,
+                                                temperature=0.8, seed=5,
+                                                stop_token_ids=()))):
+    engine.submit(random_tokens(rng, 5, config.vocab_size), d, sampling)
+  engine.step()
+  decoding = engine.scheduler.decoding()
+  assert len(decoding) == 3
+  return engine, decoding
+
+
+def _nan_free_state(engine):
+  """A copy of the engine's state with every free page NaN."""
+  state = engine.rounds.state
+  free = np.flatnonzero(np.asarray(state.page_refcount) == 0)
+  k = jnp.array(state.k).at[:, :, free].set(jnp.nan)
+  v = jnp.array(state.v).at[:, :, free].set(jnp.nan)
+  return state.replace(k=k, v=v), [int(p) for p in free]
+
+
+def _copy(state):
+  return state.replace(k=jnp.array(state.k, copy=True),
+                       v=jnp.array(state.v, copy=True))
+
+
+def _causal_chunk(pages, tokens, start, end):
+  """(PageRow, PrefillTokens) of tokens[start:end] of a sequence encoded
+  alone from position 0 into `pages` (a document, or a query with no
+  documents), its earlier tokens already in the pages."""
+  row = PageRow()
+  row.add_run(pages[:math.ceil(end / PAGE)], 0, 0, end, PAGE)
+  plan = PrefillTokens()
+  plan.add(tokens[start:end], start, pages, start, PAGE)
+  return row, plan
+
+
+def _query_after_documents(reader, pages, tokens):
+  """A new request's query over the cached documents `reader` (a live
+  request) reads, in its own `pages`: a row that shares read-only pages
+  with a decode row, as a cache hit does."""
+  layout = reader.layout
+  n = layout.private_start
+  row = PageRow(layout.row.table[:n], layout.row.pos[:n],
+                layout.row.shift[:n], layout.row.length[:n])
+  row.add_run(pages, layout.query_start, 0, len(tokens), PAGE)
+  plan = PrefillTokens()
+  plan.add(tokens, layout.query_start, pages, 0, PAGE)
+  return row, plan
+
+
+def _decode_logits(engine, state, decoding):
+  """Logits of one decode step of `decoding` through `Llama.__call__`, with
+  the metadata `_decode_loop`'s step builds (it returns no logits)."""
+  runner = engine.runner
+  (tokens, pos, written, _, done), pages, _, _ = pack_decode(decoding,
+                                                             MAX_BATCH)
+  inputs = decode_step_inputs(pages, pos, written, ~done, runner.num_pages,
+                              PAGE)
+  logits, _, _ = forward(runner.graphdef, runner.params, tokens[:, None],
+                         state.k, state.v, inputs, impl="xla",
+                         logits_index=jnp.zeros((MAX_BATCH,), jnp.int32))
+  return np.asarray(logits)[:len(decoding)]
+
+
+def _separate(engine, state, decoding, rows, plans, samplings):
+  """Today's path: the chunk rows in one prefill, then one decode step."""
+  runner = engine.runner
+  logits, first = None, None
+  if rows:
+    state, logits, first = runner.prefill(state, rows, plans, samplings)
+  nxt = None
+  if decoding:
+    state, out, emitted, _ = runner.decode(state, decoding, MAX_BATCH, 1)
+    assert emitted[:len(decoding), 0].all()
+    nxt = out[:len(decoding), 0]
+  return state, logits, first, nxt
+
+
+def _assert_pools_equal(a, b):
+  for x, y in ((a.k, b.k), (a.v, b.v)):
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+    np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
+
+
+def _run_both(engine, decoding, rows, plans, ends_query):
+  state, free = _nan_free_state(engine)
+  samplings = [greedy(1)] * len(rows)
+  expected = _separate(engine, _copy(state), decoding, rows, plans,
+                       samplings)
+  decode_ref = (_decode_logits(engine, state, decoding) if decoding
+                else None)
+  got = engine.runner.mixed_step(_copy(state), decoding, MAX_BATCH, rows,
+                                 plans, samplings, ends_query)
+  return state, expected, decode_ref, got
+
+
+def test_decode_rows_only(live):
+  engine, decoding = live
+  before, (ref_state, _, _, ref_next), decode_ref, got = _run_both(
+      engine, decoding, [], [], [])
+  state, decode_logits, nxt, prefill_logits, first = got
+  assert prefill_logits.shape == (0, engine.config.vocab_size)
+  assert first.shape == (0,)
+  np.testing.assert_allclose(decode_logits, decode_ref, rtol=RTOL, atol=ATOL)
+  np.testing.assert_array_equal(nxt, ref_next)
+  _assert_pools_equal(state, ref_state)
+  # The step wrote something: each decode row's token, in every layer.
+  assert not np.array_equal(np.asarray(state.k), np.asarray(before.k))
+
+
+def _prefill_rows(engine, decoding, free, rng):
+  """A document chunk shorter than a page, and a new request's whole query
+  over the documents of decoding[0]."""
+  vocab = engine.config.vocab_size
+  doc = random_tokens(rng, PAGE - 1, vocab)
+  short = _causal_chunk(free[:1], doc, 0, len(doc))
+  query = _query_after_documents(decoding[0], free[1:3],
+                                 random_tokens(rng, 6, vocab))
+  return [short[0], query[0]], [short[1], query[1]], [False, True]
+
+
+def _check_against_separate(expected, decode_ref, got, ends_query):
+  ref_state, ref_logits, ref_first, ref_next = expected
+  state, decode_logits, nxt, prefill_logits, first = got
+  np.testing.assert_allclose(prefill_logits, ref_logits, rtol=RTOL,
+                             atol=ATOL)
+  np.testing.assert_array_equal(first, np.where(ends_query, ref_first, -1))
+  if decode_ref is not None:
+    np.testing.assert_allclose(decode_logits, decode_ref, rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_array_equal(nxt, ref_next)
+  _assert_pools_equal(state, ref_state)
+
+
+def test_prefill_rows_only(live):
+  engine, decoding = live
+  _, free = _nan_free_state(engine)
+  rows, plans, ends = _prefill_rows(engine, decoding, free,
+                                    np.random.default_rng(1))
+  before, expected, _, got = _run_both(engine, [], rows, plans, ends)
+  assert got[1].shape == (0, engine.config.vocab_size)
+  _check_against_separate(expected, None, got, ends)
+  # The chunk pages were NaN and are now written (the check can fail).
+  assert np.isnan(np.asarray(before.k)[:, :, free[0], :PAGE - 1]).all()
+  assert np.isfinite(np.asarray(got[0].k)[:, :, free[0], :PAGE - 1]).all()
+  assert np.isnan(np.asarray(got[0].k)[:, :, free[0], PAGE - 1]).all()
+
+
+def test_decode_and_prefill_rows(live):
+  engine, decoding = live
+  _, free = _nan_free_state(engine)
+  rows, plans, ends = _prefill_rows(engine, decoding, free,
+                                    np.random.default_rng(2))
+  # A third row: the first chunk of a long query with no documents.
+  long_query = random_tokens(np.random.default_rng(3), 11,
+                             engine.config.vocab_size)
+  row, plan = _causal_chunk(free[3:6], long_query, 0, 6)
+  rows, plans, ends = rows + [row], plans + [plan], ends + [False]
+  _, expected, decode_ref, got = _run_both(engine, decoding, rows, plans,
+                                           ends)
+  _check_against_separate(expected, decode_ref, got, ends)
+
+
+def test_query_in_two_chunks_equals_one_prefill(live):
+  """Chunked prefill of one query over two steps (the first beside the
+  decode rows) equals one prefill of the whole query."""
+  engine, decoding = live
+  runner = engine.runner
+  state, free = _nan_free_state(engine)
+  query = random_tokens(np.random.default_rng(4), 11,
+                        engine.config.vocab_size)
+  pages = free[:3]
+  whole_row, whole_plan = _causal_chunk(pages, query, 0, len(query))
+  ref_state, ref_logits, ref_first = runner.prefill(
+      _copy(state), [whole_row], [whole_plan], [greedy(1)])
+
+  first_row, first_plan = _causal_chunk(pages, query, 0, 6)
+  mixed, _, _, logits_1, first_1 = runner.mixed_step(
+      _copy(state), decoding, MAX_BATCH, [first_row], [first_plan],
+      [greedy(1)], [False])
+  assert first_1.tolist() == [-1]
+  second_row, second_plan = _causal_chunk(pages, query, 6, len(query))
+  mixed, _, _, logits_2, first_2 = runner.mixed_step(
+      mixed, [], MAX_BATCH, [second_row], [second_plan], [greedy(1)], [True])
+  np.testing.assert_allclose(logits_2, ref_logits, rtol=RTOL, atol=ATOL)
+  np.testing.assert_array_equal(first_2, ref_first)
+  got_pages = np.asarray(mixed.k)[:, :, pages], np.asarray(mixed.v)[:, :,
+                                                                    pages]
+  ref_pages = (np.asarray(ref_state.k)[:, :, pages],
+               np.asarray(ref_state.v)[:, :, pages])
+  for got, ref in zip(got_pages, ref_pages):
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+  # The first chunk's logits are its own last token's, not the query's.
+  assert not np.allclose(logits_1, ref_logits, rtol=1e-2, atol=1e-2)
+
+
+def test_rows_sharing_pages_are_refused(live):
+  """A chunk row may not write a page a decode row reads or writes, nor
+  read a page a decode row writes; refused before the pool is donated."""
+  engine, decoding = live
+  state, free = _nan_free_state(engine)
+  vocab = engine.config.vocab_size
+  tokens = random_tokens(np.random.default_rng(5), 3, vocab)
+  layout = decoding[0].layout
+  private = layout.query_pages[0]  # read by decode row 0
+  document = layout.row.table[0]  # read by decode row 0
+  # The page decode row 0 writes its next token into.
+  writing = layout.row.table[layout.private_start +
+                             decoding[0].written // PAGE]
+  write_private = _causal_chunk([private], tokens, 0, 3)
+  write_document = _causal_chunk([document], tokens, 0, 3)
+  row, plan = _causal_chunk(free[:1], tokens, 0, 3)
+  read_writing = (PageRow([writing], [0], [0], [1]), plan)
+  for bad_row, bad_plan in (write_private, write_document, read_writing):
+    with pytest.raises(ValueError, match="must not share pages"):
+      engine.runner.mixed_step(state, decoding, MAX_BATCH, [row, bad_row],
+                               [plan, bad_plan], [greedy(1)] * 2,
+                               [False, False])
+  assert not state.k.is_deleted()
