@@ -21,6 +21,7 @@ tests allow 1e-3).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -30,7 +31,10 @@ import pytest
 from lazyattn_jax.layout import PageRow, PrefillTokens
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.step_packing import decode_step_inputs, pack_decode
-from models.llama import forward
+from models import paged_pool
+from models.llama import forward, kv_cache_shape
+from models.mixed_batch import mixed_forward
+from tests.hf_fixtures import contiguous_paged_inputs
 from tests.test_engine import (PAGE, greedy, make_engine, model_and_config,
                                random_tokens)
 
@@ -267,3 +271,45 @@ def test_rows_sharing_pages_are_refused(live):
                                [plan, bad_plan], [greedy(1)] * 2,
                                [False, False])
   assert not state.k.is_deleted()
+
+
+def test_mixed_forward_gpu_kernels_interpret(model_and_config, monkeypatch):
+  """The Pallas GPU kernels (Triton lowering, interpret mode on CPU) in a
+  mixed forward pass equal the same kernels in separate calls: the decode
+  kernel sees [B_d, 1] queries and the prefill kernel [B_p, T], as alone."""
+  model = model_and_config[0]
+  config = model.config
+  monkeypatch.setattr(paged_pool, "lazy_attention",
+                      functools.partial(paged_pool.lazy_attention,
+                                        interpret=True))
+  rng = np.random.default_rng(6)
+  pool = jnp.full(kv_cache_shape(config, 12, PAGE), jnp.nan, jnp.float32)
+  # Two sequences of 6 and 3 tokens already in their pages.
+  table = np.array([[3, 5], [7, 8]], np.int32)
+  earlier = jnp.asarray(rng.integers(0, config.vocab_size, (2, 6)), jnp.int32)
+  _, k, v = model(earlier, pool, pool,
+                  contiguous_paged_inputs(table, [6, 3], [0, 0], 6, PAGE),
+                  impl="xla")
+  decode_tokens = jnp.asarray(rng.integers(0, config.vocab_size, 2),
+                              jnp.int32)
+  decode_inputs = contiguous_paged_inputs(table, [7, 4], [6, 3], 1, PAGE)
+  chunk = jnp.asarray(rng.integers(0, config.vocab_size, (1, 8)), jnp.int32)
+  chunk_inputs = contiguous_paged_inputs([[10, 11]], [5], [0], 8, PAGE)
+  last = jnp.asarray([4], jnp.int32)
+
+  ref_chunk, k_ref, v_ref = model(chunk, k, v, chunk_inputs, impl="gpu",
+                                  logits_index=last)
+  ref_decode, k_ref, v_ref = model(decode_tokens[:, None], k_ref, v_ref,
+                                   decode_inputs, impl="gpu",
+                                   logits_index=jnp.zeros((2,), jnp.int32))
+  got_decode, got_chunk, k_got, v_got = mixed_forward(
+      model, decode_tokens, decode_inputs, chunk, chunk_inputs, k, v,
+      impl="gpu", prefill_logits_index=last)
+  np.testing.assert_allclose(got_decode, ref_decode, rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(got_chunk, ref_chunk, rtol=RTOL, atol=ATOL)
+  for got, ref in ((k_got, k_ref), (v_got, v_ref)):
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+  # Both parts wrote: slot 2 of page 5 (decode row 0), page 10 (the chunk).
+  assert np.isfinite(np.asarray(k_got)[:, :, 5, 2]).all()
+  assert np.isfinite(np.asarray(k_got)[:, :, 10]).all()
