@@ -112,6 +112,8 @@ def mixed_forward(model, decode_tokens, decode_inputs: PagedAttentionInputs,
                     jnp.asarray(prefill_logits_index), None)
   num_decode = decode_tokens.shape[0]
   num_chunks, chunk = prefill_tokens.shape
+  if not num_decode and not num_chunks:
+    raise ValueError("mixed_forward needs decode rows or chunk rows")
   pool = PoolAccess.of(k_cache, pool_as_bits=pool_as_bits)
   parts = (decode_inputs, prefill_inputs)
   if _concrete(*jax.tree_util.tree_leaves(parts)):

@@ -313,3 +313,24 @@ def test_mixed_forward_gpu_kernels_interpret(model_and_config, monkeypatch):
   # Both parts wrote: slot 2 of page 5 (decode row 0), page 10 (the chunk).
   assert np.isfinite(np.asarray(k_got)[:, :, 5, 2]).all()
   assert np.isfinite(np.asarray(k_got)[:, :, 10]).all()
+
+
+def test_mixed_forward_refuses_shared_pages_and_empty_steps(
+    model_and_config):
+  model = model_and_config[0]
+  pool = jnp.zeros(kv_cache_shape(model.config, 12, PAGE), jnp.float32)
+  table = np.array([[3, 5]], np.int32)
+  decode_inputs = contiguous_paged_inputs(table, [7], [6], 1, PAGE)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  last = jnp.asarray([3], jnp.int32)
+  # The chunk writes page 3, which the decode row reads.
+  chunk_inputs = contiguous_paged_inputs([[3]], [4], [0], 4, PAGE)
+  with pytest.raises(ValueError, match="decode rows read pages \\[3\\]"):
+    mixed_forward(model, jnp.zeros((1,), jnp.int32), decode_inputs, tokens,
+                  chunk_inputs, pool, pool, impl="xla",
+                  prefill_logits_index=last)
+  none = contiguous_paged_inputs(np.zeros((0, 1), np.int32), [], [], 1, PAGE)
+  with pytest.raises(ValueError, match="needs decode rows or chunk rows"):
+    mixed_forward(model, jnp.zeros((0,), jnp.int32), none,
+                  jnp.zeros((0, 1), jnp.int32), none, pool, pool,
+                  impl="xla", prefill_logits_index=jnp.zeros((0,), jnp.int32))
