@@ -1,6 +1,8 @@
 """The model runner: packs host-side requests into arrays and runs the
-jit-compiled steps over the paged pool (prefill, a decode loop, and
-Block-Attention's page copies).
+jit-compiled steps over the paged pool (prefill, a decode loop,
+Block-Attention's page copies, and the mixed step of decode and prefill-chunk
+rows, lazyattn_jax/mixed_step.py).  Packing is shared with the mixed step in
+lazyattn_jax/step_packing.py.
 
 The pool (K and V of every layer) is donated into each step and returned, so a
 step updates it in place.  The steps are module-level jitted functions whose
@@ -24,8 +26,8 @@ from flax import nnx
 from lazyattn_jax.block_copy import rerotate_pages
 from lazyattn_jax.buckets import length_bucket
 from lazyattn_jax.config import RunnerConfig
-from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.layout import PageRow, PrefillTokens
+from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.sampling import SamplingParams, sample_tokens
 from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, decode_step_inputs,
                                        pack_decode, pack_prefill)
