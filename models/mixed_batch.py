@@ -12,15 +12,16 @@ its own kernel (decode or prefill) and plan.
 
 Order inside a layer: both parts' new K/V are scattered into the pool in one
 write, then both attend.  That is the order a batched prefill already uses
-(every row writes, then every row attends), so a row reading its own or an
-earlier chunk's pages sees this layer's keys, as in `Llama.__call__`.
+(every row writes, then every row attends), so a row sees its own tokens'
+keys of this layer, as in `Llama.__call__`; keys of a row's earlier chunks
+are in its pages from earlier steps.
 
 Precondition (`check_disjoint_parts`, run whenever the page metadata is
 concrete): the two parts belong to different requests, so no row of one part
 lists, with a visible slot, a page a row of the other part writes, and no
 two parts write the same page.  Under it the step's result equals running
 the prefill rows and the decode rows as two separate calls, in either order
-(tests/test_mixed_step.py checks exactly that).
+(tests/test_mixed_step.py compares it with the prefill rows first).
 """
 
 from __future__ import annotations
