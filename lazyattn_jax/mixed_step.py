@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from lazyattn_jax.sampling import sample_tokens
-from lazyattn_jax.step_packing import (decode_step_inputs, pack_decode,
-                                       pack_prefill)
+from lazyattn_jax.step_packing import (advance_decode, decode_step_inputs,
+                                       pack_decode, pack_prefill)
 from models.mixed_batch import check_disjoint_parts, mixed_forward
 from models.paged_inputs import PagedAttentionInputs
 
@@ -34,15 +34,19 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
                 pool_as_bits=False, layer_unroll=1):
   """One mixed step.
 
-  decode: (carry, pages, sampling) of B_d decode rows as `_decode_loop`
-    takes them (carry: tokens, pos, written, generated, done [B_d]).
+  decode: (carry, pages, sampling, limits) of B_d decode rows as
+    `_decode_loop` takes them (carry: tokens, pos, written, generated,
+    done [B_d]).
   prefill: (tokens i32[B_p, T], inputs, logits_index i32[B_p], sampling).
-  Returns (decode logits f32[B_d, V], next tokens i32[B_d], prefill logits
-  f32[B_p, V], first tokens i32[B_p], k_cache, v_cache).  A done decode row
-  is padding: it writes nothing and its token means nothing.
+  Returns (decode logits f32[B_d, V], next tokens i32[B_d], done bool[B_d]
+  after this token (stop id or max_new_tokens, as the decode loop decides),
+  prefill logits f32[B_p, V], first tokens i32[B_p], k_cache, v_cache).  A
+  row done before the step is padding: it writes nothing and its token
+  means nothing.
   """
   model = nnx.merge(graphdef, params)
-  (tokens, pos, written, generated, done), pages, decode_sampling = decode
+  (tokens, pos, written, generated, done), pages, decode_sampling, limits = (
+      decode)
   prefill_tokens, prefill_inputs, logits_index, prefill_sampling = prefill
   num_pages, page_size = k_cache.shape[2], k_cache.shape[3]
   # The same metadata one step of `_decode_loop` builds for these rows.
@@ -55,20 +59,23 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
   # Decode rows draw token number `generated` of their stream, as in the
   # decode loop; a first token is draw 0, as in `_prefill_step`.
   nxt = sample_tokens(decode_logits, *decode_sampling, generated)
+  _, done_after = advance_decode(nxt, ~done, generated, done, limits)
   first = sample_tokens(prefill_logits, *prefill_sampling,
                         jnp.zeros_like(logits_index))
-  return decode_logits, nxt, prefill_logits, first, k_cache, v_cache
+  return (decode_logits, nxt, done_after, prefill_logits, first, k_cache,
+          v_cache)
 
 
 def _empty_decode(rows: int = 0):
-  """(carry, pages, sampling) of no decode rows."""
+  """(carry, pages, sampling, limits) of no decode rows."""
   i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
   carry = (i32(rows), i32(rows), i32(rows), i32(rows),
            jnp.ones((rows,), bool))
   pages = (i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows))
   sampling = (jnp.zeros((rows,), jnp.float32), i32(rows),
               jnp.ones((rows,), jnp.float32), i32(rows))
-  return carry, pages, sampling
+  limits = (i32(rows), i32(rows, 1))
+  return carry, pages, sampling, limits
 
 
 def _empty_prefill():
@@ -84,7 +91,7 @@ def _check_parts(runner, decode, prefill):
   """`check_disjoint_parts` on the packed rows, before the jitted step (in
   it the metadata is traced): the decode rows' metadata is made here, by
   the same function the step uses, on the concrete arrays."""
-  (_, pos, written, _, done), pages, _ = decode
+  (_, pos, written, _, done), pages, _, _ = decode
   if not done.shape[0] or not prefill[0].shape[0]:
     return
   decode_inputs = decode_step_inputs(pages, pos, written, ~done,
@@ -108,9 +115,10 @@ def run_mixed_step(runner, state, decode_requests, batch: int, rows, plans,
 
   Returns:
     (state, decode logits f32[len(decode_requests), V], next tokens
-    i32[len(decode_requests)], prefill logits f32[len(rows), V], first
-    tokens i32[len(rows)] with -1 where the chunk does not end its query),
-    on host.
+    i32[len(decode_requests)], done bool[len(decode_requests)] (the next
+    token stops the request or reaches its max_new_tokens), prefill logits
+    f32[len(rows), V], first tokens i32[len(rows)] with -1 where the chunk
+    does not end its query), on host.
 
   Raises:
     ValueError: decode and chunk rows share pages (the precondition of
@@ -120,22 +128,22 @@ def run_mixed_step(runner, state, decode_requests, batch: int, rows, plans,
     raise ValueError("mixed step with neither decode nor chunk rows")
   if len(ends_query) != len(rows) or len(samplings) != len(rows):
     raise ValueError("rows, plans, samplings and ends_query must match")
-  decode = (pack_decode(decode_requests, batch)[:3] if decode_requests else
+  decode = (pack_decode(decode_requests, batch) if decode_requests else
             _empty_decode())
   prefill = (pack_prefill(rows, plans, samplings, runner.num_pages)
              if rows else _empty_prefill())
   _check_parts(runner, decode, prefill)
   runner._note("mixed", state.k, decode, prefill)
   decode, prefill = runner._replicated(decode, prefill)
-  decode_logits, nxt, prefill_logits, first, k, v = _mixed_step(
+  decode_logits, nxt, done, prefill_logits, first, k, v = _mixed_step(
       runner.params, state.k, state.v, decode, prefill,
       graphdef=runner.graphdef, impl=runner.config.impl,
       pool_as_bits=runner.config.pool_as_bits,
       layer_unroll=runner.config.decode_layer_unroll)
   state = state.replace(k=k, v=v)
-  decode_logits, nxt, prefill_logits, first = jax.device_get(
-      (decode_logits, nxt, prefill_logits, first))
+  decode_logits, nxt, done, prefill_logits, first = jax.device_get(
+      (decode_logits, nxt, done, prefill_logits, first))
   n_d, n_p = len(decode_requests), len(rows)
   first = np.where(np.asarray(ends_query, bool), np.asarray(first)[:n_p], -1)
   return (state, np.asarray(decode_logits)[:n_d], np.asarray(nxt)[:n_d],
-          np.asarray(prefill_logits)[:n_p], first)
+          np.asarray(done)[:n_d], np.asarray(prefill_logits)[:n_p], first)

@@ -29,8 +29,9 @@ from lazyattn_jax.config import RunnerConfig
 from lazyattn_jax.layout import PageRow, PrefillTokens
 from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.sampling import SamplingParams, sample_tokens
-from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, decode_step_inputs,
-                                       pack_decode, pack_prefill)
+from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_decode,
+                                       decode_step_inputs, pack_decode,
+                                       pack_prefill)
 from pallas_kernels.sizes import next_power_of_two
 
 
@@ -72,7 +73,6 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
   """
   model = nnx.merge(graphdef, params)
   temperature, top_k, top_p, seed = sampling
-  max_new, stop_ids = limits
   num_pages, page_size = k_cache.shape[2], k_cache.shape[3]
   batch = pages[0].shape[0]
 
@@ -88,9 +88,8 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
         pool_as_bits=pool_as_bits, unroll=layer_unroll,
         tensor_parallel=tensor_parallel)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
-    stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
-    generated_after = generated + step_live
-    done_after = done | (live & (stopped | (generated_after >= max_new)))
+    generated_after, done_after = advance_decode(nxt, live, generated, done,
+                                                 limits)
     state = (k_cache, v_cache, jnp.where(live, nxt, tokens), pos + step_live,
              written + step_live, generated_after, done_after)
     return state, (nxt, live)
@@ -271,8 +270,8 @@ class ModelRunner:
     """One step of decode rows and prefill-chunk rows together
     (lazyattn_jax/mixed_step.py, `run_mixed_step`).
 
-    Returns (state, decode logits, next tokens, prefill logits, first
-    tokens, -1 where a chunk does not end its query), on host.
+    Returns (state, decode logits, next tokens, done, prefill logits,
+    first tokens, -1 where a chunk does not end its query), on host.
     """
     return run_mixed_step(self, state, decode_requests, batch, rows, plans,
                           samplings, ends_query)

@@ -123,3 +123,15 @@ def decode_step_inputs(pages, pos, written, live, num_pages: int,
       page_len=page_len, q_pos=jnp.where(live, pos, -1)[:, None],
       write_page=write_page[:, None],
       write_slot=(written % page_size)[:, None])
+
+
+def advance_decode(nxt, live, generated, done, limits):
+  """(generated, done) after a decode step that drew `nxt` i32[B] for the
+  `live` rows: a row is done once it drew a stop id or reached its
+  max_new_tokens.  limits: (max_new i32[B], stop_ids i32[B, S], -1
+  padded)."""
+  max_new, stop_ids = limits
+  stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
+  generated_after = generated + live.astype(jnp.int32)
+  done_after = done | (live & (stopped | (generated_after >= max_new)))
+  return generated_after, done_after

@@ -45,13 +45,14 @@ MAX_BATCH = 4
 @pytest.fixture(scope="module")
 def live(model_and_config):
   """(engine, decoding requests) after one round: three requests with
-  documents are decoding; a fourth row of the decode batch is padding."""
+  documents are decoding, each with two tokens; the third may draw one more
+  (max_new_tokens 3); a fourth row of the decode batch is padding."""
   _, config, _ = model_and_config
   engine = make_engine(model_and_config, max_batch=MAX_BATCH, decode_steps=1)
   rng = np.random.default_rng(7)
   docs = [random_tokens(rng, n, config.vocab_size) for n in (6, 9, 3)]
   for d, sampling in ((docs[:2], greedy(12)), (docs[1:], greedy(12)),
-                      (docs[2:], SamplingParams(max_new_tokens=12,
+                      (docs[2:], SamplingParams(max_new_tokens=3,
                                                 temperature=0.8, seed=5,
                                                 stop_token_ids=()))):
     engine.submit(random_tokens(rng, 5, config.vocab_size), d, sampling)
@@ -120,12 +121,12 @@ def _separate(engine, state, decoding, rows, plans, samplings):
   logits, first = None, None
   if rows:
     state, logits, first = runner.prefill(state, rows, plans, samplings)
-  nxt = None
+  nxt = done = None
   if decoding:
-    state, out, emitted, _ = runner.decode(state, decoding, MAX_BATCH, 1)
+    state, out, emitted, done = runner.decode(state, decoding, MAX_BATCH, 1)
     assert emitted[:len(decoding), 0].all()
-    nxt = out[:len(decoding), 0]
-  return state, logits, first, nxt
+    nxt, done = out[:len(decoding), 0], done[:len(decoding)]
+  return state, logits, first, nxt, done
 
 
 def _assert_pools_equal(a, b):
@@ -149,13 +150,17 @@ def _run_both(engine, decoding, rows, plans, ends_query):
 
 def test_decode_rows_only(live):
   engine, decoding = live
-  before, (ref_state, _, _, ref_next), decode_ref, got = _run_both(
+  before, (ref_state, _, _, ref_next, ref_done), decode_ref, got = _run_both(
       engine, decoding, [], [], [])
-  state, decode_logits, nxt, prefill_logits, first = got
+  state, decode_logits, nxt, done, prefill_logits, first = got
   assert prefill_logits.shape == (0, engine.config.vocab_size)
   assert first.shape == (0,)
   np.testing.assert_allclose(decode_logits, decode_ref, rtol=RTOL, atol=ATOL)
   np.testing.assert_array_equal(nxt, ref_next)
+  # The third request reaches its max_new_tokens with this token.
+  np.testing.assert_array_equal(done, ref_done)
+  assert done.tolist() == [r.request.sampling.max_new_tokens == 3
+                           for r in decoding]
   _assert_pools_equal(state, ref_state)
   # The step wrote something: each decode row's token, in every layer.
   assert not np.array_equal(np.asarray(state.k), np.asarray(before.k))
@@ -173,8 +178,8 @@ def _prefill_rows(engine, decoding, free, rng):
 
 
 def _check_against_separate(expected, decode_ref, got, ends_query):
-  ref_state, ref_logits, ref_first, ref_next = expected
-  state, decode_logits, nxt, prefill_logits, first = got
+  ref_state, ref_logits, ref_first, ref_next, ref_done = expected
+  state, decode_logits, nxt, done, prefill_logits, first = got
   np.testing.assert_allclose(prefill_logits, ref_logits, rtol=RTOL,
                              atol=ATOL)
   np.testing.assert_array_equal(first, np.where(ends_query, ref_first, -1))
@@ -182,6 +187,7 @@ def _check_against_separate(expected, decode_ref, got, ends_query):
     np.testing.assert_allclose(decode_logits, decode_ref, rtol=RTOL,
                                atol=ATOL)
     np.testing.assert_array_equal(nxt, ref_next)
+    np.testing.assert_array_equal(done, ref_done)
   _assert_pools_equal(state, ref_state)
 
 
@@ -192,6 +198,7 @@ def test_prefill_rows_only(live):
                                     np.random.default_rng(1))
   before, expected, _, got = _run_both(engine, [], rows, plans, ends)
   assert got[1].shape == (0, engine.config.vocab_size)
+  assert got[3].shape == (0,)
   _check_against_separate(expected, None, got, ends)
   # The chunk pages were NaN and are now written (the check can fail).
   assert np.isnan(np.asarray(before.k)[:, :, free[0], :PAGE - 1]).all()
@@ -228,12 +235,12 @@ def test_query_in_two_chunks_equals_one_prefill(live):
       _copy(state), [whole_row], [whole_plan], [greedy(1)])
 
   first_row, first_plan = _causal_chunk(pages, query, 0, 6)
-  mixed, _, _, logits_1, first_1 = runner.mixed_step(
+  mixed, _, _, _, logits_1, first_1 = runner.mixed_step(
       _copy(state), decoding, MAX_BATCH, [first_row], [first_plan],
       [greedy(1)], [False])
   assert first_1.tolist() == [-1]
   second_row, second_plan = _causal_chunk(pages, query, 6, len(query))
-  mixed, _, _, logits_2, first_2 = runner.mixed_step(
+  mixed, _, _, _, logits_2, first_2 = runner.mixed_step(
       mixed, [], MAX_BATCH, [second_row], [second_plan], [greedy(1)], [True])
   np.testing.assert_allclose(logits_2, ref_logits, rtol=RTOL, atol=ATOL)
   np.testing.assert_array_equal(first_2, ref_first)
