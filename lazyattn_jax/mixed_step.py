@@ -28,10 +28,11 @@ from models.paged_inputs import PagedAttentionInputs
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl",
-                                             "pool_as_bits", "layer_unroll"),
+                                             "pool_as_bits", "layer_unroll",
+                                             "tensor_parallel"),
                    donate_argnums=(1, 2))
 def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
-                pool_as_bits=False, layer_unroll=1):
+                pool_as_bits=False, layer_unroll=1, tensor_parallel=None):
   """One mixed step.
 
   decode: (carry, pages, sampling, limits) of B_d decode rows as
@@ -55,7 +56,8 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
   decode_logits, prefill_logits, k_cache, v_cache = mixed_forward(
       model, tokens, decode_inputs, prefill_tokens, prefill_inputs, k_cache,
       v_cache, impl=impl, prefill_logits_index=logits_index,
-      unroll=layer_unroll, pool_as_bits=pool_as_bits)
+      unroll=layer_unroll, pool_as_bits=pool_as_bits,
+      tensor_parallel=tensor_parallel)
   # Decode rows draw token number `generated` of their stream, as in the
   # decode loop; a first token is draw 0, as in `_prefill_step`.
   nxt = sample_tokens(decode_logits, *decode_sampling, generated)
@@ -139,7 +141,8 @@ def run_mixed_step(runner, state, decode_requests, batch: int, rows, plans,
       runner.params, state.k, state.v, decode, prefill,
       graphdef=runner.graphdef, impl=runner.config.impl,
       pool_as_bits=runner.config.pool_as_bits,
-      layer_unroll=runner.config.decode_layer_unroll)
+      layer_unroll=runner.config.decode_layer_unroll,
+      tensor_parallel=runner.tensor_parallel)
   state = state.replace(k=k, v=v)
   decode_logits, nxt, done, prefill_logits, first = jax.device_get(
       (decode_logits, nxt, done, prefill_logits, first))

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import run_decoder_layers
+from models.llama import finish_outputs, run_decoder_layers
 from models.paged_inputs import PagedAttentionInputs
 from models.paged_pool import PoolAccess
 
@@ -75,7 +75,7 @@ def mixed_forward(model, decode_tokens, decode_inputs: PagedAttentionInputs,
                   prefill_tokens, prefill_inputs: PagedAttentionInputs,
                   k_cache, v_cache, *, impl: str = "auto",
                   prefill_logits_index, unroll: int | bool = 1,
-                  pool_as_bits: bool = False):
+                  pool_as_bits: bool = False, tensor_parallel=None):
   """A forward pass over B_d decode rows and B_p prefill-chunk rows.
 
   Args:
@@ -92,6 +92,9 @@ def mixed_forward(model, decode_tokens, decode_inputs: PagedAttentionInputs,
       prefill row returns (its last real token, typically).
     unroll: layer-scan unroll factor.
     pool_as_bits: carry 16-bit pools as uint16 (see `Llama.__call__`).
+    tensor_parallel: a `models.sharding.TensorParallel`, as for
+      `Llama.__call__`: the KV write and both parts' attention run per
+      device on its heads, the dense parts are partitioned by GSPMD.
 
   Returns:
     (decode logits f32 [B_d, V], prefill logits f32 [B_p, V], k_cache,
@@ -129,30 +132,43 @@ def mixed_forward(model, decode_tokens, decode_inputs: PagedAttentionInputs,
   key_pos = jnp.maximum(flat("q_pos"), 0)[None]  # [1, R]
   # A part with no rows is left out statically (no kernel call on an empty
   # batch), so a step of decode rows only or chunk rows only is valid.
-  shapes = ((num_decode, 1), (num_chunks, chunk))
-  used = [(shape, inputs, model.attention_plan(shape, k_cache, inputs, impl))
-          for shape, inputs in zip(shapes, parts) if shape[0]]
+  shapes = [shape for shape in ((num_decode, 1), (num_chunks, chunk))
+            if shape[0]]
+  used = tuple(inputs for inputs in parts if inputs.q_pos.shape[0])
+  plans = tuple(model.attention_plan(shape, k_cache, inputs, impl)
+                for shape, inputs in zip(shapes, used))
 
-  def attend(layer, q, k, v, pools):
-    # q [1, R, N, H], k and v [1, R, K, H]: the flattened stream's heads.
-    offset = layer * pool.num_pages
-    rows = pool.write_rows(writable, write_page, write_slot, offset)
-    k_pool, v_pool = pool.write_kv(k, v, key_pos, *pools, rows, c.rope)
+  def write_and_attend(q, k, v, k_pool, v_pool, rows, offset, key_pos,
+                       part_inputs, part_plans):
+    # q [1, R, N, H], k and v [1, R, K, H]: the flattened stream's heads
+    # (this device's under tensor parallelism, so counts come from shapes).
+    k_pool, v_pool = pool.write_kv(k, v, key_pos, k_pool, v_pool, rows,
+                                   c.rope)
     # Each part attends with its own rows' queries ([B, T, N, H], rows in
     # stream order) and its own metadata and plan.
     outs, start = [], 0
-    for shape, inputs, plan in used:
+    for shape, inputs, plan in zip(shapes, part_inputs, part_plans):
       size = shape[0] * shape[1]
       part_q = q[0, start:start + size].reshape(*shape, *q.shape[2:])
       out = pool.attend(part_q, k_pool, v_pool, inputs, offset, plan,
                         rope=c.rope, impl=impl)
       outs.append(out.reshape(size, *q.shape[2:]))
       start += size
-    return jnp.concatenate(outs)[None], (k_pool, v_pool)
+    return jnp.concatenate(outs)[None], k_pool, v_pool
 
-  x = jnp.concatenate([model.embed(decode_tokens),
+  if tensor_parallel is not None:
+    write_and_attend = tensor_parallel.attention_per_device(write_and_attend)
+
+  def attend(layer, q, k, v, pools):
+    offset = layer * pool.num_pages
+    rows = pool.write_rows(writable, write_page, write_slot, offset)
+    out, k_pool, v_pool = write_and_attend(q, k, v, *pools, rows, offset,
+                                           key_pos, used, plans)
+    return out, (k_pool, v_pool)
+
+  x = jnp.concatenate([model.embed(decode_tokens),  # [1, R, D]
                        model.embed(prefill_tokens).reshape(
-                           num_chunks * chunk, c.hidden_size)])[None]  # [1, R, D]
+                           num_chunks * chunk, c.hidden_size)])[None]
   x, (k_out, v_out) = run_decoder_layers(
       model.layers.stacked(), x, (pool.to_rows(k_cache), pool.to_rows(v_cache)),
       attend, config=c, dtype=model.dtype, unroll=unroll)
@@ -161,5 +177,7 @@ def mixed_forward(model, decode_tokens, decode_inputs: PagedAttentionInputs,
   chunk_rows = x[0, num_decode:].reshape(num_chunks, chunk, c.hidden_size)
   picked = chunk_rows[jnp.arange(num_chunks), prefill_logits_index]
   logits = model.output_logits(jnp.concatenate([x[0, :num_decode], picked]))
-  return (logits[:num_decode], logits[num_decode:],
-          pool.from_rows(k_out, k_cache), pool.from_rows(v_out, v_cache))
+  logits, k_out, v_out = finish_outputs(
+      logits, pool.from_rows(k_out, k_cache), pool.from_rows(v_out, v_cache),
+      tensor_parallel)
+  return logits[:num_decode], logits[num_decode:], k_out, v_out
