@@ -68,15 +68,14 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
           v_cache)
 
 
-def _empty_decode(rows: int = 0):
+def _empty_decode():
   """(carry, pages, sampling, limits) of no decode rows."""
   i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
-  carry = (i32(rows), i32(rows), i32(rows), i32(rows),
-           jnp.ones((rows,), bool))
-  pages = (i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows))
-  sampling = (jnp.zeros((rows,), jnp.float32), i32(rows),
-              jnp.ones((rows,), jnp.float32), i32(rows))
-  limits = (i32(rows), i32(rows, 1))
+  carry = (i32(0), i32(0), i32(0), i32(0), jnp.ones((0,), bool))
+  pages = (i32(0, 1), i32(0, 1), i32(0, 1), i32(0, 1), i32(0))
+  sampling = (jnp.zeros((0,), jnp.float32), i32(0),
+              jnp.ones((0,), jnp.float32), i32(0))
+  limits = (i32(0), i32(0, 1))
   return carry, pages, sampling, limits
 
 
@@ -141,6 +140,8 @@ def run_mixed_step(runner, state, decode_requests, batch: int, rows, plans,
       runner.params, state.k, state.v, decode, prefill,
       graphdef=runner.graphdef, impl=runner.config.impl,
       pool_as_bits=runner.config.pool_as_bits,
+      # Decode rows ride in every mixed step, so the layer scan unrolls as
+      # the decode loop's does.
       layer_unroll=runner.config.decode_layer_unroll,
       tensor_parallel=runner.tensor_parallel)
   state = state.replace(k=k, v=v)
