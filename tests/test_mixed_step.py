@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -341,3 +342,37 @@ def test_mixed_forward_refuses_shared_pages_and_empty_steps(
     mixed_forward(model, jnp.zeros((0,), jnp.int32), none,
                   jnp.zeros((0, 1), jnp.int32), none, pool, pool,
                   impl="xla", prefill_logits_index=jnp.zeros((0,), jnp.int32))
+
+
+def test_mixed_step_lowers_for_cuda():
+  """The mixed step of a bf16 model (H 128) exports for CUDA from CPU: the
+  decode part through the Triton decode kernel, the chunk part through the
+  Mosaic GPU prefill kernel with its plan, in one program."""
+  from jax import export
+  from flax import nnx
+  from lazyattn_jax.mixed_step import _mixed_step
+  from lazyattn_jax.sharding import random_model
+  from models.config import LlamaConfig
+  from models.paged_inputs import PagedAttentionInputs
+  config = LlamaConfig.tiny(num_heads=8, num_kv_heads=4, head_dim=128,
+                            max_position=512)
+  model = nnx.eval_shape(lambda: random_model(config, None,
+                                              dtype=jnp.bfloat16))
+  graphdef, params = nnx.split(model)
+  pool = jax.ShapeDtypeStruct(kv_cache_shape(config, 64, 16), jnp.bfloat16)
+  spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)
+  rows, chunks, length, pages = 4, 2, 64, 8
+  sampling = lambda b: (spec((b,), jnp.float32), spec((b,)),
+                        spec((b,), jnp.float32), spec((b,)))
+  decode = ((spec((rows,)),) * 4 + (spec((rows,), bool),),
+            (spec((rows, pages)),) * 4 + (spec((rows,)),), sampling(rows),
+            (spec((rows,)), spec((rows, 4))))
+  prefill = (spec((chunks, length)),
+             PagedAttentionInputs(*(spec((chunks, pages)),) * 4,
+                                  *(spec((chunks, length)),) * 3),
+             spec((chunks,)), sampling(chunks))
+  step = jax.jit(lambda *a: _mixed_step(*a, graphdef=graphdef, impl="gpu"))
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  text = export.export(step, platforms=["cuda"], disabled_checks=[triton])(
+      params, pool, pool, decode, prefill).mlir_module()
+  assert "xla.gpu.triton" in text and "mosaic_gpu" in text
