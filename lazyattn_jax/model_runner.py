@@ -1,6 +1,8 @@
 """The model runner: packs host-side requests into arrays and runs the
-jit-compiled steps over the paged pool (prefill, a decode loop, and
-Block-Attention's page copies).
+jit-compiled steps over the paged pool (prefill, a decode loop,
+Block-Attention's page copies, and the mixed step of decode and prefill-chunk
+rows, lazyattn_jax/mixed_step.py).  Packing is shared with the mixed step in
+lazyattn_jax/step_packing.py.
 
 The pool (K and V of every layer) is donated into each step and returned, so a
 step updates it in place.  The steps are module-level jitted functions whose
@@ -24,9 +26,12 @@ from flax import nnx
 from lazyattn_jax.block_copy import rerotate_pages
 from lazyattn_jax.buckets import length_bucket
 from lazyattn_jax.config import RunnerConfig
-from lazyattn_jax.layout import PageRow, PrefillTokens, pack_rows
+from lazyattn_jax.layout import PageRow, PrefillTokens
+from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.sampling import SamplingParams, sample_tokens
-from models.paged_inputs import PagedAttentionInputs
+from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_decode,
+                                       decode_step_inputs, pack_decode,
+                                       pack_prefill)
 from pallas_kernels.sizes import next_power_of_two
 
 
@@ -67,42 +72,26 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
   Returns (k, v, carry, tokens i32[B, num_steps], emitted bool[B, num_steps]).
   """
   model = nnx.merge(graphdef, params)
-  page_table, page_pos, page_shift, doc_page_len, private_start = pages
   temperature, top_k, top_p, seed = sampling
-  max_new, stop_ids = limits
   num_pages, page_size = k_cache.shape[2], k_cache.shape[3]
-  logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)[None, :]
-  private_index = logical - private_start[:, None]  # >= 0 on private pages
-  batch = page_table.shape[0]
-  rows = jnp.arange(batch)
+  batch = pages[0].shape[0]
 
   def step(state, _):
     k_cache, v_cache, tokens, pos, written, generated, done = state
     live = ~done
     step_live = live.astype(jnp.int32)
-    written_after = written + step_live
-    private_len = jnp.clip(written_after[:, None] - private_index * page_size,
-                           0, page_size)
-    page_len = jnp.where(private_index >= 0, private_len, doc_page_len)
-    target = jnp.clip(private_start + written // page_size, 0,
-                      page_table.shape[1] - 1)
-    write_page = jnp.where(live, page_table[rows, target], num_pages)
-    inputs = PagedAttentionInputs(
-        page_table=page_table, page_pos=page_pos, page_shift=page_shift,
-        page_len=page_len, q_pos=jnp.where(live, pos, -1)[:, None],
-        write_page=write_page[:, None],
-        write_slot=(written % page_size)[:, None])
+    inputs = decode_step_inputs(pages, pos, written, live, num_pages,
+                                page_size)
     logits, k_cache, v_cache = model(
         tokens[:, None], k_cache, v_cache, inputs, impl=impl,
         logits_index=jnp.zeros((batch,), jnp.int32),
         pool_as_bits=pool_as_bits, unroll=layer_unroll,
         tensor_parallel=tensor_parallel)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
-    stopped = jnp.any(nxt[:, None] == stop_ids, axis=-1)
-    generated_after = generated + step_live
-    done_after = done | (live & (stopped | (generated_after >= max_new)))
+    generated_after, done_after = advance_decode(nxt, live, generated, done,
+                                                 limits)
     state = (k_cache, v_cache, jnp.where(live, nxt, tokens), pos + step_live,
-             written_after, generated_after, done_after)
+             written + step_live, generated_after, done_after)
     return state, (nxt, live)
 
   tokens, pos, written, generated, done = carry
@@ -116,22 +105,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
 
 _rerotate = jax.jit(rerotate_pages, static_argnames=("rope", "tensor_parallel"),
                     donate_argnums=(0, 1))
-_MIN_PREFILL_LEN = 16
 _MIN_COPY_BUCKET = 8
-_MIN_STOP_BUCKET = 4
-
-
-def sampling_arrays(samplings, batch: int):
-  """(temperature f32[B], top_k i32[B], top_p f32[B], seed i32[B]) of
-  `samplings`, padded to `batch` rows with greedy defaults."""
-  temperature = np.zeros((batch,), np.float32)
-  top_k = np.zeros((batch,), np.int32)
-  top_p = np.ones((batch,), np.float32)
-  seed = np.zeros((batch,), np.int32)
-  for b, s in enumerate(samplings):
-    temperature[b], top_k[b], top_p[b] = s.temperature, s.top_k, s.top_p
-    seed[b] = np.int64(s.seed) & 0x7FFFFFFF
-  return temperature, top_k, top_p, seed
 
 
 class ModelRunner:
@@ -167,7 +141,7 @@ class ModelRunner:
     """Programs compiled so far by the shared steps (for every runner in
     this process: runners of one model share programs)."""
     return (_prefill_step._cache_size() + _decode_loop._cache_size() +
-            _rerotate._cache_size())
+            _rerotate._cache_size() + _mixed_step._cache_size())
 
   def _replicated(self, *trees):
     """The steps' inputs as they were (one device), or put whole on every
@@ -200,7 +174,7 @@ class ModelRunner:
     for i in order:
       rows = next_power_of_two(len(batch) + 1)
       width = length_bucket(max([lengths[j] for j in batch] + [lengths[i]]),
-                            _MIN_PREFILL_LEN)
+                            MIN_PREFILL_LEN)
       if batch and rows * width > budget:
         batches.append(batch)
         batch = []
@@ -217,29 +191,8 @@ class ModelRunner:
     row that replace the token embeddings (a learned preamble).
     Returns (state, logits f32[rows, V], first tokens i32[rows]) on host.
     """
-    batch = next_power_of_two(len(rows))
-    length = length_bucket(max(len(p) for p in plans), _MIN_PREFILL_LEN)
-    num_logical = next_power_of_two(max(map(len, rows)))
-    tokens = np.zeros((batch, length), np.int32)
-    q_pos = np.full((batch, length), -1, np.int32)
-    write_page = np.full((batch, length), self.num_pages, np.int32)
-    write_slot = np.zeros((batch, length), np.int32)
-    logits_index = np.zeros((batch,), np.int32)
-    for b, plan in enumerate(plans):
-      n = len(plan)
-      tokens[b, :n] = plan.tokens
-      q_pos[b, :n] = plan.q_pos
-      write_page[b, :n] = plan.write_page
-      write_slot[b, :n] = plan.write_slot
-      logits_index[b] = n - 1
-    table, pos, shift, plen = pack_rows(rows, num_logical, batch)
-    inputs = PagedAttentionInputs(
-        page_table=jnp.asarray(table), page_pos=jnp.asarray(pos),
-        page_shift=jnp.asarray(shift), page_len=jnp.asarray(plen),
-        q_pos=jnp.asarray(q_pos), write_page=jnp.asarray(write_page),
-        write_slot=jnp.asarray(write_slot))
-    sampling = tuple(jnp.asarray(a) for a in sampling_arrays(samplings, batch))
-    tokens = jnp.asarray(tokens)
+    tokens, inputs, logits_index, sampling = pack_prefill(
+        rows, plans, samplings, self.num_pages)
     vectors = None
     if embeddings is not None:
       vectors = np.zeros(tokens.shape + (embeddings[0].shape[-1],),
@@ -251,8 +204,8 @@ class ModelRunner:
     tokens, inputs, logits_index, sampling, vectors = self._replicated(
         tokens, inputs, logits_index, sampling, vectors)
     logits, first, k, v = _prefill_step(
-        self.params, state.k, state.v, tokens, inputs,
-        jnp.asarray(logits_index), sampling, vectors, graphdef=self.graphdef,
+        self.params, state.k, state.v, tokens, inputs, logits_index,
+        sampling, vectors, graphdef=self.graphdef,
         impl=self.config.impl, pool_as_bits=self.config.pool_as_bits,
         tensor_parallel=self.tensor_parallel)
     state = state.replace(k=k, v=v)
@@ -297,40 +250,12 @@ class ModelRunner:
     Returns (state, tokens i32[B, num_steps], emitted bool[B, num_steps],
     done bool[B]) on host, row b for requests[b].
     """
-    num_logical = next_power_of_two(max(len(r.layout.row) for r in requests))
-    table, pos, shift, plen = pack_rows([r.layout.row for r in requests],
-                                        num_logical, batch)
-    private_start = np.zeros((batch,), np.int32)
-    tokens = np.zeros((batch,), np.int32)
-    position = np.zeros((batch,), np.int32)
-    written = np.zeros((batch,), np.int32)
-    generated = np.zeros((batch,), np.int32)
-    done = np.ones((batch,), bool)
-    max_new = np.ones((batch,), np.int32)
-    stop_width = next_power_of_two(
-        max(len(r.request.stop_ids) for r in requests), _MIN_STOP_BUCKET)
-    stop_ids = np.full((batch, stop_width), -1, np.int32)
-    for b, r in enumerate(requests):
-      private_start[b] = r.layout.private_start
-      tokens[b] = r.tokens[-1]
-      position[b] = r.decode_position
-      written[b] = r.written
-      generated[b] = len(r.tokens)
-      done[b] = False
-      max_new[b] = r.request.sampling.max_new_tokens
-      stop_ids[b, :len(r.request.stop_ids)] = r.request.stop_ids
-    sampling = sampling_arrays([r.request.sampling for r in requests], batch)
-    carry = tuple(jnp.asarray(a) for a in (tokens, position, written,
-                                           generated, done))
-    pages = tuple(jnp.asarray(a) for a in (table, pos, shift, plen,
-                                           private_start))
-    limits = (jnp.asarray(max_new), jnp.asarray(stop_ids))
+    carry, pages, sampling, limits = pack_decode(requests, batch)
     self._note("decode", state.k, pages, limits, num_steps=num_steps)
     carry, pages, sampling, limits = self._replicated(carry, pages, sampling,
                                                       limits)
     k, v, carry, out, emitted = _decode_loop(
-        self.params, state.k, state.v, carry, pages,
-        tuple(jnp.asarray(a) for a in sampling), limits,
+        self.params, state.k, state.v, carry, pages, sampling, limits,
         graphdef=self.graphdef, impl=self.config.impl, num_steps=num_steps,
         pool_as_bits=self.config.pool_as_bits,
         layer_unroll=self.config.decode_layer_unroll,
@@ -338,3 +263,15 @@ class ModelRunner:
     state = state.replace(k=k, v=v)
     out, emitted, done = jax.device_get((out, emitted, carry[4]))
     return state, out, emitted, done
+
+  # --- mixed -------------------------------------------------------------------
+  def mixed_step(self, state, decode_requests, batch: int, rows, plans,
+                 samplings, ends_query):
+    """One step of decode rows and prefill-chunk rows together
+    (lazyattn_jax/mixed_step.py, `run_mixed_step`).
+
+    Returns (state, decode logits, next tokens, done, prefill logits,
+    first tokens, -1 where a chunk does not end its query), on host.
+    """
+    return run_mixed_step(self, state, decode_requests, batch, rows, plans,
+                          samplings, ends_query)

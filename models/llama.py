@@ -29,11 +29,9 @@ from jax.sharding import PartitionSpec as P
 from models.config import LlamaConfig
 from models.paged_inputs import PagedAttentionInputs
 from models.params import init_params, layer_param_names, param_shapes
-from models.quantized_pool import (QuantizedPool, check_quantized_pool,
-                                   write_quantized_rows)
-from pallas_kernels.lazy_attention import (check_kv_pools, lazy_attention,
-                                           plan_lazy_attention)
-from pallas_kernels.rope import apply_rope
+from models.paged_pool import PoolAccess
+from models.quantized_pool import QuantizedPool, check_quantized_pool
+from pallas_kernels.lazy_attention import check_kv_pools, plan_lazy_attention
 
 
 def kv_cache_shape(config: LlamaConfig, num_pages: int, page_size: int
@@ -232,79 +230,17 @@ class Llama(nnx.Module):
     self._check_call(tokens, k_cache, v_cache, inputs, logits_index,
                      embeddings)
     c = self.config
-    rope = c.rope
-    num_kv_heads, num_layers, num_pages, page_size = k_cache.shape[:4]
-    # Writes outside [0, num_pages) x [0, page_size) are dropped.  Point them
-    # past the end explicitly: a scatter would wrap negative indices, and an
-    # out-of-range page would land in another layer's pages.
-    write_ok = ((inputs.write_page >= 0) & (inputs.write_page < num_pages) &
-                (inputs.write_slot >= 0) & (inputs.write_slot < page_size))
+    pool = PoolAccess.of(k_cache, pool_as_bits=pool_as_bits)
+    writable = pool.writable(inputs.write_page, inputs.write_slot)
     key_pos = jnp.maximum(inputs.q_pos, 0)
-    # The kernel's per-batch metadata, made once and shared by every layer
-    # (None for kernels that have none); layers read their pages at an offset
-    # of the one page array, so the plan stays the same.
-    layer_pool = jax.ShapeDtypeStruct(
-        (c.num_kv_heads, num_pages, page_size, c.head_dim), k_cache.dtype)
-    plan = plan_lazy_attention(
-        jax.ShapeDtypeStruct(tokens.shape + (c.num_heads, c.head_dim),
-                             self.dtype), layer_pool, inputs.page_table,
-        inputs.page_pos, inputs.page_shift, inputs.page_len, inputs.q_pos,
-        rope=rope, impl=impl)
-
-    all_pages = num_layers * num_pages
-    all_rows = all_pages * page_size
-    page_shape = (num_kv_heads, all_pages, page_size, c.head_dim)
-    # The scan carries each pool as [K, L*N*P, H] token rows, so a step's
-    # writes are a plain row scatter (one index per token).  A scatter into
-    # [K, L*N, P, H] by (page, slot) gave XLA GPU room to pick another layout
-    # for the carried pool and copy it around the kernel call.
-    row_shape = (num_kv_heads, all_rows, c.head_dim)
-    # pool_as_bits: 16-bit float pools travel as their uint16 bit patterns.
-    # XLA may widen a 16-bit float scatter to float32 (on CPU it does: four
-    # pool-sized temporaries per step); an integer row scatter does not, at
-    # the price of bitcasts XLA may or may not fold.
-    pool_dtype = k_cache.dtype
-    quantized = isinstance(k_cache, QuantizedPool)
-    carried = (jnp.uint16 if pool_as_bits and
-               jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
-    to_carry = lambda x: jax.lax.bitcast_convert_type(x, carried)
-    to_pool = lambda x: jax.lax.bitcast_convert_type(x, pool_dtype)
-
-    def write(pool, new_rows, rows):
-      if quantized:  # pool: (float8 rows, scales [K, L*N])
-        return write_quantized_rows(*pool, rows, new_rows, page_size)
-      return pool.at[:, rows].set(to_carry(new_rows.astype(pool_dtype)),
-                                  mode="drop")
-
-    def page_view(pool, kv_heads):
-      """The kernel's [K, L*N, P, H] pages (and scales [K, L*N])."""
-      pages = (kv_heads,) + page_shape[1:]
-      if quantized:
-        return pool[0].reshape(pages), pool[1]
-      return to_pool(pool).reshape(pages), None
+    plan = self.attention_plan(tokens.shape, k_cache, inputs, impl)
 
     def write_and_attend(q, k, v, k_pool, v_pool, rows, offset, key_pos,
                          inputs, plan):
-      # The KV heads here are this device's under tensor parallelism (all of
-      # them on one device), so head counts come from the shapes.
-      kv_heads = k.shape[2]
-      # Float pools store the keys in their dtype; float8 pools quantize
-      # the rotated float32 keys directly (one rounding, not two).
-      k_rot = apply_rope(k, key_pos, rope)
-      if not quantized:
-        k_rot = k_rot.astype(pool_dtype)
-      # [B, T, K, H] -> [K, B*T, H], one row per written token.
-      k_rows = jnp.moveaxis(k_rot, 2, 0).reshape(kv_heads, -1, c.head_dim)
-      v_rows = jnp.moveaxis(v, 2, 0).reshape(kv_heads, -1, c.head_dim)
-      k_pool = write(k_pool, k_rows, rows)
-      v_pool = write(v_pool, v_rows, rows)
-      k_pages, k_scales = page_view(k_pool, kv_heads)
-      v_pages, v_scales = page_view(v_pool, kv_heads)
-      out = lazy_attention(q, k_pages, v_pages,
-                           inputs.page_table, inputs.page_pos,
-                           inputs.page_shift, inputs.page_len, inputs.q_pos,
-                           rope=rope, impl=impl, page_offset=offset,
-                           plan=plan, k_scales=k_scales, v_scales=v_scales)
+      k_pool, v_pool = pool.write_kv(k, v, key_pos, k_pool, v_pool, rows,
+                                     c.rope)
+      out = pool.attend(q, k_pool, v_pool, inputs, offset, plan, rope=c.rope,
+                        impl=impl)
       return out, k_pool, v_pool
 
     if tensor_parallel is not None:
@@ -312,28 +248,14 @@ class Llama(nnx.Module):
           write_and_attend)
 
     def attend(layer, q, k, v, pools):
-      k_pool, v_pool = pools
-      offset = layer * num_pages
-      rows = jnp.where(write_ok,
-                       (inputs.write_page + offset) * page_size +
-                       inputs.write_slot, all_rows).reshape(-1)
-      out, k_pool, v_pool = write_and_attend(q, k, v, k_pool, v_pool, rows,
-                                             offset, key_pos, inputs, plan)
+      offset = layer * pool.num_pages
+      rows = pool.write_rows(writable, inputs.write_page, inputs.write_slot,
+                             offset)
+      out, k_pool, v_pool = write_and_attend(q, k, v, *pools, rows, offset,
+                                             key_pos, inputs, plan)
       return out, (k_pool, v_pool)
 
-    def to_rows(pool):  # the scan's carry
-      if quantized:
-        return (pool.pages.reshape(row_shape),
-                pool.scales.reshape(num_kv_heads, all_pages))
-      return to_carry(pool.reshape(row_shape))
-
-    def from_rows(rows, like):
-      if quantized:
-        return QuantizedPool(pages=rows[0].reshape(like.shape),
-                             scales=rows[1].reshape(like.scales.shape))
-      return to_pool(rows).reshape(like.shape)
-
-    pools = (to_rows(k_cache), to_rows(v_cache))
+    pools = (pool.to_rows(k_cache), pool.to_rows(v_cache))  # the scan's carry
     x = self.embed(tokens) if embeddings is None else embeddings.astype(
         self.dtype)
     x, (k_out, v_out) = run_decoder_layers(
@@ -342,17 +264,23 @@ class Llama(nnx.Module):
     if logits_index is not None:
       x = x[jnp.arange(x.shape[0]), logits_index]  # [B, D]
     logits = self.output_logits(x)
-    k_out = from_rows(k_out, k_cache)
-    v_out = from_rows(v_out, v_cache)
-    if tensor_parallel is not None:
-      # Logits whole on every device (every host reads them; sampling is
-      # replicated); the pools keep their head split, so a donated pool
-      # comes back with the sharding it went in with.
-      logits = tensor_parallel.whole_logits(logits)
-      k_out, v_out = (jax.tree.map(
-          lambda x: tensor_parallel.constrain(x, P(tensor_parallel.axis)),
-          pool) for pool in (k_out, v_out))
-    return logits, k_out, v_out
+    return finish_outputs(logits, pool.from_rows(k_out, k_cache),
+                          pool.from_rows(v_out, v_cache), tensor_parallel)
+
+  def attention_plan(self, q_shape, k_cache, inputs, impl):
+    """The kernel's per-batch metadata for queries of shape [B, T] (plus
+    heads) against `inputs`, made once and shared by every layer (None for
+    kernels that have none); layers read their pages at an offset of the
+    one page array, so the plan stays the same."""
+    c = self.config
+    num_pages, page_size = k_cache.shape[2:4]
+    layer_pool = jax.ShapeDtypeStruct(
+        (c.num_kv_heads, num_pages, page_size, c.head_dim), k_cache.dtype)
+    return plan_lazy_attention(
+        jax.ShapeDtypeStruct(tuple(q_shape) + (c.num_heads, c.head_dim),
+                             self.dtype), layer_pool, inputs.page_table,
+        inputs.page_pos, inputs.page_shift, inputs.page_len, inputs.q_pos,
+        rope=c.rope, impl=impl)
 
   def _check_call(self, tokens, k_cache, v_cache, inputs, logits_index,
                   embeddings):
@@ -391,6 +319,19 @@ class Llama(nnx.Module):
     if logits_index is not None and logits_index.shape != tokens.shape[:1]:
       raise ValueError(f"logits_index shape {logits_index.shape} must be "
                        f"[B] = {tokens.shape[:1]}")
+
+
+def finish_outputs(logits, k_out, v_out, tensor_parallel):
+  """(logits, k_out, v_out) as a forward pass returns them.  Under tensor
+  parallelism the logits are made whole on every device (every host reads
+  them; sampling is replicated) and the pools keep their head split, so a
+  donated pool comes back with the sharding it went in with."""
+  if tensor_parallel is not None:
+    logits = tensor_parallel.whole_logits(logits)
+    k_out, v_out = (jax.tree.map(
+        lambda x: tensor_parallel.constrain(x, P(tensor_parallel.axis)),
+        pool) for pool in (k_out, v_out))
+  return logits, k_out, v_out
 
 
 def split_model(model: Llama):
