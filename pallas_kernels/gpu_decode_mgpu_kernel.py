@@ -29,14 +29,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuDecodeBlockSizes
-from pallas_kernels.gpu_prefill_mgpu_kernel import (_interpreter_params, _Ops,
-                                                    _select_per_page)
+# The compute warpgroup's registers per thread (setmaxnreg) as in prefill.
+from pallas_kernels.gpu_prefill_mgpu_kernel import (_COMPUTE_REGISTERS,
+                                                    _interpreter_params, _Ops,
+                                                    _select_per_page,
+                                                    produce_kv_ring)
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
 from pallas_kernels.sizes import round_up
 
-# Registers per thread (setmaxnreg) of the compute / producer warpgroups.
-_PRODUCER_REGISTERS = 40
-_COMPUTE_REGISTERS = 232
 
 
 def _to_operand(x, dtype):
@@ -242,51 +242,11 @@ def _kernel(
 
   @pl.when(wg == 1)
   def _produce():
-    if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    page_offset = page_offset_ref[0]
-
-    def step(i, _):
-      slot = lax.rem(i, stages)
-      # Scalar reads first: their latency overlaps the wait for the slot.
-      phys = [rec_ref[batch, first + i, layout.phys + j] + page_offset
-              for j in range(ppb)]
-      seg = rec_ref[batch, first + i, layout.seg]
-
-      def copy_pages(pages_ref, ring, barrier):
-        # One TMA copy per page: the block's pages are not contiguous.
-        for j in range(ppb):
-          plgpu.copy_gmem_to_smem(
-              pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
-              ring.at[slot, pl.ds(j * page_size, page_size)], barrier)
-
-      @pl.when(i >= stages)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-      copy_pages(k_ref, k_smem, k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(rec_ref.at[batch, first + i],
-                              rec_smem.at[lax.rem(i, 2 * stages)],
-                              k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
-                              k_bars.at[slot])
-
-      @pl.when(i >= stages)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
-      copy_pages(v_ref, v_smem, v_bars.at[slot])
-      return ()
-
-    lax.fori_loop(0, n_steps, step, ())
-
-    # Drain: observe the last releases of every slot, so each barrier phase
-    # is seen by its waiter (the interpreter checks this).
-    def drain(i, _):
-      slot = lax.rem(i, stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      return ()
-
-    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
+    produce_kv_ring(
+        n_steps, batch, head, page_offset_ref, rec_ref, k_ref, v_ref, cs_ref,
+        rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
+        layout=layout, pages_per_block=ppb, page_size=page_size,
+        stages=stages, interpret=interpret, first_record=first)
 
 
 def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,

@@ -238,53 +238,73 @@ def _kernel(
 
   @pl.when(wg == nwg)
   def _produce():
-    if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    produce_kv_ring(
+        n_steps, batch, head, page_offset_ref, rec_ref, k_ref, v_ref, cs_ref,
+        rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
+        layout=layout, pages_per_block=ppb, page_size=page_size,
+        stages=stages, interpret=interpret)
 
-    page_offset = page_offset_ref[0]
 
-    def step(i, _):
-      slot = lax.rem(i, stages)
-      # Scalar reads first: their latency overlaps the wait for the slot.
-      phys = [rec_ref[batch, i, layout.phys + j] + page_offset
-              for j in range(ppb)]
-      seg = rec_ref[batch, i, layout.seg]
+def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
+                    v_ref, cs_ref, rec_smem, k_smem, v_smem, cs_smem, k_bars,
+                    v_bars, k_free, v_free, *, layout, pages_per_block: int,
+                    page_size: int, stages: int, interpret: bool,
+                    first_record=None):
+  """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
-      def copy_pages(pages_ref, ring, barrier):
-        # One TMA copy per page: the block's pages are not contiguous.
-        for j in range(ppb):
-          plgpu.copy_gmem_to_smem(
-              pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
-              ring.at[slot, pl.ds(j * page_size, page_size)], barrier)
+  Step i copies, into ring slot i % stages, the K pages of step record
+  `first_record + i` (0 when None) with that record and the cos/sin of its
+  segment (all on k_bars[slot]), then its V pages (on v_bars[slot]), each
+  after the consumer has freed the slot (k_free / v_free), then waits for
+  the last releases.
+  """
+  if not interpret:
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  page_offset = page_offset_ref[0]
 
-      @pl.when(i >= stages)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-      copy_pages(k_ref, k_smem, k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(rec_ref.at[batch, i],
-                              rec_smem.at[lax.rem(i, 2 * stages)],
-                              k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
-                              k_bars.at[slot])
+  def step(i, _):
+    slot = lax.rem(i, stages)
+    row = i if first_record is None else first_record + i
+    # Scalar reads first: their latency overlaps the wait for the slot.
+    phys = [rec_ref[batch, row, layout.phys + j] + page_offset
+            for j in range(pages_per_block)]
+    seg = rec_ref[batch, row, layout.seg]
 
-      @pl.when(i >= stages)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
-      copy_pages(v_ref, v_smem, v_bars.at[slot])
-      return ()
+    def copy_pages(pages_ref, ring, barrier):
+      # One TMA copy per page: the block's pages are not contiguous.
+      for j in range(pages_per_block):
+        plgpu.copy_gmem_to_smem(
+            pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
+            ring.at[slot, pl.ds(j * page_size, page_size)], barrier)
 
-    lax.fori_loop(0, n_steps, step, ())
-
-    # Drain: observe the last releases of every slot, so each barrier phase
-    # is seen by its waiter (the interpreter checks this; on the GPU it only
-    # makes the producer wait for the consumers, having nothing left to do).
-    def drain(i, _):
-      slot = lax.rem(i, stages)
+    @pl.when(i >= stages)
+    def _():
       plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      return ()
+    copy_pages(k_ref, k_smem, k_bars.at[slot])
+    plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
+                            rec_smem.at[lax.rem(i, 2 * stages)],
+                            k_bars.at[slot])
+    plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
+                            k_bars.at[slot])
 
-    lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
+    @pl.when(i >= stages)
+    def _():
+      plgpu.barrier_wait(v_free.at[slot])
+    copy_pages(v_ref, v_smem, v_bars.at[slot])
+    return ()
+
+  lax.fori_loop(0, n_steps, step, ())
+
+  # Drain: observe the last releases of every slot, so each barrier phase
+  # is seen by its waiter (the interpreter checks this; on the GPU it only
+  # makes the producer wait for the consumers, having nothing left to do).
+  def drain(i, _):
+    slot = lax.rem(i, stages)
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+    return ()
+
+  lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
 
 
 def _interpreter_params():
