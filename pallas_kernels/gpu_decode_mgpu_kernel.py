@@ -38,7 +38,6 @@ from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
 from pallas_kernels.sizes import round_up
 
 
-
 def _to_operand(x, dtype):
   """Values of a float8 or 16-bit tile as `dtype` (16-bit).  Hopper converts
   e4m3 to f16 in hardware (exact: e4m3 fits f16); f16 -> bf16 goes through

@@ -30,7 +30,8 @@ from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
                                     relative_error)
-from tests.test_gpu_prefill_mgpu import _doc_layout_case, needs_interpreter
+from tests.test_gpu_prefill_mgpu import (  # the same checks as prefill
+    _check, _doc_layout_case, needs_interpreter)
 
 
 @pytest.fixture(autouse=True)
@@ -109,20 +110,6 @@ def test_lazy_attention_decode_exports_through_mosaic():
   for fn, fn_args in ((plain, args), (planned, (*args, offset))):
     exported = export.export(jax.jit(fn), platforms=["cuda"])(*fn_args)
     assert _custom_calls(exported) == {"mosaic_gpu_v2"}
-
-
-def _check(out, lazy, rope):
-  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
-  assert out.shape == lazy.q.shape
-  assert not np.isnan(out).any(), "NaN leaked into the output"
-  reference = np.asarray(lazy_attention_reference(
-      *[jnp.asarray(a) for a in lazy.args()], rope=rope).astype(jnp.float32))
-  err_ref = relative_error(out, reference.astype(np.float64))
-  assert err_ref <= BF16_TOLERANCE, f"vs reference: {err_ref:.3g}"
-  err_truth = relative_error(out, numpy_truth(lazy, rope))
-  assert err_truth <= BF16_TOLERANCE, f"vs float64 truth: {err_truth:.3g}"
-  padding = lazy.q_pos < 0
-  assert np.all(out[padding] == 0.0), "padding rows must be exactly zero"
 
 
 def _call(lazy, *, rope, block_sizes, interpret):
