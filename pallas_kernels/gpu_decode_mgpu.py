@@ -25,6 +25,7 @@ from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_kv_splits,
                                             mgpu_decode_smem_bytes)
 from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
+from pallas_kernels.gpu_prefill_mgpu import SUPPORTED_DTYPES, tile_refusal
 from pallas_kernels.gpu_prefill_mgpu_plan import (segment_cos_sin,
                                                   step_records)
 from pallas_kernels.kv_quant import is_quantized
@@ -33,8 +34,6 @@ from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import RopeConfig, rotated_query
 from pallas_kernels.sizes import ceil_div
 
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-SUPPORTED_HEAD_DIMS = (64, 128)
 # Shared memory we allow ourselves (H100/H200: 227 KB per block opt-in),
 # less a margin for barriers and alignment.
 _SMEM_LIMIT = 227 * 1024 - 4096
@@ -58,16 +57,13 @@ def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
       and jnp.dtype(k_dtype) != jnp.dtype(q_dtype)):
     return (f"k_pages dtype {k_dtype} must equal q dtype {q_dtype} or be "
             f"float8_e4m3fn")
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    return (f"lazy_decode_mgpu needs q head dim in {SUPPORTED_HEAD_DIMS}, "
-            f"got {head_dim}")
+  reason = tile_refusal("lazy_decode_mgpu", head_dim, page_size,
+                        block_sizes.block_kv)
+  if reason is not None:
+    return reason
   if num_heads // num_kv_heads > WG_ROWS:
     return (f"lazy_decode_mgpu needs at most {WG_ROWS} query heads per kv "
             f"head, got {num_heads // num_kv_heads}")
-  if page_size % 8 or block_sizes.block_kv % page_size:
-    return (f"lazy_decode_mgpu needs a k_pages page_size that is a multiple "
-            f"of 8 and divides block_kv={block_sizes.block_kv}, got "
-            f"{page_size}")
   need = mgpu_decode_smem_bytes(block_sizes, head_dim,
                                 quantized=is_quantized(k_dtype))
   if need > _SMEM_LIMIT:

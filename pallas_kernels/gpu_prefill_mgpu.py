@@ -46,6 +46,19 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 _SMEM_LIMIT = 227 * 1024
 
 
+def tile_refusal(kernel: str, head_dim: int, page_size: int,
+                 block_kv: int) -> str | None:
+  """Why a Mosaic GPU kernel (prefill or decode) cannot tile this head dim
+  and page size into its `block_kv`-key steps, or None."""
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return (f"{kernel} needs q head dim in {SUPPORTED_HEAD_DIMS}, "
+            f"got {head_dim}")
+  if page_size % 8 or block_kv % page_size:
+    return (f"{kernel} needs a k_pages page_size that is a multiple "
+            f"of 8 and divides block_kv={block_kv}, got {page_size}")
+  return None
+
+
 def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
                  block_sizes: MgpuBlockSizes) -> str | None:
   """Why this kernel cannot take these inputs, or None if it can."""
@@ -53,13 +66,10 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
     return f"lazy_prefill_mgpu needs q dtype bfloat16 or float16, got {q_dtype}"
   if jnp.dtype(k_dtype) != jnp.dtype(q_dtype):
     return f"k_pages dtype {k_dtype} must equal q dtype {q_dtype}"
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    return (f"lazy_prefill_mgpu needs q head dim in {SUPPORTED_HEAD_DIMS}, "
-            f"got {head_dim}")
-  if page_size % 8 or block_sizes.block_kv % page_size:
-    return (f"lazy_prefill_mgpu needs a k_pages page_size that is a multiple "
-            f"of 8 and divides block_kv={block_sizes.block_kv}, got "
-            f"{page_size}")
+  reason = tile_refusal("lazy_prefill_mgpu", head_dim, page_size,
+                        block_sizes.block_kv)
+  if reason is not None:
+    return reason
   need = smem_bytes(block_sizes, head_dim)
   if need > _SMEM_LIMIT - 4096:
     return (f"block_sizes {block_sizes} need {need} bytes of shared memory "
