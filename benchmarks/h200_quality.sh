@@ -12,9 +12,10 @@
 #   bash benchmarks/h200_quality.sh OUT hotpot-options|hotpot-sink|synthetic
 #       # one dataset's runs each, for calls of under 10 minutes
 #   bash benchmarks/h200_quality.sh OUT fp8   # float8 pages' quality cost
+#       # (fp8-full / fp8-lazy: one mode each)
 #
 # Environment: HOTPOT_QUESTIONS (held-out questions, default 300),
-# SINK_STEPS / SINK_MINUTES, FT_STEPS / FT_MINUTES.  The model and the data
+# SINK_STEPS / SINK_MINUTES, FT_STEPS / FT_LR / FT_WARMUP / FT_MINUTES.  The model and the data
 # come from the user cache ($LAZYATTN_CACHE); every step has a time limit
 # so one slow step still leaves the others' results in OUT.
 set -uo pipefail
@@ -78,19 +79,24 @@ elif [ "$STAGE" = synthetic ]; then
       --max-new-tokens 16 "${OPTION_RUNS[@]}" \
       --run "lazy,sink=$SHIPPED_SINK,label=lazy + sink" \
       --run "lazy,sink=$SHIPPED_SINK,recompute=true,label=lazy + sink + recompute"
-elif [ "$STAGE" = fp8 ]; then
+elif [ "$STAGE" = fp8 ] || [ "$STAGE" = fp8-full ] || [ "$STAGE" = fp8-lazy ]; then
+  # Each mode with bf16 pages beside float8 pages, one process per mode
+  # (fp8 runs both) so each fits a call.
   DEFAULTS="sink=$SHIPPED_SINK,recompute=true"
-  quality quality_hotpotqa_fp8 570 --dataset hotpotqa --layout dataset \
-      --questions "$Q" --modes full \
-      --run "full,dtype=float8_e4m3fn,label=full fp8 pages" \
+  [ "$STAGE" != fp8-lazy ] && quality quality_hotpotqa_fp8_full 570 \
+      --dataset hotpotqa --layout dataset --questions "$Q" --modes full \
+      --run "full,dtype=float8_e4m3fn,label=full fp8 pages"
+  [ "$STAGE" != fp8-full ] && quality quality_hotpotqa_fp8_lazy 570 \
+      --dataset hotpotqa --layout dataset --questions "$Q" \
       --run "lazy,$DEFAULTS,label=lazy + sink + recompute" \
       --run "lazy,$DEFAULTS,dtype=float8_e4m3fn,label=lazy + sink + recompute fp8 pages"
 elif [ "$STAGE" = finetune ]; then  # training only: about 8 minutes
   log "start finetune"
-  timeout 540 python -m lazyattn_jax.cli finetune --data hotpotqa \
-      --out /tmp/ft --steps "${FT_STEPS:-3000}" --batch-size 32 --lr 2e-5 \
-      --warmup-steps 50 --dtype bfloat16 --remat --checkpoint-every 100000 \
-      --max-minutes "${FT_MINUTES:-8}" --no-progress > "$OUT/finetune.log" 2>&1
+  timeout 570 python -m lazyattn_jax.cli finetune --data hotpotqa \
+      --out /tmp/ft --steps "${FT_STEPS:-250}" --batch-size 32 \
+      --lr "${FT_LR:-5e-5}" --warmup-steps "${FT_WARMUP:-20}" --dtype bfloat16 \
+      --remat --checkpoint-every 100000 --max-minutes "${FT_MINUTES:-7}" \
+      --no-progress > "$OUT/finetune.log" 2>&1
   log "end finetune rc=$?"
   cp /tmp/ft/*.json /tmp/ft/*.png "$OUT/" 2>/dev/null
 elif [ "$STAGE" = finetune-eval ]; then  # the next call, on the same machine
