@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT"]
+__all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
+           "check_matches_model"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -143,3 +144,15 @@ class CacheConfig:
     """
     return (self.num_kv_heads, self.num_layers, self.num_pages,
             self.page_size, self.head_dim)
+
+
+def check_matches_model(cache_config: CacheConfig, config) -> None:
+  """Raises ValueError naming every field (layers, KV heads, head dim) in
+  which `cache_config` differs from the model's `config`."""
+  mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
+                f"model's is {getattr(config, name)})"
+                for name in ("num_layers", "num_kv_heads", "head_dim")
+                if getattr(cache_config, name) != getattr(config, name)]
+  if mismatched:
+    raise ValueError("cache_config does not match the model: " +
+                     ", ".join(mismatched))

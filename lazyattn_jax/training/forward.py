@@ -66,14 +66,18 @@ class ModelFunctions:
   def answer_logits(self, params, seq: dict, sink=None, *,
                     remat: bool = False) -> jax.Array:
     """float32 [B, A, V] logits at `seq["rows"]` of the dense sequence
-    (tokens, positions, mask, preamble_index), with `sink` [P, D] as the
-    learned preamble's vectors if given."""
+    (tokens, positions, mask, preamble_index; optional logit_scale and
+    logit_bias for `dense_attention`), with `sink` [P, D] as the learned
+    preamble's vectors if given."""
     model = self.merge(params)
     positions, mask = seq["positions"], seq["mask"]
     config, dtype = self.config, self.dtype
 
+    scale, bias = seq.get("logit_scale"), seq.get("logit_bias")
+
     def attention(q, k, v):
-      return dense_attention(q, k, v, positions, mask, config.rope, dtype)
+      return dense_attention(q, k, v, positions, mask, config.rope, dtype,
+                             logit_scale=scale, logit_bias=bias)
 
     if remat:
       attention = jax.checkpoint(attention)
