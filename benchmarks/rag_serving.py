@@ -112,7 +112,9 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
       max_batch=args.max_batch, decode_steps=args.decode_steps,
       max_prefill_tokens=args.max_prefill_tokens,
       prefill_tokens_per_step=args.prefill_tokens_per_step or None,
-      first_token_group_tokens=args.group_tokens or None)
+      first_token_group_tokens=args.group_tokens or None,
+      decode_during_prefill=bool(getattr(args, "decode_during_prefill",
+                                         False)))
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
                         decode_layer_unroll=True if args.decode_unroll else 1)
   return LazyEngine(config, model, cache_config, mode=mode,
@@ -338,6 +340,10 @@ def parse_args(argv=None):
                       "of a scheduling round (0 = --max-prefill-tokens)")
   p.add_argument("--decode-unroll", action="store_true",
                  help="fully unroll the layer loop in decode steps")
+  p.add_argument("--decode-during-prefill-runs", action="store_true",
+                 help="also run each mode with running requests decoding "
+                      "inside the round's prefill calls (SchedulerConfig."
+                      "decode_during_prefill), beside the plain run")
   p.add_argument("--merge", nargs="+", default=[], metavar="JSONL",
                  help="instead of running: merge the per-run rows of these "
                       ".partial.jsonl files (a later row of the same kind, "
@@ -468,6 +474,13 @@ def main(argv=None):
                            measured, cache_warmer,
                            label_suffix=f" [{kv_dtype} pages]"))
       runs[-1]["kv_dtype"] = kv_dtype
+      record(runs[-1], "base")
+    if args.decode_during_prefill_runs:
+      riding = argparse.Namespace(**vars(args))
+      riding.decode_during_prefill = True
+      runs.append(run_mode(riding, config, model, dtype, mode, base_pages,
+                           warm, measured, cache_warmer,
+                           label_suffix=" [decode during prefill]"))
       record(runs[-1], "base")
     for name in (args.quality_runs if mode in ("lazy", "block") else []):
       runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,

@@ -42,6 +42,11 @@ class SchedulerConfig:
       earlier first tokens for more, smaller prefill calls (None: one
       prefill call's worth, `max_prefill_tokens`).  benchmarks/RESULTS.md
       measures the trade-off.
+    decode_during_prefill: the running requests decode one token in every
+      prefill call of a round (document encoding and query prefill), in
+      one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
+      for the round's prefill to end.  Off by default until measured on a
+      GPU (docs/design.md, "Mixed steps").
   """
 
   max_batch: int = 16
@@ -49,12 +54,16 @@ class SchedulerConfig:
   max_prefill_tokens: int = 8192
   prefill_tokens_per_step: int | None = None
   first_token_group_tokens: int | None = None
+  decode_during_prefill: bool = False
 
   def __post_init__(self):
     for name in ("max_batch", "decode_steps", "max_prefill_tokens"):
       _check_int("SchedulerConfig", name, getattr(self, name))
     for name in ("prefill_tokens_per_step", "first_token_group_tokens"):
       _check_int("SchedulerConfig", name, getattr(self, name), optional=True)
+    if not isinstance(self.decode_during_prefill, bool):
+      raise ValueError("SchedulerConfig.decode_during_prefill must be a "
+                       f"bool, got {self.decode_during_prefill!r}")
 
   @property
   def group_tokens(self) -> int:

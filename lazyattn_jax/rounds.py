@@ -4,7 +4,9 @@ model runner, the engine's counters, and the round's rollback.
 `RoundExecutor.step` admits waiting requests, serves them in first-token
 groups (encode the group's missing documents, write its Block-Attention
 copies, prefill its queries and take first tokens), decodes every live
-request, and retires the finished ones.  A failure inside any of it takes
+request, and retires the finished ones.  With `decode_during_prefill` the
+running requests also decode one token inside each prefill call (a mixed
+step) rather than wait for the round's prefill.  A failure inside any of it takes
 the affected requests out with an error result (`Scheduler.fail`); if a
 donated step lost the pool, the cache is rebuilt empty and every live
 request fails with it.
@@ -16,7 +18,10 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
+
 from lazyattn_jax.cache_state import init_cache_state
+from lazyattn_jax.sampling import SamplingParams
 
 logger = logging.getLogger("lazyattn_jax")
 
@@ -125,10 +130,9 @@ class RoundExecutor:
     keep_order = self.scheduler.mode.keeps_query_order
     for batch in self.runner.prefill_batches(lengths, self._budget, keep_order):
       chunk = [group.requests[i] for i in batch]
-      self.state, logits, first = self.runner.prefill(
-          self.state, [r.layout.row for r in chunk],
-          [r.layout.prefill for r in chunk],
-          [r.request.sampling for r in chunk])
+      logits, first = self._prefill_call(
+          [r.layout.row for r in chunk], [r.layout.prefill for r in chunk],
+          [r.request.sampling for r in chunk], ends_query=True)
       tokens = sum(lengths[i] for i in batch)
       round_tokens += tokens
       self.stats.prefill_tokens_computed += tokens
@@ -136,20 +140,55 @@ class RoundExecutor:
                                          time.perf_counter())
     return round_tokens
 
-  def _encode(self, jobs):
+  def _encode(self, jobs, riders: bool = True):
     """Prefills cache entries (layout.EncodeJob), each alone or after the
-    preamble: a preamble first, then the documents that read it."""
+    preamble: a preamble first, then the documents that read it.
+    `riders=False` keeps running requests from decoding alongside (the
+    encoding between rounds)."""
     for phase in sorted({job.phase for job in jobs}):
       batch_jobs = [job for job in jobs if job.phase == phase]
       lengths = [len(job.tokens) for job in batch_jobs]
       for batch in self.runner.prefill_batches(lengths, self._budget,
                                                keep_order=False):
         chunk = [batch_jobs[i] for i in batch]
-        self.state = self.runner.encode_documents(self.state, chunk)
+        if riders and self._riders() and all(
+            job.embeddings is None for job in chunk):
+          rows, plans = zip(*(job.row_and_plan(self.cache_config.page_size)
+                              for job in chunk))
+          self._prefill_call(list(rows), list(plans),
+                             [SamplingParams()] * len(chunk), ends_query=False)
+        else:
+          self.state = self.runner.encode_documents(self.state, chunk)
         preambles = sum(job.is_preamble for job in chunk)
         self.stats.preambles_prefilled += preambles
         self.stats.documents_prefilled += len(chunk) - preambles
         self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+
+  def _riders(self):
+    """The running requests that decode inside prefill calls ([] unless
+    `decode_during_prefill`)."""
+    if not self.scheduler.config.decode_during_prefill:
+      return []
+    return self.scheduler.decoding()
+
+  def _prefill_call(self, rows, plans, samplings, *, ends_query: bool):
+    """One prefill call (a query batch, or a document batch that ends no
+    query); with riders, one mixed step in which each running request also
+    decodes its next token.  Returns (logits, first tokens) of the rows."""
+    riders = self._riders()
+    if not riders:
+      self.state, logits, first = self.runner.prefill(self.state, rows, plans,
+                                                      samplings)
+      return logits, first
+    cfg = self.scheduler.config
+    self.state, _, nxt, done, logits, first = self.runner.mixed_step(
+        self.state, riders, cfg.max_batch, rows, plans, samplings,
+        [ends_query] * len(rows))
+    self.stats.decode_steps += 1
+    self.stats.generated_tokens += self.scheduler.record_decode(
+        riders, nxt[:, None], np.ones((len(riders), 1), bool), done,
+        time.perf_counter())
+    return logits, first
 
   def _decode(self, decoding):
     cfg = self.scheduler.config
@@ -193,7 +232,7 @@ class RoundExecutor:
     before = self.state
     self.state, admission = cache.admit(self.state, keys, lengths, 0)
     try:
-      self._encode(mode.encode_jobs(documents, admission))
+      self._encode(mode.encode_jobs(documents, admission), riders=False)
     except BaseException as error:
       if pool_lost(self.state):
         self._fail([], error)  # every live request's KV went with it

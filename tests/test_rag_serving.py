@@ -190,3 +190,23 @@ def test_kv_dtypes_run_the_same_bytes_of_float8_pages(tmp_path):
   assert fp8["cache_pages"] == base["cache_pages"] * 512 // 132
   assert fp8["doc_hit_rate"] >= base["doc_hit_rate"]
   assert fp8["kv_pages_written_for_cached_docs"] == 0
+
+
+def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
+  """--decode-during-prefill-runs repeats each mode with running requests
+  decoding inside the round's prefill calls: the same trace, documents and
+  prefill work, every token generated."""
+  out = tmp_path / "rag.json"
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "16",
+         "--query-len", "4", "--output-len", "6", "--num-requests", "8",
+         "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
+         "--cache-fraction", "1.0", "--add-working-pages", "--modes", "lazy",
+         "--decode-during-prefill-runs", "--out", str(out), "--no-progress"]
+  subprocess.run(cmd, check=True, timeout=600,
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
+  runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  base, riding = runs["lazy"], runs["lazy [decode during prefill]"]
+  for key in ("doc_hit_rate", "prefill_tokens_computed", "requests"):
+    assert riding[key] == base[key], key
+  assert riding["kv_pages_written_for_cached_docs"] == 0

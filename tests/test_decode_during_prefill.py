@@ -1,0 +1,89 @@
+"""Running requests decoding inside a round's prefill calls
+(`SchedulerConfig.decode_during_prefill`, rounds.py with mixed_step.py):
+the same greedy tokens as without, in every mode; riders really decode
+there; a failed mixed step fails only the requests it was prefilling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lazyattn_jax.config import SchedulerConfig
+from tests.test_engine import greedy, make_engine, model_and_config  # noqa: F401
+from tests.test_engine import random_tokens
+
+
+def _scenario(engine, vocab, seed=11):
+  """Staggered arrivals: A runs while B (new documents) and then C (B's
+  documents plus one new) are prefilled.  Returns (results by name, A's
+  token count after the second round)."""
+  rng = np.random.default_rng(seed)
+  docs = [random_tokens(rng, n, vocab) for n in (6, 9, 3, 7)]
+  queries = [random_tokens(rng, n, vocab) for n in (5, 4, 6)]
+  ids = {"A": engine.submit(queries[0], docs[:2], greedy(14))}
+  results = {}
+
+  def step():
+    for r in engine.step():
+      results[r.request_id] = r
+
+  step()
+  ids["B"] = engine.submit(queries[1], docs[2:], greedy(9))
+  step()
+  a_tokens = len(engine.tokens_so_far(ids["A"]))
+  ids["C"] = engine.submit(queries[2], [docs[3], docs[1], docs[2]], greedy(6))
+  while engine.has_work():
+    step()
+  return {name: results[i] for name, i in ids.items()}, a_tokens
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block", "prefix", "full"])
+def test_riders_give_the_same_tokens_and_decode_during_prefill(
+    model_and_config, mode):
+  _, config, _ = model_and_config
+  plain, plain_a = _scenario(make_engine(model_and_config, mode=mode),
+                             config.vocab_size)
+  mixed_engine = make_engine(model_and_config, mode=mode,
+                             decode_during_prefill=True)
+  mixed, mixed_a = _scenario(mixed_engine, config.vocab_size)
+  for name in plain:
+    assert mixed[name].finish_reason == plain[name].finish_reason == "length"
+    assert mixed[name].token_ids == plain[name].token_ids, name
+  # A rode B's prefill calls (one token each) on top of the decode loops.
+  assert mixed_a > plain_a
+  stats = mixed_engine.stats
+  assert stats.generated_tokens == sum(len(r.token_ids) - 1
+                                       for r in mixed.values())
+
+
+def test_a_failed_mixed_step_fails_its_prefill_rows_only(model_and_config,
+                                                         monkeypatch):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(3)
+  engine = make_engine(model_and_config, decode_during_prefill=True)
+  doc = random_tokens(rng, 8, config.vocab_size)
+  query = random_tokens(rng, 5, config.vocab_size)
+  first = engine.submit(query, [doc], greedy(10))
+  engine.step()
+
+  def broken(*args, **kwargs):
+    raise ValueError("mixed step refused")
+
+  monkeypatch.setattr(engine.runner, "mixed_step", broken)
+  second = engine.submit(random_tokens(rng, 4, config.vocab_size),
+                         [random_tokens(rng, 5, config.vocab_size)],
+                         greedy(4))
+  results = {r.request_id: r for r in engine.step()}
+  assert results[second].finish_reason == "error"
+  assert "mixed step refused" in results[second].error
+  monkeypatch.undo()
+  while engine.has_work():
+    results.update({r.request_id: r for r in engine.step()})
+  assert results[first].finish_reason == "length"
+  alone = make_engine(model_and_config).generate(query, [doc], greedy(10))
+  assert results[first].token_ids == alone.token_ids
+
+
+def test_the_option_must_be_a_bool():
+  with pytest.raises(ValueError, match="decode_during_prefill must be a bool"):
+    SchedulerConfig(decode_during_prefill="yes")
