@@ -20,6 +20,9 @@
 #   fp8   - the paper-like load at a 10% pool in lazy and block, each again
 #           with a float8 pool of the same bytes (issue 16, part 3;
 #           FP8_FRACTION, FP8_MODES).
+#   mixed - the paper-like load (20% pool) in lazy, plain beside running
+#           requests decoding inside the round's prefill calls (issue 16,
+#           part 2; MIXED_FRACTION, GROUP_TOKENS).
 # On two or more GPUs (issue 15, tensor parallelism):
 #   tptests - tests/multi_device with the Pallas kernels (engine parity at
 #           tensor parallel 2 in every mode, kernels per device, loading);
@@ -118,6 +121,14 @@ for part in $parts; do
         --eviction lfu --cache-fraction ${FP8_FRACTION:-0.1} --modes ${FP8_MODES:-lazy,block} \
         --kv-dtypes float8_e4m3fn --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like_fp8.json" 2>&1 | grep -v Warning | tail -12 ;;
+    mixed)
+      timeout ${PAPER_TIMEOUT:-540} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
+        --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
+        --warm-cache-requests ${WARM_CACHE:-192} --group-tokens ${GROUP_TOKENS:-4096} \
+        --eviction lfu --cache-fraction ${MIXED_FRACTION:-0.2} --modes lazy \
+        --decode-during-prefill-runs --decode-steps 16 \
+        --no-progress --out "$out/rag_paper_like_mixed.json" 2>&1 | grep -v Warning | tail -12 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
         --time-budget ${KERNELS_BUDGET:-480} 2>&1 \
