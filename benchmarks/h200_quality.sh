@@ -6,8 +6,9 @@
 #
 #   bash benchmarks/h200_quality.sh OUT options   # baseline + options + sink
 #   bash benchmarks/h200_quality.sh OUT finetune       # fine-tune: 250 steps
-#       # take ~8.5 min; the first call stops at 7 with a checkpoint, the
-#       # same stage run again resumes, finishes and exports /tmp/ft/model
+#       # take ~8.5 min; the first call stops at 7 with a checkpoint (and
+#       # the model so far), the same stage run again resumes, finishes and
+#       # exports /tmp/ft/model
 #   bash benchmarks/h200_quality.sh OUT finetune-eval  # then, same machine:
 #       # base full and lazy beside the fine-tuned model (HotpotQA);
 #       # finetune-synthetic likewise on the synthetic set

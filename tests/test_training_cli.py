@@ -87,11 +87,15 @@ def test_a_run_stops_and_resumes_to_an_export(tmp_path, model_dir, capsys):
           "--docs-per-question", "2", "--preamble-sink", sink]
   out = tmp_path / "out"
   assert cli.main(args + ["--stop-at-step", "2"]) == 0
-  assert "stopped early" in capsys.readouterr().out
-  assert not os.path.exists(out / "model")
+  assert "stopped early; the model so far (step 2)" in capsys.readouterr().out
+  # A stopped run leaves the weights so far, marked as such.
+  stopped = _export_metadata(out / "model")
+  assert (stopped["step"], stopped["finished"]) == ("2", "false")
   assert cli.main(args) == 0
   printed = capsys.readouterr().out
   assert "3/3 steps" in printed and "model:" in printed
+  finished = _export_metadata(out / "model")
+  assert (finished["step"], finished["finished"]) == ("3", "true")
   log = json.loads((out / "log.json").read_text())
   assert [r["step"] for r in log["history"]] == [0, 1, 2]
   assert log["settings"]["config"]["layout"]["preamble_len"] == 4
@@ -110,3 +114,10 @@ def test_a_text_preamble_is_its_tokens():
   assert (layout.preamble_len, layout.preamble_ids, sink) == (
       len(ids), tuple(ids), None)
   assert layout.recompute_tokens == 8
+
+
+def _export_metadata(model_dir) -> dict:
+  """The __metadata__ strings of an exported model.safetensors."""
+  with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(size))["__metadata__"]

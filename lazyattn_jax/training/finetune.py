@@ -13,9 +13,11 @@ Steps are jitted and data parallel over the local devices (`parallel`).
 Checkpoints (orbax) are written every `checkpoint_every` steps under
 OUT/checkpoints; a run started again with the same recipe and OUT resumes
 from the newest one, on the same batches (the data order is a pure
-function of seed and step).  A finished run exports OUT/model, a
-safetensors directory `LazyEngine.from_pretrained` loads, and writes
-OUT/loss.png and OUT/log.json.
+function of seed and step).  A run exports OUT/model, a safetensors
+directory `LazyEngine.from_pretrained` loads, when it finishes and also
+when it stops early (the weights so far, so a run under a time limit
+still leaves a model; resuming replaces it), and writes OUT/loss.png and
+OUT/log.json.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ class FinetuneResult:
     step: steps done.
     finished: whether all `steps` are done (else it stopped early and can
       be resumed).
-    export_dir: the exported model directory, or None.
+    export_dir: the exported model directory (the weights at `step`,
+      finished or not), or None.
     full_samples, lazy_samples: samples of each layout over the history.
   """
   params: dict
@@ -177,7 +180,9 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
     devices: local devices for data parallelism (default all).
     stop_at: stop (with a checkpoint) once this many steps are done.
     max_minutes: stop (with a checkpoint) after this much wall time.
-    export: export the model when all steps are done.
+    export: export the model at the end of the run, finished or stopped
+      early (its safetensors metadata says which step and whether it
+      finished).
 
   Raises:
     TrainingInputError: bad settings, a sink that does not fit, or a
@@ -261,12 +266,13 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
                      f"block fine-tuning, {c.steps} steps")
   full = int(sum(r["full_samples"] for r in history.rows))
   export_dir = None
-  if finished and export:
+  if export and done > 0:
     export_dir = export_model(
         os.path.join(out_dir, "model"), model.config, state["params"],
         model.tokenizer, dtype=c.export_dtype, metadata=dict(
             lazyattn_finetune=json.dumps(recipe),
-            date=time.strftime("%Y-%m-%d")))
+            date=time.strftime("%Y-%m-%d"), step=str(done),
+            finished=str(finished).lower()))
   report.write_log(os.path.join(out_dir, "log.json"), recipe, history,
                    step=done, finished=finished, export_dir=export_dir,
                    devices=[str(d) for d in mesh.devices.flat],

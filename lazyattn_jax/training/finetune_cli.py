@@ -146,6 +146,7 @@ def run(args) -> int:
     print(f"model: {result.export_dir}\nloss curve: "
           f"{os.path.join(args.out, 'loss.png')}")
   else:
-    print(f"stopped early; run the same command again to resume from "
+    print(f"stopped early; the model so far (step {result.step}): "
+          f"{result.export_dir}\nrun the same command again to resume from "
           f"{os.path.join(args.out, 'checkpoints')}")
   return 0
