@@ -22,7 +22,9 @@
 #           FP8_FRACTION, FP8_MODES).
 #   mixed - the paper-like load (20% pool) in lazy, plain beside running
 #           requests decoding inside the round's prefill calls (issue 16,
-#           part 2; MIXED_FRACTION, GROUP_TOKENS).
+#           part 2; MIXED_FRACTION, GROUP_TOKENS; MIXED_BUDGET=1024 with
+#           GROUP_TOKENS=1024 cuts the round's prefill into calls of two
+#           512-token documents, each carrying a decode token).
 # On two or more GPUs (issue 15, tensor parallelism):
 #   tptests - tests/multi_device with the Pallas kernels (engine parity at
 #           tensor parallel 2 in every mode, kernels per device, loading);
@@ -128,7 +130,8 @@ for part in $parts; do
         --warm-cache-requests ${WARM_CACHE:-192} --group-tokens ${GROUP_TOKENS:-4096} \
         --eviction lfu --cache-fraction ${MIXED_FRACTION:-0.2} --modes lazy \
         --decode-during-prefill-runs --decode-steps 16 \
-        --no-progress --out "$out/rag_paper_like_mixed.json" 2>&1 | grep -v Warning | tail -12 ;;
+        --max-prefill-tokens ${MIXED_BUDGET:-16384} \
+        --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
         --time-budget ${KERNELS_BUDGET:-480} 2>&1 \
