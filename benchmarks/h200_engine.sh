@@ -24,7 +24,8 @@
 #           requests decoding inside the round's prefill calls (issue 16,
 #           part 2; MIXED_FRACTION, GROUP_TOKENS; MIXED_BUDGET=1024 with
 #           GROUP_TOKENS=1024 cuts the round's prefill into calls of two
-#           512-token documents, each carrying a decode token).
+#           512-token documents, each carrying a decode token;
+#           MIXED_CHUNK=256 encodes documents in 256-token chunks).
 # On two or more GPUs (issue 15, tensor parallelism):
 #   tptests - tests/multi_device with the Pallas kernels (engine parity at
 #           tensor parallel 2 in every mode, kernels per device, loading);
@@ -130,7 +131,7 @@ for part in $parts; do
         --warm-cache-requests ${WARM_CACHE:-192} --group-tokens ${GROUP_TOKENS:-4096} \
         --eviction lfu --cache-fraction ${MIXED_FRACTION:-0.2} --modes lazy \
         --decode-during-prefill-runs --decode-steps 16 \
-        --max-prefill-tokens ${MIXED_BUDGET:-16384} \
+        --max-prefill-tokens ${MIXED_BUDGET:-16384} --prefill-chunk-tokens ${MIXED_CHUNK:-0} \
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \

@@ -114,7 +114,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
       prefill_tokens_per_step=args.prefill_tokens_per_step or None,
       first_token_group_tokens=args.group_tokens or None,
       decode_during_prefill=bool(getattr(args, "decode_during_prefill",
-                                         False)))
+                                         False)),
+      prefill_chunk_tokens=args.prefill_chunk_tokens or None)
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
                         decode_layer_unroll=True if args.decode_unroll else 1)
   return LazyEngine(config, model, cache_config, mode=mode,
@@ -340,6 +341,9 @@ def parse_args(argv=None):
                       "of a scheduling round (0 = --max-prefill-tokens)")
   p.add_argument("--decode-unroll", action="store_true",
                  help="fully unroll the layer loop in decode steps")
+  p.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                 help="encode documents in chunks of this many tokens, one "
+                      "prefill call each (0 = whole documents)")
   p.add_argument("--decode-during-prefill-runs", action="store_true",
                  help="also run each mode with running requests decoding "
                       "inside the round's prefill calls (SchedulerConfig."

@@ -47,6 +47,10 @@ class SchedulerConfig:
       one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
       for the round's prefill to end.  Off by default until measured on a
       GPU (docs/design.md, "Mixed steps").
+    prefill_chunk_tokens: documents longer than this are encoded in chunks
+      of this many tokens, in successive prefill calls, so no call holds a
+      whole long document (and, with `decode_during_prefill`, running
+      requests decode between its chunks).  None: whole documents.
   """
 
   max_batch: int = 16
@@ -55,11 +59,13 @@ class SchedulerConfig:
   prefill_tokens_per_step: int | None = None
   first_token_group_tokens: int | None = None
   decode_during_prefill: bool = False
+  prefill_chunk_tokens: int | None = None
 
   def __post_init__(self):
     for name in ("max_batch", "decode_steps", "max_prefill_tokens"):
       _check_int("SchedulerConfig", name, getattr(self, name))
-    for name in ("prefill_tokens_per_step", "first_token_group_tokens"):
+    for name in ("prefill_tokens_per_step", "first_token_group_tokens",
+                 "prefill_chunk_tokens"):
       _check_int("SchedulerConfig", name, getattr(self, name), optional=True)
     if not isinstance(self.decode_during_prefill, bool):
       raise ValueError("SchedulerConfig.decode_during_prefill must be a "

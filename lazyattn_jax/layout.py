@@ -101,13 +101,28 @@ class EncodeJob:
     return 0 if self.embeddings is not None else 1
 
   def row_and_plan(self, page_size: int) -> tuple[PageRow, PrefillTokens]:
-    row = PageRow()
-    if self.context_pages:
-      row.add_run(self.context_pages, 0, 0, self.start, page_size)
-    row.add_run(self.pages, self.start, 0, len(self.tokens), page_size)
-    plan = PrefillTokens()
-    plan.add(self.tokens, self.start, self.pages, 0, page_size)
-    return row, plan
+    return self.chunk_rows_and_plans(page_size, None)[0]
+
+  def chunk_rows_and_plans(self, page_size: int, chunk_tokens: int | None
+                           ) -> list[tuple[PageRow, PrefillTokens]]:
+    """The (row, plan) of each chunk of at most `chunk_tokens` tokens (one
+    chunk when None or not longer), to run in order in separate calls.
+    A chunk's row lists the context and the entry's tokens through the
+    chunk's last one (slots not yet written are never read); its plan
+    writes the chunk's tokens."""
+    n = len(self.tokens)
+    step = n if not chunk_tokens or chunk_tokens >= n else chunk_tokens
+    pieces = []
+    for lo in range(0, max(n, 1), max(step, 1)):
+      hi = min(lo + step, n)
+      row = PageRow()
+      if self.context_pages:
+        row.add_run(self.context_pages, 0, 0, self.start, page_size)
+      row.add_run(self.pages, self.start, 0, hi, page_size)
+      plan = PrefillTokens()
+      plan.add(self.tokens[lo:hi], self.start + lo, self.pages, lo, page_size)
+      pieces.append((row, plan))
+    return pieces
 
 
 def pack_rows(rows, num_logical: int, batch: int):

@@ -142,27 +142,38 @@ class RoundExecutor:
 
   def _encode(self, jobs, riders: bool = True):
     """Prefills cache entries (layout.EncodeJob), each alone or after the
-    preamble: a preamble first, then the documents that read it.
+    preamble: a preamble first, then the documents that read it.  Entries
+    longer than `prefill_chunk_tokens` go in chunks: every entry's first
+    chunk, then every second chunk, and so on, each wave in its own calls.
     `riders=False` keeps running requests from decoding alongside (the
     encoding between rounds)."""
+    chunk_tokens = self.scheduler.config.prefill_chunk_tokens
+    page_size = self.cache_config.page_size
     for phase in sorted({job.phase for job in jobs}):
-      batch_jobs = [job for job in jobs if job.phase == phase]
-      lengths = [len(job.tokens) for job in batch_jobs]
-      for batch in self.runner.prefill_batches(lengths, self._budget,
-                                               keep_order=False):
-        chunk = [batch_jobs[i] for i in batch]
-        if riders and self._riders() and all(
-            job.embeddings is None for job in chunk):
-          rows, plans = zip(*(job.row_and_plan(self.cache_config.page_size)
-                              for job in chunk))
-          self._prefill_call(list(rows), list(plans),
-                             [SamplingParams()] * len(chunk), ends_query=False)
-        else:
-          self.state = self.runner.encode_documents(self.state, chunk)
-        preambles = sum(job.is_preamble for job in chunk)
-        self.stats.preambles_prefilled += preambles
-        self.stats.documents_prefilled += len(chunk) - preambles
-        self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+      phase_jobs = [job for job in jobs if job.phase == phase]
+      learned = [job for job in phase_jobs if job.embeddings is not None]
+      if learned:  # learned vectors: whole, in plain prefill calls
+        lengths = [len(job.tokens) for job in learned]
+        for batch in self.runner.prefill_batches(lengths, self._budget,
+                                                 keep_order=False):
+          self.state = self.runner.encode_documents(
+              self.state, [learned[i] for i in batch])
+          self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+      pieces = [job.chunk_rows_and_plans(page_size, chunk_tokens)
+                for job in phase_jobs if job.embeddings is None]
+      for wave in range(max(map(len, pieces), default=0)):
+        items = [p[wave] for p in pieces if wave < len(p)]
+        lengths = [len(plan) for _, plan in items]
+        for batch in self.runner.prefill_batches(lengths, self._budget,
+                                                 keep_order=False):
+          self._prefill_call([items[i][0] for i in batch],
+                             [items[i][1] for i in batch],
+                             [SamplingParams()] * len(batch),
+                             ends_query=False, riders=riders)
+          self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+      preambles = sum(job.is_preamble for job in phase_jobs)
+      self.stats.preambles_prefilled += preambles
+      self.stats.documents_prefilled += len(phase_jobs) - preambles
 
   def _riders(self):
     """The running requests that decode inside prefill calls ([] unless
@@ -171,11 +182,12 @@ class RoundExecutor:
       return []
     return self.scheduler.decoding()
 
-  def _prefill_call(self, rows, plans, samplings, *, ends_query: bool):
+  def _prefill_call(self, rows, plans, samplings, *, ends_query: bool,
+                    riders: bool = True):
     """One prefill call (a query batch, or a document batch that ends no
     query); with riders, one mixed step in which each running request also
     decodes its next token.  Returns (logits, first tokens) of the rows."""
-    riders = self._riders()
+    riders = self._riders() if riders else []
     if not riders:
       self.state, logits, first = self.runner.prefill(self.state, rows, plans,
                                                       samplings)
