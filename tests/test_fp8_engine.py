@@ -29,6 +29,10 @@ MODES = ("lazy", "block", "prefix", "full")
 # above that and stays far below what a wrong scale or page gives (order 1).
 FIRST_LOGITS_TOLERANCE = 0.1
 MIN_AGREEMENT = 0.8
+# Float8 serving with riders and chunked documents against plain float8
+# serving: the same pages and scales, float32 sums in another order
+# (measured under 1e-6 on CPU); a wrong page or scale moves them by order 1.
+MIXED_LOGITS_TOLERANCE = 1e-4
 
 
 def _common_prefix(a, b):
@@ -38,7 +42,7 @@ def _common_prefix(a, b):
   return n
 
 
-def _engine(model_and_config, mode, dtype):
+def _engine(model_and_config, mode, dtype, **settings):
   model, config, impl = model_and_config
   cache = CacheConfig(num_pages=160, page_size=PAGE,
                       num_layers=config.num_layers,
@@ -46,7 +50,7 @@ def _engine(model_and_config, mode, dtype):
                       head_dim=config.head_dim, dtype=dtype, max_docs=32,
                       max_pages_per_doc=16)
   scheduler, runner = split_settings(
-      None, None, dict(impl=impl, max_batch=4, decode_steps=4))
+      None, None, dict(impl=impl, max_batch=4, decode_steps=4, **settings))
   return LazyEngine(config, model, cache, mode=mode, scheduler=scheduler,
                     runner=runner)
 
@@ -105,3 +109,39 @@ def test_float8_pool_memory_is_about_half_of_bfloat16(model_and_config):
                      max_docs=32, max_pages_per_doc=16)
   scales = 2 * 4 * config.num_kv_heads * config.num_layers * 160
   assert memory == bf16.pool_bytes // 2 + scales
+
+
+def _staggered(engine, workload):
+  """The workload's requests arriving one round apart, so later ones are
+  prefilled while earlier ones decode."""
+  results, ids = {}, []
+  for query, docs, n in workload:
+    ids.append(engine.submit(query, docs, greedy(n)))
+    results.update({r.request_id: r for r in engine.step()})
+  while engine.has_work():
+    results.update({r.request_id: r for r in engine.step()})
+  return [results[i] for i in ids]
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_float8_pool_with_decode_during_prefill_and_chunks(model_and_config,
+                                                           workload, mode):
+  """Riders and chunked documents write float8 pages through the mixed
+  step: the same requests as plain float8 serving, up to the rounding of
+  a few elements (float32 sums in another order)."""
+  plain = _staggered(_engine(model_and_config, mode, "float8_e4m3fn"),
+                     workload)
+  engine = _engine(model_and_config, mode, "float8_e4m3fn",
+                   decode_during_prefill=True, prefill_chunk_tokens=PAGE)
+  mixed = _staggered(engine, workload)
+  agreed = total = 0
+  for x, y in zip(plain, mixed):
+    err = (np.linalg.norm(y.first_logits - x.first_logits) /
+           np.linalg.norm(x.first_logits))
+    assert err < MIXED_LOGITS_TOLERANCE, err
+    assert y.doc_hits == x.doc_hits and len(y.token_ids) == len(x.token_ids)
+    agreed += _common_prefix(x.token_ids, y.token_ids)
+    total += len(x.token_ids)
+  assert agreed >= MIN_AGREEMENT * total, (agreed, total)
+  assert isinstance(engine.state.k, QuantizedPool)
+  assert not engine.state.k.is_deleted()
