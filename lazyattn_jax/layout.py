@@ -101,28 +101,45 @@ class EncodeJob:
     return 0 if self.embeddings is not None else 1
 
   def row_and_plan(self, page_size: int) -> tuple[PageRow, PrefillTokens]:
-    return self.chunk_rows_and_plans(page_size, None)[0]
+    row = PageRow()
+    if self.context_pages:
+      row.add_run(self.context_pages, 0, 0, self.start, page_size)
+    row.add_run(self.pages, self.start, 0, len(self.tokens), page_size)
+    plan = PrefillTokens()
+    plan.add(self.tokens, self.start, self.pages, 0, page_size)
+    return row, plan
 
   def chunk_rows_and_plans(self, page_size: int, chunk_tokens: int | None
                            ) -> list[tuple[PageRow, PrefillTokens]]:
-    """The (row, plan) of each chunk of at most `chunk_tokens` tokens (one
-    chunk when None or not longer), to run in order in separate calls.
-    A chunk's row lists the context and the entry's tokens through the
-    chunk's last one (slots not yet written are never read); its plan
-    writes the chunk's tokens."""
-    n = len(self.tokens)
-    step = n if not chunk_tokens or chunk_tokens >= n else chunk_tokens
-    pieces = []
-    for lo in range(0, max(n, 1), max(step, 1)):
-      hi = min(lo + step, n)
-      row = PageRow()
-      if self.context_pages:
-        row.add_run(self.context_pages, 0, 0, self.start, page_size)
-      row.add_run(self.pages, self.start, 0, hi, page_size)
-      plan = PrefillTokens()
-      plan.add(self.tokens[lo:hi], self.start + lo, self.pages, lo, page_size)
-      pieces.append((row, plan))
-    return pieces
+    """`prefill_chunks` of this entry's row and plan."""
+    return prefill_chunks(*self.row_and_plan(page_size), chunk_tokens)
+
+
+def prefill_chunks(row: PageRow, plan: PrefillTokens,
+                 chunk_tokens: int | None
+                 ) -> list[tuple[PageRow, PrefillTokens]]:
+  """(row, plan) of each chunk of at most `chunk_tokens` of `plan`'s
+  tokens, to run in order in separate calls (one chunk, the inputs
+  themselves, when None or not longer).  A chunk's row is `row` with every
+  page the plan writes listed only through the slots written by then, so
+  slots not yet written are never read; other pages are unchanged."""
+  n = len(plan)
+  if not chunk_tokens or n <= chunk_tokens:
+    return [(row, plan)]
+  written = set(plan.write_page)
+  pieces = []
+  for lo in range(0, n, chunk_tokens):
+    hi = min(lo + chunk_tokens, n)
+    filled: dict[int, int] = {}
+    for page, slot in zip(plan.write_page[:hi], plan.write_slot[:hi]):
+      filled[page] = max(filled.get(page, 0), slot + 1)
+    lengths = [min(length, filled.get(page, 0)) if page in written
+               else length for page, length in zip(row.table, row.length)]
+    pieces.append((
+        PageRow(list(row.table), list(row.pos), list(row.shift), lengths),
+        PrefillTokens(plan.tokens[lo:hi], plan.q_pos[lo:hi],
+                      plan.write_page[lo:hi], plan.write_slot[lo:hi])))
+  return pieces
 
 
 def pack_rows(rows, num_logical: int, batch: int):

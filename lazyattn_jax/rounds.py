@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from lazyattn_jax.cache_state import init_cache_state
+from lazyattn_jax.layout import prefill_chunks
 from lazyattn_jax.sampling import SamplingParams
 
 logger = logging.getLogger("lazyattn_jax")
@@ -126,18 +127,33 @@ class RoundExecutor:
     copies = [c for r in group.requests for c in r.layout.copies]
     self.state = self.runner.copy_pages(self.state, copies)
     self.stats.kv_pages_written_for_cached_docs += len(copies)
-    lengths = [len(r.layout.prefill) for r in group.requests]
+    requests = group.requests
     keep_order = self.scheduler.mode.keeps_query_order
-    for batch in self.runner.prefill_batches(lengths, self._budget, keep_order):
-      chunk = [group.requests[i] for i in batch]
-      logits, first = self._prefill_call(
-          [r.layout.row for r in chunk], [r.layout.prefill for r in chunk],
-          [r.request.sampling for r in chunk], ends_query=True)
-      tokens = sum(lengths[i] for i in batch)
-      round_tokens += tokens
-      self.stats.prefill_tokens_computed += tokens
-      self.scheduler.record_first_tokens(chunk, first, logits, round_tokens,
-                                         time.perf_counter())
+    # A request may read pages an earlier one of the round writes when the
+    # order is kept (prefix mode), so those prefills are never cut.
+    chunk_tokens = (None if keep_order else
+                    self.scheduler.config.prefill_chunk_tokens)
+    pieces = [prefill_chunks(r.layout.row, r.layout.prefill, chunk_tokens)
+              for r in requests]
+    for wave in range(max((len(p) for p in pieces), default=0)):
+      members = [i for i, p in enumerate(pieces) if wave < len(p)]
+      lengths = [len(pieces[i][wave][1]) for i in members]
+      for batch in self.runner.prefill_batches(lengths, self._budget,
+                                               keep_order):
+        rows = [members[j] for j in batch]
+        ends = [wave == len(pieces[i]) - 1 for i in rows]
+        logits, first = self._prefill_call(
+            [pieces[i][wave][0] for i in rows],
+            [pieces[i][wave][1] for i in rows],
+            [requests[i].request.sampling for i in rows], ends_query=ends)
+        tokens = sum(lengths[j] for j in batch)
+        round_tokens += tokens
+        self.stats.prefill_tokens_computed += tokens
+        done = [k for k, end in enumerate(ends) if end]
+        if done:  # the requests whose last chunk ran: their first tokens
+          self.scheduler.record_first_tokens(
+              [requests[rows[k]] for k in done], first[done], logits[done],
+              round_tokens, time.perf_counter())
     return round_tokens
 
   def _encode(self, jobs, riders: bool = True):
@@ -159,18 +175,25 @@ class RoundExecutor:
           self.state = self.runner.encode_documents(
               self.state, [learned[i] for i in batch])
           self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+      plain = [job for job in phase_jobs if job.embeddings is None]
       pieces = [job.chunk_rows_and_plans(page_size, chunk_tokens)
-                for job in phase_jobs if job.embeddings is None]
+                for job in plain]
       for wave in range(max(map(len, pieces), default=0)):
-        items = [p[wave] for p in pieces if wave < len(p)]
-        lengths = [len(plan) for _, plan in items]
+        members = [i for i, p in enumerate(pieces) if wave < len(p)]
+        lengths = [len(pieces[i][wave][1]) for i in members]
         for batch in self.runner.prefill_batches(lengths, self._budget,
                                                  keep_order=False):
-          self._prefill_call([items[i][0] for i in batch],
-                             [items[i][1] for i in batch],
-                             [SamplingParams()] * len(batch),
-                             ends_query=False, riders=riders)
-          self.stats.prefill_tokens_computed += sum(lengths[i] for i in batch)
+          chosen = [members[j] for j in batch]
+          if riders and self._riders():
+            self._prefill_call([pieces[i][wave][0] for i in chosen],
+                               [pieces[i][wave][1] for i in chosen],
+                               [SamplingParams()] * len(chosen),
+                               ends_query=False)
+          else:
+            self.state = self.runner.encode_documents(
+                self.state, [plain[i] for i in chosen],
+                chunk_tokens=chunk_tokens, chunk=wave)
+          self.stats.prefill_tokens_computed += sum(lengths[j] for j in batch)
       preambles = sum(job.is_preamble for job in phase_jobs)
       self.stats.preambles_prefilled += preambles
       self.stats.documents_prefilled += len(phase_jobs) - preambles
@@ -182,12 +205,14 @@ class RoundExecutor:
       return []
     return self.scheduler.decoding()
 
-  def _prefill_call(self, rows, plans, samplings, *, ends_query: bool,
-                    riders: bool = True):
-    """One prefill call (a query batch, or a document batch that ends no
-    query); with riders, one mixed step in which each running request also
-    decodes its next token.  Returns (logits, first tokens) of the rows."""
-    riders = self._riders() if riders else []
+  def _prefill_call(self, rows, plans, samplings, *, ends_query):
+    """One prefill call (query chunks, or documents, which end no query;
+    `ends_query` a bool, or one per row); with riders, one mixed step in
+    which each running request also decodes its next token.  Returns
+    (logits, first tokens) of the rows."""
+    if isinstance(ends_query, bool):
+      ends_query = [ends_query] * len(rows)
+    riders = self._riders()
     if not riders:
       self.state, logits, first = self.runner.prefill(self.state, rows, plans,
                                                       samplings)
@@ -195,7 +220,7 @@ class RoundExecutor:
     cfg = self.scheduler.config
     self.state, _, nxt, done, logits, first = self.runner.mixed_step(
         self.state, riders, cfg.max_batch, rows, plans, samplings,
-        [ends_query] * len(rows))
+        ends_query)
     self.stats.decode_steps += 1
     self.stats.generated_tokens += self.scheduler.record_decode(
         riders, nxt[:, None], np.ones((len(riders), 1), bool), done,

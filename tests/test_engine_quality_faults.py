@@ -65,7 +65,7 @@ def test_a_failed_preamble_encode_changes_nothing(model_and_config, corpus,
   before, pool = _tables(engine), np.asarray(engine.state.k)
   before_owners = _ownership(engine)
   fault = Fault(monkeypatch, engine.runner, "encode_documents",
-                when=lambda state, jobs: jobs[0].is_preamble)
+                when=lambda state, jobs, **_: jobs[0].is_preamble)
   with pytest.raises(RuntimeError, match="injected fault"):
     engine.encode_documents([docs[0]])
   assert _same(_tables(engine), before)
@@ -139,7 +139,7 @@ def test_a_failed_later_group_keeps_the_preamble_an_earlier_group_reads(
               Request(tuple(queries[1]), (tuple(docs[0]), tuple(docs[2])),
                       greedy(3))]
   Fault(monkeypatch, engine.runner, "encode_documents", at=2,
-        when=lambda state, jobs: not jobs[0].is_preamble)
+        when=lambda state, jobs, **_: not jobs[0].is_preamble)
   first, second = engine.generate_batch(requests)
   assert (first.finish_reason, second.finish_reason) == ("length", "error")
   keys = table_keys(engine)

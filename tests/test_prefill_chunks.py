@@ -1,6 +1,7 @@
-"""Documents encoded in chunks (`SchedulerConfig.prefill_chunk_tokens`):
-each chunk's row and plan, and the engine's tokens unchanged in every mode
-with a document step, with and without decode during prefill."""
+"""Prefill in chunks (`SchedulerConfig.prefill_chunk_tokens`): documents
+and requests' own tokens cut into calls of at most that many tokens; each
+chunk's row and plan, and the engine's tokens unchanged in every mode,
+with and without decode during prefill."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from lazyattn_jax.config import SchedulerConfig
-from lazyattn_jax.layout import EncodeJob
+from lazyattn_jax.layout import (EncodeJob, PageRow, PrefillTokens,
+                                 prefill_chunks)
+from lazyattn_jax.quality_options import QualityOptions
 from tests.test_engine import greedy, make_engine, model_and_config  # noqa: F401
 from tests.test_engine import random_tokens
 
@@ -40,6 +43,29 @@ def test_chunks_write_in_order_and_read_only_what_is_written():
     assert (row, plan) == (whole_row, whole_plan)
 
 
+def test_request_chunks_list_their_own_pages_through_what_is_written():
+  # Two cached document pages (read, never written), then two private
+  # pages holding 6 tokens the request prefills itself.
+  row = PageRow([3, 4, 10, 11], [0, 4, 6, 10], [0, 0, 0, 0], [4, 2, 4, 2])
+  plan = PrefillTokens()
+  plan.add(list(range(6)), 6, [10, 11], 0, PAGE)
+  first, second = prefill_chunks(row, plan, 4)
+  assert first[0].length == [4, 2, 4, 0] and second[0].length == row.length
+  assert first[1].q_pos == [6, 7, 8, 9] and second[1].q_pos == [10, 11]
+  assert prefill_chunks(row, plan, 6) == [(row, plan)]
+
+
+def test_recomputed_first_pages_in_chunks_give_the_same_tokens(
+    model_and_config):
+  _, config, _ = model_and_config
+  quality = QualityOptions(recompute=True)
+  want = _run(make_engine(model_and_config, quality=quality),
+              config.vocab_size)
+  engine = make_engine(model_and_config, quality=quality,
+                       prefill_chunk_tokens=3, decode_during_prefill=True)
+  assert _run(engine, config.vocab_size) == want
+
+
 def _run(engine, vocab, seed=4):
   # Every page starts NaN: a read of a slot no chunk has written yet shows.
   state = engine.rounds.state
@@ -56,10 +82,10 @@ def _run(engine, vocab, seed=4):
   return [results[first].token_ids, results[second].token_ids]
 
 
-@pytest.mark.parametrize("mode", ["lazy", "block"])
+@pytest.mark.parametrize("mode", ["lazy", "block", "full", "prefix"])
 @pytest.mark.parametrize("riding", [False, True])
-def test_chunked_documents_give_the_same_tokens(model_and_config, mode,
-                                                riding, monkeypatch):
+def test_chunked_prefill_gives_the_same_tokens(model_and_config, mode,
+                                               riding, monkeypatch):
   _, config, _ = model_and_config
   want = _run(make_engine(model_and_config, mode=mode), config.vocab_size)
   engine = make_engine(model_and_config, mode=mode, prefill_chunk_tokens=4,
@@ -75,10 +101,14 @@ def test_chunked_documents_give_the_same_tokens(model_and_config, mode,
 
     monkeypatch.setattr(engine.runner, name, recorded)
   assert _run(engine, config.vocab_size) == want
-  # Document calls hold at most 4 tokens a row; the queries (5 and 7
-  # tokens, never chunked) are the only wider rows.
-  assert sorted(w for w in widths if w > 4) == [5, 7] and 4 in widths
-  assert engine.stats.documents_prefilled == 4
+  if mode == "prefix":
+    # A request may read what an earlier one of its round writes, so its
+    # prefill is never cut: the whole uncached prompt in one row.
+    assert max(widths) > 4
+  else:  # documents and queries (5 and 7 tokens) in chunks of 4 at most
+    assert max(widths) == 4
+  assert engine.stats.documents_prefilled == (
+      4 if mode in ("lazy", "block") else 0)
 
 
 def test_the_chunk_size_must_be_positive():
