@@ -47,10 +47,12 @@ class SchedulerConfig:
       one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
       for the round's prefill to end.  Off by default until measured on a
       GPU (docs/design.md, "Mixed steps").
-    prefill_chunk_tokens: documents longer than this are encoded in chunks
-      of this many tokens, in successive prefill calls, so no call holds a
-      whole long document (and, with `decode_during_prefill`, running
-      requests decode between its chunks).  None: whole documents.
+    prefill_chunk_tokens: documents and requests' own prefill (queries,
+      recomputed pages, full mode's prompts) longer than this go in chunks
+      of at most this many tokens, in successive prefill calls, so no call
+      holds a whole long prompt (with `decode_during_prefill`, running
+      requests decode in each).  Prefix mode keeps prompts whole (a request
+      may read what an earlier one of its round writes).  None: no chunks.
   """
 
   max_batch: int = 16
