@@ -30,11 +30,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuDecodeBlockSizes
 # The compute warpgroup's registers per thread (setmaxnreg) as in prefill.
-from pallas_kernels.gpu_prefill_mgpu_kernel import (_COMPUTE_REGISTERS,
-                                                    _interpreter_params, _Ops,
-                                                    _select_per_page,
-                                                    produce_kv_ring)
-from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
+from pallas_kernels.gpu_prefill_mgpu_kernel import (
+    _COMPUTE_REGISTERS, _interpreter_params, _Ops, _select_per_page,
+    key_positions, produce_kv_ring, rotate_query, softmax_start,
+    softmax_update, zero_invalid_v_rows)
+from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.sizes import round_up
 
 
@@ -94,8 +94,6 @@ def _kernel(
   per_split = lax.div(total + (num_splits - 1), jnp.int32(num_splits))
   first = jnp.minimum(split * per_split, total)
   n_steps = jnp.minimum(per_split, total - first)
-  wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
   @pl.when(wg == 0)
@@ -107,49 +105,20 @@ def _kernel(
     plgpu.barrier_wait(q_bar.at[0])
 
     def rotate(slot):
-      """q16 = R(-shift) q in q's 16-bit dtype, from the f32 tile (all 64
-      rows: the wgmma A operand)."""
-      lo = q_smem.at[:, pl.ds(0, half)][...]
-      hi = q_smem.at[:, pl.ds(half, half)][...]
-      cos = ops.cast(cs_smem[slot, 0], col_layout)
-      sin = ops.cast(cs_smem[slot, 1], col_layout)
-      cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
-      sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
-      q16_smem.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
-      q16_smem.at[:, pl.ds(half, half)][...] = (hi * cos
-                                                - lo * sin).astype(dtype)
-      plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
-
-    def page_fields(rec, offset):
-      return [rec[offset + j] for j in range(ppb)]
+      # All 64 rows of the f32 tile: the wgmma A operand.
+      rotate_query(ops, q_smem, q16_smem, cs_smem, slot, half, dtype)
 
     def mask_scores(s, rec):
-      # Key position of each column, INT32_MAX where the slot is invalid;
-      # every row is the same token, so one comparison with q_pos.
-      col = ops.iota((block_kv,), 0, col_layout)
-      page = lax.div(col, jnp.int32(page_size))
-      slot_in_page = col - page * page_size
-      lim = _select_per_page(page, page_fields(rec, layout.lim))
-      pos = _select_per_page(page, page_fields(rec, layout.pos))
-      key_pos = jnp.where(slot_in_page < lim, pos + slot_in_page, INT32_MAX)
+      # Every row is the same token: one comparison with q_pos.
+      key_pos = key_positions(ops, rec, layout, ppb, page_size, block_kv)
       visible = lax.broadcast_in_dim(key_pos <= q_pos, s.shape, [1])
       return jnp.where(visible, s, -jnp.inf)
 
     def fixup_v(src, dst, rec):
-      # dst = src with the V rows of invalid slots zeroed: TMA copies whole
-      # pages, and a NaN there would survive p = 0 in P V.  For float8, src
-      # is the ring slot and dst the 16-bit tile (widened here).
-      for r0 in range(0, block_kv, WG_ROWS):
-        kv_rows = ops.iota((WG_ROWS,), 0, row_layout) + r0
-        page = lax.div(kv_rows, jnp.int32(page_size))
-        slot_in_page = kv_rows - page * page_size
-        lim = _select_per_page(page, page_fields(rec, layout.lim))
-        ok = lax.broadcast_in_dim(lim - slot_in_page, (WG_ROWS, head_dim),
-                                  [0]) > 0
-        values = _to_operand(src.at[pl.ds(r0, WG_ROWS)][...], dtype)
-        dst.at[pl.ds(r0, WG_ROWS)][...] = jnp.where(ok, values,
-                                                    jnp.zeros((), dtype))
-      plgpu.commit_smem()
+      # For float8, src is the ring slot and dst the 16-bit tile.
+      zero_invalid_v_rows(ops, src, dst, rec, layout, ppb, page_size,
+                          block_kv, head_dim, dtype,
+                          convert=lambda x: _to_operand(x, dtype))
 
     def widen(src, dst):
       # float8 ring slot -> 16-bit wgmma operand (e4m3 is exact in bf16 and
@@ -170,11 +139,7 @@ def _kernel(
       col = ops.iota((block_kv,), 0, col_layout)
       return _select_per_page(lax.div(col, jnp.int32(page_size)), values)
 
-    m = ops.cast(jnp.full((WG_ROWS,), common.NEG_INIT, jnp.float32),
-                 row_layout)
-    l = ops.cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), row_layout)
-    acc = ops.cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32),
-                   wgmma_layout)
+    acc, m, l = softmax_start(ops, head_dim)
 
     def step(i, carry):
       acc, m, l = carry
@@ -205,11 +170,7 @@ def _kernel(
                      s)
       else:
         s = mask_scores(s, rec)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
+      acc, m_new, l, p = softmax_update(acc, m, l, s)
       if quantized:  # V scales per P column; l keeps the unscaled p
         p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
       p16 = p.astype(dtype)

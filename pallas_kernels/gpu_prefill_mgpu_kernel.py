@@ -83,6 +83,85 @@ def _select_per_page(page, values):
   return out
 
 
+def _page_fields(rec, offset, pages_per_block):
+  return [rec[offset + j] for j in range(pages_per_block)]
+
+
+# The compute warpgroups' pieces shared by the prefill and decode kernels.
+def rotate_query(ops, src, dst, cs_smem, slot, half, dtype):
+  """dst = R(-shift) src in `dtype` (64 rows: the wgmma A operand), with the
+  step's cos / sin in cs_smem[slot]; src f32 or 16-bit."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  lo = src.at[:, pl.ds(0, half)][...]
+  hi = src.at[:, pl.ds(half, half)][...]
+  if lo.dtype != jnp.float32:
+    lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+  cos = ops.cast(cs_smem[slot, 0], col_layout)
+  sin = ops.cast(cs_smem[slot, 1], col_layout)
+  cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
+  sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
+  dst.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
+  dst.at[:, pl.ds(half, half)][...] = (hi * cos - lo * sin).astype(dtype)
+  plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def key_positions(ops, rec, layout: RecordLayout, pages_per_block: int,
+                  page_size: int, block_kv: int):
+  """Key position of each of a step's columns (one value per column),
+  INT32_MAX where the slot is invalid."""
+  col = ops.iota((block_kv,), 0, plgpu.Layout.WGMMA.reduce(0))
+  page = lax.div(col, jnp.int32(page_size))
+  slot_in_page = col - page * page_size
+  lim = _select_per_page(page,
+                         _page_fields(rec, layout.lim, pages_per_block))
+  pos = _select_per_page(page,
+                         _page_fields(rec, layout.pos, pages_per_block))
+  return jnp.where(slot_in_page < lim, pos + slot_in_page, INT32_MAX)
+
+
+def zero_invalid_v_rows(ops, src, dst, rec, layout: RecordLayout,
+                        pages_per_block: int, page_size: int, block_kv: int,
+                        head_dim: int, dtype, convert=lambda x: x):
+  """dst = convert(src) with the V rows of invalid slots zeroed: TMA copies
+  whole pages, and a NaN there would survive p = 0 in P V (src and dst may
+  be the same ring slot)."""
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  for r0 in range(0, block_kv, WG_ROWS):
+    kv_rows = ops.iota((WG_ROWS,), 0, row_layout) + r0
+    page = lax.div(kv_rows, jnp.int32(page_size))
+    slot_in_page = kv_rows - page * page_size
+    lim = _select_per_page(page,
+                           _page_fields(rec, layout.lim, pages_per_block))
+    ok = lax.broadcast_in_dim(lim - slot_in_page, (WG_ROWS, head_dim),
+                              [0]) > 0
+    values = convert(src.at[pl.ds(r0, WG_ROWS)][...])
+    dst.at[pl.ds(r0, WG_ROWS)][...] = jnp.where(ok, values,
+                                                jnp.zeros((), dtype))
+  plgpu.commit_smem()
+
+
+def softmax_start(ops, head_dim: int):
+  """(acc, m, l) of an online softmax over 64 rows, before any key."""
+  m = ops.cast(jnp.full((WG_ROWS,), common.NEG_INIT, jnp.float32),
+               plgpu.Layout.WGMMA.reduce(1))
+  l = ops.cast(jnp.full((WG_ROWS,), 0.0, jnp.float32),
+               plgpu.Layout.WGMMA.reduce(1))
+  acc = ops.cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32),
+                 plgpu.Layout.WGMMA)
+  return acc, m, l
+
+
+def softmax_update(acc, m, l, s):
+  """One online-softmax step (base 2) over scores s [64, block_kv]:
+  (acc rescaled, new max, new sum, p)."""
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  l = l * alpha + p.sum(axis=1)
+  return acc, m_new, l, p
+
+
 def _kernel(
     # Plan (per batch, the same for every layer; see PrefillPlan).
     n_steps_ref,  # int32 [B, tiles]
@@ -114,9 +193,7 @@ def _kernel(
   wg = lax.axis_index("wg")
   n_steps = n_steps_ref[batch, tile]
   use_sched = nwg == 2 and cfg.schedule_barrier
-  wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
-  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
   def schedule():
     if use_sched:
@@ -142,50 +219,19 @@ def _kernel(
     oldest_row = min_row_ref[batch, token_block]
 
     def rotate(slot):
-      """q16 = R(-shift) q in `dtype`; cos/sin of the step's segment."""
-      lo = q_store.at[:, pl.ds(0, half)][...].astype(jnp.float32)
-      hi = q_store.at[:, pl.ds(half, half)][...].astype(jnp.float32)
-      cos = ops.cast(cs_smem[slot, 0], col_layout)
-      sin = ops.cast(cs_smem[slot, 1], col_layout)
-      cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
-      sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
-      q16.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
-      q16.at[:, pl.ds(half, half)][...] = (hi * cos - lo * sin).astype(dtype)
-      plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
-
-    def page_fields(rec, offset):
-      return [rec[offset + j] for j in range(ppb)]
+      rotate_query(ops, q_store, q16, cs_smem, slot, half, dtype)
 
     def mask_scores(s, rec):
-      # Key position of each column, INT32_MAX where the slot is invalid.
-      col = ops.iota((block_kv,), 0, col_layout)
-      page = lax.div(col, jnp.int32(page_size))
-      slot_in_page = col - page * page_size
-      lim = _select_per_page(page, page_fields(rec, layout.lim))
-      pos = _select_per_page(page, page_fields(rec, layout.pos))
-      key_pos = jnp.where(slot_in_page < lim, pos + slot_in_page, INT32_MAX)
+      key_pos = key_positions(ops, rec, layout, ppb, page_size, block_kv)
       key_pos = lax.broadcast_in_dim(key_pos, s.shape, [1])
       visible = key_pos <= lax.broadcast_in_dim(row_pos, s.shape, [0])
       return jnp.where(visible, s, -jnp.inf)
 
     def fixup_v(slot, rec):
-      # Zero the V rows of invalid slots (NaN there would survive p = 0).
-      for r0 in range(0, block_kv, WG_ROWS):
-        rows = ops.iota((WG_ROWS,), 0, row_layout) + r0
-        page = lax.div(rows, jnp.int32(page_size))
-        slot_in_page = rows - page * page_size
-        lim = _select_per_page(page, page_fields(rec, layout.lim))
-        ok = lax.broadcast_in_dim(lim - slot_in_page, (WG_ROWS, head_dim),
-                                  [0]) > 0
-        ref = v_smem.at[slot, pl.ds(r0, WG_ROWS)]
-        ref[...] = jnp.where(ok, ref[...], jnp.zeros((), dtype))
-      plgpu.commit_smem()
+      zero_invalid_v_rows(ops, v_smem.at[slot], v_smem.at[slot], rec, layout,
+                          ppb, page_size, block_kv, head_dim, dtype)
 
-    m = ops.cast(jnp.full((WG_ROWS,), common.NEG_INIT, jnp.float32),
-                 row_layout)
-    l = ops.cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), row_layout)
-    acc = ops.cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32),
-                   wgmma_layout)
+    acc, m, l = softmax_start(ops, head_dim)
     if use_sched:
       pl.when(wg == 1)(schedule)
 
@@ -208,11 +254,7 @@ def _kernel(
                      s)
       else:
         s = mask_scores(s, rec)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
+      acc, m_new, l, p = softmax_update(acc, m, l, s)
       p16 = p.astype(dtype)
       acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
       if use_sched:
