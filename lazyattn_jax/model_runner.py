@@ -212,17 +212,16 @@ class ModelRunner:
     logits, first = jax.device_get((logits, first))
     return state, np.asarray(logits)[:len(rows)], np.asarray(first)[:len(rows)]
 
-  def encode_documents(self, state, jobs, *, chunk_tokens=None,
-                       chunk: int = 0):
+  def encode_documents(self, state, jobs, *, pieces=None):
     """Prefills cache entries (layout.EncodeJob) in one call, each into its
-    pages, alone or after its context pages: each job's chunk number
-    `chunk` of at most `chunk_tokens` tokens (None: the whole entry; its
-    earlier chunks must have run).  Either every job has learned input
-    vectors or none has; learned vectors are never chunked.  Returns the
-    new state."""
-    rows, plans = zip(*(
-        job.chunk_rows_and_plans(self.page_size, chunk_tokens)[chunk]
-        for job in jobs))
+    pages, alone or after its context pages.  `pieces`, if given, holds
+    the (row, plan) to run for each job instead of the whole entry: one of
+    its `chunk_rows_and_plans`, whose earlier chunks must have run.  Either
+    every job has learned input vectors or none has; learned vectors are
+    never chunked.  Returns the new state."""
+    if pieces is None:
+      pieces = [job.row_and_plan(self.page_size) for job in jobs]
+    rows, plans = zip(*pieces)
     args = (state, list(rows), list(plans), [SamplingParams()] * len(jobs))
     vectors = [job.embeddings for job in jobs]
     if all(v is None for v in vectors):

@@ -184,15 +184,15 @@ class RoundExecutor:
         for batch in self.runner.prefill_batches(lengths, self._budget,
                                                  keep_order=False):
           chosen = [members[j] for j in batch]
+          wave_pieces = [pieces[i][wave] for i in chosen]
           if riders and self._riders():
-            self._prefill_call([pieces[i][wave][0] for i in chosen],
-                               [pieces[i][wave][1] for i in chosen],
+            rows, plans = zip(*wave_pieces)
+            self._prefill_call(list(rows), list(plans),
                                [SamplingParams()] * len(chosen),
                                ends_query=False)
           else:
             self.state = self.runner.encode_documents(
-                self.state, [plain[i] for i in chosen],
-                chunk_tokens=chunk_tokens, chunk=wave)
+                self.state, [plain[i] for i in chosen], pieces=wave_pieces)
           self.stats.prefill_tokens_computed += sum(lengths[j] for j in batch)
       preambles = sum(job.is_preamble for job in phase_jobs)
       self.stats.preambles_prefilled += preambles
