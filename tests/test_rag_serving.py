@@ -137,17 +137,13 @@ def test_quality_runs_measure_the_options_on_the_same_trace(tmp_path):
   """--quality-runs repeats lazy with answer-quality options: first-page
   recompute adds one page of tokens per document after the first of each
   request, and the shared pages are still never written for a hit."""
-  out = tmp_path / "rag.json"
-  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
-         "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "20",
-         "--query-len", "6", "--output-len", "2", "--num-requests", "6",
-         "--concurrency", "3", "--max-batch", "4", "--page-size", "8",
-         "--cache-fraction", "1.0", "--add-working-pages", "--modes",
-         "lazy,full", "--quality-runs", "recompute,sink+recompute",
-         "--sink-len", "4", "--out", str(out), "--no-progress"]
-  subprocess.run(cmd, check=True, timeout=600,
-                 cwd=pathlib.Path(__file__).resolve().parents[1])
-  runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  runs = _serving_runs(
+      tmp_path, "--num-docs", "12", "--docs-per-request", "3", "--doc-len",
+      "20", "--query-len", "6", "--output-len", "2", "--num-requests", "6",
+      "--concurrency", "3", "--max-batch", "4", "--page-size", "8",
+      "--cache-fraction", "1.0", "--add-working-pages", "--modes",
+      "lazy,full", "--quality-runs", "recompute,sink+recompute",
+      "--sink-len", "4")
   assert list(runs) == ["lazy", "lazy + recompute", "lazy + sink+recompute",
                         "full"]
   base, recompute = runs["lazy"], runs["lazy + recompute"]
@@ -172,17 +168,12 @@ def test_kv_dtypes_run_the_same_bytes_of_float8_pages(tmp_path):
   """--kv-dtypes float8_e4m3fn repeats each mode with a float8 pool of the
   same bytes: a float32 page's bytes hold four float8 pages less their
   scales, and the larger pool hits at least as often."""
-  out = tmp_path / "rag.json"
-  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
-         "--num-docs", "24", "--docs-per-request", "3", "--doc-len", "16",
-         "--query-len", "4", "--output-len", "2", "--num-requests", "8",
-         "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
-         "--zipf", "1.2", "--cache-fraction", "0.3", "--add-working-pages",
-         "--modes", "lazy", "--kv-dtypes", "float8_e4m3fn",
-         "--out", str(out), "--no-progress"]
-  subprocess.run(cmd, check=True, timeout=600,
-                 cwd=pathlib.Path(__file__).resolve().parents[1])
-  runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  runs = _serving_runs(
+      tmp_path, "--num-docs", "24", "--docs-per-request", "3", "--doc-len",
+      "16", "--query-len", "4", "--output-len", "2", "--num-requests", "8",
+      "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
+      "--zipf", "1.2", "--cache-fraction", "0.3", "--add-working-pages",
+      "--modes", "lazy", "--kv-dtypes", "float8_e4m3fn")
   base, fp8 = runs["lazy"], runs["lazy [float8_e4m3fn pages]"]
   assert fp8["kv_dtype"] == "float8_e4m3fn"
   # tiny: 2 layers x 2 KV heads; a float32 page of 8 x 16 values is 512
@@ -196,17 +187,22 @@ def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
   """--decode-during-prefill-runs repeats each mode with running requests
   decoding inside the round's prefill calls: the same trace, documents and
   prefill work, every token generated."""
-  out = tmp_path / "rag.json"
-  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
-         "--num-docs", "12", "--docs-per-request", "3", "--doc-len", "16",
-         "--query-len", "4", "--output-len", "6", "--num-requests", "8",
-         "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
-         "--cache-fraction", "1.0", "--add-working-pages", "--modes", "lazy",
-         "--decode-during-prefill-runs", "--out", str(out), "--no-progress"]
-  subprocess.run(cmd, check=True, timeout=600,
-                 cwd=pathlib.Path(__file__).resolve().parents[1])
-  runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+  runs = _serving_runs(
+      tmp_path, "--num-docs", "12", "--docs-per-request", "3", "--doc-len",
+      "16", "--query-len", "4", "--output-len", "6", "--num-requests", "8",
+      "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
+      "--cache-fraction", "1.0", "--add-working-pages", "--modes", "lazy",
+      "--decode-during-prefill-runs")
   base, riding = runs["lazy"], runs["lazy [decode during prefill]"]
   for key in ("doc_hit_rate", "prefill_tokens_computed", "requests"):
     assert riding[key] == base[key], key
   assert riding["kv_pages_written_for_cached_docs"] == 0
+
+def _serving_runs(tmp_path, *args) -> dict:
+  """rag_serving on the tiny model with `args`; its runs by mode label."""
+  out = tmp_path / "rag.json"
+  cmd = [sys.executable, "-m", "benchmarks.rag_serving", "--model", "tiny",
+         *args, "--out", str(out), "--no-progress"]
+  subprocess.run(cmd, check=True, timeout=600,
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
+  return {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
