@@ -189,7 +189,7 @@ class RoundExecutor:
             rows, plans = zip(*wave_pieces)
             self._prefill_call(list(rows), list(plans),
                                [SamplingParams()] * len(chosen),
-                               ends_query=False)
+                               ends_query=[False] * len(chosen))
           else:
             self.state = self.runner.encode_documents(
                 self.state, [plain[i] for i in chosen], pieces=wave_pieces)
@@ -206,12 +206,10 @@ class RoundExecutor:
     return self.scheduler.decoding()
 
   def _prefill_call(self, rows, plans, samplings, *, ends_query):
-    """One prefill call (query chunks, or documents, which end no query;
-    `ends_query` a bool, or one per row); with riders, one mixed step in
+    """One prefill call (`ends_query`: per row, whether its chunk ends a
+    request's prompt; documents end none); with riders, one mixed step in
     which each running request also decodes its next token.  Returns
     (logits, first tokens) of the rows."""
-    if isinstance(ends_query, bool):
-      ends_query = [ends_query] * len(rows)
     riders = self._riders()
     if not riders:
       self.state, logits, first = self.runner.prefill(self.state, rows, plans,
