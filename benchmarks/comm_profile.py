@@ -1,4 +1,5 @@
-"""The communication share of device time, read from a `jax.profiler` trace.
+"""Where device time goes, read from a `jax.profiler` trace: the
+communication share, and the ops that take the most time.
 
 `jax.profiler.trace(dir, create_perfetto_trace=True)` writes
 `dir/plugins/profile/<run>/*.trace.json.gz` (Chrome trace events).  Where a
@@ -12,7 +13,12 @@ The share is the time inside collective ops over the time inside all ops:
 a fraction of busy device time, not of wall time.  With collectives that
 overlap compute on another stream, the two overlap in the sum as well.
 
-  python -m benchmarks.comm_profile DIR [--device 0]
+`op_breakdown` groups the same ops by kind (the HLO name without its
+numeric suffix: `fusion.12` and `fusion.7` are both `fusion`) and reports
+the device's busy time against the span from its first op to its last, so
+idle gaps (host work between compiled calls) show as span minus busy.
+
+  python -m benchmarks.comm_profile DIR [--device 0] [--top 15]
 """
 
 from __future__ import annotations
@@ -95,13 +101,55 @@ def communication_share(trace_dir: str, device: int = 0) -> dict:
               top_collectives=[[n, s] for n, s in top])
 
 
+_SUFFIX = re.compile(r"(\.\d+)+$")
+
+
+def op_kind(name: str) -> str:
+  """An op's name without its numeric suffix ("fusion.12" -> "fusion")."""
+  return _SUFFIX.sub("", name)
+
+
+def op_breakdown(trace_dir: str, device: int = 0, top: int = 15) -> dict:
+  """The busiest ops of one device (every device on CPU) in the newest
+  trace under `trace_dir`.
+
+  Returns a dict: source, ops, busy_s (sum of op durations), span_s (first
+  op's start to last op's end), and `top` entries each of by_kind and
+  by_op: [name, seconds, count], most time first.
+  """
+  source, ops = _op_events(_events(latest_trace(trace_dir)), device)
+  by_kind, by_op = {}, {}
+  for e in ops:
+    seconds = float(e["dur"]) * 1e-6
+    for table, key in ((by_kind, op_kind(e["name"])), (by_op, e["name"])):
+      total, count = table.get(key, (0.0, 0))
+      table[key] = (total + seconds, count + 1)
+  busy = sum(s for s, _ in by_kind.values())
+  span = 0.0
+  if ops:
+    start = min(float(e["ts"]) for e in ops)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in ops)
+    span = (end - start) * 1e-6
+
+  def ranked(table):
+    rows = sorted(table.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[name, seconds, count] for name, (seconds, count) in rows]
+
+  return dict(source=source, ops=len(ops), busy_s=busy, span_s=span,
+              by_kind=ranked(by_kind), by_op=ranked(by_op))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("trace_dir")
   p.add_argument("--device", type=int, default=0)
+  p.add_argument("--top", type=int, default=15)
   args = p.parse_args(argv)
-  print(json.dumps(communication_share(args.trace_dir, args.device), indent=2))
+  print(json.dumps(dict(
+      communication_share(args.trace_dir, args.device),
+      breakdown=op_breakdown(args.trace_dir, args.device, args.top)),
+      indent=2))
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def profile_decode(engine, trace, args, directory: str) -> dict:
   """Traces `--profile-loops` decode loops of a full batch (its prefill
   is left out of the trace) and reads the communication share."""
   import jax
-  from benchmarks.comm_profile import communication_share
+  from benchmarks.comm_profile import communication_share, op_breakdown
   from lazyattn_jax.sampling import SamplingParams
   loops = args.profile_loops
   sampling = SamplingParams(max_new_tokens=args.decode_steps * (loops + 2),
@@ -151,9 +151,14 @@ def profile_decode(engine, trace, args, directory: str) -> dict:
   while engine.has_work():
     engine.step()
   share = communication_share(directory)
+  breakdown = op_breakdown(directory)
+  per_step = 1.0 / max(steps, 1)
   return dict(share, trace_dir=directory, decode_steps_traced=steps,
-              traced_step_s=seconds / max(steps, 1),
-              comm_s_per_step=share["comm_s"] / max(steps, 1))
+              traced_step_s=seconds * per_step,
+              comm_s_per_step=share["comm_s"] * per_step,
+              busy_s_per_step=breakdown["busy_s"] * per_step,
+              span_s_per_step=breakdown["span_s"] * per_step,
+              top_kinds=breakdown["by_kind"], top_ops=breakdown["by_op"])
 
 
 def run_one(args, config, dtype, n: int, measured, warm, cache_warmer):

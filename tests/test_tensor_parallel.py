@@ -203,6 +203,14 @@ def test_cli_tensor_parallel_option_errors_are_one_line(tmp_path):
 
 
 # --- the benchmark ---------------------------------------------------------
+def test_op_kind_drops_only_the_numeric_suffix():
+  from benchmarks.comm_profile import op_kind
+  assert op_kind("fusion.12") == "fusion"
+  assert op_kind("all-reduce-start.3.1") == "all-reduce-start"
+  assert op_kind("loop_multiply_fusion") == "loop_multiply_fusion"
+  assert op_kind("cublas-gemm.2") == "cublas-gemm"
+
+
 def test_benchmark_runs_one_and_two_devices_side_by_side(tmp_path):
   out = tmp_path / "tp.json"
   cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--model", "tiny",
@@ -228,6 +236,12 @@ def test_benchmark_runs_one_and_two_devices_side_by_side(tmp_path):
     assert 0.0 <= profile["comm_share"] <= 1.0
     # One device has nothing to communicate; two all-reduce every layer.
     assert (profile["comm_s"] > 0) == (n == 2)
+    # The op breakdown: ops grouped by kind, with their time and count.
+    assert profile["busy_s_per_step"] > 0 and profile["span_s_per_step"] > 0
+    kinds = profile["top_kinds"]
+    assert kinds and all(not name[-1].isdigit() for name, _, _ in kinds)
+    assert all(seconds > 0 and count > 0 for _, seconds, count in kinds)
+    assert kinds == sorted(kinds, key=lambda row: -row[1])
   assert runs[2]["weights_gb_per_device"] < runs[1]["weights_gb_per_device"]
   assert runs[1]["decode_step_speedup"] == 1.0
   # The same weights and trace at both counts: the same documents hit.
