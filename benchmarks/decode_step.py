@@ -1,0 +1,200 @@
+"""The decode step at a full batch, against its HBM floor.
+
+A full batch of requests (the paper-like load's shape by default: 8
+documents of 512 tokens, a 64-token query, 32 rows, Llama-3-8B shape with
+random bf16 weights) is admitted and prefilled once; then whole decode
+loops (`--decode-steps` steps each, nothing else waiting) are timed.  The
+floor is the bytes one step must read, the weights once and every row's
+K/V, over the device's measured copy bandwidth (a jitted negation of a
+large array: it reads and writes every byte once).
+
+Each `--variants` entry runs on a fresh engine over the same requests:
+  plain   the default runner settings;
+  unroll  the layer loop fully unrolled in decode (RunnerConfig
+          decode_layer_unroll=True);
+  bits    the pool carried as uint16 bits (pool_as_bits).
+With `--profile-dir`, one traced loop per variant gives the ops that take
+the step's time (`benchmarks.comm_profile.op_breakdown`).
+
+  python -m benchmarks.decode_step --variants plain,unroll --out step.json
+  python -m benchmarks.decode_step --model tiny --batch 2 --doc-len 16 \\
+      --docs-per-request 2 --query-len 4 --loops 2 --page-size 8  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import rag_serving
+
+MODELS = ("tiny", "llama3-8b-shape")
+VARIANTS = ("plain", "unroll", "bits")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="llama3-8b-shape", choices=MODELS)
+  p.add_argument("--batch", type=int, default=32)
+  p.add_argument("--docs-per-request", type=int, default=8)
+  p.add_argument("--doc-len", type=int, default=512)
+  p.add_argument("--query-len", type=int, default=64)
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--decode-steps", type=int, default=16)
+  p.add_argument("--loops", type=int, default=5,
+                 help="timed decode loops per variant (after one untimed)")
+  p.add_argument("--variants", default="plain,unroll")
+  p.add_argument("--kv-dtype", default="")
+  p.add_argument("--impl", default="auto")
+  p.add_argument("--copy-mib", type=int, default=4096,
+                 help="array size for the copy-bandwidth measurement")
+  p.add_argument("--profile-dir", default="")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="")
+  args = p.parse_args(argv)
+  args.variant_list = [v for v in args.variants.split(",") if v]
+  bad = [v for v in args.variant_list if v not in VARIANTS]
+  if bad or not args.variant_list:
+    p.error(f"--variants takes entries of {VARIANTS}, got {args.variants!r}")
+  if min(args.batch, args.docs_per_request, args.doc_len, args.query_len,
+         args.loops, args.decode_steps) < 1:
+    p.error("sizes and counts must be >= 1")
+  return args
+
+
+def copy_bandwidth(mib: int) -> float:
+  """Bytes per second of a jitted negation of a `mib` MiB bf16 array,
+  counting its read and its write."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((mib * (1 << 19),), jnp.bfloat16)
+  negate = jax.jit(jnp.negative)
+  negate(x).block_until_ready()
+  times = []
+  for _ in range(10):
+    started = time.perf_counter()
+    negate(x).block_until_ready()
+    times.append(time.perf_counter() - started)
+  return 2 * x.nbytes / float(np.median(times))
+
+
+def serving_args(args, cache_pages: int, variant: str):
+  """rag_serving's settings for one variant's engine."""
+  argv = ["--model", args.model, "--max-batch", str(args.batch),
+          "--decode-steps", str(args.decode_steps), "--page-size",
+          str(args.page_size), "--impl", args.impl, "--cache-pages",
+          str(cache_pages), "--max-prefill-tokens",
+          str(args.docs_per_request * args.doc_len + args.query_len)]
+  if args.kv_dtype:
+    argv += ["--kv-dtype", args.kv_dtype]
+  if variant == "unroll":
+    argv.append("--decode-unroll")
+  if variant == "bits":
+    argv.append("--pool-as-bits")
+  return rag_serving.parse_args(argv)
+
+
+def run_variant(args, config, model, dtype, variant, requests, floor_bytes,
+                bandwidth):
+  """Times `args.loops` decode loops of the full batch on a fresh engine."""
+  import jax
+  from benchmarks.comm_profile import op_breakdown
+  from lazyattn_jax.sampling import SamplingParams
+  tokens_per_row = args.docs_per_request * args.doc_len + args.query_len
+  pages = args.batch * (-(-tokens_per_row // args.page_size) + 2 + (
+      (args.decode_steps * (args.loops + 3)) // args.page_size))
+  settings = serving_args(args, pages, variant)
+  engine = rag_serving.make_engine(settings, config, model, dtype, "lazy",
+                                   pages)
+  sampling = SamplingParams(
+      max_new_tokens=args.decode_steps * (args.loops + 3),
+      temperature=0.0, stop_token_ids=())
+  try:
+    compile_started = time.perf_counter()
+    for query, docs in requests:
+      engine.submit(query, docs, sampling)
+    engine.step()  # admit, prefill, one decode loop (compiles)
+    engine.step()  # one more untimed loop
+    warm_s = time.perf_counter() - compile_started
+    if len(engine.scheduler.decoding()) != args.batch:
+      raise RuntimeError(f"{len(engine.scheduler.decoding())} of "
+                         f"{args.batch} rows decoding; the pool is too small")
+    engine.reset_stats()
+    for _ in range(args.loops):
+      engine.step()
+    stats = engine.stats
+    step_s = stats.decode_seconds / stats.decode_steps
+    row = dict(variant=variant, batch=args.batch, step_s=step_s,
+               floor_s=floor_bytes / bandwidth,
+               step_over_floor=step_s * bandwidth / floor_bytes,
+               decode_tok_s=args.batch / step_s,
+               warm_and_compile_s=warm_s)
+    if args.profile_dir:
+      directory = f"{args.profile_dir}/{variant}"
+      with jax.profiler.trace(directory, create_perfetto_trace=True):
+        engine.step()
+      breakdown = op_breakdown(directory, top=12)
+      per_step = 1.0 / args.decode_steps
+      row.update(busy_s_per_step=breakdown["busy_s"] * per_step,
+                 span_s_per_step=breakdown["span_s"] * per_step,
+                 top_kinds=[[name[:80], s * per_step, n * per_step]
+                            for name, s, n in breakdown["by_kind"]])
+    return row
+  finally:
+    engine.close()
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  import jax
+  from flax import nnx
+  settings = serving_args(args, 1, "plain")
+  settings.seed = args.seed
+  config, model, dtype = rag_serving.build_model(settings)
+  rng = np.random.default_rng(args.seed)
+  requests = []
+  for _ in range(args.batch):
+    docs = [rng.integers(1, config.vocab_size, args.doc_len).tolist()
+            for _ in range(args.docs_per_request)]
+    requests.append((rng.integers(1, config.vocab_size,
+                                  args.query_len).tolist(), docs))
+  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(
+      nnx.state(model)))
+  if not config.tie_word_embeddings:  # decode reads one embedding row a token
+    weight_bytes -= model.embed_tokens[...].nbytes
+  kv_dtype = np.dtype(jax.numpy.dtype(args.kv_dtype or dtype))
+  kv_per_token = (2 * config.num_layers * config.num_kv_heads *
+                  config.head_dim * kv_dtype.itemsize)
+  # Mid-loop context of a row: its prompt and about half of what it decodes.
+  context = (args.docs_per_request * args.doc_len + args.query_len +
+             args.decode_steps * (args.loops + 3) // 2)
+  kv_bytes = args.batch * context * kv_per_token
+  bandwidth = copy_bandwidth(args.copy_mib)
+  header = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M"), model=args.model,
+                command="python -m benchmarks.decode_step " + " ".join(
+                    argv if argv is not None else sys.argv[1:]),
+                copy_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9,
+                kv_gb_per_step=kv_bytes / 1e9)
+  print(json.dumps(header), file=sys.stderr)
+  rows = []
+  for variant in args.variant_list:
+    row = run_variant(args, config, model, dtype, variant, requests,
+                      weight_bytes + kv_bytes, bandwidth)
+    rows.append(row)
+    print(f"{variant}: step {row['step_s'] * 1e3:.2f} ms, floor "
+          f"{row['floor_s'] * 1e3:.2f} ms ({row['step_over_floor']:.2f}x)",
+          file=sys.stderr)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(dict(header, runs=rows), f, indent=2)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,82 @@
+"""The jit-compatible sampler: greedy rows, sampled rows, and the greedy
+batch's branch that skips the vocabulary sort."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyattn_jax.sampling import sample_tokens
+
+VOCAB = 64
+
+
+def _logits(batch, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (batch, VOCAB)) * 3.0
+
+
+def _params(batch, temperature=0.0, top_k=0, top_p=1.0):
+  return (jnp.full((batch,), temperature, jnp.float32),
+          jnp.full((batch,), top_k, jnp.int32),
+          jnp.full((batch,), top_p, jnp.float32),
+          jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def test_a_greedy_batch_takes_the_argmax():
+  logits = _logits(5)
+  tokens = jax.jit(sample_tokens)(logits, *_params(5))
+  np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+
+
+def test_a_sampled_row_does_not_depend_on_its_batch():
+  logits = _logits(4)
+  temperature, top_k, top_p, seed, step = _params(4, temperature=1.0,
+                                                   top_k=10, top_p=0.9)
+  together = sample_tokens(logits, temperature, top_k, top_p, seed, step)
+  # Row 2 alone, and row 2 beside greedy rows: the same token.
+  alone = sample_tokens(logits[2:3], temperature[2:3], top_k[2:3],
+                        top_p[2:3], seed[2:3], step[2:3])
+  greedy_rows = np.array([0, 1, 3])
+  mixed_temperature = temperature.at[greedy_rows].set(0.0)
+  mixed = sample_tokens(logits, mixed_temperature, top_k, top_p, seed, step)
+  assert int(alone[0]) == int(together[2]) == int(mixed[2])
+  greedy = np.argmax(logits, axis=-1)
+  np.testing.assert_array_equal(np.asarray(mixed)[greedy_rows],
+                                greedy[greedy_rows])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 1e-6), (1, 1.0)])
+def test_top_k_and_top_p_bound_the_draws(top_k, top_p):
+  logits = jnp.tile(_logits(1), (200, 1))
+  temperature, k, p, _, step = _params(200, temperature=2.0, top_k=top_k,
+                                       top_p=top_p)
+  seeds = jnp.arange(200, dtype=jnp.int32)
+  tokens = np.asarray(jax.jit(sample_tokens)(logits, temperature, k, p, seeds,
+                                             step))
+  order = np.argsort(-np.asarray(logits[0]))
+  allowed = order[:2] if top_k == 2 else order[:1]
+  assert set(tokens.tolist()) <= set(allowed.tolist())
+  if top_k == 2:  # a temperature of 2 over 200 seeds draws both
+    assert len(set(tokens.tolist())) == 2
+
+
+def _primitives(jaxpr) -> set[str]:
+  """Every primitive in a jaxpr, nested jaxprs (pjit, cond) included."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          names |= _primitives(inner)
+  return names
+
+
+def test_the_greedy_branch_has_no_sort():
+  closed = jax.make_jaxpr(sample_tokens)(_logits(3), *_params(3))
+  conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+  assert len(conds) == 1
+  names = [_primitives(b.jaxpr) for b in conds[0].params["branches"]]
+  # The branch taken when no row samples sorts nothing; the other sorts.
+  assert ["sort" in n for n in names] == [False, True], names
