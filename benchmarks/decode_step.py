@@ -86,7 +86,9 @@ def copy_bandwidth(mib: int) -> float:
 def serving_args(args, cache_pages: int, variant: str):
   """rag_serving's settings for one variant's engine."""
   argv = ["--model", args.model, "--max-batch", str(args.batch),
-          "--decode-steps", str(args.decode_steps), "--page-size",
+          "--decode-steps", str(args.decode_steps), "--doc-len",
+          str(args.doc_len), "--docs-per-request", str(args.docs_per_request),
+          "--query-len", str(args.query_len), "--page-size",
           str(args.page_size), "--impl", args.impl, "--cache-pages",
           str(cache_pages), "--max-prefill-tokens",
           str(args.docs_per_request * args.doc_len + args.query_len)]
