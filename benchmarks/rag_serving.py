@@ -117,7 +117,9 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
                                          False)),
       prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", 0) or None)
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
-                        decode_layer_unroll=True if args.decode_unroll else 1)
+                        decode_layer_unroll=True if args.decode_unroll else 1,
+                        gpu_weights_in_place=not getattr(args, "triton_gemm",
+                                                         False))
   return LazyEngine(config, model, cache_config, mode=mode,
                     scheduler=scheduler, runner=runner, tokenizer=tokenizer,
                     **engine_kwargs)
@@ -353,6 +355,10 @@ def parse_args(argv=None):
                       ".partial.jsonl files (a later row of the same kind, "
                       "mode and sweep point replaces an earlier one) into "
                       "--out and --plot-dir")
+  p.add_argument("--triton-gemm", action="store_true",
+                 help="GPU: compile the steps with XLA's Triton gemm fusions, "
+                      "which copy each layer's weights first (the setting "
+                      "before RunnerConfig.gpu_weights_in_place)")
   p.add_argument("--pool-as-bits", action="store_true",
                  help="carry a 16-bit KV pool as uint16 through the layer loop")
   args = p.parse_args(argv)

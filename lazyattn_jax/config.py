@@ -91,11 +91,16 @@ class RunnerConfig:
       float32).
     decode_layer_unroll: unroll factor of the layer loop inside the decode
       loop (True: fully unrolled; faster steps, longer compiles).
+    gpu_weights_in_place: on GPU, compile the steps with cuBLAS gemms that
+      read each layer's slice of the stacked weights in place, instead of
+      XLA's Triton gemm fusions, which copy it first
+      (lazyattn_jax/step_jit.py).  No effect on other platforms.
   """
 
   impl: str = "auto"
   pool_as_bits: bool = False
   decode_layer_unroll: int | bool = 1
+  gpu_weights_in_place: bool = True
 
   def __post_init__(self):
     if self.impl not in IMPLS:
@@ -104,6 +109,9 @@ class RunnerConfig:
     if not isinstance(self.pool_as_bits, bool):
       raise ValueError("RunnerConfig.pool_as_bits must be a bool, got "
                        f"{self.pool_as_bits!r}")
+    if not isinstance(self.gpu_weights_in_place, bool):
+      raise ValueError("RunnerConfig.gpu_weights_in_place must be a bool, "
+                       f"got {self.gpu_weights_in_place!r}")
     if self.decode_layer_unroll is not True:
       _check_int("RunnerConfig", "decode_layer_unroll",
                  self.decode_layer_unroll)

@@ -13,7 +13,6 @@ not call it yet (docs/design.md, "Mixed steps (in progress)").
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +20,16 @@ import numpy as np
 from flax import nnx
 
 from lazyattn_jax.sampling import sample_tokens
+from lazyattn_jax.step_jit import step_jit
 from lazyattn_jax.step_packing import (advance_decode, decode_step_inputs,
                                        pack_decode, pack_prefill)
 from models.mixed_batch import check_disjoint_parts, mixed_forward
 from models.paged_inputs import PagedAttentionInputs
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl",
-                                             "pool_as_bits", "layer_unroll",
-                                             "tensor_parallel"),
-                   donate_argnums=(1, 2))
+@step_jit(static_argnames=("graphdef", "impl", "pool_as_bits", "layer_unroll",
+                           "tensor_parallel"),
+          donate_argnums=(1, 2))
 def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
                 pool_as_bits=False, layer_unroll=1, tensor_parallel=None):
   """One mixed step.
@@ -136,7 +135,8 @@ def run_mixed_step(runner, state, decode_requests, batch: int, rows, plans,
   _check_parts(runner, decode, prefill)
   runner._note("mixed", state.k, decode, prefill)
   decode, prefill = runner._replicated(decode, prefill)
-  decode_logits, nxt, done, prefill_logits, first, k, v = _mixed_step(
+  decode_logits, nxt, done, prefill_logits, first, k, v = runner.compiled_form(
+      _mixed_step)(
       runner.params, state.k, state.v, decode, prefill,
       graphdef=runner.graphdef, impl=runner.config.impl,
       pool_as_bits=runner.config.pool_as_bits,

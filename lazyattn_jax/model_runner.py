@@ -16,7 +16,6 @@ of programs; `compile_count` reports how many exist.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +28,16 @@ from lazyattn_jax.config import RunnerConfig
 from lazyattn_jax.layout import PageRow, PrefillTokens
 from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.sampling import SamplingParams, sample_tokens
+from lazyattn_jax.step_jit import params_platform, step_jit
 from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_decode,
                                        decode_step_inputs, pack_decode,
                                        pack_prefill)
 from pallas_kernels.sizes import next_power_of_two
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl", "pool_as_bits",
-                                             "tensor_parallel"),
-                   donate_argnums=(1, 2))
+@step_jit(static_argnames=("graphdef", "impl", "pool_as_bits",
+                           "tensor_parallel"),
+          donate_argnums=(1, 2))
 def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                   sampling, embeddings=None, *, graphdef, impl,
                   pool_as_bits=False, tensor_parallel=None):
@@ -53,11 +53,9 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
   return logits, first, k_cache, v_cache
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("graphdef", "impl", "num_steps",
-                                    "pool_as_bits", "layer_unroll",
-                                    "tensor_parallel"),
-                   donate_argnums=(1, 2))
+@step_jit(static_argnames=("graphdef", "impl", "num_steps", "pool_as_bits",
+                           "layer_unroll", "tensor_parallel"),
+          donate_argnums=(1, 2))
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
                  graphdef, impl, num_steps, pool_as_bits=False,
                  layer_unroll=1, tensor_parallel=None):
@@ -130,6 +128,12 @@ class ModelRunner:
     self.num_pages = num_pages
     self.page_size = page_size
     self._programs: set = set()
+    self.platform = params_platform(self.params)
+
+  def compiled_form(self, step):
+    """The form of a `step_jit` step this runner runs (step_jit.py)."""
+    return step.for_platform(self.platform,
+                             self.config.gpu_weights_in_place)
 
   @property
   def programs_used(self) -> int:
@@ -203,7 +207,7 @@ class ModelRunner:
     self._note("prefill", state.k, tokens, inputs, vectors)
     tokens, inputs, logits_index, sampling, vectors = self._replicated(
         tokens, inputs, logits_index, sampling, vectors)
-    logits, first, k, v = _prefill_step(
+    logits, first, k, v = self.compiled_form(_prefill_step)(
         self.params, state.k, state.v, tokens, inputs, logits_index,
         sampling, vectors, graphdef=self.graphdef,
         impl=self.config.impl, pool_as_bits=self.config.pool_as_bits,
@@ -259,7 +263,7 @@ class ModelRunner:
     self._note("decode", state.k, pages, limits, num_steps=num_steps)
     carry, pages, sampling, limits = self._replicated(carry, pages, sampling,
                                                       limits)
-    k, v, carry, out, emitted = _decode_loop(
+    k, v, carry, out, emitted = self.compiled_form(_decode_loop)(
         self.params, state.k, state.v, carry, pages, sampling, limits,
         graphdef=self.graphdef, impl=self.config.impl, num_steps=num_steps,
         pool_as_bits=self.config.pool_as_bits,
