@@ -163,6 +163,7 @@ def run_variant(args, config, model, dtype, variant, requests, weight_bytes,
     step_s = stats.decode_seconds / stats.decode_steps
     row = dict(variant=variant, batch=args.batch, step_s=step_s,
                kv_gb_per_step=context * kv_per_token / 1e9,
+               kv_bytes_per_token=kv_per_token,
                floor_s=floor_bytes / bandwidth,
                step_over_floor=step_s * bandwidth / floor_bytes,
                decode_tok_s=args.batch / step_s,

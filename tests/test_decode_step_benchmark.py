@@ -1,0 +1,40 @@
+"""benchmarks/decode_step on CPU: every variant times a full batch and
+reports its floor; bad settings are refused."""
+
+import json
+
+import pytest
+
+from benchmarks import decode_step
+
+SMALL = ["--model", "tiny", "--batch", "3", "--doc-len", "24",
+         "--docs-per-request", "2", "--query-len", "4", "--loops", "1",
+         "--page-size", "8", "--decode-steps", "2", "--copy-mib", "4"]
+
+
+def test_variants_run_side_by_side(tmp_path):
+  out = tmp_path / "step.json"
+  rows = decode_step.main(SMALL + ["--variants", "triton,plain,unroll",
+                                   "--profile-dir", str(tmp_path / "prof"),
+                                   "--out", str(out)])
+  report = json.loads(out.read_text())
+  assert [r["variant"] for r in report["runs"]] == ["triton", "plain",
+                                                    "unroll"]
+  assert report["copy_tb_s"] > 0 and report["weight_gb"] > 0
+  for row in rows:
+    assert row["batch"] == 3 and row["step_s"] > 0
+    # At least the three rows' prompts (2 x 24 + 4 tokens) of tiny's K/V.
+    assert row["kv_gb_per_step"] * 1e9 >= 3 * 52 * row["kv_bytes_per_token"]
+    assert row["step_over_floor"] == pytest.approx(
+        row["step_s"] / row["floor_s"])
+    assert row["top_kinds"] and row["busy_s_per_step"] > 0
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--variants", "fast"], "--variants takes entries"),
+    (["--batch", "0"], "must be >= 1"),
+])
+def test_bad_settings_are_refused(argv, match, capsys):
+  with pytest.raises(SystemExit):
+    decode_step.parse_args(argv)
+  assert match in capsys.readouterr().err
