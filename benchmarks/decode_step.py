@@ -14,7 +14,11 @@ Each `--variants` entry runs on a fresh engine over the same requests:
           decode_layer_unroll=True);
   bits    the pool carried as uint16 bits (pool_as_bits);
   triton  XLA's Triton gemm fusions, which copy each layer's weights
-          (gpu_weights_in_place=False, the setting before it existed).
+          (gpu_weights_in_place=False, the setting before it existed);
+  nomerge XLA's dot merger off (xla_gpu_dot_merger_threshold_mb=0), so the
+          Q, K and V projections stay three gemms and their weights are
+          not concatenated every step.
+`--gpu-xla-option NAME=VALUE` adds an XLA option to every variant.
 With `--profile-dir`, one traced loop per variant gives the ops that take
 the step's time (`benchmarks.comm_profile.op_breakdown`).
 
@@ -35,7 +39,7 @@ import numpy as np
 from benchmarks import rag_serving
 
 MODELS = ("tiny", "llama3-8b-shape")
-VARIANTS = ("plain", "unroll", "bits", "triton")
+VARIANTS = ("plain", "unroll", "bits", "triton", "nomerge")
 
 
 def parse_args(argv=None):
@@ -56,6 +60,8 @@ def parse_args(argv=None):
   p.add_argument("--copy-mib", type=int, default=4096,
                  help="array size for the copy-bandwidth measurement")
   p.add_argument("--profile-dir", default="")
+  p.add_argument("--gpu-xla-option", action="append", default=[],
+                 metavar="NAME=VALUE")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
@@ -115,6 +121,10 @@ def serving_args(args, cache_pages: int, variant: str):
     argv.append("--pool-as-bits")
   if variant == "triton":
     argv.append("--triton-gemm")
+  if variant == "nomerge":
+    argv += ["--gpu-xla-option", "xla_gpu_dot_merger_threshold_mb=0"]
+  for option in args.gpu_xla_option:
+    argv += ["--gpu-xla-option", option]
   return rag_serving.parse_args(argv)
 
 

@@ -20,12 +20,17 @@
 #   fp8   - the paper-like load at a 10% pool in lazy and block, each again
 #           with a float8 pool of the same bytes (issue 16, part 3;
 #           FP8_FRACTION, FP8_MODES).
+#   step  - the decode step of 32 rows against its HBM floor, per compile
+#           form (benchmarks/decode_step.py; STEP_VARIANTS), with an op
+#           breakdown from a profile (issue 16, decode-step bar);
 #   mixed - the paper-like load (20% pool) in lazy, plain beside running
 #           requests decoding inside the round's prefill calls (issue 16,
 #           part 2; MIXED_FRACTION, GROUP_TOKENS; MIXED_BUDGET=1024 with
 #           GROUP_TOKENS=1024 cuts the round's prefill into calls of two
 #           512-token documents, each carrying a decode token;
-#           MIXED_CHUNK=256 encodes documents in 256-token chunks).
+#           MIXED_CHUNK=256 encodes documents in 256-token chunks;
+#           MIXED_EXTRA adds rag_serving options, e.g. "--gpu-xla-option
+#           xla_gpu_dot_merger_threshold_mb=0").
 # On two or more GPUs (issue 15, tensor parallelism):
 #   tptests - tests/multi_device with the Pallas kernels (engine parity at
 #           tensor parallel 2 in every mode, kernels per device, loading);
@@ -132,7 +137,13 @@ for part in $parts; do
         --eviction lfu --cache-fraction ${MIXED_FRACTION:-0.2} --modes lazy \
         --decode-during-prefill-runs --decode-steps 16 \
         --max-prefill-tokens ${MIXED_BUDGET:-16384} --prefill-chunk-tokens ${MIXED_CHUNK:-0} \
+        ${MIXED_EXTRA:-} \
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
+    step)
+      timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.decode_step \
+        --variants ${STEP_VARIANTS:-triton,plain,nomerge} --loops 4 \
+        --profile-dir /tmp/decode_step_profile --out "$out/decode_step.json" 2>&1 \
+        | grep -v Warning | tail -6 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
         --time-budget ${KERNELS_BUDGET:-480} 2>&1 \

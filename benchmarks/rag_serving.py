@@ -119,7 +119,9 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
                         decode_layer_unroll=True if args.decode_unroll else 1,
                         gpu_weights_in_place=not getattr(args, "triton_gemm",
-                                                         False))
+                                                         False),
+                        gpu_xla_options=tuple(getattr(args, "gpu_xla_option",
+                                                      None) or ()))
   return LazyEngine(config, model, cache_config, mode=mode,
                     scheduler=scheduler, runner=runner, tokenizer=tokenizer,
                     **engine_kwargs)
@@ -359,6 +361,10 @@ def parse_args(argv=None):
                  help="GPU: compile the steps with XLA's Triton gemm fusions, "
                       "which copy each layer's weights first (the setting "
                       "before RunnerConfig.gpu_weights_in_place)")
+  p.add_argument("--gpu-xla-option", action="append", default=[],
+                 type=xla_option, metavar="NAME=VALUE",
+                 help="one more XLA compile option for the steps on GPU "
+                      "(RunnerConfig.gpu_xla_options); repeatable")
   p.add_argument("--pool-as-bits", action="store_true",
                  help="carry a 16-bit KV pool as uint16 through the layer loop")
   args = p.parse_args(argv)
@@ -385,6 +391,22 @@ def parse_args(argv=None):
       if not os.access(directory, os.W_OK):
         p.error(f"cannot write to the output directory {directory}")
   return args
+
+
+def xla_option(text: str) -> tuple:
+  """NAME=VALUE as (name, value): true/false as bools, numbers as int or
+  float, anything else as the string."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  for kind in (int, float):
+    try:
+      return name, kind(value)
+    except ValueError:
+      pass
+  return name, value
 
 
 def working_pages(args) -> int:

@@ -95,12 +95,17 @@ class RunnerConfig:
       read each layer's slice of the stacked weights in place, instead of
       XLA's Triton gemm fusions, which copy it first
       (lazyattn_jax/step_jit.py).  No effect on other platforms.
+    gpu_xla_options: more XLA compile options for the steps on GPU, as
+      (name, value) pairs of XLA's DebugOptions, e.g.
+      (("xla_gpu_dot_merger_threshold_mb", 0),); they override the
+      weights-in-place ones.  An unknown name fails the first compile.
   """
 
   impl: str = "auto"
   pool_as_bits: bool = False
   decode_layer_unroll: int | bool = 1
   gpu_weights_in_place: bool = True
+  gpu_xla_options: tuple = ()
 
   def __post_init__(self):
     if self.impl not in IMPLS:
@@ -112,6 +117,12 @@ class RunnerConfig:
     if not isinstance(self.gpu_weights_in_place, bool):
       raise ValueError("RunnerConfig.gpu_weights_in_place must be a bool, "
                        f"got {self.gpu_weights_in_place!r}")
+    if not isinstance(self.gpu_xla_options, tuple) or not all(
+        isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) and
+        isinstance(o[1], (bool, int, float, str)) for o in self.gpu_xla_options):
+      raise ValueError("RunnerConfig.gpu_xla_options must be a tuple of "
+                       "(name, bool/int/float/str value) pairs, got "
+                       f"{self.gpu_xla_options!r}")
     if self.decode_layer_unroll is not True:
       _check_int("RunnerConfig", "decode_layer_unroll",
                  self.decode_layer_unroll)

@@ -133,7 +133,8 @@ class ModelRunner:
   def compiled_form(self, step):
     """The form of a `step_jit` step this runner runs (step_jit.py)."""
     return step.for_platform(self.platform,
-                             self.config.gpu_weights_in_place)
+                             self.config.gpu_weights_in_place,
+                             self.config.gpu_xla_options)
 
   @property
   def programs_used(self) -> int:

@@ -25,25 +25,46 @@ GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
 class StepJit:
-  """A step function jitted twice: as XLA compiles it by default, and with
-  `GPU_WEIGHTS_IN_PLACE` for GPUs.
+  """A step function jitted once per set of XLA compile options: none (as
+  XLA compiles it by default), `GPU_WEIGHTS_IN_PLACE` for GPUs, and any
+  extra GPU options a runner asks for (`RunnerConfig.gpu_xla_options`).
 
   Called directly (or `.lower`), it is the default form, as `jax.jit` of the
   function would be; `for_platform` picks the form a runner uses.
   """
 
   def __init__(self, fn, **jit_kwargs):
-    self.default = jax.jit(fn, **jit_kwargs)
-    self.gpu = jax.jit(fn, compiler_options=dict(GPU_WEIGHTS_IN_PLACE),
-                       **jit_kwargs)
+    self._fn = fn
+    self._jit_kwargs = jit_kwargs
+    self._forms = {(): jax.jit(fn, **jit_kwargs)}
     self.__wrapped__ = fn
     self.__doc__ = fn.__doc__
 
-  def for_platform(self, platform: str, weights_in_place: bool = True):
-    """The form to run on `platform` ("cpu", "cuda", "tpu", ...)."""
-    if weights_in_place and platform in GPU_PLATFORMS:
-      return self.gpu
-    return self.default
+  @property
+  def default(self):
+    return self._forms[()]
+
+  @property
+  def gpu(self):
+    return self.form(tuple(GPU_WEIGHTS_IN_PLACE.items()))
+
+  def form(self, options):
+    """The jit compiled with these (name, value) XLA options."""
+    key = tuple(sorted(dict(options).items()))
+    if key not in self._forms:
+      self._forms[key] = jax.jit(self._fn, compiler_options=dict(key),
+                                 **self._jit_kwargs)
+    return self._forms[key]
+
+  def for_platform(self, platform: str, weights_in_place: bool = True,
+                   gpu_options=()):
+    """The form to run on `platform` ("cpu", "cuda", "tpu", ...); on GPU,
+    `gpu_options` ((name, value) pairs) are added to (and override) the
+    weights-in-place options."""
+    if platform not in GPU_PLATFORMS:
+      return self.default
+    base = dict(GPU_WEIGHTS_IN_PLACE) if weights_in_place else {}
+    return self.form(tuple({**base, **dict(gpu_options)}.items()))
 
   def __call__(self, *args, **kwargs):
     return self.default(*args, **kwargs)
@@ -52,8 +73,8 @@ class StepJit:
     return self.default.lower(*args, **kwargs)
 
   def _cache_size(self) -> int:
-    """Programs compiled by both forms."""
-    return self.default._cache_size() + self.gpu._cache_size()
+    """Programs compiled by every form."""
+    return sum(f._cache_size() for f in self._forms.values())
 
 
 def step_jit(**jit_kwargs):

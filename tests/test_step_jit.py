@@ -37,9 +37,58 @@ def test_both_forms_compute_the_same_and_count_their_programs():
                                        "xla_gpu_enable_dynamic_slice_fusion"}
 
 
-def test_the_runner_setting_must_be_a_bool():
-  with pytest.raises(ValueError, match="gpu_weights_in_place must be a bool"):
-    RunnerConfig(gpu_weights_in_place="yes")
+def test_extra_gpu_options_add_to_and_override_the_in_place_ones():
+  step = StepJit(_layers_matmul)
+  merged = step.for_platform("cuda", gpu_options=(
+      ("xla_gpu_dot_merger_threshold_mb", 0),))
+  assert merged is step.form({**GPU_WEIGHTS_IN_PLACE,
+                              "xla_gpu_dot_merger_threshold_mb": 0}.items())
+  assert merged not in (step.gpu, step.default)
+  override = step.for_platform("cuda", gpu_options=(
+      ("xla_gpu_enable_triton_gemm", True),))
+  assert override is step.form((("xla_gpu_enable_triton_gemm", True),
+                                ("xla_gpu_enable_dynamic_slice_fusion", True)))
+  # Off GPU the extra options are ignored.
+  assert step.for_platform("cpu", gpu_options=(("x", 1),)) is step.default
+  w = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * 0.3
+  assert jnp.allclose(merged(w, jnp.ones((2, 8))),
+                      step.default(w, jnp.ones((2, 8))))
+
+
+def test_an_unknown_option_fails_the_compile():
+  step = StepJit(_layers_matmul)
+  with pytest.raises(Exception, match="No such compile option"):
+    step.form((("xla_no_such_option", 1),))(jnp.ones((1, 2, 2)),
+                                              jnp.ones((1, 2)))
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(gpu_weights_in_place="yes"), "gpu_weights_in_place must be a bool"),
+    (dict(gpu_xla_options={"a": 1}), "gpu_xla_options must be a tuple"),
+    (dict(gpu_xla_options=(("a",),)), "gpu_xla_options must be a tuple"),
+    (dict(gpu_xla_options=((1, 2),)), "gpu_xla_options must be a tuple"),
+    (dict(gpu_xla_options=(("a", [1]),)), "gpu_xla_options must be a tuple"),
+])
+def test_bad_runner_settings_are_refused(fields, match):
+  with pytest.raises(ValueError, match=match):
+    RunnerConfig(**fields)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("xla_gpu_dot_merger_threshold_mb=0", ("xla_gpu_dot_merger_threshold_mb", 0)),
+    ("a=true", ("a", True)), ("a=False", ("a", False)), ("a=0.5", ("a", 0.5)),
+    ("a=fast", ("a", "fast")),
+])
+def test_rag_serving_reads_xla_options(text, want):
+  from benchmarks.rag_serving import parse_args
+  assert parse_args(["--gpu-xla-option", text]).gpu_xla_option == [want]
+
+
+def test_rag_serving_refuses_an_option_without_a_value(capsys):
+  from benchmarks.rag_serving import parse_args
+  with pytest.raises(SystemExit):
+    parse_args(["--gpu-xla-option", "novalue"])
+  assert "expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_a_cpu_runner_runs_the_default_form():
