@@ -38,7 +38,9 @@ def temp_bytes(num_pages: int, pool_as_bits: bool) -> tuple[int, int, int]:
                                 i32(batch, length))
   sampling = (jax.ShapeDtypeStruct((batch,), jnp.float32), i32(batch),
               jax.ShapeDtypeStruct((batch,), jnp.float32), i32(batch))
-  compiled = model_runner._prefill_step.lower(
+  # The form the engine's runner compiles on this platform (step_jit.py).
+  step = model_runner._prefill_step.for_platform(jax.default_backend())
+  compiled = step.lower(
       params, pool, pool, i32(batch, length), inputs, i32(batch), sampling,
       graphdef=graphdef, impl="auto", pool_as_bits=pool_as_bits).compile()
   mem = compiled.memory_analysis()
