@@ -17,7 +17,10 @@ Each `--variants` entry runs on a fresh engine over the same requests:
           (gpu_weights_in_place=False, the setting before it existed);
   nomerge XLA's dot merger off (xla_gpu_dot_merger_threshold_mb=0), so the
           Q, K and V projections stay three gemms and their weights are
-          not concatenated every step.
+          not concatenated every step;
+  graphs  the layer and step loops captured as CUDA graphs (XLA command
+          buffers with WHILE and CONDITIONAL), against the launch gaps
+          between the step's few hundred kernels.
 `--gpu-xla-option NAME=VALUE` adds an XLA option to every variant.
 With `--profile-dir`, one traced loop per variant gives the ops that take
 the step's time (`benchmarks.comm_profile.op_breakdown`).
@@ -39,7 +42,11 @@ import numpy as np
 from benchmarks import rag_serving
 
 MODELS = ("tiny", "llama3-8b-shape")
-VARIANTS = ("plain", "unroll", "bits", "triton", "nomerge")
+VARIANTS = ("plain", "unroll", "bits", "triton", "nomerge", "graphs")
+# XLA command buffers (CUDA graphs) for the default kinds plus while loops
+# and conditionals, so a scan's body launches as one graph.
+GRAPHS = ("xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
+          "CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL")
 
 
 def parse_args(argv=None):
@@ -123,6 +130,8 @@ def serving_args(args, cache_pages: int, variant: str):
     argv.append("--triton-gemm")
   if variant == "nomerge":
     argv += ["--gpu-xla-option", "xla_gpu_dot_merger_threshold_mb=0"]
+  if variant == "graphs":
+    argv += ["--gpu-xla-option", GRAPHS]
   for option in args.gpu_xla_option:
     argv += ["--gpu-xla-option", option]
   return rag_serving.parse_args(argv)
