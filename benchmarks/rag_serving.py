@@ -263,11 +263,33 @@ def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
   with tqdm(total=len(measured.requests), desc=f"{mode:>6}", file=sys.stderr,
             disable=args.no_progress) as bar:
     results, seconds = run_trace(engine, measured, args, bar)
-  return summarize(mode, engine, results, seconds, dict(
+  row = summarize(mode, engine, results, seconds, dict(
       cache_pages=cache_pages, rate=args.rate, concurrency=args.concurrency,
       warm_cache_requests=(len(cache_warmer.requests) if cache_warmer
                            else 0),
       compiles_during_measurement=engine.compile_count - compiles_before))
+  if getattr(args, "profile_replay_dir", ""):
+    row["profile"] = profile_replay(engine, measured, args, mode)
+  return row
+
+
+def profile_replay(engine, measured, args, label: str) -> dict:
+  """Replays the measured trace once more (from the cache it left) under
+  `jax.profiler` and reads where the device time went
+  (`benchmarks.comm_profile.op_breakdown`); the measured row is not
+  affected."""
+  import re
+  import jax
+  from benchmarks.comm_profile import op_breakdown
+  directory = os.path.join(args.profile_replay_dir,
+                           re.sub(r"[^A-Za-z0-9_.-]+", "_", label))
+  with jax.profiler.trace(directory, create_perfetto_trace=True):
+    _, seconds = run_trace(engine, measured, args)
+  breakdown = op_breakdown(directory, top=15)
+  return dict(wall_s=seconds, busy_s=breakdown["busy_s"],
+              span_s=breakdown["span_s"],
+              top_kinds=[[n[:80], t, c] for n, t, c in breakdown["by_kind"]],
+              top_ops=[[n[:80], t, c] for n, t, c in breakdown["by_op"]])
 
 
 def parse_args(argv=None):
@@ -365,6 +387,10 @@ def parse_args(argv=None):
                  type=xla_option, metavar="NAME=VALUE",
                  help="one more XLA compile option for the steps on GPU "
                       "(RunnerConfig.gpu_xla_options); repeatable")
+  p.add_argument("--profile-replay-dir", default="",
+                 help="after each measured run, replay its trace once more "
+                      "under jax.profiler here and report the busiest ops "
+                      "(the row's `profile`)")
   p.add_argument("--pool-as-bits", action="store_true",
                  help="carry a 16-bit KV pool as uint16 through the layer loop")
   args = p.parse_args(argv)

@@ -198,6 +198,22 @@ def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
     assert riding[key] == base[key], key
   assert riding["kv_pages_written_for_cached_docs"] == 0
 
+
+def test_profile_replay_reports_the_busiest_ops(tmp_path):
+  """--profile-replay-dir replays each measured trace under the profiler
+  and adds where the device time went to the row."""
+  runs = _serving_runs(
+      tmp_path, "--num-docs", "8", "--docs-per-request", "2", "--doc-len",
+      "16", "--query-len", "4", "--output-len", "3", "--num-requests", "3",
+      "--concurrency", "2", "--max-batch", "2", "--page-size", "8",
+      "--cache-fraction", "1.0", "--add-working-pages", "--modes", "lazy",
+      "--profile-replay-dir", str(tmp_path / "prof"))
+  profile = runs["lazy"]["profile"]
+  assert profile["wall_s"] > 0 and profile["busy_s"] > 0
+  assert profile["top_kinds"] and profile["top_ops"]
+  assert list((tmp_path / "prof" / "lazy").rglob("*.trace.json.gz"))
+
+
 def _serving_runs(tmp_path, *args) -> dict:
   """rag_serving on the tiny model with `args`; its runs by mode label."""
   out = tmp_path / "rag.json"
