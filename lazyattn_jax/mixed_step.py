@@ -1,18 +1,18 @@
 """The mixed step: one jitted forward pass over the running decode rows and
 chunks of new prompts together (issue #16 part 2; models/mixed_batch.py).
 
-Groundwork for chunked prefill mixed with decode: `run_mixed_step` packs the
+Chunked prefill mixed with decode: `run_mixed_step` packs the
 decode rows as `ModelRunner.decode` does (one step, `batch` rows) and the
 chunk rows as `ModelRunner.prefill` does (a row is a `layout.PageRow` and
 the `layout.PrefillTokens` of this chunk: its pages list everything written
 so far plus this chunk, with page_len counting this chunk), runs `_mixed_step`
 with the pool donated, and samples the next token of every decode row and
-the first token of every chunk row that ends its query.  The scheduler does
-not call it yet (docs/design.md, "Mixed steps (in progress)").
+the first token of every chunk row that ends its query.  The rounds run
+it for every prefill call when `SchedulerConfig.decode_during_prefill` is
+on (docs/design.md, "Mixed steps (in progress)").
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp

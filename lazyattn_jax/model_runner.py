@@ -16,7 +16,6 @@ of programs; `compile_count` reports how many exist.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

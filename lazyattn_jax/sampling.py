@@ -112,8 +112,8 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, step):
     int32[B] token ids.
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  # The sort over the vocabulary costs about a millisecond per decode step
-  # at 128K tokens; an all-greedy batch (the common serving case) skips it.
+  # The sort over the whole vocabulary is costly in every decode step; an
+  # all-greedy batch (the common serving case) skips it.
   # Sampled rows always take the same path, so a row's tokens do not depend
   # on the rest of its batch.
   return jax.lax.cond(

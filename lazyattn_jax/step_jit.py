@@ -4,11 +4,13 @@ The model scans its decoder blocks over weights stacked on a layer axis.
 On GPU, XLA's default Triton gemm fusions cannot read a layer's slice of
 those stacked weights in place, so every step first copies each layer's
 weight matrices (dynamic-slice memcpys that double the weights' memory
-traffic; benchmarks/RESULTS.md, "The decode step").  Compiled with cuBLAS gemms and XLA's dynamic-slice fusion,
-the gemm reads the slice where it lies and the copies go.
+traffic; benchmarks/RESULTS.md, "The decode step").  Compiled with cuBLAS
+gemms and XLA's dynamic-slice fusion, the gemm reads the slice where it
+lies and the copies go.
 
-`StepJit` holds the two compiled forms of one step function and picks by
-the platform the step runs on and `RunnerConfig.gpu_weights_in_place`; the
+`StepJit` holds the compiled forms of one step function (one per set of
+XLA options) and picks by the platform the step runs on and the runner's
+settings (`RunnerConfig.gpu_weights_in_place`, `gpu_xla_options`); the
 options are per compilation, so nothing else in the process changes.
 """
 
