@@ -1,0 +1,111 @@
+"""Is a quality difference between two runs more than noise?
+
+Reads a `benchmarks.rag_quality` report written with `--save-predictions`
+(every run answered the same items, in the same order) and compares runs
+item by item:
+- the mean of the metric in each run and their difference, with a 95%
+  paired bootstrap interval (items resampled together in both runs);
+- for a yes/no metric (contained, accuracy, EM): the items only one run
+  got right, and the exact two-sided sign test on them (McNemar's exact
+  test): the chance of a split at least this uneven if neither run were
+  better.
+
+  python -m benchmarks.paired_quality REPORT.json \\
+      --compare "lazy + sink" "lazy + sink fp8 pages" --metric accuracy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+from lazyattn_jax.quality import metrics
+
+METRICS = ("contained", "accuracy", "em", "f1")
+
+
+def item_scores(run: dict, metric: str) -> np.ndarray:
+  """Per-item values of `metric` from a run's saved predictions.
+  accuracy: the synthetic set's criterion (the answer anywhere in the
+  generated text, case-insensitive)."""
+  if "predictions" not in run:
+    raise ValueError(f"run {run['label']!r} has no predictions (run "
+                     "rag_quality with --save-predictions)")
+  out = []
+  for p in run["predictions"]:
+    if metric == "accuracy":
+      out.append(float(p["answer"].lower() in p["text"].lower()))
+    else:
+      out.append(float(getattr(metrics.score(p["text"], p["answer"]),
+                               metric)))
+  return np.asarray(out)
+
+
+def sign_test_p(wins_a: int, wins_b: int) -> float:
+  """Exact two-sided sign test of a split of discordant items."""
+  n = wins_a + wins_b
+  if n == 0:
+    return 1.0
+  tail = sum(math.comb(n, k) for k in range(min(wins_a, wins_b) + 1))
+  return min(1.0, 2.0 * tail / 2.0 ** n)
+
+
+def compare(a: np.ndarray, b: np.ndarray, *, resamples: int = 10000,
+            seed: int = 0) -> dict:
+  """Paired comparison of per-item scores a and b (same items)."""
+  if a.shape != b.shape or a.ndim != 1 or not a.size:
+    raise ValueError(f"need two equal, non-empty score lists, got "
+                     f"{a.shape} and {b.shape}")
+  rng = np.random.default_rng(seed)
+  picks = rng.integers(0, a.size, size=(resamples, a.size))
+  diffs = (b[picks] - a[picks]).mean(axis=1)
+  low, high = np.percentile(diffs, [2.5, 97.5])
+  row = dict(items=int(a.size), mean_a=float(a.mean()), mean_b=float(b.mean()),
+             diff=float(b.mean() - a.mean()), diff_ci95=[float(low),
+                                                         float(high)])
+  if set(np.unique(np.concatenate([a, b]))) <= {0.0, 1.0}:
+    only_a = int(np.sum((a == 1) & (b == 0)))
+    only_b = int(np.sum((a == 0) & (b == 1)))
+    row.update(only_a=only_a, only_b=only_b,
+               sign_test_p=sign_test_p(only_a, only_b))
+  return row
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("report")
+  p.add_argument("--compare", nargs=2, action="append", required=True,
+                 metavar=("LABEL_A", "LABEL_B"))
+  p.add_argument("--metric", choices=METRICS, default="contained")
+  p.add_argument("--out", default="")
+  args = p.parse_args(argv)
+  with open(args.report) as f:
+    report = json.load(f)
+  runs = {r["label"]: r for r in report["runs"]}
+  rows = []
+  for label_a, label_b in args.compare:
+    missing = [x for x in (label_a, label_b) if x not in runs]
+    if missing:
+      p.error(f"no run labelled {missing[0]!r}; runs: {sorted(runs)}")
+    row = compare(item_scores(runs[label_a], args.metric),
+                  item_scores(runs[label_b], args.metric))
+    rows.append(dict(a=label_a, b=label_b, metric=args.metric, **row))
+    extra = ("" if "only_a" not in row else
+             f"; only A {row['only_a']}, only B {row['only_b']}, "
+             f"sign test p {row['sign_test_p']:.3f}")
+    print(f"{label_b} - {label_a}: {row['diff']:+.3f} "
+          f"[{row['diff_ci95'][0]:+.3f}, {row['diff_ci95'][1]:+.3f}] "
+          f"({args.metric}, {row['items']} items{extra})")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(report=args.report, comparisons=rows), f, indent=2)
+  return rows
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

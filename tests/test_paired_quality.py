@@ -1,0 +1,74 @@
+"""benchmarks/paired_quality: item-by-item comparison of two quality runs."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import paired_quality
+from benchmarks.paired_quality import compare, item_scores, sign_test_p
+
+
+def test_sign_test_matches_the_binomial():
+  assert sign_test_p(0, 0) == 1.0
+  assert sign_test_p(5, 5) == 1.0
+  assert sign_test_p(0, 6) == pytest.approx(2 / 64)  # 2 * 0.5^6
+  # 11 against 3: 2 * P(X <= 3), X ~ Binomial(14, 1/2).
+  assert sign_test_p(11, 3) == pytest.approx(2 * (1 + 14 + 91 + 364) / 2**14)
+  assert sign_test_p(3, 11) == sign_test_p(11, 3)
+
+
+def test_compare_counts_discordant_items_and_brackets_the_difference():
+  a = np.array([1, 1, 1, 0, 0, 1, 0, 1] * 10, float)
+  b = np.array([1, 0, 1, 0, 1, 0, 0, 1] * 10, float)
+  row = compare(a, b)
+  assert (row["only_a"], row["only_b"]) == (20, 10)
+  assert row["diff"] == pytest.approx(-10 / 80)
+  low, high = row["diff_ci95"]
+  assert low < row["diff"] < high
+  assert row["sign_test_p"] == pytest.approx(sign_test_p(20, 10))
+  # A real score (F1) gets the interval but no sign test.
+  f1 = compare(a * 0.5, b * 0.7)
+  assert "sign_test_p" not in f1 and f1["diff"] == pytest.approx(
+      b.mean() * 0.7 - a.mean() * 0.5)
+
+
+def test_compare_refuses_unpaired_scores():
+  with pytest.raises(ValueError, match="equal, non-empty"):
+    compare(np.ones(3), np.ones(4))
+
+
+def _report(tmp_path):
+  predictions = lambda texts: [dict(id=i, position=0, answer="Paris",
+                                    text=t) for i, t in enumerate(texts)]
+  report = dict(runs=[
+      dict(label="base", predictions=predictions(
+          ["Paris.", "It is Paris", "London", "paris"])),
+      dict(label="fp8", predictions=predictions(
+          ["Paris", "London", "London", "Paris"])),
+      dict(label="no predictions")])
+  path = tmp_path / "q.json"
+  path.write_text(json.dumps(report))
+  return path, report
+
+
+def test_item_scores_from_saved_predictions(tmp_path):
+  _, report = _report(tmp_path)
+  base = report["runs"][0]
+  assert item_scores(base, "accuracy").tolist() == [1, 1, 0, 1]
+  assert item_scores(base, "em").tolist() == [1, 0, 0, 1]
+  with pytest.raises(ValueError, match="--save-predictions"):
+    item_scores(report["runs"][2], "contained")
+
+
+def test_cli_writes_each_comparison(tmp_path, capsys):
+  path, _ = _report(tmp_path)
+  out = tmp_path / "cmp.json"
+  rows = paired_quality.main([str(path), "--compare", "base", "fp8",
+                              "--metric", "accuracy", "--out", str(out)])
+  assert rows[0]["only_a"] == 1 and rows[0]["only_b"] == 0
+  assert json.loads(out.read_text())["comparisons"][0]["b"] == "fp8"
+  assert "sign test p 1.000" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    paired_quality.main([str(path), "--compare", "base", "nope"])
+  assert "no run labelled 'nope'" in capsys.readouterr().err
