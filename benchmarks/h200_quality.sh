@@ -84,13 +84,14 @@ elif [ "$STAGE" = synthetic ]; then
       --run "lazy,sink=$SHIPPED_SINK,recompute=true,label=lazy + sink + recompute"
 elif [ "$STAGE" = fp8 ] || [ "$STAGE" = fp8-full ] || [ "$STAGE" = fp8-lazy ]; then
   # Each mode with bf16 pages beside float8 pages, one process per mode
-  # (fp8 runs both) so each fits a call.
+  # (fp8 runs both) so each fits a call; the predictions let
+  # benchmarks/paired_quality compare the runs item by item.
   DEFAULTS="sink=$SHIPPED_SINK,recompute=true"
   [ "$STAGE" != fp8-lazy ] && quality quality_hotpotqa_fp8_full 570 \
       --dataset hotpotqa --layout dataset --questions "$Q" --modes full \
-      --run "full,dtype=float8_e4m3fn,label=full fp8 pages"
+      --save-predictions --run "full,dtype=float8_e4m3fn,label=full fp8 pages"
   [ "$STAGE" != fp8-full ] && quality quality_hotpotqa_fp8_lazy 570 \
-      --dataset hotpotqa --layout dataset --questions "$Q" \
+      --dataset hotpotqa --layout dataset --questions "$Q" --save-predictions \
       --run "lazy,$DEFAULTS,label=lazy + sink + recompute" \
       --run "lazy,$DEFAULTS,dtype=float8_e4m3fn,label=lazy + sink + recompute fp8 pages"
 elif [ "$STAGE" = finetune ]; then  # training only: about 8 minutes
