@@ -100,3 +100,35 @@ def test_a_cpu_runner_runs_the_default_form():
   runner = ModelRunner(model, RunnerConfig(), num_pages=4, page_size=8)
   assert runner.platform == "cpu"
   assert runner.compiled_form(_decode_loop) is _decode_loop.default
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_both_forms_generate_the_same_tokens():
+  """The engine on a GPU runs the weights-in-place form by default, and it
+  generates what the default (Triton gemm) form does."""
+  import dataclasses
+  import numpy as np
+  from flax import nnx
+  from lazyattn_jax.model_runner import _decode_loop
+  from lazyattn_jax.sampling import SamplingParams
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  from tests.test_engine import make_engine
+  config = dataclasses.replace(LlamaConfig.tiny(), max_position=512)
+  model_and_config = (Llama(config, rngs=nnx.Rngs(0)), config, "gpu")
+  rng = np.random.default_rng(3)
+  docs = [rng.integers(1, config.vocab_size, n).tolist() for n in (9, 14)]
+  query = rng.integers(1, config.vocab_size, 6).tolist()
+  sampling = SamplingParams(max_new_tokens=12, stop_token_ids=())
+  results = {}
+  for in_place in (True, False):
+    engine = make_engine(model_and_config, gpu_weights_in_place=in_place)
+    form = engine.runner.compiled_form(_decode_loop)
+    assert form is (_decode_loop.gpu if in_place else _decode_loop.default)
+    results[in_place] = engine.generate(query, docs, sampling)
+    engine.close()
+  a, b = results[True], results[False]
+  assert a.token_ids == b.token_ids
+  rel = (np.linalg.norm(a.first_logits - b.first_logits) /
+         np.linalg.norm(b.first_logits))
+  assert rel < 1e-4, rel
