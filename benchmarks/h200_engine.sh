@@ -57,7 +57,9 @@ for part in $parts; do
     tests)
       timeout 150 python3 -m pytest -q -x tests/test_engine.py tests/test_engine_modes.py \
         --engine-impl gpu -k "dense or block_matches" \
-        -p no:cacheprovider 2>&1 | tail -15 | tee "$out/engine_tests_gpu.txt" ;;
+        -p no:cacheprovider 2>&1 | tail -15 | tee "$out/engine_tests_gpu.txt"
+      timeout 120 python3 -m pytest -q -m gpu tests/test_step_jit.py \
+        -p no:cacheprovider 2>&1 | tail -4 | tee -a "$out/engine_tests_gpu.txt" ;;
     probe)
       timeout 150 python3 -m benchmarks.memory_probe 2>&1 | grep -v Warning | tee "$out/memory_probe.txt" | tail -6
       best=$(grep -o 'BEST=[a-z]*' "$out/memory_probe.txt" | cut -d= -f2)
