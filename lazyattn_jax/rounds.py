@@ -135,26 +135,33 @@ class RoundExecutor:
                     self.scheduler.config.prefill_chunk_tokens)
     pieces = [prefill_chunks(r.layout.row, r.layout.prefill, chunk_tokens)
               for r in requests]
-    for wave in range(max((len(p) for p in pieces), default=0)):
+    for wave, rows, tokens in self._chunk_calls(pieces, keep_order):
+      ends = [wave == len(pieces[i]) - 1 for i in rows]
+      logits, first = self._prefill_call(
+          [pieces[i][wave][0] for i in rows],
+          [pieces[i][wave][1] for i in rows],
+          [requests[i].request.sampling for i in rows], ends_query=ends)
+      round_tokens += tokens
+      self.stats.prefill_tokens_computed += tokens
+      done = [k for k, end in enumerate(ends) if end]
+      if done:  # the requests whose last chunk ran: their first tokens
+        self.scheduler.record_first_tokens(
+            [requests[rows[k]] for k in done], first[done], logits[done],
+            round_tokens, time.perf_counter())
+    return round_tokens
+
+  def _chunk_calls(self, pieces, keep_order: bool):
+    """The prefill calls of items cut into chunks (`pieces[i]`: item i's
+    (row, plan) per chunk): every item's first chunk, then every second
+    chunk, and so on, each wave split into calls within the budget.
+    Yields (wave, the items of one call, its token count)."""
+    for wave in range(max(map(len, pieces), default=0)):
       members = [i for i, p in enumerate(pieces) if wave < len(p)]
       lengths = [len(pieces[i][wave][1]) for i in members]
       for batch in self.runner.prefill_batches(lengths, self._budget,
                                                keep_order):
-        rows = [members[j] for j in batch]
-        ends = [wave == len(pieces[i]) - 1 for i in rows]
-        logits, first = self._prefill_call(
-            [pieces[i][wave][0] for i in rows],
-            [pieces[i][wave][1] for i in rows],
-            [requests[i].request.sampling for i in rows], ends_query=ends)
-        tokens = sum(lengths[j] for j in batch)
-        round_tokens += tokens
-        self.stats.prefill_tokens_computed += tokens
-        done = [k for k, end in enumerate(ends) if end]
-        if done:  # the requests whose last chunk ran: their first tokens
-          self.scheduler.record_first_tokens(
-              [requests[rows[k]] for k in done], first[done], logits[done],
-              round_tokens, time.perf_counter())
-    return round_tokens
+        yield (wave, [members[j] for j in batch],
+               sum(lengths[j] for j in batch))
 
   def _encode(self, jobs, riders: bool = True):
     """Prefills cache entries (layout.EncodeJob), each alone or after the
@@ -178,22 +185,17 @@ class RoundExecutor:
       plain = [job for job in phase_jobs if job.embeddings is None]
       pieces = [job.chunk_rows_and_plans(page_size, chunk_tokens)
                 for job in plain]
-      for wave in range(max(map(len, pieces), default=0)):
-        members = [i for i, p in enumerate(pieces) if wave < len(p)]
-        lengths = [len(pieces[i][wave][1]) for i in members]
-        for batch in self.runner.prefill_batches(lengths, self._budget,
-                                                 keep_order=False):
-          chosen = [members[j] for j in batch]
-          wave_pieces = [pieces[i][wave] for i in chosen]
-          if riders and self._riders():
-            rows, plans = zip(*wave_pieces)
-            self._prefill_call(list(rows), list(plans),
-                               [SamplingParams()] * len(chosen),
-                               ends_query=[False] * len(chosen))
-          else:
-            self.state = self.runner.encode_documents(
-                self.state, [plain[i] for i in chosen], pieces=wave_pieces)
-          self.stats.prefill_tokens_computed += sum(lengths[j] for j in batch)
+      for wave, chosen, tokens in self._chunk_calls(pieces, False):
+        wave_pieces = [pieces[i][wave] for i in chosen]
+        if riders and self._riders():
+          rows, plans = zip(*wave_pieces)
+          self._prefill_call(list(rows), list(plans),
+                             [SamplingParams()] * len(chosen),
+                             ends_query=[False] * len(chosen))
+        else:
+          self.state = self.runner.encode_documents(
+              self.state, [plain[i] for i in chosen], pieces=wave_pieces)
+        self.stats.prefill_tokens_computed += tokens
       preambles = sum(job.is_preamble for job in phase_jobs)
       self.stats.preambles_prefilled += preambles
       self.stats.documents_prefilled += len(phase_jobs) - preambles
