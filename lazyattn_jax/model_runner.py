@@ -27,7 +27,7 @@ from lazyattn_jax.config import RunnerConfig
 from lazyattn_jax.layout import PageRow, PrefillTokens
 from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.sampling import SamplingParams, sample_tokens
-from lazyattn_jax.step_jit import params_platform, step_jit
+from lazyattn_jax.step_jit import compile_options, params_platform, step_jit
 from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_decode,
                                        decode_step_inputs, pack_decode,
                                        pack_prefill)
@@ -128,12 +128,12 @@ class ModelRunner:
     self.page_size = page_size
     self._programs: set = set()
     self.platform = params_platform(self.params)
+    self.compile_options = compile_options(
+        self.platform, config.gpu_weights_in_place, config.gpu_xla_options)
 
   def compiled_form(self, step):
     """The form of a `step_jit` step this runner runs (step_jit.py)."""
-    return step.for_platform(self.platform,
-                             self.config.gpu_weights_in_place,
-                             self.config.gpu_xla_options)
+    return step.form(self.compile_options)
 
   @property
   def programs_used(self) -> int:

@@ -60,13 +60,9 @@ class StepJit:
 
   def for_platform(self, platform: str, weights_in_place: bool = True,
                    gpu_options=()):
-    """The form to run on `platform` ("cpu", "cuda", "tpu", ...); on GPU,
-    `gpu_options` ((name, value) pairs) are added to (and override) the
-    weights-in-place options."""
-    if platform not in GPU_PLATFORMS:
-      return self.default
-    base = dict(GPU_WEIGHTS_IN_PLACE) if weights_in_place else {}
-    return self.form(tuple({**base, **dict(gpu_options)}.items()))
+    """The form to run on `platform` (`compile_options`)."""
+    return self.form(compile_options(platform, weights_in_place,
+                                     gpu_options))
 
   def __call__(self, *args, **kwargs):
     return self.default(*args, **kwargs)
@@ -77,6 +73,18 @@ class StepJit:
   def _cache_size(self) -> int:
     """Programs compiled by every form."""
     return sum(f._cache_size() for f in self._forms.values())
+
+
+def compile_options(platform: str, weights_in_place: bool = True,
+                    gpu_options=()) -> tuple:
+  """The XLA options, as sorted (name, value) pairs, of the steps on
+  `platform` ("cpu", "cuda", "tpu", ...): none off GPU; on GPU the
+  weights-in-place options (unless turned off), with `gpu_options` added
+  to (and overriding) them."""
+  if platform not in GPU_PLATFORMS:
+    return ()
+  base = dict(GPU_WEIGHTS_IN_PLACE) if weights_in_place else {}
+  return tuple(sorted({**base, **dict(gpu_options)}.items()))
 
 
 def step_jit(**jit_kwargs):

@@ -23,6 +23,14 @@ def test_forms_by_platform_and_setting():
   assert step.for_platform("cuda", weights_in_place=False) is step.default
 
 
+def test_compile_options_per_platform():
+  from lazyattn_jax.step_jit import compile_options
+  assert compile_options("cpu", gpu_options=(("x", 1),)) == ()
+  assert compile_options("gpu") == tuple(sorted(GPU_WEIGHTS_IN_PLACE.items()))
+  assert compile_options("cuda", False, (("b", 2), ("a", 1))) == (("a", 1),
+                                                                  ("b", 2))
+
+
 def test_both_forms_compute_the_same_and_count_their_programs():
   # The GPU form's options are XLA debug options: they compile on CPU too.
   step = StepJit(_layers_matmul)
@@ -98,7 +106,7 @@ def test_a_cpu_runner_runs_the_default_form():
   from models.llama import Llama
   model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
   runner = ModelRunner(model, RunnerConfig(), num_pages=4, page_size=8)
-  assert runner.platform == "cpu"
+  assert runner.platform == "cpu" and runner.compile_options == ()
   assert runner.compiled_form(_decode_loop) is _decode_loop.default
 
 
