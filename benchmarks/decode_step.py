@@ -40,13 +40,22 @@ import time
 import numpy as np
 
 from benchmarks import rag_serving
+from pallas_kernels.sizes import ceil_div
 
 MODELS = ("tiny", "llama3-8b-shape")
-VARIANTS = ("plain", "unroll", "bits", "triton", "nomerge", "graphs")
 # XLA command buffers (CUDA graphs) for the default kinds plus while loops
 # and conditionals, so a scan's body launches as one graph.
 GRAPHS = ("xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
           "CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL")
+# rag_serving options of each variant (the module docstring says what each is).
+VARIANTS = {
+    "plain": [],
+    "unroll": ["--decode-unroll"],
+    "bits": ["--pool-as-bits"],
+    "triton": ["--triton-gemm"],
+    "nomerge": ["--gpu-xla-option", "xla_gpu_dot_merger_threshold_mb=0"],
+    "graphs": ["--gpu-xla-option", GRAPHS],
+}
 
 
 def parse_args(argv=None):
@@ -75,7 +84,8 @@ def parse_args(argv=None):
   args.variant_list = [v for v in args.variants.split(",") if v]
   bad = [v for v in args.variant_list if v not in VARIANTS]
   if bad or not args.variant_list:
-    p.error(f"--variants takes entries of {VARIANTS}, got {args.variants!r}")
+    p.error(f"--variants takes entries of {tuple(VARIANTS)}, got "
+            f"{args.variants!r}")
   if min(args.batch, args.docs_per_request, args.doc_len, args.query_len,
          args.loops, args.decode_steps) < 1:
     p.error("sizes and counts must be >= 1")
@@ -122,16 +132,7 @@ def serving_args(args, cache_pages: int, variant: str):
           str(cache_pages)]
   if args.kv_dtype:
     argv += ["--kv-dtype", args.kv_dtype]
-  if variant == "unroll":
-    argv.append("--decode-unroll")
-  if variant == "bits":
-    argv.append("--pool-as-bits")
-  if variant == "triton":
-    argv.append("--triton-gemm")
-  if variant == "nomerge":
-    argv += ["--gpu-xla-option", "xla_gpu_dot_merger_threshold_mb=0"]
-  if variant == "graphs":
-    argv += ["--gpu-xla-option", GRAPHS]
+  argv += VARIANTS[variant]
   for option in args.gpu_xla_option:
     argv += ["--gpu-xla-option", option]
   return rag_serving.parse_args(argv)
@@ -146,9 +147,9 @@ def run_variant(args, config, model, dtype, variant, requests, weight_bytes,
   tokens_per_row = args.docs_per_request * args.doc_len + args.query_len
   # Rows admitted early decode during later admission rounds: they must
   # not finish before the timed loops.
-  rounds = -(-args.batch * tokens_per_row // prefill_budget(args)) + 2
+  rounds = ceil_div(args.batch * tokens_per_row, prefill_budget(args)) + 2
   max_new = args.decode_steps * (args.loops + 2 + rounds)
-  pages = args.batch * (-(-(tokens_per_row + max_new) // args.page_size) + 1)
+  pages = args.batch * (ceil_div(tokens_per_row + max_new, args.page_size) + 1)
   settings = serving_args(args, pages, variant)
   engine = rag_serving.make_engine(settings, config, model, dtype, "lazy",
                                    pages)
