@@ -30,15 +30,14 @@ METRICS = ("contained", "accuracy", "em", "f1")
 
 def item_scores(run: dict, metric: str) -> np.ndarray:
   """Per-item values of `metric` from a run's saved predictions.
-  accuracy: the synthetic set's criterion (the answer anywhere in the
-  generated text, case-insensitive)."""
+  accuracy: the synthetic set's criterion (`metrics.mentions_answer`)."""
   if "predictions" not in run:
     raise ValueError(f"run {run['label']!r} has no predictions (run "
                      "rag_quality with --save-predictions)")
   out = []
   for p in run["predictions"]:
     if metric == "accuracy":
-      out.append(float(p["answer"].lower() in p["text"].lower()))
+      out.append(float(metrics.mentions_answer(p["text"], p["answer"])))
     else:
       out.append(float(getattr(metrics.score(p["text"], p["answer"]),
                                metric)))

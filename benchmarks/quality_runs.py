@@ -230,7 +230,8 @@ def summarize_run(run: Run, items, results, seconds: float, *,
     row["by_last_gold_position"] = metrics.summarize_by(
         scores, [i.gold_slots[-1] for i in items])
   if legacy_accuracy:  # the synthetic set's original criterion
-    correct = [i.answer.lower() in t.lower() for i, t in zip(items, texts)]
+    correct = [metrics.mentions_answer(t, i.answer)
+               for i, t in zip(items, texts)]
     by_pos = {}
     for item, ok in zip(items, correct):
       by_pos.setdefault(item.position, []).append(ok)

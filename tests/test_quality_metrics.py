@@ -82,3 +82,9 @@ def test_summaries():
   assert list(by) == ["2", "10"]  # numeric order, string keys for JSON
   assert by["10"]["n"] == 2 and by["10"]["f1"] == pytest.approx(0.5)
   assert m.summarize([]) == dict(n=0, em=0.0, f1=0.0, contained=0.0)
+
+
+def test_mentions_answer_is_case_insensitive_anywhere_in_the_text():
+  from lazyattn_jax.quality.metrics import mentions_answer
+  assert mentions_answer("First line.\nIt is PARIS, of course.", "Paris")
+  assert not mentions_answer("London", "Paris")

@@ -73,6 +73,12 @@ def answer_contained(prediction: str, gold: str) -> float:
                    for i in range(len(pred) - len(ref) + 1)))
 
 
+def mentions_answer(generated: str, gold: str) -> bool:
+  """The synthetic set's original criterion: the gold answer anywhere in
+  the whole generation, case-insensitive."""
+  return gold.lower() in generated.lower()
+
+
 def answer_text(generated: str) -> str:
   """The part of a generation that is scored: its first non-empty line."""
   for line in generated.splitlines():
