@@ -269,24 +269,27 @@ def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
                            else 0),
       compiles_during_measurement=engine.compile_count - compiles_before))
   if getattr(args, "profile_replay_dir", ""):
+    empty_and_warm_cache()
     row["profile"] = profile_replay(engine, measured, args, mode)
   return row
 
 
 def profile_replay(engine, measured, args, label: str) -> dict:
-  """Replays the measured trace once more (from the cache it left) under
-  `jax.profiler` and reads where the device time went
-  (`benchmarks.comm_profile.op_breakdown`); the measured row is not
-  affected."""
+  """Replays the measured trace once more under `jax.profiler` and reads
+  where the device time went (`benchmarks.comm_profile.op_breakdown`); the
+  measured row is not affected.  The caller resets the cache first, so the
+  replay prefills what the measured run prefilled."""
   import re
   import jax
   from benchmarks.comm_profile import op_breakdown
   directory = os.path.join(args.profile_replay_dir,
                            re.sub(r"[^A-Za-z0-9_.-]+", "_", label))
+  engine.reset_stats()
   with jax.profiler.trace(directory, create_perfetto_trace=True):
     _, seconds = run_trace(engine, measured, args)
   breakdown = op_breakdown(directory, top=15)
   return dict(wall_s=seconds, busy_s=breakdown["busy_s"],
+              prefill_tokens_computed=engine.stats.prefill_tokens_computed,
               span_s=breakdown["span_s"],
               top_kinds=[[n[:80], t, c] for n, t, c in breakdown["by_kind"]],
               top_ops=[[n[:80], t, c] for n, t, c in breakdown["by_op"]])

@@ -201,7 +201,8 @@ def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
 
 def test_profile_replay_reports_the_busiest_ops(tmp_path):
   """--profile-replay-dir replays each measured trace under the profiler
-  and adds where the device time went to the row."""
+  and adds where the device time went to the row.  The replay starts from
+  the cache the measured run started from, so it prefills the same work."""
   runs = _serving_runs(
       tmp_path, "--num-docs", "8", "--docs-per-request", "2", "--doc-len",
       "16", "--query-len", "4", "--output-len", "3", "--num-requests", "3",
@@ -209,6 +210,8 @@ def test_profile_replay_reports_the_busiest_ops(tmp_path):
       "--cache-fraction", "1.0", "--add-working-pages", "--modes", "lazy",
       "--profile-replay-dir", str(tmp_path / "prof"))
   profile = runs["lazy"]["profile"]
+  assert (profile["prefill_tokens_computed"]
+          == runs["lazy"]["prefill_tokens_computed"])
   assert profile["wall_s"] > 0 and profile["busy_s"] > 0
   assert profile["top_kinds"] and profile["top_ops"]
   assert list((tmp_path / "prof" / "lazy").rglob("*.trace.json.gz"))
