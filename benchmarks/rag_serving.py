@@ -276,19 +276,24 @@ def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
 
 def profile_replay(engine, measured, args, label: str) -> dict:
   """Replays the measured trace once more under `jax.profiler` and reads
-  where the device time went (`benchmarks.comm_profile.op_breakdown`); the
-  measured row is not affected.  The caller resets the cache first, so the
-  replay prefills what the measured run prefilled."""
+  where the device time went (`benchmarks.comm_profile.op_breakdown`) and
+  what the host did while the device idled (`benchmarks.idle_profile`);
+  the measured row is not affected.  The caller resets the cache first, so
+  the replay prefills what the measured run prefilled."""
   import re
   import jax
   from benchmarks.comm_profile import op_breakdown
+  from benchmarks.idle_profile import idle_attribution
   directory = os.path.join(args.profile_replay_dir,
                            re.sub(r"[^A-Za-z0-9_.-]+", "_", label))
   engine.reset_stats()
   with jax.profiler.trace(directory, create_perfetto_trace=True):
     _, seconds = run_trace(engine, measured, args)
   breakdown = op_breakdown(directory, top=15)
+  idle = idle_attribution(directory, top=20)
   return dict(wall_s=seconds, busy_s=breakdown["busy_s"],
+              idle_s=idle["idle_s"], idle_by_own_frame=idle["by_own_frame"],
+              idle_by_frame=[[n[:160], t, s] for n, t, s in idle["by_frame"]],
               prefill_tokens_computed=engine.stats.prefill_tokens_computed,
               span_s=breakdown["span_s"],
               top_kinds=[[n[:80], t, c] for n, t, c in breakdown["by_kind"]],

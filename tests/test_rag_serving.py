@@ -214,6 +214,7 @@ def test_profile_replay_reports_the_busiest_ops(tmp_path):
           == runs["lazy"]["prefill_tokens_computed"])
   assert profile["wall_s"] > 0 and profile["busy_s"] > 0
   assert profile["top_kinds"] and profile["top_ops"]
+  assert profile["idle_s"] > 0 and profile["idle_by_own_frame"]
   assert list((tmp_path / "prof" / "lazy").rglob("*.trace.json.gz"))
 
 
