@@ -15,9 +15,10 @@ Each `--variants` entry runs on a fresh engine over the same requests:
   bits    the pool carried as uint16 bits (pool_as_bits);
   triton  XLA's Triton gemm fusions, which copy each layer's weights
           (gpu_weights_in_place=False, the setting before it existed);
-  nomerge XLA's dot merger off (xla_gpu_dot_merger_threshold_mb=0), so the
-          Q, K and V projections stay three gemms and their weights are
-          not concatenated every step;
+  merge   XLA's dot merger back on for decode at its default threshold
+          (xla_gpu_dot_merger_threshold_mb=32), so each step concatenates
+          every layer's Q, K and V weights into one gemm (the default
+          before the decode loop turned it off: step_jit.DECODE_GPU_OPTIONS);
   graphs  the layer and step loops captured as CUDA graphs (XLA command
           buffers with WHILE and CONDITIONAL), against the launch gaps
           between the step's few hundred kernels.
@@ -53,7 +54,7 @@ VARIANTS = {
     "unroll": ["--decode-unroll"],
     "bits": ["--pool-as-bits"],
     "triton": ["--triton-gemm"],
-    "nomerge": ["--gpu-xla-option", "xla_gpu_dot_merger_threshold_mb=0"],
+    "merge": ["--gpu-xla-option", "xla_gpu_dot_merger_threshold_mb=32"],
     "graphs": ["--gpu-xla-option", GRAPHS],
 }
 

@@ -143,7 +143,7 @@ for part in $parts; do
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
     step)
       timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.decode_step \
-        --variants ${STEP_VARIANTS:-triton,plain,nomerge,graphs} --loops 4 \
+        --variants ${STEP_VARIANTS:-triton,plain,merge,graphs} --loops 4 \
         --profile-dir /tmp/decode_step_profile --out "$out/decode_step.json" 2>&1 \
         | grep -v Warning | tail -6 ;;
     kernels)

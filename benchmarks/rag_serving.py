@@ -287,7 +287,10 @@ def profile_replay(engine, measured, args, label: str) -> dict:
   directory = os.path.join(args.profile_replay_dir,
                            re.sub(r"[^A-Za-z0-9_.-]+", "_", label))
   engine.reset_stats()
-  with jax.profiler.trace(directory, create_perfetto_trace=True):
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 1  # for idle_profile; not on by default on GPU
+  with jax.profiler.trace(directory, create_perfetto_trace=True,
+                          profiler_options=options):
     _, seconds = run_trace(engine, measured, args)
   breakdown = op_breakdown(directory, top=15)
   idle = idle_attribution(directory, top=20)

@@ -27,7 +27,7 @@ from lazyattn_jax.config import RunnerConfig
 from lazyattn_jax.layout import PageRow, PrefillTokens
 from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
 from lazyattn_jax.sampling import SamplingParams, sample_tokens
-from lazyattn_jax.step_jit import compile_options, params_platform, step_jit
+from lazyattn_jax.step_jit import DECODE_GPU_OPTIONS, params_platform, step_jit
 from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_decode,
                                        decode_step_inputs, pack_decode,
                                        pack_prefill)
@@ -52,7 +52,8 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
   return logits, first, k_cache, v_cache
 
 
-@step_jit(static_argnames=("graphdef", "impl", "num_steps", "pool_as_bits",
+@step_jit(gpu_options=DECODE_GPU_OPTIONS,
+          static_argnames=("graphdef", "impl", "num_steps", "pool_as_bits",
                            "layer_unroll", "tensor_parallel"),
           donate_argnums=(1, 2))
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
@@ -128,12 +129,16 @@ class ModelRunner:
     self.page_size = page_size
     self._programs: set = set()
     self.platform = params_platform(self.params)
-    self.compile_options = compile_options(
-        self.platform, config.gpu_weights_in_place, config.gpu_xla_options)
+    self._forms = {}
 
   def compiled_form(self, step):
     """The form of a `step_jit` step this runner runs (step_jit.py)."""
-    return step.form(self.compile_options)
+    form = self._forms.get(step)
+    if form is None:
+      form = self._forms[step] = step.for_platform(
+          self.platform, self.config.gpu_weights_in_place,
+          self.config.gpu_xla_options)
+    return form
 
   @property
   def programs_used(self) -> int:

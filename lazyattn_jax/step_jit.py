@@ -12,6 +12,12 @@ lies and the copies go.
 XLA options) and picks by the platform the step runs on and the runner's
 settings (`RunnerConfig.gpu_weights_in_place`, `gpu_xla_options`); the
 options are per compilation, so nothing else in the process changes.
+
+A step may add options of its own to that GPU form.  The decode loop turns
+off XLA's dot merger: it joins each layer's Q, K and V projections into one
+gemm by concatenating their weights, which a decode step of a few rows pays
+for on every step (a copy of the three matrices), while a prefill's large
+gemms gain from it.
 """
 
 from __future__ import annotations
@@ -24,19 +30,23 @@ GPU_WEIGHTS_IN_PLACE = {
     "xla_gpu_enable_dynamic_slice_fusion": True,
 }
 GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+# Added to the decode loop's GPU form (see the module docstring).
+DECODE_GPU_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 class StepJit:
   """A step function jitted once per set of XLA compile options: none (as
-  XLA compiles it by default), `GPU_WEIGHTS_IN_PLACE` for GPUs, and any
-  extra GPU options a runner asks for (`RunnerConfig.gpu_xla_options`).
+  XLA compiles it by default), `GPU_WEIGHTS_IN_PLACE` for GPUs with the
+  step's own `gpu_options`, and any extra GPU options a runner asks for
+  (`RunnerConfig.gpu_xla_options`).
 
   Called directly (or `.lower`), it is the default form, as `jax.jit` of the
   function would be; `for_platform` picks the form a runner uses.
   """
 
-  def __init__(self, fn, **jit_kwargs):
+  def __init__(self, fn, gpu_options=(), **jit_kwargs):
     self._fn = fn
+    self.gpu_options = tuple(sorted(dict(gpu_options).items()))
     self._jit_kwargs = jit_kwargs
     self._forms = {(): jax.jit(fn, **jit_kwargs)}
     self.__wrapped__ = fn
@@ -48,7 +58,8 @@ class StepJit:
 
   @property
   def gpu(self):
-    return self.form(tuple(GPU_WEIGHTS_IN_PLACE.items()))
+    """The GPU form with no runner options."""
+    return self.for_platform("gpu")
 
   def form(self, options):
     """The jit compiled with these (name, value) XLA options."""
@@ -62,7 +73,7 @@ class StepJit:
                    gpu_options=()):
     """The form to run on `platform` (`compile_options`)."""
     return self.form(compile_options(platform, weights_in_place,
-                                     gpu_options))
+                                     gpu_options, self.gpu_options))
 
   def __call__(self, *args, **kwargs):
     return self.default(*args, **kwargs)
@@ -76,20 +87,23 @@ class StepJit:
 
 
 def compile_options(platform: str, weights_in_place: bool = True,
-                    gpu_options=()) -> tuple:
-  """The XLA options, as sorted (name, value) pairs, of the steps on
+                    gpu_options=(), step_options=()) -> tuple:
+  """The XLA options, as sorted (name, value) pairs, of a step on
   `platform` ("cpu", "cuda", "tpu", ...): none off GPU; on GPU the
-  weights-in-place options (unless turned off), with `gpu_options` added
-  to (and overriding) them."""
+  weights-in-place options with the step's own `step_options` (both only
+  unless weights in place are turned off: the step's options were measured
+  in that form), then the runner's `gpu_options` added to (and overriding)
+  them."""
   if platform not in GPU_PLATFORMS:
     return ()
-  base = dict(GPU_WEIGHTS_IN_PLACE) if weights_in_place else {}
+  base = ({**GPU_WEIGHTS_IN_PLACE, **dict(step_options)} if weights_in_place
+          else {})
   return tuple(sorted({**base, **dict(gpu_options)}.items()))
 
 
-def step_jit(**jit_kwargs):
-  """Decorator: `StepJit(fn, **jit_kwargs)`."""
-  return lambda fn: StepJit(fn, **jit_kwargs)
+def step_jit(gpu_options=(), **jit_kwargs):
+  """Decorator: `StepJit(fn, gpu_options, **jit_kwargs)`."""
+  return lambda fn: StepJit(fn, gpu_options, **jit_kwargs)
 
 
 def params_platform(params) -> str:

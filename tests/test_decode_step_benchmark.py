@@ -14,12 +14,12 @@ SMALL = ["--model", "tiny", "--batch", "3", "--doc-len", "24",
 
 def test_variants_run_side_by_side(tmp_path):
   out = tmp_path / "step.json"
-  rows = decode_step.main(SMALL + ["--variants", "triton,plain,unroll,nomerge,graphs",
+  rows = decode_step.main(SMALL + ["--variants", "triton,plain,unroll,merge,graphs",
                                    "--profile-dir", str(tmp_path / "prof"),
                                    "--out", str(out)])
   report = json.loads(out.read_text())
   assert [r["variant"] for r in report["runs"]] == ["triton", "plain",
-                                                    "unroll", "nomerge",
+                                                    "unroll", "merge",
                                                     "graphs"]
   assert report["copy_tb_s"] > 0 and report["weight_gb"] > 0
   for row in rows:

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from lazyattn_jax.config import RunnerConfig
-from lazyattn_jax.step_jit import GPU_WEIGHTS_IN_PLACE, StepJit
+from lazyattn_jax.step_jit import (DECODE_GPU_OPTIONS, GPU_WEIGHTS_IN_PLACE,
+                                   StepJit, compile_options)
 
 
 def _layers_matmul(w, x):
@@ -24,11 +25,35 @@ def test_forms_by_platform_and_setting():
 
 
 def test_compile_options_per_platform():
-  from lazyattn_jax.step_jit import compile_options
   assert compile_options("cpu", gpu_options=(("x", 1),)) == ()
   assert compile_options("gpu") == tuple(sorted(GPU_WEIGHTS_IN_PLACE.items()))
   assert compile_options("cuda", False, (("b", 2), ("a", 1))) == (("a", 1),
                                                                   ("b", 2))
+
+
+def test_a_steps_own_gpu_options_join_the_in_place_form_only():
+  own = (("xla_gpu_dot_merger_threshold_mb", 0),)
+  step = StepJit(_layers_matmul, gpu_options=dict(own))
+  in_place = tuple(sorted({**GPU_WEIGHTS_IN_PLACE, **dict(own)}.items()))
+  assert step.gpu is step.form(in_place)
+  assert step.for_platform("cuda") is step.gpu
+  assert step.for_platform("cpu") is step.default
+  # They were measured in the weights-in-place form: not added without it.
+  assert step.for_platform("cuda", weights_in_place=False) is step.default
+  # The runner's options still override them.
+  assert compile_options("cuda", True,
+                         (("xla_gpu_dot_merger_threshold_mb", 8),), own) == \
+      tuple(sorted({**GPU_WEIGHTS_IN_PLACE,
+                    "xla_gpu_dot_merger_threshold_mb": 8}.items()))
+
+
+def test_the_decode_loop_alone_turns_the_dot_merger_off_on_gpu():
+  from lazyattn_jax.mixed_step import _mixed_step
+  from lazyattn_jax.model_runner import _decode_loop, _prefill_step
+  assert dict(_decode_loop.gpu_options) == DECODE_GPU_OPTIONS
+  assert _prefill_step.gpu_options == () and _mixed_step.gpu_options == ()
+  assert _decode_loop.for_platform("cuda") is not _prefill_step.for_platform(
+      "cuda")
 
 
 def test_both_forms_compute_the_same_and_count_their_programs():
@@ -106,8 +131,27 @@ def test_a_cpu_runner_runs_the_default_form():
   from models.llama import Llama
   model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
   runner = ModelRunner(model, RunnerConfig(), num_pages=4, page_size=8)
-  assert runner.platform == "cpu" and runner.compile_options == ()
+  assert runner.platform == "cpu"
   assert runner.compiled_form(_decode_loop) is _decode_loop.default
+
+
+def test_a_gpu_runner_picks_each_steps_gpu_form(monkeypatch):
+  """Without a GPU: a runner whose weights were on one picks, per step, the
+  form `for_platform` gives (the decode loop's own options included)."""
+  from flax import nnx
+  from lazyattn_jax.model_runner import ModelRunner, _decode_loop, _prefill_step
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  extra = (("xla_gpu_autotune_level", 0),)
+  runner = ModelRunner(model, RunnerConfig(gpu_xla_options=extra),
+                       num_pages=4, page_size=8)
+  monkeypatch.setattr(runner, "platform", "cuda")
+  for step in (_decode_loop, _prefill_step):
+    want = step.form(compile_options("cuda", True, extra, step.gpu_options))
+    assert runner.compiled_form(step) is want
+  decode = dict(compile_options("cuda", True, extra, _decode_loop.gpu_options))
+  assert decode["xla_gpu_dot_merger_threshold_mb"] == 0
 
 
 @pytest.mark.gpu
