@@ -200,6 +200,28 @@ class ModelRunner:
     row that replace the token embeddings (a learned preamble).
     Returns (state, logits f32[rows, V], first tokens i32[rows]) on host.
     """
+    state, fetch = self.prefill_async(state, rows, plans, samplings,
+                                      embeddings)
+    return (state, *fetch())
+
+  def prefill_async(self, state, rows, plans, samplings, embeddings=None):
+    """`prefill` without waiting for the device: returns (state, fetch),
+    fetch() -> (logits, first tokens) on host, waiting for this call only
+    (their copy to the host starts now)."""
+    state, logits, first = self._run_prefill(state, rows, plans, samplings,
+                                             embeddings)
+    for array in (logits, first):
+      array.copy_to_host_async()
+
+    def fetch():
+      host_logits, host_first = jax.device_get((logits, first))
+      return (np.asarray(host_logits)[:len(rows)],
+              np.asarray(host_first)[:len(rows)])
+    return state, fetch
+
+  def _run_prefill(self, state, rows, plans, samplings, embeddings=None):
+    """`prefill` without waiting for it: (state, logits, first tokens) as
+    device arrays of the padded batch."""
     tokens, inputs, logits_index, sampling = pack_prefill(
         rows, plans, samplings, self.num_pages)
     vectors = None
@@ -217,9 +239,7 @@ class ModelRunner:
         sampling, vectors, graphdef=self.graphdef,
         impl=self.config.impl, pool_as_bits=self.config.pool_as_bits,
         tensor_parallel=self.tensor_parallel)
-    state = state.replace(k=k, v=v)
-    logits, first = jax.device_get((logits, first))
-    return state, np.asarray(logits)[:len(rows)], np.asarray(first)[:len(rows)]
+    return state.replace(k=k, v=v), logits, first
 
   def encode_documents(self, state, jobs, *, pieces=None):
     """Prefills cache entries (layout.EncodeJob) in one call, each into its
@@ -227,17 +247,18 @@ class ModelRunner:
     the (row, plan) to run for each job instead of the whole entry: one of
     its `chunk_rows_and_plans`, whose earlier chunks must have run.  Either
     every job has learned input vectors or none has; learned vectors are
-    never chunked.  Returns the new state."""
+    never chunked.  Returns the new state without waiting for the call (its
+    outputs are the pool's pages, which later calls read in order)."""
     if pieces is None:
       pieces = [job.row_and_plan(self.page_size) for job in jobs]
     rows, plans = zip(*pieces)
     args = (state, list(rows), list(plans), [SamplingParams()] * len(jobs))
     vectors = [job.embeddings for job in jobs]
     if all(v is None for v in vectors):
-      return self.prefill(*args)[0]
+      return self._run_prefill(*args)[0]
     if any(v is None for v in vectors):
       raise ValueError("one encode call mixes learned vectors and tokens")
-    return self.prefill(*args, embeddings=vectors)[0]
+    return self._run_prefill(*args, embeddings=vectors)[0]
 
   def copy_pages(self, state, copies: list[tuple[int, int, int]]):
     """Writes Block-Attention copies: (source, destination, shift) pages,

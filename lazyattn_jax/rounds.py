@@ -104,23 +104,56 @@ class RoundExecutor:
 
   def _prefill_round(self, new):
     """Serves the round's first-token groups in order; a failure takes the
-    failing group and every later one back out."""
+    failing group and every later one back out.
+
+    A group's first tokens are fetched only once the next group's calls
+    are on the device, so the device never waits while the host prepares
+    the next group (the calls run in order, so the fetch waits only for
+    its own group's)."""
     groups = self.scheduler.first_token_groups(new)
-    round_tokens = 0
+    round_tokens, waiting = 0, None  # served group whose tokens are unread
     for index, group in enumerate(groups):
       try:
-        round_tokens = self._serve_group(group, round_tokens)
+        round_tokens, fetches = self._serve_group(group, round_tokens)
       except BaseException as error:
-        self._fail([r for g in groups[index:] for r in g.requests], error)
-        if not isinstance(error, Exception):
+        if waiting is None or self._finish_group(groups, *waiting):
+          self._fail_groups(groups, index, error)
+        elif not isinstance(error, Exception):
           raise
         return
-      self.scheduler.start(group.requests)
+      if waiting is not None and not self._finish_group(groups, *waiting):
+        return
+      waiting = (index, fetches)
+    if waiting is not None:
+      self._finish_group(groups, *waiting)
 
-  def _serve_group(self, group, round_tokens: int) -> int:
-    """Encodes the group's documents, writes its copies, prefills its
-    queries and records their first tokens; returns the round's prefill
-    work so far."""
+  def _finish_group(self, groups, index: int, fetches) -> bool:
+    """Waits for a served group's first tokens, records them and starts
+    its requests; on failure takes it and every later group out.  Returns
+    whether it finished."""
+    try:
+      for requests, rows, fetch, round_tokens in fetches:
+        logits, first = fetch()
+        self.scheduler.record_first_tokens(
+            requests, first[rows], logits[rows], round_tokens,
+            time.perf_counter())
+    except BaseException as error:
+      self._fail_groups(groups, index, error)
+      return False
+    self.scheduler.start(groups[index].requests)
+    return True
+
+  def _fail_groups(self, groups, index: int, error: BaseException):
+    self._fail([r for g in groups[index:] for r in g.requests], error)
+    if not isinstance(error, Exception):
+      raise error
+
+  def _serve_group(self, group, round_tokens: int):
+    """Encodes the group's documents, writes its copies and prefills its
+    queries, without waiting for the device.  Returns the round's prefill
+    work so far and the group's first-token fetches: (requests, their rows
+    in the call, fetch() -> (logits, first tokens) of the call, the round's
+    work before them)."""
     if group.documents:
       self._encode(group.documents)
       round_tokens += sum(len(job.tokens) for job in group.documents)
@@ -135,9 +168,10 @@ class RoundExecutor:
                     self.scheduler.config.prefill_chunk_tokens)
     pieces = [prefill_chunks(r.layout.row, r.layout.prefill, chunk_tokens)
               for r in requests]
+    fetches = []
     for wave, rows, tokens in self._chunk_calls(pieces, keep_order):
       ends = [wave == len(pieces[i]) - 1 for i in rows]
-      logits, first = self._prefill_call(
+      fetch = self._prefill_call(
           [pieces[i][wave][0] for i in rows],
           [pieces[i][wave][1] for i in rows],
           [requests[i].request.sampling for i in rows], ends_query=ends)
@@ -145,10 +179,9 @@ class RoundExecutor:
       self.stats.prefill_tokens_computed += tokens
       done = [k for k, end in enumerate(ends) if end]
       if done:  # the requests whose last chunk ran: their first tokens
-        self.scheduler.record_first_tokens(
-            [requests[rows[k]] for k in done], first[done], logits[done],
-            round_tokens, time.perf_counter())
-    return round_tokens
+        fetches.append(([requests[rows[k]] for k in done], done, fetch,
+                        round_tokens))
+    return round_tokens, fetches
 
   def _chunk_calls(self, pieces, keep_order: bool):
     """The prefill calls of items cut into chunks (`pieces[i]`: item i's
@@ -211,12 +244,12 @@ class RoundExecutor:
     """One prefill call (`ends_query`: per row, whether its chunk ends a
     request's prompt; documents end none); with riders, one mixed step in
     which each running request also decodes its next token.  Returns
-    (logits, first tokens) of the rows."""
+    fetch() -> (logits, first tokens) of the rows, on host."""
     riders = self._riders()
     if not riders:
-      self.state, logits, first = self.runner.prefill(self.state, rows, plans,
-                                                      samplings)
-      return logits, first
+      self.state, fetch = self.runner.prefill_async(self.state, rows, plans,
+                                                    samplings)
+      return fetch
     cfg = self.scheduler.config
     self.state, _, nxt, done, logits, first = self.runner.mixed_step(
         self.state, riders, cfg.max_batch, rows, plans, samplings,
@@ -225,7 +258,7 @@ class RoundExecutor:
     self.stats.generated_tokens += self.scheduler.record_decode(
         riders, nxt[:, None], np.ones((len(riders), 1), bool), done,
         time.perf_counter())
-    return logits, first
+    return lambda: (logits, first)
 
   def _decode(self, decoding):
     cfg = self.scheduler.config

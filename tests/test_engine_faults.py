@@ -2,7 +2,8 @@
 serving, and nothing leaks.
 
 A fault is injected inside one stage of a round (admission, layout,
-document encoding, Block-Attention copies, query prefill, decode).  After
+document encoding, Block-Attention copies, query prefill, the fetch of a
+prefill's first tokens, decode).  After
 it: the affected requests end with an error result, every page is
 accounted for, documents that were never encoded are not in the cache, and
 greedy tokens still equal a fresh engine's.
@@ -55,6 +56,20 @@ class Fault:
     return self.original(*args, **kwargs)
 
 
+class FetchFault(Fault):
+  """Wraps `runner.prefill_async` so that the fetch of its `at`-th call's
+  first tokens raises, as a device error surfacing there would."""
+
+  def __call__(self, *args, **kwargs):
+    state, fetch = self.original(*args, **kwargs)
+    if self.when is None or self.when(*args, **kwargs):
+      self.calls += 1
+      if self.calls == self.at:
+        def fetch():
+          raise RuntimeError("injected fault")
+    return state, fetch
+
+
 @pytest.fixture(scope="module")
 def corpus(model_and_config):
   _, config, _ = model_and_config
@@ -83,7 +98,10 @@ STAGES = {
     # requests got their first tokens.
     "later group encode": ("runner", "encode_documents", 2),
     "copies": ("runner", "copy_pages", 1),
-    "query prefill": ("runner", "prefill", 1),
+    "query prefill": ("runner", "prefill_async", 1),
+    # The first group's tokens are fetched after the second group's calls
+    # are dispatched: both groups fail.
+    "first-token fetch": ("runner", "prefill_async", 1),
     "decode": ("runner", "decode", 1),
 }
 
@@ -107,12 +125,13 @@ def test_a_fault_in_any_stage_rolls_the_round_back(model_and_config, corpus,
   warm = engine.generate(corpus[1][0], [docs["a"]], greedy(2))
   owner, name, at = STAGES[stage]
   when = None
-  if stage == "query prefill":  # a prefill that is not a document encode
+  if stage in ("query prefill", "first-token fetch"):  # not an encode
     when = lambda state, rows, plans, samplings: (
         plans[0].q_pos[0] != 0 or mode in ("prefix", "full"))
   if stage == "copies":
     when = lambda state, copies: bool(copies)
-  fault = Fault(monkeypatch, getattr(engine, owner), name, at, when)
+  kind = FetchFault if stage == "first-token fetch" else Fault
+  fault = kind(monkeypatch, getattr(engine, owner), name, at, when)
   requests = round_requests(corpus)
   results = engine.generate_batch(requests)
   assert fault.calls >= at, "the fault was never reached"
@@ -417,7 +436,7 @@ def test_churn_soak_with_failing_steps(model_and_config):
   engine = make_engine(model_and_config, num_pages=40, max_batch=4,
                        decode_steps=2, first_token_group_tokens=16)
   chance = np.random.default_rng(52)
-  for name in ("encode_documents", "prefill", "decode"):
+  for name in ("encode_documents", "prefill_async", "decode"):
     original = getattr(engine.runner, name)
 
     def flaky(*args, _original=original, **kwargs):

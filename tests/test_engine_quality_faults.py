@@ -104,7 +104,7 @@ def test_a_failed_recompute_prefill_leaves_other_requests_running(
   before = _ownership(engine)
   # The doomed request's own prefill: its recomputed first page of docs[0]
   # and its query (document encodes are prefills too; they are let through).
-  Fault(monkeypatch, engine.runner, "prefill",
+  Fault(monkeypatch, engine.runner, "prefill_async",
         when=lambda state, rows, plans, samplings, embeddings=None:
         list(plans[0].tokens[-4:]) == queries[1])
   doomed_id = engine.submit(doomed.query, doomed.documents, doomed.sampling)
