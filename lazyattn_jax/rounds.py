@@ -109,8 +109,10 @@ class RoundExecutor:
     A group's first tokens are fetched only once the next group's calls
     are on the device, so the device never waits while the host prepares
     the next group (the calls run in order, so the fetch waits only for
-    its own group's)."""
+    its own group's).  With decode during prefill each group starts at
+    once instead, so its requests ride in the next group's calls."""
     groups = self.scheduler.first_token_groups(new)
+    lookahead = not self.scheduler.config.decode_during_prefill
     round_tokens, waiting = 0, None  # served group whose tokens are unread
     for index, group in enumerate(groups):
       try:
@@ -124,6 +126,10 @@ class RoundExecutor:
       if waiting is not None and not self._finish_group(groups, *waiting):
         return
       waiting = (index, fetches)
+      if not lookahead:
+        if not self._finish_group(groups, *waiting):
+          return
+        waiting = None
     if waiting is not None:
       self._finish_group(groups, *waiting)
 

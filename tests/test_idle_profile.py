@@ -10,10 +10,8 @@ import numpy as np
 from benchmarks.idle_profile import _label, _stacks_at, idle_attribution
 
 
-def _spin_on_the_host(seconds):
-  end = time.perf_counter() + seconds
-  while time.perf_counter() < end:
-    pass
+def _host_work(seconds):
+  time.sleep(seconds)  # one traced call, however busy the machine is
 
 
 def test_idle_time_is_attributed_to_the_host_work_between_calls(tmp_path):
@@ -24,12 +22,12 @@ def test_idle_time_is_attributed_to_the_host_work_between_calls(tmp_path):
     for _ in range(4):
       x = step(x)
       np.asarray(x)
-      _spin_on_the_host(0.02)
+      _host_work(0.02)
     np.asarray(step(x))
   report = idle_attribution(str(tmp_path), own={"test_idle_profile.py"})
   assert report["gaps"] >= 4 and report["idle_s"] >= 0.06
   label, seconds, share = report["by_own_frame"][0]
-  assert "_spin_on_the_host" in label
+  assert "_host_work" in label
   assert report["by_frame"][0][0].startswith(label)
   assert seconds >= 0.06 and share > 0.5
 

@@ -91,11 +91,11 @@ def test_chunked_prefill_gives_the_same_tokens(model_and_config, mode,
   engine = make_engine(model_and_config, mode=mode, prefill_chunk_tokens=4,
                        decode_during_prefill=riding)
   widths = []
-  for name in ("prefill", "mixed_step"):
+  for name in ("_run_prefill", "mixed_step"):
     original = getattr(engine.runner, name)
 
     def recorded(state, *args, _original=original, _name=name, **kwargs):
-      plans = args[1] if _name == "prefill" else args[3]
+      plans = args[1] if _name == "_run_prefill" else args[3]
       widths.append(max((len(p) for p in plans), default=0))
       return _original(state, *args, **kwargs)
 

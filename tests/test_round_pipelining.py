@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from lazyattn_jax.engine import Request
 from tests.test_engine import (greedy, make_engine,  # noqa: F401
@@ -45,11 +46,15 @@ def test_encoding_documents_does_not_wait_for_the_device(model_and_config,
   assert not any(fetched_inside)
 
 
+@pytest.mark.parametrize("riding", [False, True])
 def test_the_next_group_is_dispatched_before_the_first_tokens_are_read(
-    model_and_config, monkeypatch):
+    model_and_config, monkeypatch, riding):
+  """...unless running requests decode inside prefill calls: then a group
+  starts at once and rides in the next group's calls (mixed steps)."""
   _, config, _ = model_and_config
   requests = _two_group_round(config)
-  engine = make_engine(model_and_config, first_token_group_tokens=10)
+  engine = make_engine(model_and_config, first_token_group_tokens=10,
+                       decode_during_prefill=riding)
   events = []
   runner = engine.runner
   encode, prefill_async = runner.encode_documents, runner.prefill_async
@@ -68,8 +73,12 @@ def test_the_next_group_is_dispatched_before_the_first_tokens_are_read(
   monkeypatch.setattr(runner, "prefill_async", logged_prefill)
   results = engine.generate_batch(requests)
   monkeypatch.undo()
-  assert events == ["encode", "query 0", "encode", "query 1", "fetch 0",
-                    "fetch 1"]
+  if riding:
+    # The second group's document and query ran as mixed steps.
+    assert events == ["encode", "query 0", "fetch 0"]
+  else:
+    assert events == ["encode", "query 0", "encode", "query 1", "fetch 0",
+                      "fetch 1"]
   # The first group's requests still get their first tokens first.
   assert results[0].ttft_s <= results[1].ttft_s
   for request, result in zip(requests, results):
