@@ -118,6 +118,7 @@ class RoundExecutor:
       try:
         round_tokens, fetches = self._serve_group(group, round_tokens)
       except BaseException as error:
+        # The group before this one was served whole: it still finishes.
         if waiting is None or self._finish_group(groups, *waiting):
           self._fail_groups(groups, index, error)
         elif not isinstance(error, Exception):

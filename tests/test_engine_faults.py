@@ -137,6 +137,9 @@ def test_a_fault_in_any_stage_rolls_the_round_back(model_and_config, corpus,
   assert fault.calls >= at, "the fault was never reached"
   failed = {r.request_id for r in results if r.finish_reason == "error"}
   assert failed, [r.finish_reason for r in results]
+  if stage == "later group encode":  # the first group ([a], [c]) goes on
+    assert [r.finish_reason == "error" for r in results] == [
+        True, False, False, True]
   for r in results:
     if r.request_id in failed:
       assert r.error == "RuntimeError: injected fault"
