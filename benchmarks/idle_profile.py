@@ -25,6 +25,11 @@ import re
 
 from benchmarks.comm_profile import _events, _op_events, latest_trace
 
+# Gap sizes (upper limits in microseconds): launch gaps between the kernels
+# of one compiled program are a few microseconds; the host's work between
+# programs is longer.
+GAP_SIZES = ((50.0, "under 50 us"), (1000.0, "50 us to 1 ms"),
+             (float("inf"), "1 ms or more"))
 _FRAME = re.compile(r"^\$(?P<file>[^:]+):\d+ (?P<function>.+)$")
 
 
@@ -102,7 +107,8 @@ def idle_attribution(trace_dir: str, device: int = 0, top: int = 15,
   Python frames the host was in during them.
 
   Returns a dict: idle_s (gaps of at least `min_gap_us` between the first
-  and the last op), gaps (their count), span_s, by_own_frame (`top`
+  and the last op), gaps (their count), span_s, by_gap_size (count and
+  seconds of the gaps in each of `GAP_SIZES`), by_own_frame (`top`
   entries [innermost frame of our files, seconds, share of idle]) and
   by_frame (the same per "own frame > innermost frame").
   """
@@ -127,12 +133,19 @@ def idle_attribution(trace_dir: str, device: int = 0, top: int = 15,
       table[key] = table.get(key, 0.0) + weight * 1e-6
   idle = sum(end - start for start, end in gaps) * 1e-6
   span = (busy[-1][1] - busy[0][0]) * 1e-6 if busy else 0.0
+  by_size = {label: [0, 0.0] for _, label in GAP_SIZES}
+  for start, end in gaps:
+    label = next(label for limit, label in GAP_SIZES if end - start < limit)
+    by_size[label][0] += 1
+    by_size[label][1] += (end - start) * 1e-6
 
   def ranked(table):
     rows = sorted(table.items(), key=lambda kv: -kv[1])[:top]
     return [[k, s, s / idle if idle else 0.0] for k, s in rows]
 
   return dict(idle_s=idle, gaps=len(gaps), span_s=span,
+              by_gap_size={k: dict(gaps=n, seconds=t)
+                           for k, (n, t) in by_size.items()},
               by_own_frame=ranked(by_own), by_frame=ranked(by_pair))
 
 

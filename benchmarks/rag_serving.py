@@ -295,7 +295,8 @@ def profile_replay(engine, measured, args, label: str) -> dict:
   breakdown = op_breakdown(directory, top=15)
   idle = idle_attribution(directory, top=20)
   return dict(wall_s=seconds, busy_s=breakdown["busy_s"],
-              idle_s=idle["idle_s"], idle_by_own_frame=idle["by_own_frame"],
+              idle_s=idle["idle_s"], idle_by_gap_size=idle["by_gap_size"],
+              idle_by_own_frame=idle["by_own_frame"],
               idle_by_frame=[[n[:160], t, s] for n, t, s in idle["by_frame"]],
               prefill_tokens_computed=engine.stats.prefill_tokens_computed,
               span_s=breakdown["span_s"],

@@ -4,6 +4,8 @@ Python frames the host was in."""
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.idle_profile import _label, _stacks_at, idle_attribution
 
 
@@ -43,6 +45,12 @@ def test_idle_time_is_attributed_to_the_host_work_between_calls(tmp_path):
   assert "_host_work" in label
   assert report["by_frame"][0][0].startswith(label)
   assert seconds >= 0.06 and share > 0.5
+  # The four 20 ms sleeps are gaps of a millisecond or more.
+  sizes = report["by_gap_size"]
+  assert sizes["1 ms or more"]["gaps"] >= 4
+  assert sizes["1 ms or more"]["seconds"] >= 0.08
+  assert sum(v["seconds"] for v in sizes.values()) == pytest.approx(
+      report["idle_s"])
 
 
 def test_stacks_follow_the_nesting_of_calls():
