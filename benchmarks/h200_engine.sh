@@ -20,6 +20,10 @@
 #   fp8   - the paper-like load at a 10% pool in lazy and block, each again
 #           with a float8 pool of the same bytes (issue 16, part 3;
 #           FP8_FRACTION, FP8_MODES).
+#   idle  - the plain lazy run of the throughput bar (20% pool, warm cache,
+#           4,096-token groups), then its trace replayed under the profiler
+#           with the Python tracer: device busy and idle time, idle by gap
+#           size and by the host's Python frame (benchmarks/idle_profile.py).
 #   step  - the decode step of 32 rows against its HBM floor, per compile
 #           form (benchmarks/decode_step.py; STEP_VARIANTS), with an op
 #           breakdown from a profile (issue 16, decode-step bar);
@@ -141,6 +145,23 @@ for part in $parts; do
         --max-prefill-tokens ${MIXED_BUDGET:-16384} --prefill-chunk-tokens ${MIXED_CHUNK:-0} \
         ${MIXED_EXTRA:-} \
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
+    idle)
+      timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
+        --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
+        --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
+        --warm-cache-requests ${WARM_CACHE:-192} --group-tokens ${GROUP_TOKENS:-4096} \
+        --eviction lfu --cache-fraction ${PAPER_FRACTION:-0.2} --modes lazy --decode-steps 16 \
+        --profile-replay-dir /tmp/idle_profile --no-progress --out "$out/rag_paper_like_idle.json" \
+        2>&1 | grep -v Warning | tail -2
+      python3 -c "
+import json, sys
+for run in json.load(open(sys.argv[1]))['runs']:
+  p = run['profile']
+  print({k: round(p[k], 3) for k in ('wall_s', 'busy_s', 'span_s', 'idle_s')})
+  print(p['idle_by_gap_size'])
+  for name, seconds, share in p['idle_by_frame'][:15]:
+    print(f'{seconds:8.4f} {share:5.2f} {name}')
+" "$out/rag_paper_like_idle.json" ;;
     step)
       timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.decode_step \
         --variants ${STEP_VARIANTS:-triton,plain,merge,graphs} --loops 4 \
