@@ -69,7 +69,9 @@ def encode_in_batches(engine, token_docs, batch_size: int,
                       progress: bool) -> list[bool]:
   """Encodes token documents `batch_size` at a time, each batch under the
   engine's lock (rounds may run in between); per document, whether it was
-  cached already."""
+  cached already.  Returns once the device has written them (the encode
+  calls themselves do not wait), so a caller timing it times the work."""
+  import jax
   from tqdm.auto import tqdm
   hits: list[bool] = []
   with tqdm(total=len(token_docs), desc="Encoding documents", unit="doc",
@@ -80,4 +82,6 @@ def encode_in_batches(engine, token_docs, batch_size: int,
         engine._check_open()
         hits += engine.rounds.encode_documents(chunk)
       bar.update(len(chunk))
+  with engine._lock:
+    jax.block_until_ready(engine.rounds.state)
   return hits

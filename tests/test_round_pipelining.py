@@ -46,6 +46,19 @@ def test_encoding_documents_does_not_wait_for_the_device(model_and_config,
   assert not any(fetched_inside)
 
 
+def test_the_public_encode_returns_once_the_pool_is_written(model_and_config,
+                                                           monkeypatch):
+  _, config, _ = model_and_config
+  engine = make_engine(model_and_config)
+  waited = []
+  original = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready",
+                      lambda x: (waited.append(x), original(x))[1])
+  rng = np.random.default_rng(1)
+  engine.encode_documents([random_tokens(rng, 9, config.vocab_size)])
+  assert waited and waited[-1] is engine.rounds.state
+
+
 @pytest.mark.parametrize("riding", [False, True])
 def test_the_next_group_is_dispatched_before_the_first_tokens_are_read(
     model_and_config, monkeypatch, riding):
