@@ -3,9 +3,8 @@
 The device is idle between its ops; `benchmarks.comm_profile.op_breakdown`
 reports how much (span minus busy).  This module says what the host was
 doing meanwhile.  `jax.profiler.trace` records the Python interpreter's
-calls (the "python" thread of the host process, events named
-"$file.py:line function"), so the idle time can be sampled against the
-Python stack: every `step_us` of a gap looks up the innermost frame of one
+calls (events named "$file.py:line function" on the host), so the idle
+time can be sampled against the Python stack: every `step_us` of a gap looks up the innermost frame of one
 of our own files (`own_files`) and the innermost frame of any file, and the
 gap's time is summed per such pair.
 
@@ -56,13 +55,19 @@ def _busy_intervals(ops) -> list[tuple[float, float]]:
 
 
 def _python_calls(events) -> list[tuple[float, float, str]]:
-  """(start, end, name) of the host's traced Python calls, by start."""
-  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  """(start, end, name) of the host's traced Python calls, by start: the
+  events named "$..." of the thread that has most of them (the main
+  interpreter thread; its name is the executable's, "python3" or
+  "python", so the thread is found by its events)."""
+  by_thread = {}
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e and e["name"].startswith("$"):
+      by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
+  if not by_thread:
+    return []
+  main = max(by_thread.values(), key=len)
   calls = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
-           for e in events
-           if e.get("ph") == "X" and "dur" in e
-           and threads.get((e["pid"], e["tid"])) == "python"]
+           for e in main]
   calls.sort(key=lambda c: (c[0], -c[1]))
   return calls
 
