@@ -89,10 +89,10 @@ class StepJit:
 def compile_options(platform: str, weights_in_place: bool = True,
                     gpu_options=(), step_options=()) -> tuple:
   """The XLA options, as sorted (name, value) pairs, of a step on
-  `platform` ("cpu", "cuda", "tpu", ...): none off GPU; on GPU the
-  weights-in-place options with the step's own `step_options` (both only
-  unless weights in place are turned off: the step's options were measured
-  in that form), then the runner's `gpu_options` added to (and overriding)
+  `platform` ("cpu", "cuda", "tpu", ...).  None off GPU.  On GPU: the
+  weights-in-place options and the step's own `step_options` (both left
+  out when `weights_in_place` is off; the step's options were measured in
+  that form), then the runner's `gpu_options`, which add to and override
   them."""
   if platform not in GPU_PLATFORMS:
     return ()
