@@ -18,6 +18,9 @@ numeric suffix: `fusion.12` and `fusion.7` are both `fusion`) and reports
 the device's busy time against the span from its first op to its last, so
 idle gaps (host work between compiled calls) show as span minus busy.
 
+`benchmarks.idle_profile` says what the host did during those gaps; the
+command prints all three.
+
   python -m benchmarks.comm_profile DIR [--device 0] [--top 15]
 """
 
@@ -146,9 +149,11 @@ def main(argv=None):
   p.add_argument("--device", type=int, default=0)
   p.add_argument("--top", type=int, default=15)
   args = p.parse_args(argv)
+  from benchmarks.idle_profile import idle_attribution  # it imports this
   print(json.dumps(dict(
       communication_share(args.trace_dir, args.device),
-      breakdown=op_breakdown(args.trace_dir, args.device, args.top)),
+      breakdown=op_breakdown(args.trace_dir, args.device, args.top),
+      idle=idle_attribution(args.trace_dir, args.device, args.top)),
       indent=2))
 
 

@@ -10,15 +10,12 @@ gap's time is summed per such pair.
 
 The Python tracer slows the interpreter, so the absolute idle time of a
 traced run is larger than an untraced one's; the shares between frames are
-what this is for.
-
-  python -m benchmarks.idle_profile DIR [--device 0] [--top 15]
+what this is for.  `python -m benchmarks.comm_profile DIR` prints it with
+the op breakdown.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 
@@ -123,47 +120,43 @@ def idle_attribution(trace_dir: str, device: int = 0, top: int = 15,
   busy = _busy_intervals(ops)
   gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:])
           if b_start - a_end >= min_gap_us]
-  times, weights = [], []
-  for start, end in gaps:
-    samples = max(1, int((end - start) // step_us))
-    width = (end - start) / samples
-    for k in range(samples):
-      times.append(start + (k + 0.5) * width)
-      weights.append(width)
-  calls = _python_calls(events)
+  times, weights = _samples(gaps, step_us)
   by_own, by_pair = {}, {}
-  for stack, weight in zip(_stacks_at(calls, times), weights):
+  for stack, weight in zip(_stacks_at(_python_calls(events), times), weights):
     for table, key in ((by_own, _own_frame(stack, own)),
                        (by_pair, _label(stack, own))):
       table[key] = table.get(key, 0.0) + weight * 1e-6
   idle = sum(end - start for start, end in gaps) * 1e-6
-  span = (busy[-1][1] - busy[0][0]) * 1e-6 if busy else 0.0
-  by_size = {label: [0, 0.0] for _, label in GAP_SIZES}
-  for start, end in gaps:
-    label = next(label for limit, label in GAP_SIZES if end - start < limit)
-    by_size[label][0] += 1
-    by_size[label][1] += (end - start) * 1e-6
 
   def ranked(table):
     rows = sorted(table.items(), key=lambda kv: -kv[1])[:top]
     return [[k, s, s / idle if idle else 0.0] for k, s in rows]
 
-  return dict(idle_s=idle, gaps=len(gaps), span_s=span,
-              by_gap_size={k: dict(gaps=n, seconds=t)
-                           for k, (n, t) in by_size.items()},
+  return dict(idle_s=idle, gaps=len(gaps),
+              span_s=(busy[-1][1] - busy[0][0]) * 1e-6 if busy else 0.0,
+              by_gap_size=_by_gap_size(gaps),
               by_own_frame=ranked(by_own), by_frame=ranked(by_pair))
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("trace_dir")
-  p.add_argument("--device", type=int, default=0)
-  p.add_argument("--top", type=int, default=15)
-  args = p.parse_args(argv)
-  print(json.dumps(idle_attribution(args.trace_dir, args.device, args.top),
-                   indent=2))
+def _samples(gaps, step_us: float):
+  """Sample times about `step_us` apart inside each gap, and the time each
+  stands for (us)."""
+  times, weights = [], []
+  for start, end in gaps:
+    samples = max(1, int((end - start) // step_us))
+    width = (end - start) / samples
+    times += [start + (k + 0.5) * width for k in range(samples)]
+    weights += [width] * samples
+  return times, weights
 
 
-if __name__ == "__main__":
-  main()
+def _by_gap_size(gaps) -> dict:
+  """{label: {gaps, seconds}} per `GAP_SIZES` class."""
+  sizes = {label: dict(gaps=0, seconds=0.0) for _, label in GAP_SIZES}
+  for start, end in gaps:
+    label = next(label for limit, label in GAP_SIZES if end - start < limit)
+    sizes[label]["gaps"] += 1
+    sizes[label]["seconds"] += (end - start) * 1e-6
+  return sizes
+
+

@@ -111,3 +111,15 @@ def test_stacks_follow_the_nesting_of_calls():
   assert _label(stacks[3], own) == "$b.py:9 other"
   assert _label(stacks[4], own) == "(no frame of ours) > $a.py:1 outer"
   assert _label([], own) == "(no Python call)"
+
+
+def test_comm_profiles_command_prints_the_idle_time_too(tmp_path, capsys):
+  from benchmarks import comm_profile
+  _write_trace(tmp_path, [(20, "fusion.1", 0, 10), (20, "fusion.2", 30, 10),
+                          (10, "$run.py:5 host_work", 5, 30)])
+  comm_profile.main([str(tmp_path)])
+  report = json.loads(capsys.readouterr().out)
+  assert report["breakdown"]["busy_s"] == pytest.approx(20e-6)
+  assert report["idle"]["idle_s"] == pytest.approx(20e-6)
+  assert report["idle"]["by_frame"][0][0] == (
+      "(no frame of ours) > $run.py:5 host_work")
