@@ -57,6 +57,13 @@ def _events(path: str) -> list[dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def read_trace(trace_dir: str) -> list[dict]:
+  """The events of the newest trace under `trace_dir`.  A caller running
+  several analyses of one trace reads it once and passes `events=` to each
+  (a traced serving run's file is large)."""
+  return _events(latest_trace(trace_dir))
+
+
 def _op_events(events: list[dict], device: int) -> tuple[str, list[dict]]:
   """(where the ops came from, complete events of one device's ops)."""
   names = {e["pid"]: e["args"]["name"] for e in events
@@ -80,7 +87,8 @@ def _op_events(events: list[dict], device: int) -> tuple[str, list[dict]]:
   return "cpu_thunks", client
 
 
-def communication_share(trace_dir: str, device: int = 0) -> dict:
+def communication_share(trace_dir: str, device: int = 0,
+                        events=None) -> dict:
   """Time in collectives against time in all ops of one device (every
   device on CPU), from the newest trace under `trace_dir`.
 
@@ -88,7 +96,9 @@ def communication_share(trace_dir: str, device: int = 0) -> dict:
   comm_s, compute_s, comm_share, and the five collectives that took the
   longest (name, seconds).
   """
-  source, ops = _op_events(_events(latest_trace(trace_dir)), device)
+  if events is None:
+    events = read_trace(trace_dir)
+  source, ops = _op_events(events, device)
   comm, compute, by_name = 0.0, 0.0, {}
   for e in ops:
     seconds = float(e["dur"]) * 1e-6  # trace times are microseconds
@@ -112,7 +122,8 @@ def op_kind(name: str) -> str:
   return _SUFFIX.sub("", name)
 
 
-def op_breakdown(trace_dir: str, device: int = 0, top: int = 15) -> dict:
+def op_breakdown(trace_dir: str, device: int = 0, top: int = 15,
+                 events=None) -> dict:
   """The busiest ops of one device (every device on CPU) in the newest
   trace under `trace_dir`.
 
@@ -120,7 +131,9 @@ def op_breakdown(trace_dir: str, device: int = 0, top: int = 15) -> dict:
   op's start to last op's end), and `top` entries each of by_kind and
   by_op: [name, seconds, count], most time first.
   """
-  source, ops = _op_events(_events(latest_trace(trace_dir)), device)
+  if events is None:
+    events = read_trace(trace_dir)
+  source, ops = _op_events(events, device)
   by_kind, by_op = {}, {}
   for e in ops:
     seconds = float(e["dur"]) * 1e-6
@@ -150,10 +163,12 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=15)
   args = p.parse_args(argv)
   from benchmarks.idle_profile import idle_attribution  # it imports this
+  events = read_trace(args.trace_dir)
   print(json.dumps(dict(
-      communication_share(args.trace_dir, args.device),
-      breakdown=op_breakdown(args.trace_dir, args.device, args.top),
-      idle=idle_attribution(args.trace_dir, args.device, args.top)),
+      communication_share(args.trace_dir, args.device, events),
+      breakdown=op_breakdown(args.trace_dir, args.device, args.top, events),
+      idle=idle_attribution(args.trace_dir, args.device, args.top,
+                            events=events)),
       indent=2))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-from benchmarks.comm_profile import _events, _op_events, latest_trace
+from benchmarks.comm_profile import _op_events, read_trace
 
 # Gap sizes (upper limits in microseconds): launch gaps between the kernels
 # of one compiled program are a few microseconds; the host's work between
@@ -104,7 +104,7 @@ def _label(stack, own) -> str:
 
 def idle_attribution(trace_dir: str, device: int = 0, top: int = 15,
                      step_us: float = 20.0, min_gap_us: float = 5.0,
-                     own=None) -> dict:
+                     own=None, events=None) -> dict:
   """The device's idle gaps in the newest trace under `trace_dir`, and the
   Python frames the host was in during them.
 
@@ -115,7 +115,8 @@ def idle_attribution(trace_dir: str, device: int = 0, top: int = 15,
   by_frame (the same per "own frame > innermost frame").
   """
   own = own_files() if own is None else own
-  events = _events(latest_trace(trace_dir))
+  if events is None:
+    events = read_trace(trace_dir)
   _, ops = _op_events(events, device)
   busy = _busy_intervals(ops)
   gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:])

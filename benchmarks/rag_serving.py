@@ -282,18 +282,19 @@ def profile_replay(engine, measured, args, label: str) -> dict:
   the replay prefills what the measured run prefilled."""
   import re
   import jax
-  from benchmarks.comm_profile import op_breakdown
+  from benchmarks.comm_profile import op_breakdown, read_trace
   from benchmarks.idle_profile import idle_attribution
   directory = os.path.join(args.profile_replay_dir,
                            re.sub(r"[^A-Za-z0-9_.-]+", "_", label))
   engine.reset_stats()
   options = jax.profiler.ProfileOptions()
-  options.python_tracer_level = 1  # for idle_profile; not on by default on GPU
+  options.python_tracer_level = 1  # idle_profile reads the Python calls
   with jax.profiler.trace(directory, create_perfetto_trace=True,
                           profiler_options=options):
     _, seconds = run_trace(engine, measured, args)
-  breakdown = op_breakdown(directory, top=15)
-  idle = idle_attribution(directory, top=20)
+  events = read_trace(directory)
+  breakdown = op_breakdown(directory, top=15, events=events)
+  idle = idle_attribution(directory, top=20, events=events)
   return dict(wall_s=seconds, busy_s=breakdown["busy_s"],
               idle_s=idle["idle_s"], idle_by_gap_size=idle["by_gap_size"],
               idle_by_own_frame=idle["by_own_frame"],

@@ -132,7 +132,8 @@ def profile_decode(engine, trace, args, directory: str) -> dict:
   """Traces `--profile-loops` decode loops of a full batch (its prefill
   is left out of the trace) and reads the communication share."""
   import jax
-  from benchmarks.comm_profile import communication_share, op_breakdown
+  from benchmarks.comm_profile import (communication_share, op_breakdown,
+                                       read_trace)
   from lazyattn_jax.sampling import SamplingParams
   loops = args.profile_loops
   sampling = SamplingParams(max_new_tokens=args.decode_steps * (loops + 2),
@@ -150,8 +151,9 @@ def profile_decode(engine, trace, args, directory: str) -> dict:
   steps = engine.stats.decode_steps - steps_before
   while engine.has_work():
     engine.step()
-  share = communication_share(directory)
-  breakdown = op_breakdown(directory)
+  events = read_trace(directory)
+  share = communication_share(directory, events=events)
+  breakdown = op_breakdown(directory, events=events)
   per_step = 1.0 / max(steps, 1)
   return dict(share, trace_dir=directory, decode_steps_traced=steps,
               traced_step_s=seconds * per_step,
