@@ -126,11 +126,9 @@ class RoundExecutor:
         return
       if waiting is not None and not self._finish_group(groups, *waiting):
         return
-      waiting = (index, fetches)
-      if not lookahead:
-        if not self._finish_group(groups, *waiting):
-          return
-        waiting = None
+      waiting = (index, fetches) if lookahead else None
+      if not lookahead and not self._finish_group(groups, index, fetches):
+        return
     if waiting is not None:
       self._finish_group(groups, *waiting)
 
