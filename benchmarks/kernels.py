@@ -140,6 +140,13 @@ MOSAIC_DECODE_VARIANTS = {
     # One CTA per (row, kv head): half the CTAs (and their prologue and
     # output writes) of the default's two splits at B64.
     "k128s2-split1": MgpuDecodeBlockSizes(kv_splits=1),
+    "k128s2-split2": MgpuDecodeBlockSizes(kv_splits=2),
+    "k128s2-split4": MgpuDecodeBlockSizes(kv_splits=4),
+    # One CTA per SM, each streaming its work items through one ring (the
+    # next item's query prefetched): no per-CTA start and drain.
+    "k128s2-persistent": MgpuDecodeBlockSizes(persistent=True),
+    "k128s2-persistent-split1": MgpuDecodeBlockSizes(persistent=True,
+                                                     kv_splits=1),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
@@ -385,21 +392,23 @@ def _lazy_fn(kernel, block_sizes):
   return run
 
 
-def _decode_planned_sets(sets):
+def _decode_planned_sets(sets, block_sizes=None):
   """(q, k, v, q_pos, *DecodePlan) per set: the Mosaic decode's per-batch
   plan made outside the timed call, as a model makes it once per step."""
   make = jax.jit(functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
-                                   page_size=PAGE_SIZE),
+                                   page_size=PAGE_SIZE,
+                                   block_sizes=block_sizes),
                  static_argnames="num_pages")
   return [(q, k, v, q_pos, *make(table, pos, shift, length, q_pos,
                                  num_pages=k.shape[1]))
           for q, k, v, table, pos, shift, length, q_pos in sets]
 
 
-def _decode_planned(q, k_pages, v_pages, q_pos, *plan):
+def _decode_planned(q, k_pages, v_pages, q_pos, *plan, block_sizes=None):
   return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos,
                                   DecodePlan(*plan), rope=ROPE,
-                                  sm_scale=jnp.float32(SM_SCALE))
+                                  sm_scale=jnp.float32(SM_SCALE),
+                                  block_sizes=block_sizes)
 
 
 def _fp8_sets(sets):
@@ -521,23 +530,24 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
       _time_lazy_pair(results, shape, kv_bytes, lazy_decode_mgpu, sizes,
                       lazy_sets, shift0_sets,
                       (f"lazy-mosaic[{name}]", f"lazy-mosaic-shift0[{name}]"))
-    if mosaic_variants:  # the per-layer part alone (default tiles)
+    for name, sizes in mosaic_variants.items():  # the per-layer part alone
       try:
-        planned, planned0 = (_decode_planned_sets(lazy_sets),
-                             _decode_planned_sets(shift0_sets))
-        layer_s, layer0_s = time_pair(_decode_planned, planned,
-                                      _decode_planned, planned0,
+        planned, planned0 = (_decode_planned_sets(lazy_sets, sizes),
+                             _decode_planned_sets(shift0_sets, sizes))
+        layer = functools.partial(_decode_planned, block_sizes=sizes)
+        layer_s, layer0_s = time_pair(layer, planned, layer, planned0,
                                       _perturb_planned)
-        for method, seconds in (("lazy-mosaic per-layer", layer_s),
-                                ("lazy-mosaic-shift0 per-layer", layer0_s)):
+        for method, seconds in (
+            (f"lazy-mosaic per-layer[{name}]", layer_s),
+            (f"lazy-mosaic-shift0 per-layer[{name}]", layer0_s)):
           results.append(Result("decode", shape, method, seconds, kv_bytes,
                                 note="plan made once, outside"))
-          print(f"  {shape:>14s} {method:<24s} {seconds * 1e3:8.3f} ms "
+          print(f"  {shape:>14s} {method:<40s} {seconds * 1e3:8.3f} ms "
                 f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
         del planned, planned0
       except Exception as e:  # keep going: report the failure in the table
-        print(f"  FAILED lazy-mosaic per-layer: {type(e).__name__}: {e}",
-              flush=True)
+        print(f"  FAILED lazy-mosaic per-layer[{name}]: "
+              f"{type(e).__name__}: {e}", flush=True)
     if fp8:  # float8 pools: half the KV bytes; Triton and the Mosaic default
       fp8_sets, fp8_shift0 = _fp8_sets(lazy_sets), _fp8_sets(shift0_sets)
       for kernel, sizes, name in (
@@ -759,6 +769,11 @@ def _report_mosaic_decode(out, results, decode_shapes, triton_variant):
     out(f"  lazy-mosaic[{name}] >= 4.1 TB/s at B64/ctx8192: "
         + (f"{verdict(big.tb_per_s >= 4.1)} ({big.tb_per_s:.2f} TB/s)"
            if big else "MISS (not measured)"))
+    layer = _find(results, "decode", "B64/ctx8192",
+                  f"lazy-mosaic per-layer[{name}]")
+    if layer:
+      out(f"  lazy-mosaic per-layer[{name}] >= 4.1 TB/s at B64/ctx8192: "
+          f"{verdict(layer.tb_per_s >= 4.1)} ({layer.tb_per_s:.2f} TB/s)")
     out(f"  lazy-mosaic[{name}] speed vs Triton lazy: {', '.join(vs_triton)}")
 
 
@@ -795,6 +810,12 @@ def main(argv=None):
                       "and the baselines)")
   parser.add_argument("--no-mosaic-decode", action="store_true",
                       help="skip the Mosaic GPU decode rows")
+  parser.add_argument("--decode-shapes", default="",
+                      help="comma-separated BxCONTEXT decode shapes, e.g. "
+                      "64x8192 (default: DECODE_SHAPES)")
+  parser.add_argument("--mosaic-variants", default="",
+                      help="comma-separated MOSAIC_DECODE_VARIANTS names to "
+                      "time (default: all)")
   parser.add_argument("--fp8", action="store_true",
                       help="also time decode (Triton and Mosaic GPU) on "
                       "float8 e4m3 pools")
@@ -821,6 +842,16 @@ def main(argv=None):
   budget = Budget(args.time_budget)
   results: list[Result] = []
   mosaic_decode = {} if args.no_mosaic_decode else MOSAIC_DECODE_VARIANTS
+  if args.decode_shapes:
+    decode_shapes = [tuple(int(n) for n in shape.split("x"))
+                     for shape in args.decode_shapes.split(",")]
+  if args.mosaic_variants:
+    unknown = set(args.mosaic_variants.split(",")) - set(mosaic_decode)
+    if unknown:
+      parser.error(f"unknown --mosaic-variants {sorted(unknown)}; known: "
+                   f"{sorted(MOSAIC_DECODE_VARIANTS)}")
+    mosaic_decode = {name: mosaic_decode[name]
+                     for name in args.mosaic_variants.split(",")}
   if args.quick:
     mosaic_decode = dict(list(mosaic_decode.items())[:1])
   decode_variant = run_decode(results, decode_variants, decode_shapes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sizes import ceil_div
@@ -183,6 +184,11 @@ class MgpuDecodeBlockSizes:
       even share of the row's steps; None picks from the shape
       (`mgpu_decode_kv_splits`).
     mask_fast_path: skip the score mask on steps that need none.
+    persistent: launch at most one CTA per SM (`num_ctas`), each streaming
+      several (batch row, kv head, split) work items through one K/V ring,
+      the next item's query prefetched; else one CTA per work item.
+    num_ctas: CTAs of the persistent grid; None takes the local GPU's SM
+      count (`gpu_sm_count`).
   """
 
   # Not measured on a GPU yet: 128-key steps (the width the Triton decode
@@ -192,8 +198,12 @@ class MgpuDecodeBlockSizes:
   num_stages: int = 2
   kv_splits: int | None = None
   mask_fast_path: bool = True
+  persistent: bool = False
+  num_ctas: int | None = None
 
   def __post_init__(self):
+    if self.num_ctas is not None and self.num_ctas < 1:
+      raise ValueError(f"num_ctas must be >= 1, got {self.num_ctas}")
     if self.block_kv not in (64, 128):
       raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
     if self.num_stages < 2:
@@ -205,11 +215,11 @@ class MgpuDecodeBlockSizes:
 def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
                            head_dim: int, quantized: bool = False) -> int:
   """Shared memory of one decode CTA (buffers only): the f32 query tile
-  (reused for the output), its 16-bit rotated copy, the K/V ring (1-byte
-  elements for float8 pages, plus a 16-bit K and V tile they are widened
-  into), records, cos/sin and the m / l rows."""
+  (reused for the output; two when persistent), its 16-bit rotated copy,
+  the K/V ring (1-byte elements for float8 pages, plus a 16-bit K and V
+  tile they are widened into), records, cos/sin and the m / l rows."""
   stages = block_sizes.num_stages
-  q_store = WG_ROWS * head_dim * 4
+  q_store = WG_ROWS * head_dim * 4 * (2 if block_sizes.persistent else 1)
   q_16 = WG_ROWS * head_dim * 2
   kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
   if quantized:
@@ -227,3 +237,27 @@ def mgpu_decode_kv_splits(block_sizes: MgpuDecodeBlockSizes, *, batch: int,
     return block_sizes.kv_splits
   wanted = ceil_div(DECODE_TARGET_PROGRAMS, batch * num_kv_heads)
   return max(1, min(wanted, max_steps // MIN_BLOCKS_PER_SPLIT))
+
+
+# H100 and H200 (SXM) have 132 SMs: the persistent grid's size where no GPU
+# is attached (export, the interpreter).
+HOPPER_SM_COUNT = 132
+
+
+def gpu_sm_count() -> int:
+  """SMs of the first local GPU (its `core_count`), else HOPPER_SM_COUNT."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:  # no GPU backend in this process
+    return HOPPER_SM_COUNT
+  return getattr(devices[0], "core_count", None) or HOPPER_SM_COUNT
+
+
+def mgpu_decode_num_ctas(block_sizes: MgpuDecodeBlockSizes,
+                         num_items: int) -> int:
+  """CTAs of the Mosaic decode grid for `num_items` (batch row, kv head,
+  split) work items: one per item, or with `persistent` at most num_ctas
+  (the SM count by default)."""
+  if not block_sizes.persistent:
+    return num_items
+  return max(1, min(num_items, block_sizes.num_ctas or gpu_sm_count()))

@@ -28,12 +28,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuDecodeBlockSizes
+from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
+                                            mgpu_decode_num_ctas)
 # The compute warpgroup's registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_prefill_mgpu_kernel import (
-    _COMPUTE_REGISTERS, _interpreter_params, _Ops, _select_per_page,
-    key_positions, produce_kv_ring, rotate_query, softmax_start,
-    softmax_update, zero_invalid_v_rows)
+    _COMPUTE_REGISTERS, _PRODUCER_REGISTERS, _interpreter_params, _Ops,
+    _select_per_page, drain_kv_ring, key_positions, produce_kv_ring,
+    rotate_query, softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.sizes import round_up
 
@@ -57,6 +58,24 @@ def out_rows(group: int) -> int:
   return round_up(group, 8)
 
 
+def _work_item(j, cta, *, num_ctas: int, num_kv_heads: int,
+               num_splits: int, n_steps_ref):
+  """(batch, head, split, first step, steps) of this CTA's j-th work item:
+  items w = cta + j * num_ctas, in (batch, kv head, split) order.  A split
+  takes an even share of its row's steps (rows differ in length, so the
+  share is per row); steps are in page order."""
+  w = cta + j * num_ctas
+  per_batch = num_kv_heads * num_splits
+  batch = lax.div(w, jnp.int32(per_batch))
+  rest = w - batch * per_batch
+  head = lax.div(rest, jnp.int32(num_splits))
+  split = rest - head * num_splits
+  total = n_steps_ref[batch]
+  per_split = lax.div(total + (num_splits - 1), jnp.int32(num_splits))
+  first = jnp.minimum(split * per_split, total)
+  return batch, head, split, first, jnp.minimum(per_split, total - first)
+
+
 def _kernel(
     # Plan (per batch, the same for every layer; see DecodePlan).
     n_steps_ref,  # int32 [B]: steps of each row
@@ -74,41 +93,38 @@ def _kernel(
     acc_ref,  # f32 [B, S, K, Gp, H]
     ml_ref,  # f32 [B, S, K, 2, 64]: running max m and sum l of each row
     # Scratch (float8: two more 16-bit tiles, K16 and V16, at the end).
-    q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem, q_bar,
+    q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem, q_bars,
     k_bars, v_bars, k_free, v_free, *wide_smem, cfg: MgpuDecodeBlockSizes,
-    page_size: int, num_splits: int, rows: int, layout: RecordLayout,
-    dtype, interpret: bool):
+    page_size: int, num_splits: int, num_items: int, num_ctas: int,
+    rows: int, layout: RecordLayout, dtype, interpret: bool):
   ops = _Ops(interpret)
   stages, block_kv = cfg.num_stages, cfg.block_kv
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
   quantized = bool(wide_smem)  # dtype: the 16-bit wgmma operand dtype
-  split = lax.axis_index("split")
-  head = lax.axis_index("head")
-  batch = lax.axis_index("batch")
+  query_buffers = q_smem.shape[0]  # 2: the next item's query prefetched
+  cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
-  # An even share of this row's steps (rows differ in length, so the share
-  # is per row, not per launch).  Steps are in page order.
-  total = n_steps_ref[batch]
-  per_split = lax.div(total + (num_splits - 1), jnp.int32(num_splits))
-  first = jnp.minimum(split * per_split, total)
-  n_steps = jnp.minimum(per_split, total - first)
+  # This CTA's work items (one each unless the grid is persistent).
+  my_items = lax.div(jnp.int32(num_items - 1 + num_ctas) - cta,
+                     jnp.int32(num_ctas))
+  item = functools.partial(_work_item, cta=cta, num_ctas=num_ctas,
+                           num_kv_heads=q_ref.shape[1],
+                           num_splits=num_splits, n_steps_ref=n_steps_ref)
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
   @pl.when(wg == 0)
   def _compute():
     if not interpret:
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_bar.at[0])
-    q_pos = q_pos_ref[batch]
-    plgpu.barrier_wait(q_bar.at[0])
 
-    def rotate(slot):
-      # All 64 rows of the f32 tile: the wgmma A operand.
-      rotate_query(ops, q_smem, q16_smem, cs_smem, slot, half, dtype)
+    def fetch_query(j, buf):
+      batch, head, _, _, _ = item(j)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem.at[buf],
+                              q_bars.at[buf])
 
-    def mask_scores(s, rec):
+    def mask_scores(s, rec, q_pos):
       # Every row is the same token: one comparison with q_pos.
       key_pos = key_positions(ops, rec, layout, ppb, page_size, block_kv)
       visible = lax.broadcast_in_dim(key_pos <= q_pos, s.shape, [1])
@@ -130,7 +146,7 @@ def _kernel(
 
     page_offset = page_offset_ref[0]
 
-    def column_scales(rec, scales_ref):
+    def column_scales(rec, scales_ref, head):
       # Scale of each key column's page; 0 for pages the step does not read
       # (an unused page's scale may be NaN, and 0 * NaN would leak).
       values = [jnp.where(rec[layout.lim + j] > 0,
@@ -139,74 +155,101 @@ def _kernel(
       col = ops.iota((block_kv,), 0, col_layout)
       return _select_per_page(lax.div(col, jnp.int32(page_size)), values)
 
-    acc, m, l = softmax_start(ops, head_dim)
+    def one_item(j, ring_step):
+      batch, head, split, first, n_steps = item(j)
+      buf = lax.rem(j, query_buffers)
+      q_tile = q_smem.at[buf]
+      plgpu.barrier_wait(q_bars.at[buf])
+      if query_buffers > 1:  # the other buffer's output has been read
+        pl.when(j + 1 < my_items)(lambda: fetch_query(j + 1, 1 - buf))
+      q_pos = q_pos_ref[batch]
 
-    def step(i, carry):
-      acc, m, l = carry
-      slot = lax.rem(i, stages)
-      # The record ring is twice as deep as the K/V ring: the record is read
-      # after the K slot is released (mask, V fix-up); see the prefill.
-      rec = rec_smem.at[lax.rem(i, 2 * stages)]
-      plgpu.barrier_wait(k_bars.at[slot])
-      # A split may start inside a segment: rotate at its first step too.
-      pl.when((rec[layout.new_seg] != 0) | (i == 0))(lambda: rotate(slot))
-      if quantized:
-        k16_smem, v16_smem = wide_smem
-        # Scale loads (scalar, from global memory) first: their latency
-        # overlaps the widening.
-        k_cols = column_scales(rec, ks_ref)
-        v_cols = column_scales(rec, vs_ref)
-        widen(k_smem.at[slot], k16_smem)
-        plgpu.barrier_arrive(k_free.at[slot])  # the slot is copied out
-        s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
-        s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
-      else:
-        s = ops.qk(q16_smem, k_smem.at[slot], (WG_ROWS, block_kv))
-        plgpu.barrier_arrive(k_free.at[slot])
-      fixup = rec[layout.fixup] != 0
-      if cfg.mask_fast_path:
-        needs_mask = fixup | (rec[layout.max_pos] > q_pos)
-        s = lax.cond(needs_mask, lambda s: mask_scores(s, rec), lambda s: s,
-                     s)
-      else:
-        s = mask_scores(s, rec)
-      acc, m_new, l, p = softmax_update(acc, m, l, s)
-      if quantized:  # V scales per P column; l keeps the unscaled p
-        p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
-      p16 = p.astype(dtype)
-      acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
-      plgpu.barrier_wait(v_bars.at[slot])
-      if quantized:
-        pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v16_smem, rec))
-        pl.when(jnp.logical_not(fixup))(
-            lambda: widen(v_smem.at[slot], v16_smem))
-        plgpu.barrier_arrive(v_free.at[slot])
-        acc = ops.pv(acc, p16, v16_smem)
-      else:
-        pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v_smem.at[slot],
-                                       rec))
-        acc = ops.pv(acc, p16, v_smem.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
+      def step(i, carry):
+        acc, m, l = carry
+        ring = ring_step + i
+        slot = lax.rem(ring, stages)
+        # The record ring is twice as deep as the K/V ring: the record is
+        # read after the K slot is released (mask, V fix-up); see the
+        # prefill.
+        rec = rec_smem.at[lax.rem(ring, 2 * stages)]
+        plgpu.barrier_wait(k_bars.at[slot])
+        # A split may start inside a segment: rotate at its first step too.
+        pl.when((rec[layout.new_seg] != 0) | (i == 0))(
+            lambda: rotate_query(ops, q_tile, q16_smem, cs_smem, slot, half,
+                                 dtype))
+        if quantized:
+          k16_smem, v16_smem = wide_smem
+          # Scale loads (scalar, from global memory) first: their latency
+          # overlaps the widening.
+          k_cols = column_scales(rec, ks_ref, head)
+          v_cols = column_scales(rec, vs_ref, head)
+          widen(k_smem.at[slot], k16_smem)
+          plgpu.barrier_arrive(k_free.at[slot])  # the slot is copied out
+          s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
+          s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
+        else:
+          s = ops.qk(q16_smem, k_smem.at[slot], (WG_ROWS, block_kv))
+          plgpu.barrier_arrive(k_free.at[slot])
+        fixup = rec[layout.fixup] != 0
+        if cfg.mask_fast_path:
+          needs_mask = fixup | (rec[layout.max_pos] > q_pos)
+          s = lax.cond(needs_mask, lambda s: mask_scores(s, rec, q_pos),
+                       lambda s: s, s)
+        else:
+          s = mask_scores(s, rec, q_pos)
+        acc, m_new, l, p = softmax_update(acc, m, l, s)
+        if quantized:  # V scales per P column; l keeps the unscaled p
+          p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
+        p16 = p.astype(dtype)
+        acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_wait(v_bars.at[slot])
+        if quantized:
+          pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v16_smem, rec))
+          pl.when(jnp.logical_not(fixup))(
+              lambda: widen(v_smem.at[slot], v16_smem))
+          plgpu.barrier_arrive(v_free.at[slot])
+          acc = ops.pv(acc, p16, v16_smem)
+        else:
+          pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v_smem.at[slot],
+                                         rec))
+          acc = ops.pv(acc, p16, v_smem.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
 
-    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
-    # The f32 query tile is dead now: it stages the partial output.
-    q_smem[...] = acc
-    ml_smem[0] = m
-    ml_smem[1] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows)],
-                            acc_ref.at[batch, split, head])
-    plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, split, head])
+      acc, m, l = lax.fori_loop(0, n_steps, step,
+                                softmax_start(ops, head_dim))
+      # The item's f32 query tile is dead now: it stages the partial output.
+      q_tile[...] = acc
+      ml_smem[0] = m
+      ml_smem[1] = l
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_tile.at[pl.ds(0, rows)],
+                              acc_ref.at[batch, split, head])
+      plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[batch, split, head])
+      # Both buffers are rewritten by the next items (query, m / l).
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return ring_step + n_steps
+
+    fetch_query(0, 0)
+    lax.fori_loop(0, my_items, one_item, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
   def _produce():
-    produce_kv_ring(
-        n_steps, batch, head, page_offset_ref, rec_ref, k_ref, v_ref, cs_ref,
-        rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
-        layout=layout, pages_per_block=ppb, page_size=page_size,
-        stages=stages, interpret=interpret, first_record=first)
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    def one_item(j, ring_step):
+      batch, head, _, first, n_steps = item(j)
+      return produce_kv_ring(
+          n_steps, batch, head, page_offset_ref, rec_ref, k_ref, v_ref,
+          cs_ref, rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free,
+          v_free, layout=layout, pages_per_block=ppb, page_size=page_size,
+          stages=stages, interpret=interpret, first_record=first,
+          ring_step=ring_step, drain=False, set_registers=False)
+
+    ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+    drain_kv_ring(ring_steps, k_free, v_free, stages=stages)
 
 
 def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
@@ -241,6 +284,9 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
                      f"{layout.width} for block_kv {block_kv} and page size "
                      f"{page_size}")
   rows = out_rows(group)
+  num_items = batch * num_kv_heads * num_splits
+  num_ctas = mgpu_decode_num_ctas(block_sizes, num_items)
+  query_buffers = 2 if num_ctas < num_items else 1
   page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
   dtype = jnp.dtype(compute_dtype)
   quantized = k_scales is not None
@@ -255,7 +301,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   ring = tiled8 if quantized else tiled16
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   scratch = [
-      plgpu.SMEM((WG_ROWS, head_dim), jnp.float32, transforms=tiled32),
+      plgpu.SMEM((query_buffers, WG_ROWS, head_dim), jnp.float32,
+                 transforms=tiled32),
       plgpu.SMEM((WG_ROWS, head_dim), dtype, transforms=tiled16),
       plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
                  transforms=ring),
@@ -264,7 +311,7 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       plgpu.SMEM((2 * stages, layout.width), jnp.int32),
       plgpu.SMEM((stages, 2, head_dim // 2), jnp.float32),
       plgpu.SMEM((2, WG_ROWS), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=1),  # query tile
+      plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries
       plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot free
@@ -272,7 +319,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   ] + ([plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)] * 2
        if quantized else [])
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
-                             num_splits=num_splits, rows=rows, layout=layout,
+                             num_splits=num_splits, num_items=num_items,
+                             num_ctas=num_ctas, rows=rows, layout=layout,
                              dtype=dtype, interpret=interpret)
   extra = {}
   if interpret:
@@ -287,8 +335,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       kernel,
       out_type=out_shape,
       scratch_types=scratch,
-      grid=(num_splits, num_kv_heads, batch),
-      grid_names=("split", "head", "batch"),
+      grid=(num_ctas,),
+      grid_names=("cta",),
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -291,62 +291,76 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
                     v_ref, cs_ref, rec_smem, k_smem, v_smem, cs_smem, k_bars,
                     v_bars, k_free, v_free, *, layout, pages_per_block: int,
                     page_size: int, stages: int, interpret: bool,
-                    first_record=None):
+                    first_record=None, ring_step=None, drain: bool = True,
+                    set_registers: bool = True):
   """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
-  Step i copies, into ring slot i % stages, the K pages of step record
-  `first_record + i` (0 when None) with that record and the cos/sin of its
-  segment (all on k_bars[slot]), then its V pages (on v_bars[slot]), each
-  after the consumer has freed the slot (k_free / v_free), then waits for
-  the last releases.
+  Step i copies, into ring slot (ring_step + i) % stages, the K pages of
+  step record `first_record + i` (0 when None) with that record and the
+  cos/sin of its segment (all on k_bars[slot]), then its V pages (on
+  v_bars[slot]), each after the consumer has freed the slot (k_free /
+  v_free).  `ring_step` (0 when None) is how many steps earlier calls put
+  through the same ring (a persistent CTA streams several work items).
+  With `drain`, it then waits for the last releases (`drain_kv_ring`).
+  `set_registers=False` leaves the warpgroup's register count to a caller
+  that has set it once.  Returns ring_step + n_steps.
   """
-  if not interpret:
+  if not interpret and set_registers:
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
   page_offset = page_offset_ref[0]
+  base = jnp.int32(0) if ring_step is None else ring_step
 
   def step(i, _):
-    slot = lax.rem(i, stages)
+    ring = base + i
+    slot = lax.rem(ring, stages)
     row = i if first_record is None else first_record + i
     # Scalar reads first: their latency overlaps the wait for the slot.
     phys = [rec_ref[batch, row, layout.phys + j] + page_offset
             for j in range(pages_per_block)]
     seg = rec_ref[batch, row, layout.seg]
 
-    def copy_pages(pages_ref, ring, barrier):
+    def copy_pages(pages_ref, ring_smem, barrier):
       # One TMA copy per page: the block's pages are not contiguous.
       for j in range(pages_per_block):
         plgpu.copy_gmem_to_smem(
             pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
-            ring.at[slot, pl.ds(j * page_size, page_size)], barrier)
+            ring_smem.at[slot, pl.ds(j * page_size, page_size)], barrier)
 
-    @pl.when(i >= stages)
+    @pl.when(ring >= stages)
     def _():
       plgpu.barrier_wait(k_free.at[slot])
     copy_pages(k_ref, k_smem, k_bars.at[slot])
     plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
-                            rec_smem.at[lax.rem(i, 2 * stages)],
+                            rec_smem.at[lax.rem(ring, 2 * stages)],
                             k_bars.at[slot])
     plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
                             k_bars.at[slot])
 
-    @pl.when(i >= stages)
+    @pl.when(ring >= stages)
     def _():
       plgpu.barrier_wait(v_free.at[slot])
     copy_pages(v_ref, v_smem, v_bars.at[slot])
     return ()
 
   lax.fori_loop(0, n_steps, step, ())
+  end = base + n_steps
+  if drain:
+    drain_kv_ring(end, k_free, v_free, stages=stages)
+  return end
 
-  # Drain: observe the last releases of every slot, so each barrier phase
-  # is seen by its waiter (the interpreter checks this; on the GPU it only
-  # makes the producer wait for the consumers, having nothing left to do).
+
+def drain_kv_ring(ring_steps, k_free, v_free, *, stages: int):
+  """Observe the last releases of every slot after `ring_steps` steps, so
+  each barrier phase is seen by its waiter (the interpreter checks this; on
+  the GPU it only makes the producer wait for the consumers, having nothing
+  left to do)."""
   def drain(i, _):
     slot = lax.rem(i, stages)
     plgpu.barrier_wait(k_free.at[slot])
     plgpu.barrier_wait(v_free.at[slot])
     return ()
 
-  lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps, drain, ())
+  lax.fori_loop(jnp.maximum(ring_steps - stages, 0), ring_steps, drain, ())
 
 
 def _interpreter_params():

@@ -71,6 +71,11 @@ EXPORT_CASES = [
      MgpuDecodeBlockSizes(block_kv=64, num_stages=4, kv_splits=3)),
     (2, 32, 8, 128, 16, 40, jnp.bfloat16, PLAIN,
      MgpuDecodeBlockSizes(block_kv=64, num_stages=3, mask_fast_path=False)),
+    # Persistent grids: the benchmark shape on the SM count, and few CTAs.
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3,
+     MgpuDecodeBlockSizes(persistent=True)),
+    (3, 8, 2, 64, 8, 30, jnp.float16, PLAIN,
+     MgpuDecodeBlockSizes(block_kv=64, persistent=True, num_ctas=4)),
 ]
 
 
@@ -128,11 +133,16 @@ def _ragged_case(seed, **kwargs):
 
 
 @needs_interpreter
-def test_parity_interpret_ragged():
+@pytest.mark.parametrize("persistent", [False, True],
+                         ids=["cta-per-item", "persistent"])
+def test_parity_interpret_ragged(persistent):
   """Ragged documents (some shorter than a page), an empty page (page_len
   0), NaN in every unused page and padding slot, a padding row, shuffled
   physical pages, one physical document read at two shifts; two KV splits,
-  so a split starts inside a segment."""
+  so a split starts inside a segment.  Persistent: 12 work items (of 4, 3
+  and 0 steps: rows of 8, 6 and 0 steps in two splits) on 3 CTAs, each
+  streaming four through one K/V ring, so an item starts at an odd ring
+  step."""
   lazy = _ragged_case(0, batch=3, num_heads=8, num_kv_heads=2, head_dim=64,
                       page_size=16, dtype=jnp.bfloat16, max_doc_len=150)
   live = lazy.page_len > 0
@@ -142,7 +152,8 @@ def test_parity_interpret_ragged():
   shared = lazy.page_table[0, 0]
   rows = np.nonzero(lazy.page_table == shared)
   assert len(set(lazy.page_shift[rows].tolist())) >= 2, "no shared document"
-  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2)
+  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, persistent=persistent,
+                            num_ctas=3)
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
 
 
@@ -199,9 +210,13 @@ def _check_float8(out, lazy, fp8, k_scales, v_scales, rope):
 
 
 @needs_interpreter
-def test_parity_interpret_float8():
+@pytest.mark.parametrize("persistent", [False, True],
+                         ids=["cta-per-item", "persistent"])
+def test_parity_interpret_float8(persistent):
   """float8 pages with NaN in unused slots and NaN scales on unused pages,
-  a padding row, two splits; f16 queries (e4m3 -> f16 in one conversion)."""
+  a padding row, two splits; f16 queries (e4m3 -> f16 in one conversion).
+  Persistent: three splits (of 3, 3 and 1 steps, and three empty ones of
+  the padding row) on 2 CTAs: an item starts at an odd ring step."""
   from pallas_kernels.testing import quantize_case
   lazy = _ragged_case(5, batch=2, num_heads=4, num_kv_heads=1, head_dim=64,
                       page_size=16, dtype=jnp.float16, max_doc_len=100)
@@ -211,7 +226,9 @@ def test_parity_interpret_float8():
       *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
       sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
       v_scales=v_scales,
-      block_sizes=MgpuDecodeBlockSizes(block_kv=64, kv_splits=2))
+      block_sizes=MgpuDecodeBlockSizes(block_kv=64,
+                                       kv_splits=3 if persistent else 2,
+                                       persistent=persistent, num_ctas=2))
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
@@ -259,6 +276,25 @@ def test_kv_splits():
                                max_steps=9) == 2
   assert mgpu_decode_kv_splits(MgpuDecodeBlockSizes(kv_splits=5), batch=1,
                                num_kv_heads=1, max_steps=1) == 5
+
+
+def test_persistent_grid_size():
+  """One CTA per work item unless persistent; persistent takes at most
+  num_ctas (the SM count when None: 132 with no GPU attached)."""
+  from pallas_kernels.gpu_block_sizes import (HOPPER_SM_COUNT,
+                                              gpu_sm_count,
+                                              mgpu_decode_num_ctas)
+  assert mgpu_decode_num_ctas(MgpuDecodeBlockSizes(), 1024) == 1024
+  persistent = MgpuDecodeBlockSizes(persistent=True)
+  assert mgpu_decode_num_ctas(persistent, 1024) == gpu_sm_count()
+  assert mgpu_decode_num_ctas(persistent, 12) == min(12, gpu_sm_count())
+  few = MgpuDecodeBlockSizes(persistent=True, num_ctas=5)
+  assert mgpu_decode_num_ctas(few, 12) == 5
+  assert mgpu_decode_num_ctas(few, 3) == 3
+  if jax.default_backend() == "cpu":
+    assert gpu_sm_count() == HOPPER_SM_COUNT
+  with pytest.raises(ValueError, match="num_ctas must be >= 1"):
+    MgpuDecodeBlockSizes(persistent=True, num_ctas=0)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -364,6 +400,12 @@ GPU_CASES = [
     ((64, 8), 128, 32, 5000, PLAIN,
      MgpuDecodeBlockSizes(mask_fast_path=False, kv_splits=1)),
     ((8, 2), 64, 64, 2**20, LLAMA3, MgpuDecodeBlockSizes(num_stages=3)),
+    # Persistent: 5 rows x 8 kv heads x 2 splits on 7 CTAs (items of
+    # different lengths and a padding row's empty ones share each ring).
+    ((32, 8), 128, 16, 2**20, LLAMA3,
+     MgpuDecodeBlockSizes(persistent=True, num_ctas=7, kv_splits=2)),
+    ((8, 2), 64, 8, 0, PLAIN,
+     MgpuDecodeBlockSizes(block_kv=64, num_stages=4, persistent=True)),
 ]
 
 
@@ -385,15 +427,24 @@ def test_parity_gpu(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_parity_gpu_float8(dtype):
+@pytest.mark.parametrize("persistent", [False, True],
+                         ids=["dispatch", "persistent"])
+def test_parity_gpu_float8(dtype, persistent):
   from pallas_kernels.testing import quantize_case
   lazy = _ragged_case(7, batch=5, num_heads=32, num_kv_heads=8,
                       head_dim=128, page_size=16, dtype=dtype,
                       docs_per_row=4, max_doc_len=300, base_position=2**20)
   fp8, k_scales, v_scales = quantize_case(lazy)
-  out = jax.jit(lambda *a: lazy_attention(
-      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))(
-          *[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
+  if persistent:
+    call = lambda *a: lazy_decode_mgpu(
+        *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+        k_scales=a[8], v_scales=a[9],
+        block_sizes=MgpuDecodeBlockSizes(persistent=True, num_ctas=9))
+  else:
+    call = lambda *a: lazy_attention(
+        *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9])
+  out = jax.jit(call)(*[jnp.asarray(a) for a in fp8.args()], k_scales,
+                      v_scales)
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
