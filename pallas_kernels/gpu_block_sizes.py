@@ -230,12 +230,14 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
 
 def mgpu_decode_kv_splits(block_sizes: MgpuDecodeBlockSizes, *, batch: int,
                           num_kv_heads: int, max_steps: int) -> int:
-  """kv_splits for the Mosaic decode: as given, else about four waves of
-  CTAs (DECODE_TARGET_PROGRAMS), each with at least MIN_BLOCKS_PER_SPLIT
-  steps of the longest possible row."""
+  """kv_splits for the Mosaic decode: as given, else as many as fill the
+  SMs once (one CTA fits an SM), each with at least MIN_BLOCKS_PER_SPLIT
+  steps of the longest possible row.  Unlike the Triton decode's four
+  waves: measured per layer on the H200, one split beat two and three at
+  B32 and B64, two beat one, four and nine at B8 (docs/kernels.md)."""
   if block_sizes.kv_splits is not None:
     return block_sizes.kv_splits
-  wanted = ceil_div(DECODE_TARGET_PROGRAMS, batch * num_kv_heads)
+  wanted = gpu_sm_count() // (batch * num_kv_heads)
   return max(1, min(wanted, max_steps // MIN_BLOCKS_PER_SPLIT))
 
 

@@ -12,7 +12,6 @@ Validates shapes and dtypes at trace time, then dispatches to one of:
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -179,11 +178,6 @@ def _gpu_decode_kernel(q, k_pages, interpret: bool) -> str:
   (`gpu_decode_mgpu.mosaic_decode_unsupported` says why).
   """
   from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
-  # The Mosaic decode has not run on a GPU yet: it is taken only with
-  # LAZYATTN_MOSAIC_DECODE=1 (read when a call is traced) until it is
-  # measured on an H200, then it becomes the default and the switch goes.
-  if os.environ.get("LAZYATTN_MOSAIC_DECODE", "0") != "1":
-    return "triton"
   if interpret or mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
                                             k_pages.dtype) is not None:
     return "triton"

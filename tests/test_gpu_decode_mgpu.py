@@ -34,12 +34,6 @@ from tests.test_gpu_prefill_mgpu import (  # the same checks as prefill
     _check, _doc_layout_case, needs_interpreter)
 
 
-@pytest.fixture(autouse=True)
-def mosaic_decode_on(monkeypatch):
-  """The Mosaic decode is opt-in until measured on a GPU (lazy_attention's
-  LAZYATTN_MOSAIC_DECODE); these tests are about it."""
-  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
-
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position=8192)
@@ -267,10 +261,19 @@ def test_plan_decode_steps():
 
 
 def test_kv_splits():
+  """As many splits as fill the SMs once (132 with no GPU attached), each
+  with at least four steps."""
+  from pallas_kernels.gpu_block_sizes import gpu_sm_count
   bs = MgpuDecodeBlockSizes()
-  # B 64 x K 8 = 512 CTAs: two splits make about four waves of 132.
+  sms = gpu_sm_count()
+  # B 64 or 32 x K 8 fill the SMs already: one split.
   assert mgpu_decode_kv_splits(bs, batch=64, num_kv_heads=8,
-                               max_steps=64) == 2
+                               max_steps=64) == 1
+  assert mgpu_decode_kv_splits(bs, batch=32, num_kv_heads=8,
+                               max_steps=64) == 1
+  # B 8 x K 8 = 64 CTAs: two splits on 132 SMs.
+  assert mgpu_decode_kv_splits(bs, batch=8, num_kv_heads=8,
+                               max_steps=64) == sms // 64
   # Short rows keep at least four steps per split.
   assert mgpu_decode_kv_splits(bs, batch=1, num_kv_heads=8,
                                max_steps=9) == 2
@@ -364,18 +367,6 @@ def test_lazy_attention_picks_the_decode_kernel():
                                         impl="gpu"), DecodePlan)
   assert plan_lazy_attention(q32, pages32, *meta, rope=PLAIN,
                              impl="gpu") is None
-
-
-def test_mosaic_decode_is_taken_only_when_switched_on(monkeypatch):
-  from pallas_kernels.lazy_attention import _gpu_decode_kernel
-  q16 = jnp.zeros((1, 1, 4, 128), jnp.bfloat16)
-  pages16 = jnp.zeros((1, 4, 16, 128), jnp.bfloat16)
-  monkeypatch.delenv("LAZYATTN_MOSAIC_DECODE")
-  assert _gpu_decode_kernel(q16, pages16, interpret=False) == "triton"
-  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "0")
-  assert _gpu_decode_kernel(q16, pages16, interpret=False) == "triton"
-  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
-  assert _gpu_decode_kernel(q16, pages16, interpret=False) == "mosaic"
 
 
 def test_lazy_attention_refuses_a_prefill_plan_for_decode():

@@ -48,8 +48,7 @@ def test_page_offset_reads_the_shifted_pages(q_len):
   assert relative_error(traced, np.asarray(reference, np.float64)) <= 1e-5
 
 
-def test_plan_exists_only_for_the_mosaic_kernels(monkeypatch):
-  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")  # opt-in until measured
+def test_plan_exists_only_for_the_mosaic_kernels():
   bf16 = jnp.bfloat16
   lazy = make_case(np.random.default_rng(0), q_len=7, num_heads=8,
                    num_kv_heads=2, head_dim=128, dtype=np.float32)
@@ -68,10 +67,6 @@ def test_plan_exists_only_for_the_mosaic_kernels(monkeypatch):
   decode_plan = plan_lazy_attention(decode, k16, table, pos, shift, length,
                                     q_pos[:, :1], rope=ROPE, impl="gpu")
   assert isinstance(decode_plan, DecodePlan)
-  monkeypatch.delenv("LAZYATTN_MOSAIC_DECODE")  # Triton decode: no plan
-  assert plan_lazy_attention(decode, k16, table, pos, shift, length,
-                             q_pos[:, :1], rope=ROPE, impl="gpu") is None
-  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
   assert decode_plan.n_steps.shape == (q.shape[0],)
   decode32 = jax.ShapeDtypeStruct(decode.shape, jnp.float32)
   assert plan_lazy_attention(decode32, k, table, pos, shift, length,

@@ -141,12 +141,11 @@ def Llama_(config):
   return Llama(config, rngs=nnx.Rngs(0))
 
 
-def test_sharded_steps_lower_for_cuda(monkeypatch):
+def test_sharded_steps_lower_for_cuda():
   """The decode and prefill steps (Mosaic GPU kernels, each plan made once
   and passed to every device) of a 2-device bf16 model export for CUDA from
   CPU, the pool split over KV heads, with no Triton call and so no disabled
-  safety check (the Mosaic decode is opt-in until measured)."""
-  monkeypatch.setenv("LAZYATTN_MOSAIC_DECODE", "1")
+  safety check."""
   from jax import export
   from lazyattn_jax.cache_state import CacheConfig
   from lazyattn_jax.model_runner import _decode_loop, _prefill_step
