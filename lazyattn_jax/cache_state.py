@@ -40,6 +40,7 @@ from models.quantized_pool import QuantizedPool, zeros_pool
 __all__ = [
     "CacheConfig",
     "CacheState",
+    "host_device",
     "init_cache_state",
     "lookup_documents",
     "allocate_pages",
@@ -101,26 +102,50 @@ class CacheState:
     return self.doc_pages.shape[1]
 
 
-def init_cache_state(config: CacheConfig) -> CacheState:
-  """An empty cache: zeroed pool, every page free, no documents."""
+def host_device() -> jax.Device | None:
+  """This process's first CPU device, where the cache's tables live; None
+  where jax runs without its CPU backend (JAX_PLATFORMS naming only an
+  accelerator)."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
+
+
+def init_cache_state(config: CacheConfig,
+                     table_device: jax.Device | None = None) -> CacheState:
+  """An empty cache: zeroed pool, every page free, no documents.
+
+  The pool goes where `config.pool_sharding` puts it (the default device
+  when None).  The tables (refcounts and the document table) go to
+  `table_device`, by default `host_device()`: the host reads them back
+  after every admission, and on an accelerator that read would wait for
+  every step queued before it.  No compiled step reads both (the steps take
+  page ids from the host), so tables and pool may sit on different devices.
+  """
   D, M = config.max_docs, config.max_pages_per_doc
+  tables = dict(
+      page_refcount=np.zeros((config.num_pages,), np.int32),
+      doc_key=np.zeros((D, 2), np.int32),
+      doc_valid=np.zeros((D,), np.bool_),
+      doc_len=np.zeros((D,), np.int32),
+      doc_num_pages=np.zeros((D,), np.int32),
+      doc_pages=np.full((D, M), -1, np.int32),
+      doc_users=np.zeros((D,), np.int32),
+      doc_last_used=np.zeros((D,), np.int32),
+      doc_uses=np.zeros((D,), np.int32),
+      reads_since_aging=np.zeros((), np.int32),
+      clock=np.zeros((), np.int32),
+  )
+  device = table_device or host_device()
+  tables = (jax.device_put(tables, device) if device is not None
+            else jax.tree_util.tree_map(jnp.asarray, tables))
   return CacheState(
       k=zeros_pool(config.pool_shape, config.dtype,
                    device=config.pool_sharding),
       v=zeros_pool(config.pool_shape, config.dtype,
                    device=config.pool_sharding),
-      page_refcount=jnp.zeros((config.num_pages,), jnp.int32),
-      doc_key=jnp.zeros((D, 2), jnp.int32),
-      doc_valid=jnp.zeros((D,), jnp.bool_),
-      doc_len=jnp.zeros((D,), jnp.int32),
-      doc_num_pages=jnp.zeros((D,), jnp.int32),
-      doc_pages=jnp.full((D, M), -1, jnp.int32),
-      doc_users=jnp.zeros((D,), jnp.int32),
-      doc_last_used=jnp.zeros((D,), jnp.int32),
-      doc_uses=jnp.zeros((D,), jnp.int32),
-      reads_since_aging=jnp.zeros((), jnp.int32),
-      clock=jnp.zeros((), jnp.int32),
-  )
+      **tables)
 
 
 # ----------------------------------------------------------------- helpers

@@ -95,6 +95,19 @@ def test_init_state_is_empty():
   assert np.all(np.asarray(state.doc_pages) == -1)
 
 
+def test_tables_are_committed_to_the_host_device():
+  """The tables sit on the host CPU device (committed, so every transition
+  runs there); tests/multi_device/test_cache_placement.py runs an engine
+  with the pool elsewhere."""
+  state = cs.init_cache_state(CONFIG)
+  host = cs.host_device()
+  assert host is not None and host.platform == "cpu"
+  for leaf in (state.page_refcount, state.doc_pages, state.clock):
+    assert leaf.devices() == {host} and leaf.committed
+  explicit = cs.init_cache_state(CONFIG, table_device=jax.devices()[0])
+  assert explicit.doc_key.devices() == {jax.devices()[0]}
+
+
 # -------------------------------------------------------------- doc keys
 
 

@@ -1,0 +1,50 @@
+"""The cache's tables live on the host CPU device, apart from the pool.
+
+A serving run in every mode, with the model and the pool on another device
+than the tables, leaves each where it was and generates what an engine on
+one device generates: a compiled step that read both would have pulled one
+of them to the other's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from lazyattn_jax.cache_state import CacheState, host_device
+from models.llama import Llama
+from tests.multi_device.test_tp_engine import CONFIG, _engine, _pool, _workload
+
+TABLE_FIELDS = [f.name for f in dataclasses.fields(CacheState)
+                if f.name not in ("k", "v")]
+
+
+def _devices(tree):
+  return {device for leaf in jax.tree_util.tree_leaves(tree)
+          for device in leaf.devices()}
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block", "prefix", "full"])
+def test_tables_stay_on_the_host_and_the_pool_on_its_device(mode,
+                                                             engine_impl):
+  host = host_device()
+  other = next(d for d in jax.devices() if d != host)
+  reference = _engine(Llama(CONFIG, rngs=nnx.Rngs(0)), mode, None,
+                      _pool(mode), engine_impl)
+  expected = reference.generate_batch(_workload())
+  reference.close()
+  with jax.default_device(other):
+    engine = _engine(Llama(CONFIG, rngs=nnx.Rngs(0)), mode, None,
+                     _pool(mode), engine_impl)
+    results = engine.generate_batch(_workload())
+  state = engine.state
+  if mode in ("lazy", "block"):  # 5 documents: some evicted, encoded again
+    assert engine.stats.documents_prefilled > 5
+  for name in TABLE_FIELDS:
+    assert _devices(getattr(state, name)) == {host}, name
+  assert _devices((state.k, state.v)) == {other}
+  engine.close()
+  assert [r.token_ids for r in results] == [r.token_ids for r in expected]
