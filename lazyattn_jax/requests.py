@@ -140,14 +140,17 @@ def _token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
         f"{type(tokens).__name__}")
   if isinstance(tokens, np.ndarray):
     tokens = tokens.tolist()
-  # Plain ints are the common case and cheap to check; anything else must
-  # still be an integral number, never a bool or a float.
-  if not all(type(t) is int for t in tokens):
+  # Plain ints are the common case: checked and copied by C loops (this
+  # runs for every document of every request, between the engine's steps).
+  # Anything else must still be an integral number, never a bool or float.
+  if set(map(type, tokens)) <= {int}:
+    ids = tuple(tokens)
+  else:
     for t in tokens:
       if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
         raise InvalidRequestError(
             f"{what} must hold integer token ids, got {type(t).__name__} {t!r}")
-  ids = tuple(int(t) for t in tokens)
+    ids = tuple(int(t) for t in tokens)
   if not ids:
     raise InvalidRequestError(f"{what} is empty")
   if min(ids) < 0 or max(ids) >= vocab_size:

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.sizes import ceil_div
 
-# Decode aims for about four waves of programs on a 132-SM Hopper part when it
-# picks kv_splits itself: enough programs in flight to cover HBM latency.
+# The Triton decode aims for about four waves of programs on a 132-SM Hopper
+# part when it picks kv_splits itself: enough programs in flight to cover HBM
+# latency.  (The Mosaic decode fills the SMs once: mgpu_decode_kv_splits.)
 DECODE_TARGET_PROGRAMS = 4 * 132
 # A decode split should stream at least this many KV blocks, or the partial
 # results and their combine cost more than the parallelism buys.
