@@ -30,11 +30,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_num_ctas)
-# The compute warpgroup's registers per thread (setmaxnreg) as in prefill.
-from pallas_kernels.gpu_prefill_mgpu_kernel import (
-    _COMPUTE_REGISTERS, _PRODUCER_REGISTERS, _interpreter_params, _Ops,
-    _select_per_page, drain_kv_ring, key_positions, produce_kv_ring,
-    rotate_query, softmax_start, softmax_update, zero_invalid_v_rows)
+# The warpgroups' registers per thread (setmaxnreg) as in prefill.
+from pallas_kernels.gpu_mgpu_parts import (
+    COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
+    interpreter_params, key_positions, produce_kv_ring, rotate_query,
+    select_per_page, softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.sizes import round_up
 
@@ -97,7 +97,7 @@ def _kernel(
     k_bars, v_bars, k_free, v_free, *wide_smem, cfg: MgpuDecodeBlockSizes,
     page_size: int, num_splits: int, num_items: int, num_ctas: int,
     rows: int, layout: RecordLayout, dtype, interpret: bool):
-  ops = _Ops(interpret)
+  ops = Ops(interpret)
   stages, block_kv = cfg.num_stages, cfg.block_kv
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
@@ -117,7 +117,7 @@ def _kernel(
   @pl.when(wg == 0)
   def _compute():
     if not interpret:
-      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+      plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
     def fetch_query(j, buf):
       batch, head, _, _, _ = item(j)
@@ -153,7 +153,7 @@ def _kernel(
                           scales_ref[head, rec[layout.phys + j] + page_offset],
                           jnp.float32(0.0)) for j in range(ppb)]
       col = ops.iota((block_kv,), 0, col_layout)
-      return _select_per_page(lax.div(col, jnp.int32(page_size)), values)
+      return select_per_page(lax.div(col, jnp.int32(page_size)), values)
 
     def one_item(j, ring_step):
       batch, head, split, first, n_steps = item(j)
@@ -237,7 +237,7 @@ def _kernel(
   @pl.when(wg == 1)
   def _produce():
     if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def one_item(j, ring_step):
       batch, head, _, first, n_steps = item(j)
@@ -324,7 +324,7 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
                              dtype=dtype, interpret=interpret)
   extra = {}
   if interpret:
-    extra["interpret"] = _interpreter_params()
+    extra["interpret"] = interpreter_params()
   out_shape = (
       jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, rows, head_dim),
                            jnp.float32),

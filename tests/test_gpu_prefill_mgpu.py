@@ -98,12 +98,12 @@ needs_interpreter = pytest.mark.skipif(
 
 def test_interpret_without_the_interpreter_names_the_missing_module(
     monkeypatch):
-  from pallas_kernels import gpu_prefill_mgpu_kernel
+  from pallas_kernels import gpu_mgpu_parts
   # None in sys.modules makes the import fail as on a jax without the module.
   monkeypatch.setitem(sys.modules,
                       "jax._src.pallas.mosaic_gpu.interpret.params", None)
   with pytest.raises(ImportError, match="mosaic_gpu.interpret"):
-    gpu_prefill_mgpu_kernel._interpreter_params()
+    gpu_mgpu_parts.interpreter_params()
 
 
 def _call(args, *, rope=PLAIN, block_sizes=None, interpret=False):

@@ -1,0 +1,247 @@
+"""The pieces the Mosaic GPU (Hopper) prefill and decode kernels share.
+
+The producer warpgroup's K/V ring (`produce_kv_ring`, `drain_kv_ring`), and
+the compute warpgroups' steps: query rotation by -shift, key positions,
+the V fix-up of invalid slots, the online softmax (base 2); `Ops` gives
+the interpreter plain jnp stand-ins for what it has no layouts for.  The
+kernels: gpu_prefill_mgpu_kernel.py, gpu_decode_mgpu_kernel.py; design:
+docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_block_sizes import WG_ROWS
+from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
+
+# Registers per thread (setmaxnreg) of compute / producer warpgroups.
+PRODUCER_REGISTERS = 40
+COMPUTE_REGISTERS = 232
+
+
+class Ops:
+  """Layout-dependent pieces; the interpreter has no layouts and no wgmma
+  transposes, so it takes plain jnp equivalents."""
+
+  def __init__(self, interpret: bool):
+    self.interpret = interpret
+
+  def cast(self, x, layout):
+    return x if self.interpret else plgpu.layout_cast(x, layout)
+
+  def iota(self, shape, dim, layout):
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
+
+  def qk(self, q_ref, k_ref, shape, between=None):
+    """S = Q K^T in f32 (K rows are keys)."""
+    if self.interpret:
+      if between is not None:
+        between()
+      return lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
+      if between is not None:
+        between()  # runs while the wgmma is in flight
+      return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+  def pv(self, acc, p, v_ref):
+    """acc + P V."""
+    if self.interpret:
+      return acc + lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, p, v_ref)
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+  def optimization_barrier(self, xs):
+    return xs if self.interpret else lax.optimization_barrier(xs)
+
+
+def select_per_page(page, values):
+  """values[page] for a small static list of scalars (a select chain)."""
+  out = values[0]
+  for j in range(1, len(values)):
+    out = jnp.where(page == j, values[j], out)
+  return out
+
+
+def page_fields(rec, offset, pages_per_block):
+  return [rec[offset + j] for j in range(pages_per_block)]
+
+
+# The compute warpgroups' steps.
+def rotate_query(ops, src, dst, cs_smem, slot, half, dtype):
+  """dst = R(-shift) src in `dtype` (64 rows: the wgmma A operand), with the
+  step's cos / sin in cs_smem[slot]; src f32 or 16-bit."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  lo = src.at[:, pl.ds(0, half)][...]
+  hi = src.at[:, pl.ds(half, half)][...]
+  if lo.dtype != jnp.float32:
+    lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+  cos = ops.cast(cs_smem[slot, 0], col_layout)
+  sin = ops.cast(cs_smem[slot, 1], col_layout)
+  cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
+  sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
+  dst.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
+  dst.at[:, pl.ds(half, half)][...] = (hi * cos - lo * sin).astype(dtype)
+  plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def key_positions(ops, rec, layout: RecordLayout, pages_per_block: int,
+                  page_size: int, block_kv: int):
+  """Key position of each of a step's columns (one value per column),
+  INT32_MAX where the slot is invalid."""
+  col = ops.iota((block_kv,), 0, plgpu.Layout.WGMMA.reduce(0))
+  page = lax.div(col, jnp.int32(page_size))
+  slot_in_page = col - page * page_size
+  lim = select_per_page(page,
+                         page_fields(rec, layout.lim, pages_per_block))
+  pos = select_per_page(page,
+                         page_fields(rec, layout.pos, pages_per_block))
+  return jnp.where(slot_in_page < lim, pos + slot_in_page, INT32_MAX)
+
+
+def zero_invalid_v_rows(ops, src, dst, rec, layout: RecordLayout,
+                        pages_per_block: int, page_size: int, block_kv: int,
+                        head_dim: int, dtype, convert=lambda x: x):
+  """dst = convert(src) with the V rows of invalid slots zeroed: TMA copies
+  whole pages, and a NaN there would survive p = 0 in P V (src and dst may
+  be the same ring slot)."""
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  for r0 in range(0, block_kv, WG_ROWS):
+    kv_rows = ops.iota((WG_ROWS,), 0, row_layout) + r0
+    page = lax.div(kv_rows, jnp.int32(page_size))
+    slot_in_page = kv_rows - page * page_size
+    lim = select_per_page(page,
+                           page_fields(rec, layout.lim, pages_per_block))
+    ok = lax.broadcast_in_dim(lim - slot_in_page, (WG_ROWS, head_dim),
+                              [0]) > 0
+    values = convert(src.at[pl.ds(r0, WG_ROWS)][...])
+    dst.at[pl.ds(r0, WG_ROWS)][...] = jnp.where(ok, values,
+                                                jnp.zeros((), dtype))
+  plgpu.commit_smem()
+
+
+def softmax_start(ops, head_dim: int):
+  """(acc, m, l) of an online softmax over 64 rows, before any key."""
+  m = ops.cast(jnp.full((WG_ROWS,), common.NEG_INIT, jnp.float32),
+               plgpu.Layout.WGMMA.reduce(1))
+  l = ops.cast(jnp.full((WG_ROWS,), 0.0, jnp.float32),
+               plgpu.Layout.WGMMA.reduce(1))
+  acc = ops.cast(jnp.full((WG_ROWS, head_dim), 0.0, jnp.float32),
+                 plgpu.Layout.WGMMA)
+  return acc, m, l
+
+
+def softmax_update(acc, m, l, s):
+  """One online-softmax step (base 2) over scores s [64, block_kv]:
+  (acc rescaled, new max, new sum, p)."""
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  l = l * alpha + p.sum(axis=1)
+  return acc, m_new, l, p
+
+
+def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
+                    v_ref, cs_ref, rec_smem, k_smem, v_smem, cs_smem, k_bars,
+                    v_bars, k_free, v_free, *, layout, pages_per_block: int,
+                    page_size: int, stages: int, interpret: bool,
+                    first_record=None, ring_step=None, drain: bool = True,
+                    set_registers: bool = True):
+  """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
+
+  Step i copies, into ring slot (ring_step + i) % stages, the K pages of
+  step record `first_record + i` (0 when None) with that record and the
+  cos/sin of its segment (all on k_bars[slot]), then its V pages (on
+  v_bars[slot]), each after the consumer has freed the slot (k_free /
+  v_free).  `ring_step` (0 when None) is how many steps earlier calls put
+  through the same ring (a persistent CTA streams several work items).
+  With `drain`, it then waits for the last releases (`drain_kv_ring`).
+  `set_registers=False` leaves the warpgroup's register count to a caller
+  that has set it once.  Returns ring_step + n_steps.
+  """
+  if not interpret and set_registers:
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  page_offset = page_offset_ref[0]
+  base = jnp.int32(0) if ring_step is None else ring_step
+
+  def step(i, _):
+    ring = base + i
+    slot = lax.rem(ring, stages)
+    row = i if first_record is None else first_record + i
+    # Scalar reads first: their latency overlaps the wait for the slot.
+    phys = [rec_ref[batch, row, layout.phys + j] + page_offset
+            for j in range(pages_per_block)]
+    seg = rec_ref[batch, row, layout.seg]
+
+    def copy_pages(pages_ref, ring_smem, barrier):
+      # One TMA copy per page: the block's pages are not contiguous.
+      for j in range(pages_per_block):
+        plgpu.copy_gmem_to_smem(
+            pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
+            ring_smem.at[slot, pl.ds(j * page_size, page_size)], barrier)
+
+    @pl.when(ring >= stages)
+    def _():
+      plgpu.barrier_wait(k_free.at[slot])
+    copy_pages(k_ref, k_smem, k_bars.at[slot])
+    plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
+                            rec_smem.at[lax.rem(ring, 2 * stages)],
+                            k_bars.at[slot])
+    plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg], cs_smem.at[slot],
+                            k_bars.at[slot])
+
+    @pl.when(ring >= stages)
+    def _():
+      plgpu.barrier_wait(v_free.at[slot])
+    copy_pages(v_ref, v_smem, v_bars.at[slot])
+    return ()
+
+  lax.fori_loop(0, n_steps, step, ())
+  end = base + n_steps
+  if drain:
+    drain_kv_ring(end, k_free, v_free, stages=stages)
+  return end
+
+
+def drain_kv_ring(ring_steps, k_free, v_free, *, stages: int):
+  """Observe the last releases of every slot after `ring_steps` steps, so
+  each barrier phase is seen by its waiter (the interpreter checks this; on
+  the GPU it only makes the producer wait for the consumers, having nothing
+  left to do)."""
+  def drain(i, _):
+    slot = lax.rem(i, stages)
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+    return ()
+
+  lax.fori_loop(jnp.maximum(ring_steps - stages, 0), ring_steps, drain, ())
+
+
+def interpreter_params():
+  """jax's experimental Mosaic GPU interpreter (a private API, jax >= 0.10)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import (  # pylint: disable=g-import-not-at-top
+        InterpretGPUParams)
+  except ImportError as e:
+    # The installed jax lacks a module this feature needs: an ImportError,
+    # with the module named, for the caller to catch or read.
+    raise ImportError(
+        "interpret=True needs jax's Mosaic GPU interpreter "
+        "(jax._src.pallas.mosaic_gpu.interpret), which this jax "
+        f"{jax.__version__} does not have") from e
+  return InterpretGPUParams()
