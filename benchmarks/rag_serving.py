@@ -28,7 +28,9 @@ import time
 
 import numpy as np
 
-from lazyattn_jax.modes import MODES
+from benchmarks import rag_serving_cli
+from benchmarks.rag_report import merge_rows, plot, print_table
+from benchmarks.rag_serving_cli import QUALITY_RUNS
 from pallas_kernels.sizes import ceil_div
 
 
@@ -217,9 +219,6 @@ def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
     engine.close()
 
 
-QUALITY_RUNS = ("recompute", "sink", "sink+recompute")
-
-
 def quality_options_named(name: str, config, sink_len: int):
   """QualityOptions for a --quality-runs entry.  The sink here is random
   vectors: what a learned sink costs does not depend on its values."""
@@ -306,146 +305,9 @@ def profile_replay(engine, measured, args, label: str) -> dict:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", default="tiny",
-                 choices=["tiny", "smollm2", "llama3-8b-shape"])
-  p.add_argument("--num-docs", type=int, default=64)
-  p.add_argument("--docs-per-request", type=int, default=4)
-  p.add_argument("--doc-len", type=int, default=32)
-  p.add_argument("--query-len", type=int, default=8)
-  p.add_argument("--output-len", type=int, default=8)
-  p.add_argument("--zipf", type=float, default=1.1,
-                 help="popularity exponent (0 = uniform)")
-  p.add_argument("--rate", type=float, default=0.0,
-                 help="Poisson arrivals per second (0 = closed loop)")
-  p.add_argument("--concurrency", type=int, default=8,
-                 help="requests in flight in closed-loop mode")
-  p.add_argument("--num-requests", type=int, default=32)
-  p.add_argument("--warmup-requests", type=int, default=-1,
-                 help="warm-up trace length; -1 replays the measured trace "
-                      "(same shapes, so no compilation is left for the "
-                      "measured run)")
-  p.add_argument("--warm-cache-requests", type=int, default=0,
-                 help="serve this many other requests (same popularity) "
-                      "before the measured trace without emptying the cache, "
-                      "so the measurement starts from a warm cache; 0 "
-                      "measures from an empty cache")
-  p.add_argument("--cache-pages", type=int, default=0,
-                 help="pool size in pages (0: --cache-fraction of the corpus)")
-  p.add_argument("--cache-fraction", type=float, default=1.0 / 3.0,
-                 help="pool size as a fraction of the corpus's pages; every "
-                      "mode's in-flight pages (query, output, block copies) "
-                      "come out of the same pool")
-  p.add_argument("--add-working-pages", action="store_true",
-                 help="add room for max_batch in-flight requests (including "
-                      "block-mode copies) on top of --cache-fraction")
-  p.add_argument("--page-size", type=int, default=16)
-  p.add_argument("--kv-dtype", default="",
-                 help="KV pool dtype (default: the model's compute dtype); "
-                      "float8_e4m3fn: float8 pages with per-page scales")
-  p.add_argument("--kv-dtypes", default="",
-                 help="also run each mode with pools of these dtypes "
-                      "(comma-separated, e.g. float8_e4m3fn) holding the "
-                      "same bytes as the base pool, so more pages")
-  p.add_argument("--modes", default=",".join(MODES))
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--impl", default="auto")
-  p.add_argument("--max-batch", type=int, default=16)
-  p.add_argument("--decode-steps", type=int, default=8)
-  p.add_argument("--max-prefill-tokens", type=int, default=16384)
-  p.add_argument("--sweep-rates", default="",
-                 help="comma-separated Poisson rates for the TTFT-vs-rate plot")
-  p.add_argument("--sweep-cache-fractions", default="",
-                 help="comma-separated corpus fractions for throughput vs budget")
-  p.add_argument("--skip-base", action="store_true",
-                 help="run only the sweeps")
-  p.add_argument("--quality-runs", default="",
-                 help="also run lazy and block with these answer-quality "
-                      f"option sets, comma-separated from {QUALITY_RUNS} "
-                      "(the cost of the options; the sink is random)")
-  p.add_argument("--sink-len", type=int, default=16,
-                 help="vectors of the sink in --quality-runs")
-  p.add_argument("--out", default="", help="JSON output path")
-  p.add_argument("--plot-dir", default="", help="where to write PNG plots")
-  p.add_argument("--no-progress", action="store_true")
-  p.add_argument("--prefill-tokens-per-step", type=int, default=0,
-                 help="admission budget of prefill tokens per scheduling "
-                      "step (0 = admit all that fit)")
-  p.add_argument("--eviction", choices=("lfu", "lru"), default="lfu",
-                 help="order in which cached documents leave a full pool "
-                      "(CacheConfig.eviction), for every cached mode")
-  p.add_argument("--group-tokens", type=int, default=0,
-                 help="lazy/block: new document tokens per first-token group "
-                      "of a scheduling round (0 = --max-prefill-tokens)")
-  p.add_argument("--decode-unroll", action="store_true",
-                 help="fully unroll the layer loop in decode steps")
-  p.add_argument("--prefill-chunk-tokens", type=int, default=0,
-                 help="encode documents in chunks of this many tokens, one "
-                      "prefill call each (0 = whole documents)")
-  p.add_argument("--decode-during-prefill-runs", action="store_true",
-                 help="also run each mode with running requests decoding "
-                      "inside the round's prefill calls (SchedulerConfig."
-                      "decode_during_prefill), beside the plain run")
-  p.add_argument("--merge", nargs="+", default=[], metavar="JSONL",
-                 help="instead of running: merge the per-run rows of these "
-                      ".partial.jsonl files (a later row of the same kind, "
-                      "mode and sweep point replaces an earlier one) into "
-                      "--out and --plot-dir")
-  p.add_argument("--triton-gemm", action="store_true",
-                 help="GPU: compile the steps with XLA's Triton gemm fusions, "
-                      "which copy each layer's weights first (the setting "
-                      "before RunnerConfig.gpu_weights_in_place)")
-  p.add_argument("--gpu-xla-option", action="append", default=[],
-                 type=xla_option, metavar="NAME=VALUE",
-                 help="one more XLA compile option for the steps on GPU "
-                      "(RunnerConfig.gpu_xla_options); repeatable")
-  p.add_argument("--profile-replay-dir", default="",
-                 help="after each measured run, replay its trace once more "
-                      "under jax.profiler here and report the busiest ops "
-                      "(the row's `profile`)")
-  p.add_argument("--pool-as-bits", action="store_true",
-                 help="carry a 16-bit KV pool as uint16 through the layer loop")
-  args = p.parse_args(argv)
-  modes = [m for m in args.modes.split(",") if m]
-  bad = [m for m in modes if m not in MODES]
-  if bad:
-    p.error(f"unknown modes {bad}; choose from {tuple(MODES)}")
-  args.kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
-  args.quality_runs = [q for q in args.quality_runs.split(",") if q]
-  bad = [q for q in args.quality_runs if q not in QUALITY_RUNS]
-  if bad:
-    p.error(f"unknown --quality-runs {bad}; choose from {QUALITY_RUNS}")
-  if args.warm_cache_requests < 0:
-    p.error(f"--warm-cache-requests must be >= 0, got "
-            f"{args.warm_cache_requests}")
-  args.mode_list = modes
-  for path in (args.out, args.plot_dir and os.path.join(args.plot_dir, "x")):
-    if path:  # before any work: a bad path must not lose a finished run
-      directory = os.path.dirname(os.path.abspath(path))
-      try:
-        os.makedirs(directory, exist_ok=True)
-      except OSError as e:
-        p.error(f"cannot create the output directory {directory}: {e.strerror}")
-      if not os.access(directory, os.W_OK):
-        p.error(f"cannot write to the output directory {directory}")
-  return args
-
-
-def xla_option(text: str) -> tuple:
-  """NAME=VALUE as (name, value): true/false as bools, numbers as int or
-  float, anything else as the string."""
-  name, sep, value = text.partition("=")
-  if not sep or not name:
-    raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-  if value.lower() in ("true", "false"):
-    return name, value.lower() == "true"
-  for kind in (int, float):
-    try:
-      return name, kind(value)
-    except ValueError:
-      pass
-  return name, value
+  """The benchmark's options (rag_serving_cli.py), headed by this module's
+  docstring."""
+  return rag_serving_cli.parse_args(argv, description=__doc__)
 
 
 def working_pages(args) -> int:
@@ -476,28 +338,6 @@ def cache_pages_for(args, fraction: float) -> int:
   corpus_pages = args.num_docs * ceil_div(args.doc_len, args.page_size)
   pages = max(1, int(round(fraction * corpus_pages)))
   return pages + (working_pages(args) if args.add_working_pages else 0)
-
-
-def merge_rows(paths) -> dict:
-  """One report from .partial.jsonl rows of several runs (see --merge)."""
-  rows = {}
-  header = None
-  for path in paths:
-    with open(path) as f:
-      for line in f:
-        row = json.loads(line)
-        key = (row["kind"], row["mode"], row.get("rate"),
-               row.get("cache_fraction"))
-        rows[key] = row
-        header = header or {k: row[k] for k in ("device", "jax", "date",
-                                                "model")}
-  if header is None:
-    raise SystemExit(f"no rows in {paths}")
-  by_kind = {"base": [], "rate": [], "cache": []}
-  for row in rows.values():
-    by_kind[row["kind"]].append(row)
-  return dict(header, merged_from=list(paths), runs=by_kind["base"],
-              sweeps=dict(rate=by_kind["rate"], cache=by_kind["cache"]))
 
 
 def main(argv=None):
@@ -588,53 +428,6 @@ def main(argv=None):
   print_table(runs, file=sys.stderr)
   return report
 
-
-def print_table(runs, file=sys.stdout):
-  cols = ["mode", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "throughput_tok_s",
-          "decode_tok_s", "throughput_req_s",
-          "doc_hit_rate", "prefill_tokens_computed",
-          "kv_pages_written_for_cached_docs", "peak_pages_used"]
-  print(" | ".join(cols), file=file)
-  for r in runs:
-    print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
-                     for c in cols), file=file)
-
-
-def plot(report, plot_dir):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  os.makedirs(plot_dir, exist_ok=True)
-  title = f"{report['model']} on {report['device']} (jax {report['jax']}, {report['date']})"
-  rate_rows, cache_rows = report["sweeps"]["rate"], report["sweeps"]["cache"]
-  if rate_rows:
-    _line_plot(plt, rate_rows, lambda r: r["rate"], "ttft_p50_s",
-               "arrival rate (requests/s)", "TTFT p50 (s)", title,
-               os.path.join(plot_dir, "ttft_vs_rate.png"), log_y=True)
-  if cache_rows:
-    _line_plot(plt, cache_rows, lambda r: 100 * r["cache_fraction"],
-               "throughput_tok_s", "document cache budget (% of corpus)",
-               "throughput (generated tokens/s)", title,
-               os.path.join(plot_dir, "throughput_vs_cache.png"))
-
-
-def _line_plot(plt, rows, x_of, y_key, x_label, y_label, title, path,
-               log_y=False):
-  """One line per mode of rows[y_key] against x_of(row), saved as a PNG."""
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for mode in sorted({r["mode"] for r in rows}):
-    line = sorted((r for r in rows if r["mode"] == mode), key=x_of)
-    ax.plot([x_of(r) for r in line], [r[y_key] for r in line], marker="o",
-            label=mode)
-  ax.set_xlabel(x_label)
-  ax.set_ylabel(y_label)
-  if log_y:
-    ax.set_yscale("log")
-  ax.set_title(title, fontsize=8)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 if __name__ == "__main__":
   main()

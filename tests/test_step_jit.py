@@ -58,7 +58,11 @@ def test_the_decode_loop_alone_turns_the_dot_merger_off_on_gpu():
 
 def test_both_forms_compute_the_same_and_count_their_programs():
   # The GPU form's options are XLA debug options: they compile on CPU too.
-  step = StepJit(_layers_matmul)
+  # A function of its own: jit's program cache is per function, and other
+  # tests on this worker may have compiled _layers_matmul already.
+  def own_matmul(w, x):
+    return _layers_matmul(w, x)
+  step = StepJit(own_matmul)
   w = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * 0.3
   x = jnp.ones((2, 8))
   before = step._cache_size()
