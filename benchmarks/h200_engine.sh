@@ -16,7 +16,10 @@
 #   mgpu  - Mosaic GPU prefill kernel: per-call and per-layer (plan made
 #           once) timing against Triton and cuDNN, and its parts timed
 #           alone (issue 2, ~40 s; MGPU_PARITY=1 adds the parity cases);
-#   kernels - the kernel table of record, decode and prefill (issue 2);
+#   kernels - the kernel table of record, decode and prefill (issue 2;
+#           MOSAIC_VARIANTS names the Mosaic decode tiles timed, default
+#           the default tiles: each adds whole-call and per-layer rows at
+#           every shape, and all of them do not fit one call);
 #   fp8   - the paper-like load at a 10% pool in lazy and block, each again
 #           with a float8 pool of the same bytes (issue 16, part 3;
 #           FP8_FRACTION, FP8_MODES).
@@ -169,7 +172,7 @@ for run in json.load(open(sys.argv[1]))['runs']:
         | grep -v Warning | tail -6 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-540} python3 -m benchmarks.kernels --json "$out/kernels.json" \
-        --time-budget ${KERNELS_BUDGET:-480} 2>&1 \
+        --time-budget ${KERNELS_BUDGET:-480} --mosaic-variants ${MOSAIC_VARIANTS:-k128s2} 2>&1 \
         | grep -v Warning | tee "$out/kernels.txt" | tail -45 ;;
   esac
 done

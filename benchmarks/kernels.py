@@ -132,21 +132,18 @@ PREFILL_VARIANTS = {
 }
 
 # Mosaic GPU decode tiles, each timed at every decode shape beside the
-# Triton kernel (none measured yet; the default is the first).
+# Triton kernel (the default is the first; --mosaic-variants picks some).
 MOSAIC_DECODE_VARIANTS = {
     "k128s2": MgpuDecodeBlockSizes(),
     "k64s4": MgpuDecodeBlockSizes(block_kv=64, num_stages=4),
     "k128s2-nofast": MgpuDecodeBlockSizes(mask_fast_path=False),
-    # One CTA per (row, kv head): half the CTAs (and their prologue and
-    # output writes) of the default's two splits at B64.
+    # Fixed split counts, against the default rule (fill the SMs once).
     "k128s2-split1": MgpuDecodeBlockSizes(kv_splits=1),
     "k128s2-split2": MgpuDecodeBlockSizes(kv_splits=2),
     "k128s2-split4": MgpuDecodeBlockSizes(kv_splits=4),
     # One CTA per SM, each streaming its work items through one ring (the
     # next item's query prefetched): no per-CTA start and drain.
     "k128s2-persistent": MgpuDecodeBlockSizes(persistent=True),
-    "k128s2-persistent-split1": MgpuDecodeBlockSizes(persistent=True,
-                                                     kv_splits=1),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
