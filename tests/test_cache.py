@@ -108,6 +108,18 @@ def test_tables_are_committed_to_the_host_device():
   assert explicit.doc_key.devices() == {jax.devices()[0]}
 
 
+def test_tables_follow_the_default_device_without_a_cpu_backend(monkeypatch):
+  """With JAX_PLATFORMS naming only an accelerator there is no CPU device:
+  the tables then go where the pool goes, uncommitted, as they used to."""
+  def no_cpu(backend=None):
+    raise RuntimeError(f"Unknown backend {backend}")
+  monkeypatch.setattr(jax, "local_devices", no_cpu)
+  assert cs.host_device() is None
+  state = cs.init_cache_state(CONFIG)
+  assert not state.page_refcount.committed
+  assert CACHE.stats(state)["free_pages"] == 16
+
+
 # -------------------------------------------------------------- doc keys
 
 
