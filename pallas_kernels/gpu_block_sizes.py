@@ -187,14 +187,16 @@ class MgpuDecodeBlockSizes:
     mask_fast_path: skip the score mask on steps that need none.
     persistent: launch at most one CTA per SM (`num_ctas`), each streaming
       several (batch row, kv head, split) work items through one K/V ring,
-      the next item's query prefetched; else one CTA per work item.
+      the next item's query prefetched; else one CTA per work item.  With
+      the default splits there are about as many items as SMs, so it
+      matters only with more splits (`kv_splits`); measured no faster.
     num_ctas: CTAs of the persistent grid; None takes the local GPU's SM
       count (`gpu_sm_count`).
   """
 
-  # Not measured on a GPU yet: 128-key steps (the width the Triton decode
-  # and the Mosaic prefill measured fastest), two stages (all that fits
-  # beside the float32 query and output tiles at H 128).
+  # 128-key steps and two stages (all that fits beside the float32 query
+  # and output tiles at H 128): 64-key steps with four stages measured no
+  # faster on the H200 (benchmarks/RESULTS.md).
   block_kv: int = 128
   num_stages: int = 2
   kv_splits: int | None = None
