@@ -1,7 +1,9 @@
 """The Mosaic GPU (Hopper) lazy decode kernel: kernel body and builder.
 
-One CTA per (KV split, kv head, batch row).  The G query heads of the kv
-head are the first G rows of one 64-row wgmma tile (GQA: every KV byte is
+A work item is one (batch row, kv head, KV split); a CTA runs one item,
+or on a persistent grid (`MgpuDecodeBlockSizes.persistent`) several through
+one K/V ring.  The G query heads of the kv head are the first G rows of one
+64-row wgmma tile (GQA: every KV byte is
 read once for the group; the other rows are zero).  A producer warpgroup
 TMA-copies each step's KV pages, its step record and its segment's cos/sin
 into a ring of shared-memory slots; one compute warpgroup rotates the query
