@@ -129,16 +129,12 @@ class ModelRunner:
     self.page_size = page_size
     self._programs: set = set()
     self.platform = params_platform(self.params)
-    self._forms = {}
 
   def compiled_form(self, step):
-    """The form of a `step_jit` step this runner runs (step_jit.py)."""
-    form = self._forms.get(step)
-    if form is None:
-      form = self._forms[step] = step.for_platform(
-          self.platform, self.config.gpu_weights_in_place,
-          self.config.gpu_xla_options)
-    return form
+    """The form of a `step_jit` step this runner runs (step_jit.py; the
+    step keeps its forms)."""
+    return step.for_platform(self.platform, self.config.gpu_weights_in_place,
+                             self.config.gpu_xla_options)
 
   @property
   def programs_used(self) -> int:
