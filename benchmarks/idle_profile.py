@@ -4,9 +4,9 @@ The device is idle between its ops; `benchmarks.comm_profile.op_breakdown`
 reports how much (span minus busy).  This module says what the host was
 doing meanwhile.  `jax.profiler.trace` records the Python interpreter's
 calls (events named "$file.py:line function" on the host), so the idle
-time can be sampled against the Python stack: every `step_us` of a gap looks up the innermost frame of one
-of our own files (`own_files`) and the innermost frame of any file, and the
-gap's time is summed per such pair.
+time can be sampled against the Python stack: every `step_us` of a gap
+looks up the innermost frame of one of our own files (`own_files`) and the
+innermost frame of any file, and the gap's time is summed per such pair.
 
 The Python tracer slows the interpreter, so the absolute idle time of a
 traced run is larger than an untraced one's; the shares between frames are
@@ -159,5 +159,3 @@ def _by_gap_size(gaps) -> dict:
     sizes[label]["gaps"] += 1
     sizes[label]["seconds"] += (end - start) * 1e-6
   return sizes
-
-

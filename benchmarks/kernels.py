@@ -840,15 +840,19 @@ def main(argv=None):
   results: list[Result] = []
   mosaic_decode = {} if args.no_mosaic_decode else MOSAIC_DECODE_VARIANTS
   if args.decode_shapes:
-    decode_shapes = [tuple(int(n) for n in shape.split("x"))
-                     for shape in args.decode_shapes.split(",")]
+    try:
+      decode_shapes = [(int(b), int(c)) for b, c in (
+          shape.split("x") for shape in args.decode_shapes.split(","))]
+    except ValueError:
+      parser.error(f"--decode-shapes takes BxCONTEXT,..., e.g. 64x8192; got "
+                   f"{args.decode_shapes!r}")
   if args.mosaic_variants:
-    unknown = set(args.mosaic_variants.split(",")) - set(mosaic_decode)
+    names = args.mosaic_variants.split(",")
+    unknown = set(names) - set(mosaic_decode)
     if unknown:
       parser.error(f"unknown --mosaic-variants {sorted(unknown)}; known: "
                    f"{sorted(MOSAIC_DECODE_VARIANTS)}")
-    mosaic_decode = {name: mosaic_decode[name]
-                     for name in args.mosaic_variants.split(",")}
+    mosaic_decode = {name: mosaic_decode[name] for name in names}
   if args.quick:
     mosaic_decode = dict(list(mosaic_decode.items())[:1])
   decode_variant = run_decode(results, decode_variants, decode_shapes,

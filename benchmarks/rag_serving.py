@@ -30,7 +30,6 @@ import numpy as np
 
 from benchmarks import rag_serving_cli
 from benchmarks.rag_report import merge_rows, plot, print_table
-from benchmarks.rag_serving_cli import QUALITY_RUNS
 from pallas_kernels.sizes import ceil_div
 
 
@@ -224,8 +223,9 @@ def quality_options_named(name: str, config, sink_len: int):
   vectors: what a learned sink costs does not depend on its values."""
   from lazyattn_jax.quality_options import QualityOptions
   parts = set(name.split("+"))
-  if name not in QUALITY_RUNS:
-    raise ValueError(f"--quality-runs entries are {QUALITY_RUNS}, got {name!r}")
+  if name not in rag_serving_cli.QUALITY_RUNS:
+    raise ValueError(f"--quality-runs entries are "
+                     f"{rag_serving_cli.QUALITY_RUNS}, got {name!r}")
   sink = None
   if "sink" in parts:
     sink = np.random.default_rng(0).normal(

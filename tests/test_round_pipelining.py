@@ -42,7 +42,7 @@ def test_encoding_documents_does_not_wait_for_the_device(model_and_config,
   rng = np.random.default_rng(0)
   engine.encode_documents([random_tokens(rng, 9, config.vocab_size)
                            for _ in range(2)])
-  assert encodes and fetched_inside  # admission reads from the device
+  assert encodes and fetched_inside  # admission reads its plan back
   assert not any(fetched_inside)
 
 
