@@ -55,14 +55,19 @@ class Ops:
       return acc_ref[...]
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
-  def pv(self, acc, p, v_ref):
-    """acc + P V."""
+  def pv(self, acc, p, v_ref, between=None):
+    """acc + P V; `between()` runs while the wgmma is in flight."""
     if self.interpret:
-      return acc + lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+      out = acc + lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+      if between is not None:
+        between()
+      return out
 
     def body(acc_ref):
       plgpu.wgmma(acc_ref, p, v_ref)
+      if between is not None:
+        between()
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
   def optimization_barrier(self, xs):

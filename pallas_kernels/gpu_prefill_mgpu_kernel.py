@@ -3,8 +3,9 @@
 One CTA per (tile of query units, kv head, batch row).  A producer
 warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin into a ring of shared-memory slots; one or two compute warpgroups
-each take 64 query rows of one query head, rotate them by -shift at a
-segment's first step, and run the online softmax (base 2) with wgmma.  The
+each take 64 query rows of one query head, rotate them by -shift for a
+segment's first step (during the step before's P V wgmma), and run the
+online softmax (base 2) with wgmma.  The
 inputs come from `gpu_prefill_mgpu_plan.plan_prefill` and
 `gpu_prefill_mgpu.rotated_query_tokens`.
 
@@ -100,6 +101,20 @@ def _kernel(
                           ppb, page_size, block_kv, head_dim, dtype)
 
     acc, m, l = softmax_start(ops, head_dim)
+
+    def next_step_ready(j):
+      """Waits for step j's K (with its record and cos/sin) and, where j
+      starts a segment, rotates the query for it.  Step j - 1 calls this
+      while its P V wgmma runs, so the rotation is off the tensor cores'
+      path: step j - 1's Q K^T is done with q16 by then."""
+      @pl.when(j < n_steps)
+      def _():
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(k_bars.at[slot])
+        rec = rec_smem.at[lax.rem(j, 2 * stages)]
+        pl.when(rec[layout.new_seg] != 0)(lambda: rotate(slot))
+
+    next_step_ready(jnp.int32(0))
     if use_sched:
       pl.when(wg == 1)(schedule)
 
@@ -111,8 +126,6 @@ def _kernel(
       # rewrites record slot r only after both warpgroups released the K of
       # step i - stages, i.e. after they finished step i - 2 * stages.
       rec = rec_smem.at[lax.rem(i, 2 * stages)]
-      plgpu.barrier_wait(k_bars.at[slot])
-      pl.when(rec[layout.new_seg] != 0)(lambda: rotate(slot))
       s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
       plgpu.barrier_arrive(k_free.at[slot])
       fixup = rec[layout.fixup] != 0
@@ -131,7 +144,7 @@ def _kernel(
       pl.when(fixup)(lambda: fixup_v(slot, rec))
       if use_sched:
         plgpu.barrier_wait(sched_bar)  # tensor cores free
-      acc = ops.pv(acc, p16, v_smem.at[slot])
+      acc = ops.pv(acc, p16, v_smem.at[slot], lambda: next_step_ready(i + 1))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
