@@ -145,8 +145,8 @@ class MgpuBlockSizes:
   block_kv: int = 128
   num_compute_wgs: int = 2
   num_stages: int = 2
-  # The ping-pong measured 2-8% faster on the H200 once the query rotation
-  # moved under the P V wgmma (benchmarks/RESULTS.md).
+  # The ping-pong pays once the query rotation runs under the P V wgmma
+  # (docs/kernels.md).
   schedule_barrier: bool = True
   mask_fast_path: bool = True
   query_in_f32: bool = False

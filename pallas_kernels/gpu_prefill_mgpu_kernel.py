@@ -5,7 +5,7 @@ warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin into a ring of shared-memory slots; one or two compute warpgroups
 each take 64 query rows of one query head, rotate them by -shift for a
 segment's first step (during the step before's P V wgmma), and run the
-online softmax (base 2) with wgmma.  The
+online softmax (base 2) with wgmma, the two warpgroups in ping-pong.  The
 inputs come from `gpu_prefill_mgpu_plan.plan_prefill` and
 `gpu_prefill_mgpu.rotated_query_tokens`.
 
