@@ -266,14 +266,14 @@ def test_parity_interpret_fast_path():
 @needs_interpreter
 @pytest.mark.parametrize("schedule_barrier", [False, True])
 def test_parity_interpret_segments_of_several_steps(schedule_barrier):
-  """Documents of four 64-key steps (the query is rotated ahead, during the
-  P V product of the step before a segment's first); a half-full page in
-  the middle of document 1 (NaN in its unused slots); group 1 puts two
+  """Documents of three 64-key steps (the query is rotated ahead, during
+  the P V product of the step before a segment's first); a half-full page
+  in the middle of document 1 (NaN in its unused slots); group 1 puts two
   token blocks in one CTA, one of them with padding rows."""
-  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=256,
+  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
                           q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
                           page_size=16)
-  page = 16 + 5  # a page in the middle of document 1
+  page = 12 + 5  # a page in the middle of document 1
   lazy.page_len[0, page] = 9
   for pages in (lazy.k_pages, lazy.v_pages):
     pages[:, lazy.page_table[0, page], 9:] = np.nan
