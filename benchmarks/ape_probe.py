@@ -32,7 +32,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lazyattn_jax.buckets import length_bucket

@@ -68,7 +68,6 @@ import datetime
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -77,28 +76,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kernel_cases import (
+    HEAD_DIM, JAX_PAGED_SETTINGS, NUM_HEADS, NUM_KV_HEADS, PAGE_SIZE,
+    SM_SCALE, decode_inputs, decode_planned, decode_planned_sets,
+    decode_shape_name, dense_decode, dense_from_pages, fp8_sets, jax_paged,
+    lazy_fn, page_metadata, prefill_plan, prefill_planned, random_array,
+    visible_pairs)
+from benchmarks.kernel_timing import (perturb_lazy, perturb_paged,
+                                      perturb_query, time_pair, time_per_call)
+from benchmarks.kernels_report import report
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
 from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode import lazy_decode_gpu
-from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
-                                            lazy_decode_mgpu_planned,
-                                            plan_decode)
+from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
-from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
-                                             lazy_prefill_mgpu,
-                                             lazy_prefill_mgpu_planned,
-                                             plan_prefill)
-from pallas_kernels.rope import RopeConfig
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-PAGE_SIZE, DOC_LEN = 16, 512
-DTYPE = jnp.bfloat16
-ROPE = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                  high_freq_factor=4.0, original_max_position=8192)
-SM_SCALE = HEAD_DIM ** -0.5
-L2_BYTES = 60e6
-# One cycle over the input sets reads at least this much KV.
-MIN_CYCLE_BYTES = 4 * L2_BYTES
+from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
 
 DECODE_SHAPES = [(8, 4096), (8, 8192), (32, 4096), (32, 8192), (64, 4096),
                  (64, 8192)]
@@ -147,12 +139,12 @@ MOSAIC_DECODE_VARIANTS = {
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
-# steps, 16-bit query storage): the previous default (64-key steps, f32
-# query) and the default with the ping-pong barrier (docs/kernels.md).
+# steps, 16-bit query storage, ping-pong): an earlier default (64-key steps,
+# f32 query) and the default without the ping-pong (docs/kernels.md).
 MOSAIC_CANDIDATES = {
     "k64w2s2-f32": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
                                   num_stages=2, query_in_f32=True),
-    "k128w2s2-sched": MgpuBlockSizes(schedule_barrier=True),
+    "k128w2s2-nosched": MgpuBlockSizes(schedule_barrier=False),
 }
 
 
@@ -179,147 +171,12 @@ class Result:
 # Timing
 
 
-class ChainTimer:
-  """Times fn(*args) per call, cycling over arg_sets; compiles once.
-
-  perturb(args, zero) returns args made to depend on `zero`, an f32 scalar
-  that is 0 at run time but computed from the previous call's output.  One
-  jitted step calls fn once per set; steps are dispatched asynchronously back
-  to back (a step is >= ~0.1 ms of device work at every measured shape, well
-  above the dispatch cost), then synchronised.
-  """
-
-  def __init__(self, fn, arg_sets, perturb, *, target_total_s=0.15):
-
-    def step(zero, sets):
-      for args in sets:
-        out = fn(*perturb(args, zero))
-        zero = zero + jnp.float32(0) * jnp.sum(out.astype(jnp.float32))
-      return zero
-
-    self.arg_sets = arg_sets
-    self.step = jax.jit(step)
-    self.zero = jnp.float32(0)
-    jax.block_until_ready(self.step(self.zero, arg_sets))  # compile, warm up
-    start = time.perf_counter()
-    jax.block_until_ready(self.step(self.zero, arg_sets))
-    per_step = time.perf_counter() - start
-    self.steps = max(3, math.ceil(target_total_s / per_step))
-
-  def sample(self):
-    """Seconds per call, from one synchronised run of `steps` steps."""
-    zero = self.zero
-    start = time.perf_counter()
-    for _ in range(self.steps):
-      zero = self.step(zero, self.arg_sets)
-    jax.block_until_ready(zero)
-    return (time.perf_counter() - start) / (self.steps * len(self.arg_sets))
-
-
-def time_per_call(fn, arg_sets, perturb, *, repeats=5):
-  """Median seconds per call of fn over repeats (see ChainTimer)."""
-  timer = ChainTimer(fn, arg_sets, perturb)
-  return statistics.median(timer.sample() for _ in range(repeats))
-
-
-def time_pair(fn_a, sets_a, fn_b, sets_b, perturb, *, rounds=7):
-  """Medians for two functions timed in alternation (A B A B ...), so slow
-  drifts of clock or temperature hit both alike."""
-  timer_a = ChainTimer(fn_a, sets_a, perturb)
-  timer_b = ChainTimer(fn_b, sets_b, perturb)
-  samples_a, samples_b = [], []
-  for _ in range(rounds):
-    samples_a.append(timer_a.sample())
-    samples_b.append(timer_b.sample())
-  return statistics.median(samples_a), statistics.median(samples_b)
-
-
-def _perturb_query(args, zero):
-  q, *rest = args
-  return (q + zero.astype(q.dtype), *rest)
-
-
-def _perturb_lazy(args, zero):
-  q, k, v, table, pos, shift, length, q_pos, *scales = args
-  bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA
-  return (q + zero.astype(q.dtype), k, v, table, pos, shift, length,
-          q_pos + bump, *scales)
-
-
-def _perturb_paged(args, zero):
-  q, k, v, table, lengths = args
-  bump = (zero > 1e30).astype(jnp.int32)
-  return (q + zero.astype(q.dtype), k, v, table, lengths + bump)
-
-
 # --------------------------------------------------------------------------
 # Inputs
 
 
-def _page_metadata(rng, batch, doc_tokens, own_tokens):
-  """Logical pages of each row: documents of DOC_LEN (shift = their start),
-  then `own_tokens` written in place (shift 0).  Every row reads its own
-  physical pages, in shuffled order, so bytes read are real HBM traffic."""
-  doc_pages = doc_tokens // PAGE_SIZE
-  pages = doc_pages + own_tokens // PAGE_SIZE
-  page = np.arange(pages)
-  page_pos = np.broadcast_to(page * PAGE_SIZE, (batch, pages))
-  doc_start = (page * PAGE_SIZE) // DOC_LEN * DOC_LEN
-  page_shift = np.broadcast_to(np.where(page < doc_pages, doc_start, 0),
-                               (batch, pages))
-  page_len = np.full((batch, pages), PAGE_SIZE)
-  page_table = rng.permutation(batch * pages).reshape(batch, pages)
-  as_i32 = lambda a: jnp.asarray(np.ascontiguousarray(a), jnp.int32)
-  return (as_i32(page_table), as_i32(page_pos), as_i32(page_shift),
-          as_i32(page_len))
-
-
-def _random(key, shape):
-  return jax.random.normal(key, shape, jnp.float32).astype(DTYPE)
-
-
-def _num_sets(kv_bytes):
-  return max(1, min(8, math.ceil(MIN_CYCLE_BYTES / kv_bytes)))
-
-
-def _dense_from_pages(pages, page_table):
-  """[K, P, ps, H] pool, [B, M] table -> contiguous [B, M * ps, K, H]."""
-  gathered = pages[:, page_table]  # [K, B, M, ps, H]
-  k, b, m, ps, h = gathered.shape
-  return jnp.transpose(gathered.reshape(k, b, m * ps, h), (1, 2, 0, 3))
-
-
 # --------------------------------------------------------------------------
 # Baselines
-
-
-def dense_decode(q, k, v):
-  """q [B, N, H]; k, v [B, S, K, H] pre-rotated; plain XLA."""
-  batch, heads, dim = q.shape
-  kv_heads = k.shape[2]
-  qg = q.reshape(batch, kv_heads, heads // kv_heads, dim)
-  scores = jnp.einsum("bkgh,bskh->bkgs", qg, k,
-                      preferred_element_type=jnp.float32) * SM_SCALE
-  weights = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgs,bskh->bkgh", weights.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(batch, heads, dim).astype(q.dtype)
-
-
-def _jax_paged(settings):
-  from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
-  def run(q, k_pages, v_pages, table, lengths):
-    return paged_attention(q, k_pages, v_pages, table, lengths, **settings)
-  return run
-
-
-# Its defaults (block_h 16, 8 pages per compute block, 16 splits, 8 warps,
-# 2 stages).  16 pages per block with 8 splits was slower at every decode
-# shape (docs/kernels.md).
-JAX_PAGED_SETTINGS = {
-    "defaults": {},
-}
 
 
 # --------------------------------------------------------------------------
@@ -363,10 +220,10 @@ def _time_lazy_pair(results, shape, kv_bytes, kernel, sizes, lazy_sets,
                     shift0_sets, names):
   """Times `kernel` with real shifts and with shift 0 in alternation and
   records both rows under `names` (real, shift0)."""
-  fn = _lazy_fn(kernel, sizes)
+  fn = lazy_fn(kernel, sizes)
   try:
     lazy_s, shift0_s = time_pair(fn, lazy_sets, fn, shift0_sets,
-                                 _perturb_lazy)
+                                 perturb_lazy)
     pair = list(zip(names, (lazy_s, shift0_s)))
   except Exception as e:  # keep going: report the failure in the table
     pair = [(names[0], None)]
@@ -378,75 +235,6 @@ def _time_lazy_pair(results, shape, kv_bytes, kernel, sizes, lazy_sets,
     if seconds:
       print(f"  {shape:>14s} {method:<24s} {seconds * 1e3:8.3f} ms "
             f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
-
-
-def _lazy_fn(kernel, block_sizes):
-  def run(*args):
-    # Float8 sets carry k_scales, v_scales after the 8 contract operands.
-    scales = dict(zip(("k_scales", "v_scales"), args[8:]))
-    return kernel(*args[:8], rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
-                  interpret=False, block_sizes=block_sizes, **scales)
-  return run
-
-
-def _decode_planned_sets(sets, block_sizes=None):
-  """(q, k, v, q_pos, *DecodePlan) per set: the Mosaic decode's per-batch
-  plan made outside the timed call, as a model makes it once per step."""
-  make = jax.jit(functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
-                                   page_size=PAGE_SIZE,
-                                   block_sizes=block_sizes),
-                 static_argnames="num_pages")
-  return [(q, k, v, q_pos, *make(table, pos, shift, length, q_pos,
-                                 num_pages=k.shape[1]))
-          for q, k, v, table, pos, shift, length, q_pos in sets]
-
-
-def _decode_planned(q, k_pages, v_pages, q_pos, *plan, block_sizes=None):
-  return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos,
-                                  DecodePlan(*plan), rope=ROPE,
-                                  sm_scale=jnp.float32(SM_SCALE),
-                                  block_sizes=block_sizes)
-
-
-def _fp8_sets(sets):
-  """The same input sets with float8 e4m3 pools and their page scales."""
-  from pallas_kernels.kv_quant import quantize_pages
-  out = []
-  for q, k, v, table, pos, shift, length, q_pos in sets:
-    k8, k_scales = quantize_pages(k)
-    v8, v_scales = quantize_pages(v)
-    out.append((q, k8, v8, table, pos, shift, length, q_pos, k_scales,
-                v_scales))
-  return out
-
-
-def _plan(q, k_pages, v_pages, table, pos, shift, length, q_pos,
-          block_sizes=None):
-  del v_pages
-  return plan_prefill(table, pos, shift, length, q_pos, rope=ROPE,
-                      group=q.shape[2] // k_pages.shape[0],
-                      head_dim=q.shape[-1], num_pages=k_pages.shape[1],
-                      page_size=k_pages.shape[2], block_sizes=block_sizes)
-
-
-def _plan_only(*lazy_args):
-  """The per-batch plan alone; every output feeds the result (x 0.0, a
-  float product XLA keeps) so none of it is dead code."""
-  plan = _plan(*lazy_args)
-  tie = sum(jnp.sum(x.astype(jnp.float32)) for x in plan)
-  return lazy_args[0] + (tie * jnp.float32(0)).astype(lazy_args[0].dtype)
-
-
-def _planned(q, k_pages, v_pages, q_pos, plan, block_sizes=None):
-  return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos,
-                                   PrefillPlan(*plan), rope=ROPE,
-                                   sm_scale=jnp.float32(SM_SCALE),
-                                   block_sizes=block_sizes)
-
-
-def _perturb_planned(args, zero):
-  q, *rest = args
-  return (q + zero.astype(q.dtype), *rest)
 
 
 def _geomean_best(results, section, names, shapes, prefix="lazy"):
@@ -463,27 +251,6 @@ def _geomean_best(results, section, names, shapes, prefix="lazy"):
       best = (name, score)
   return best[0] if best else None
 
-
-def _decode_shape_name(batch, context):
-  return f"B{batch}/ctx{context}"
-
-
-def _decode_inputs(key, rng, batch, context):
-  """Input sets for one decode shape (enough sets to outgrow the L2)."""
-  table, pos, shift, length = _page_metadata(rng, batch, context, 0)
-  num_pages = batch * (context // PAGE_SIZE)
-  kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2
-  pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
-  sets = []
-  for _ in range(_num_sets(kv_bytes)):
-    key, kq, kk, kv = jax.random.split(key, 4)
-    sets.append((_random(kq, (batch, 1, NUM_HEADS, HEAD_DIM)),
-                 _random(kk, pool_shape), _random(kv, pool_shape)))
-  q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
-  lazy_sets = [(q, k, v, table, pos, shift, length, q_pos) for q, k, v in sets]
-  shift0_sets = [(q, k, v, table, pos, jnp.zeros_like(shift), length, q_pos)
-                 for q, k, v in sets]
-  return key, kv_bytes, sets, table, lazy_sets, shift0_sets
 
 
 def run_decode(results, variants, shapes, tuning_shapes, budget,
@@ -503,21 +270,21 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   rng = np.random.default_rng(0)
   tuning = [s for s in shapes if s in tuning_shapes]
   for batch, context in tuning:
-    shape = _decode_shape_name(batch, context)
-    key, kv_bytes, _, _, lazy_sets, _ = _decode_inputs(key, rng, batch,
+    shape = decode_shape_name(batch, context)
+    key, kv_bytes, _, _, lazy_sets, _ = decode_inputs(key, rng, batch,
                                                        context)
     for name, sizes in variants.items():
       _measure(results, "decode", shape, f"tune:lazy[{name}]",
-               _lazy_fn(lazy_decode_gpu, sizes), lazy_sets, _perturb_lazy,
+               lazy_fn(lazy_decode_gpu, sizes), lazy_sets, perturb_lazy,
                nbytes=kv_bytes, budget=budget)
     del lazy_sets
   chosen = _geomean_best(results, "decode", variants,
-                         [_decode_shape_name(*s) for s in tuning],
+                         [decode_shape_name(*s) for s in tuning],
                          prefix="tune:lazy")
   print(f"  chosen decode variant: {chosen}", flush=True)
   for batch, context in shapes:
-    shape = _decode_shape_name(batch, context)
-    key, kv_bytes, sets, table, lazy_sets, shift0_sets = _decode_inputs(
+    shape = decode_shape_name(batch, context)
+    key, kv_bytes, sets, table, lazy_sets, shift0_sets = decode_inputs(
         key, rng, batch, context)
     if chosen:
       _time_lazy_pair(results, shape, kv_bytes, lazy_decode_gpu,
@@ -529,11 +296,11 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
                       (f"lazy-mosaic[{name}]", f"lazy-mosaic-shift0[{name}]"))
     for name, sizes in mosaic_variants.items():  # the per-layer part alone
       try:
-        planned, planned0 = (_decode_planned_sets(lazy_sets, sizes),
-                             _decode_planned_sets(shift0_sets, sizes))
-        layer = functools.partial(_decode_planned, block_sizes=sizes)
+        planned, planned0 = (decode_planned_sets(lazy_sets, sizes),
+                             decode_planned_sets(shift0_sets, sizes))
+        layer = functools.partial(decode_planned, block_sizes=sizes)
         layer_s, layer0_s = time_pair(layer, planned, layer, planned0,
-                                      _perturb_planned)
+                                      perturb_query)
         for method, seconds in (
             (f"lazy-mosaic per-layer[{name}]", layer_s),
             (f"lazy-mosaic-shift0 per-layer[{name}]", layer0_s)):
@@ -546,38 +313,26 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
         print(f"  FAILED lazy-mosaic per-layer[{name}]: "
               f"{type(e).__name__}: {e}", flush=True)
     if fp8:  # float8 pools: half the KV bytes; Triton and the Mosaic default
-      fp8_sets, fp8_shift0 = _fp8_sets(lazy_sets), _fp8_sets(shift0_sets)
+      fp8_lazy, fp8_shift0 = fp8_sets(lazy_sets), fp8_sets(shift0_sets)
       for kernel, sizes, name in (
           (lazy_decode_gpu, variants.get(chosen), f"lazy-fp8[{chosen}]"),
           (lazy_decode_mgpu, None, "lazy-mosaic-fp8[default]")):
         _time_lazy_pair(results, shape, kv_bytes // 2, kernel, sizes,
-                        fp8_sets, fp8_shift0,
+                        fp8_lazy, fp8_shift0,
                         (name, name.replace("-fp8[", "-fp8-shift0[")))
-      del fp8_sets, fp8_shift0
+      del fp8_lazy, fp8_shift0
     lengths = jnp.full((batch,), context, jnp.int32)
     paged_sets = [(q[:, 0], k, v, table, lengths) for q, k, v in sets]
     for name, settings in JAX_PAGED_SETTINGS.items():
       _measure(results, "decode", shape, f"jax-paged[{name}]",
-               _jax_paged(settings), paged_sets, _perturb_paged,
+               jax_paged(settings), paged_sets, perturb_paged,
                nbytes=kv_bytes)
-    dense_sets = [(q[:, 0], _dense_from_pages(k, table),
-                   _dense_from_pages(v, table)) for q, k, v in sets]
+    dense_sets = [(q[:, 0], dense_from_pages(k, table),
+                   dense_from_pages(v, table)) for q, k, v in sets]
     _measure(results, "decode", shape, "xla-dense", dense_decode, dense_sets,
-             _perturb_query, nbytes=kv_bytes)
+             perturb_query, nbytes=kv_bytes)
     del sets, lazy_sets, shift0_sets, paged_sets, dense_sets
   return chosen
-
-
-def _visible_pairs(q_pos, page_pos, page_len):
-  slot_pos = (np.asarray(page_pos)[:, :, None]
-              + np.arange(PAGE_SIZE)[None, None, :])
-  valid = np.arange(PAGE_SIZE)[None, None, :] < np.asarray(page_len)[:, :,
-                                                                     None]
-  slot_pos = np.where(valid, slot_pos, np.iinfo(np.int32).max).reshape(
-      slot_pos.shape[0], -1)
-  q_pos = np.asarray(q_pos)
-  return int(sum(np.sum(slot_pos[b][None, :] <= q_pos[b][:, None])
-                 for b in range(q_pos.shape[0])))
 
 
 def run_prefill(results, variants, shapes, tuning_shape, budget):
@@ -593,44 +348,44 @@ def run_prefill(results, variants, shapes, tuning_shape, budget):
              + [s for s in shapes if s[0] != tuning_shape])
   chosen = None
   for shape, batch, q_len, context in ordered:
-    table, pos, shift, length = _page_metadata(rng, batch, context, q_len)
+    table, pos, shift, length = page_metadata(rng, batch, context, q_len)
     num_pages = table.size
     pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
     key, kq, kk, kv = jax.random.split(key, 4)
-    q = _random(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
-    k_pages, v_pages = _random(kk, pool_shape), _random(kv, pool_shape)
+    q = random_array(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
+    k_pages, v_pages = random_array(kk, pool_shape), random_array(kv, pool_shape)
     q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
                              (batch, q_len))
-    flops = 4.0 * HEAD_DIM * NUM_HEADS * _visible_pairs(q_pos, pos, length)
+    flops = 4.0 * HEAD_DIM * NUM_HEADS * visible_pairs(q_pos, pos, length)
     lazy_sets = [(q, k_pages, v_pages, table, pos, shift, length, q_pos)]
     if shape == tuning_shape:
       for name, sizes in variants.items():
         _measure(results, "prefill", shape, f"tune:lazy[{name}]",
-                 _lazy_fn(lazy_prefill_gpu, sizes), lazy_sets, _perturb_lazy,
+                 lazy_fn(lazy_prefill_gpu, sizes), lazy_sets, perturb_lazy,
                  flops=flops, budget=budget)
       chosen = _geomean_best(results, "prefill", variants, [tuning_shape],
                              prefix="tune:lazy")
       print(f"  chosen prefill variant: {chosen}", flush=True)
     if chosen:
       _measure(results, "prefill", shape, f"lazy[{chosen}]",
-               _lazy_fn(lazy_prefill_gpu, variants[chosen]), lazy_sets,
-               _perturb_lazy, flops=flops)
+               lazy_fn(lazy_prefill_gpu, variants[chosen]), lazy_sets,
+               perturb_lazy, flops=flops)
     # The Hopper kernel (what lazy_attention(impl="gpu") runs for bf16):
     # the whole call, and the per-layer part with the per-batch plan made
     # once (as a model's layers share it).
     for suffix, sizes in [("", None)] + [
         (f"[{name}]", sizes) for name, sizes in MOSAIC_CANDIDATES.items()]:
       _measure(results, "prefill", shape, "lazy-mosaic" + suffix,
-               _lazy_fn(lazy_prefill_mgpu, sizes), lazy_sets, _perturb_lazy,
+               lazy_fn(lazy_prefill_mgpu, sizes), lazy_sets, perturb_lazy,
                flops=flops)
-      plan = tuple(jax.jit(functools.partial(_plan, block_sizes=sizes))(
+      plan = tuple(jax.jit(functools.partial(prefill_plan, block_sizes=sizes))(
           *lazy_sets[0]))
       _measure(results, "prefill", shape, "lazy-mosaic per-layer" + suffix,
-               functools.partial(_planned, block_sizes=sizes),
-               [(q, k_pages, v_pages, q_pos, plan)], _perturb_planned,
+               functools.partial(prefill_planned, block_sizes=sizes),
+               [(q, k_pages, v_pages, q_pos, plan)], perturb_query,
                flops=flops, note="plan made once per batch")
-    k_dense = _dense_from_pages(k_pages, table)
-    v_dense = _dense_from_pages(v_pages, table)
+    k_dense = dense_from_pages(k_pages, table)
+    v_dense = dense_from_pages(v_pages, table)
     causal = context == 0
 
     def cudnn(q, k, v, causal=causal):
@@ -639,7 +394,7 @@ def run_prefill(results, variants, shapes, tuning_shape, budget):
                                           implementation="cudnn")
     note = "causal" if causal else "no mask over context+chunk"
     _measure(results, "prefill", shape, "cudnn", cudnn,
-             [(q, k_dense, v_dense)], _perturb_query, flops=flops, note=note)
+             [(q, k_dense, v_dense)], perturb_query, flops=flops, note=note)
     del lazy_sets, k_dense, v_dense, k_pages, v_pages
   return chosen
 
@@ -648,147 +403,21 @@ def run_prefill(results, variants, shapes, tuning_shape, budget):
 # Report
 
 
-def _find(results, section, shape, method):
-  for r in results:
-    if (r.section, r.shape, r.method) == (section, shape, method):
-      return r if r.seconds else None
-  return None
-
-
-def _fastest(results, section, shape, prefix):
-  timed = [r for r in results if r.section == section and r.shape == shape
-           and r.method.startswith(prefix) and r.seconds]
-  return min(timed, key=lambda r: r.seconds) if timed else None
-
-
-def report(results, decode_shapes, prefill_shapes, decode_variant,
-           prefill_variant):
-  """Prints the table and the bar verdicts (judged on the chosen variants)."""
-  lines = []
-  out = lines.append
-  out("")
-  out("=" * 78)
-  out(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}   "
-      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
-  out(f"{'section':8s} {'shape':14s} {'method':28s} {'ms':>9s} {'rate':>14s}"
-      "  note")
-  order = ([("decode", _decode_shape_name(*s)) for s in decode_shapes]
-           + [("prefill", s[0]) for s in prefill_shapes])
-  for section, shape in order:
-    for r in results:
-      if (r.section, r.shape) != (section, shape):
-        continue
-      if r.seconds:
-        rate = (f"{r.tb_per_s:8.2f} TB/s" if r.section == "decode" else
-                f"{r.tflop_per_s:6.1f} TFLOP/s")
-        ms = f"{r.seconds * 1e3:9.3f}"
-      else:
-        rate, ms = "", "-"
-      out(f"{r.section:8s} {r.shape:14s} {r.method:28s} {ms:>9s} {rate:>14s}"
-          f"  {r.note}")
-  out(f"chosen variants: decode {decode_variant}, prefill {prefill_variant}")
-  out("bars (issue 2), judged on the chosen variants:")
-  verdict = lambda ok: "PASS" if ok else "MISS"
-  ratios, speedups = [], []
-  for batch, context in decode_shapes:
-    shape = _decode_shape_name(batch, context)
-    lazy = _find(results, "decode", shape, f"lazy[{decode_variant}]")
-    shift0 = _find(results, "decode", shape, f"lazy-shift0[{decode_variant}]")
-    paged = _fastest(results, "decode", shape, "jax-paged[")
-    ratios.append((shape, lazy.seconds / shift0.seconds
-                   if lazy and shift0 else None))
-    speedups.append((shape, paged.seconds / lazy.seconds
-                     if lazy and paged else None))
-  if ratios and all(r is not None for _, r in ratios):
-    worst = max(ratios, key=lambda x: x[1])
-    out(f"  lazy / shift-0 time <= 1.05 at every decode shape: "
-        f"{verdict(worst[1] <= 1.05)} (worst {worst[1]:.3f} at {worst[0]})")
-  else:
-    out(f"  lazy / shift-0 time <= 1.05: MISS (not measured: {ratios})")
-  if speedups and all(r is not None for _, r in speedups):
-    worst = min(speedups, key=lambda x: x[1])
-    out(f"  lazy >= 1.3x faster than jax paged_attention (its faster "
-        f"setting) at every decode shape: {verdict(worst[1] >= 1.3)} "
-        f"(worst {worst[1]:.2f}x at {worst[0]})")
-  else:
-    out(f"  lazy >= 1.3x faster than jax paged_attention: MISS (not "
-        f"measured: {speedups})")
-  big = _find(results, "decode", "B64/ctx8192", f"lazy[{decode_variant}]")
-  if big:
-    out(f"  >= 2.5 TB/s KV read at B64/ctx8192: {verdict(big.tb_per_s >= 2.5)}"
-        f" ({big.tb_per_s:.2f} TB/s)")
-  else:
-    out("  >= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)")
-  _report_mosaic_decode(out, results, decode_shapes, decode_variant)
-  cudnn = _find(results, "prefill", "chunk512", "cudnn")
-  mosaic = [f"lazy-mosaic{part}{suffix}" for suffix in
-            [""] + [f"[{name}]" for name in MOSAIC_CANDIDATES]
-            for part in ("", " per-layer")]
-  # No prefill bars when the prefill section did not run (--decode-only).
-  for method in ([f"lazy[{prefill_variant}]"] + mosaic
-                 if prefill_shapes else []):
-    lazy = _find(results, "prefill", "chunk512", method)
-    if lazy and cudnn:
-      ratio = lazy.tflop_per_s / cudnn.tflop_per_s
-      out(f"  {method} prefill >= 0.7x cuDNN TFLOP/s at chunk512: "
-          f"{verdict(ratio >= 0.7)} ({ratio:.3f}x: {lazy.tflop_per_s:.1f} "
-          f"vs {cudnn.tflop_per_s:.1f})")
-    else:
-      out(f"  {method} prefill >= 0.7x cuDNN at chunk512: MISS (not "
-          "measured)")
-  print("\n".join(lines), flush=True)
-
-
-def _report_mosaic_decode(out, results, decode_shapes, triton_variant):
-  """Issue #16 bars of the Mosaic GPU decode, per variant: time / shift-0
-  time <= 1.02 at every shape, >= 4.1 TB/s at B64/ctx8192; and its time
-  against the Triton kernel's."""
-  verdict = lambda ok: "PASS" if ok else "MISS"
-  names = sorted({r.method[len("lazy-mosaic["):-1] for r in results
-                  if r.method.startswith("lazy-mosaic[")})
-  for name in names:
-    ratios, vs_triton = [], []
-    for batch, context in decode_shapes:
-      shape = _decode_shape_name(batch, context)
-      mosaic = _find(results, "decode", shape, f"lazy-mosaic[{name}]")
-      shift0 = _find(results, "decode", shape, f"lazy-mosaic-shift0[{name}]")
-      triton = _find(results, "decode", shape, f"lazy[{triton_variant}]")
-      ratios.append(mosaic.seconds / shift0.seconds
-                    if mosaic and shift0 else None)
-      vs_triton.append(f"{shape} {triton.seconds / mosaic.seconds:.2f}x"
-                       if mosaic and triton else f"{shape} -")
-    if ratios and None not in ratios:
-      out(f"  lazy-mosaic[{name}] / shift-0 time <= 1.02 at every decode "
-          f"shape: {verdict(max(ratios) <= 1.02)} (worst {max(ratios):.3f})")
-    else:
-      out(f"  lazy-mosaic[{name}] / shift-0 <= 1.02: MISS (not measured)")
-    big = _find(results, "decode", "B64/ctx8192", f"lazy-mosaic[{name}]")
-    out(f"  lazy-mosaic[{name}] >= 4.1 TB/s at B64/ctx8192: "
-        + (f"{verdict(big.tb_per_s >= 4.1)} ({big.tb_per_s:.2f} TB/s)"
-           if big else "MISS (not measured)"))
-    layer = _find(results, "decode", "B64/ctx8192",
-                  f"lazy-mosaic per-layer[{name}]")
-    if layer:
-      out(f"  lazy-mosaic per-layer[{name}] >= 4.1 TB/s at B64/ctx8192: "
-          f"{verdict(layer.tb_per_s >= 4.1)} ({layer.tb_per_s:.2f} TB/s)")
-    out(f"  lazy-mosaic[{name}] speed vs Triton lazy: {', '.join(vs_triton)}")
-
-
 def compile_once():
   rng = np.random.default_rng(2)
   key = jax.random.PRNGKey(2)
   for kernel, batch, q_len, context in ((lazy_decode_gpu, 8, 1, 4096),
                                         (lazy_prefill_gpu, 4, 512, 8192)):
     own = 0 if q_len == 1 else q_len
-    table, pos, shift, length = _page_metadata(rng, batch, context, own)
+    table, pos, shift, length = page_metadata(rng, batch, context, own)
     pool_shape = (NUM_KV_HEADS, table.size, PAGE_SIZE, HEAD_DIM)
     key, kq, kk, kv = jax.random.split(key, 4)
-    q = _random(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
+    q = random_array(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
     q_pos = jnp.broadcast_to(
         (context - 1 if q_len == 1 else context)
         + jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
-    out = jax.jit(_lazy_fn(kernel, None))(q, _random(kk, pool_shape),
-                                          _random(kv, pool_shape), table, pos,
+    out = jax.jit(lazy_fn(kernel, None))(q, random_array(kk, pool_shape),
+                                          random_array(kv, pool_shape), table, pos,
                                           shift, length, q_pos)
     print(kernel.__name__, "ok, finite:",
           bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), flush=True)
@@ -865,7 +494,7 @@ def main(argv=None):
     prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
                                   PREFILL_TUNING_SHAPE, budget)
   report(results, decode_shapes, prefill_shapes, decode_variant,
-         prefill_variant)
+         prefill_variant, mosaic_candidates=tuple(MOSAIC_CANDIDATES))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({

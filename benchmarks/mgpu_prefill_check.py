@@ -19,7 +19,7 @@ Run on the GPU machine from the repository root:
     include everything the lazy API does per call (query rotation, step
     lists, kernel), except the rows marked per-layer, plan only, query
     rotation only and kernel only, which time those parts alone.  Median
-    over 21 samples, each a chain of calls (benchmarks.kernels.ChainTimer),
+    over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
     after a warm-up run.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 """
@@ -36,12 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import (DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
-                                PAGE_SIZE, ROPE, SM_SCALE, ChainTimer,
-                                _dense_from_pages, _page_metadata,
-                                _perturb_lazy, _perturb_planned,
-                                _perturb_query, _plan, _plan_only, _planned,
-                                _random, _visible_pairs)
+from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
+                                     NUM_KV_HEADS, PAGE_SIZE, ROPE, SM_SCALE,
+                                     dense_from_pages, page_metadata,
+                                     prefill_plan, prefill_plan_only,
+                                     prefill_planned, random_array,
+                                     visible_pairs)
+from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
@@ -77,15 +78,15 @@ SAMPLES = 21
 
 def build_inputs(key, rng, *, batch, q_len, context):
   """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]."""
-  table, pos, shift, length = _page_metadata(rng, batch, context, q_len)
+  table, pos, shift, length = page_metadata(rng, batch, context, q_len)
   pool_shape = (NUM_KV_HEADS, table.size, PAGE_SIZE, HEAD_DIM)
   kq, kk, kv = jax.random.split(key, 3)
-  q = _random(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
-  k_pages, v_pages = _random(kk, pool_shape), _random(kv, pool_shape)
+  q = random_array(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
+  k_pages, v_pages = random_array(kk, pool_shape), random_array(kv, pool_shape)
   q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
                            (batch, q_len))
   return (q, k_pages, v_pages, table, pos, shift, length, q_pos,
-          _dense_from_pages(k_pages, table), _dense_from_pages(v_pages, table))
+          dense_from_pages(k_pages, table), dense_from_pages(v_pages, table))
 
 
 # --------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def run_timing(variants):
     inputs = build_inputs(jax.random.PRNGKey(1), np.random.default_rng(1),
                           batch=batch, q_len=q_len, context=context)
     lazy_args, (k_dense, v_dense) = inputs[:8], inputs[8:]
-    flops = 4.0 * HEAD_DIM * NUM_HEADS * _visible_pairs(
+    flops = 4.0 * HEAD_DIM * NUM_HEADS * visible_pairs(
         lazy_args[7], lazy_args[4], lazy_args[6])
     methods = []
     for name, sizes in variants.items():
@@ -197,14 +198,14 @@ def run_timing(variants):
                       lazy_prefill_mgpu(*a, rope=ROPE,
                                         sm_scale=jnp.float32(SM_SCALE),
                                         block_sizes=sizes), lazy_args,
-                      _perturb_lazy))
-    plan = tuple(jax.jit(_plan)(*lazy_args))
+                      perturb_lazy))
+    plan = tuple(jax.jit(prefill_plan)(*lazy_args))
     planned_args = (lazy_args[0], lazy_args[1], lazy_args[2], lazy_args[7],
                     plan)
-    methods.append(("mgpu per-layer (plan once)", _planned, planned_args,
-                    _perturb_planned))
-    methods.append(("mgpu plan only (per batch)", _plan_only, lazy_args,
-                    _perturb_lazy))
+    methods.append(("mgpu per-layer (plan once)", prefill_planned, planned_args,
+                    perturb_query))
+    methods.append(("mgpu plan only (per batch)", prefill_plan_only, lazy_args,
+                    perturb_lazy))
     # The per-layer call split in two: the XLA query rotation, and the
     # kernel on a precomputed rotated query (where the time goes).
     t_pad = PrefillPlan(*plan).row_pos.shape[1]
@@ -213,7 +214,7 @@ def run_timing(variants):
                     rotated_query_tokens(q, q_pos, ROPE,
                                          jnp.float32(SM_SCALE), t_pad,
                                          in_f32),
-                    (lazy_args[0], lazy_args[7]), _perturb_query))
+                    (lazy_args[0], lazy_args[7]), perturb_query))
     q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
         lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad,
         in_f32)
@@ -221,16 +222,16 @@ def run_timing(variants):
                     mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
                                         out_dtype=DTYPE),
                     (q_rot, lazy_args[1], lazy_args[2], plan),
-                    _perturb_query))
+                    perturb_query))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
-                    _perturb_lazy))
+                    perturb_lazy))
     methods.append(("triton", lambda *a: lazy_prefill_gpu(
         *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)), lazy_args,
-                    _perturb_lazy))
+                    perturb_lazy))
     methods.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=SM_SCALE, implementation="cudnn"),
-                    (lazy_args[0], k_dense, v_dense), _perturb_query))
+                    (lazy_args[0], k_dense, v_dense), perturb_query))
     for method, fn, args, perturb in methods:
       start = time.perf_counter()
       try:

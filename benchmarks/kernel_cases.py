@@ -1,0 +1,201 @@
+"""Inputs, baselines and lazy-call wrappers of the kernel benchmarks
+(benchmarks/kernels.py, benchmarks/mgpu_prefill_check.py): the shapes of
+record (bf16, Hq/Hkv 32/8, H 128, pages of 16, documents of 512), paged
+inputs with real per-document shifts, dense equivalents for the baselines,
+and the Mosaic kernels' per-batch plans made outside the timed call."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gpu_decode_mgpu import (DecodePlan,
+                                            lazy_decode_mgpu_planned,
+                                            plan_decode)
+from pallas_kernels.gpu_prefill_mgpu import (PrefillPlan,
+                                             lazy_prefill_mgpu_planned,
+                                             plan_prefill)
+from pallas_kernels.rope import RopeConfig
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+PAGE_SIZE, DOC_LEN = 16, 512
+DTYPE = jnp.bfloat16
+ROPE = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position=8192)
+SM_SCALE = HEAD_DIM ** -0.5
+L2_BYTES = 60e6
+# One cycle over the input sets reads at least this much KV.
+MIN_CYCLE_BYTES = 4 * L2_BYTES
+
+
+def page_metadata(rng, batch, doc_tokens, own_tokens):
+  """Logical pages of each row: documents of DOC_LEN (shift = their start),
+  then `own_tokens` written in place (shift 0).  Every row reads its own
+  physical pages, in shuffled order, so bytes read are real HBM traffic."""
+  doc_pages = doc_tokens // PAGE_SIZE
+  pages = doc_pages + own_tokens // PAGE_SIZE
+  page = np.arange(pages)
+  page_pos = np.broadcast_to(page * PAGE_SIZE, (batch, pages))
+  doc_start = (page * PAGE_SIZE) // DOC_LEN * DOC_LEN
+  page_shift = np.broadcast_to(np.where(page < doc_pages, doc_start, 0),
+                               (batch, pages))
+  page_len = np.full((batch, pages), PAGE_SIZE)
+  page_table = rng.permutation(batch * pages).reshape(batch, pages)
+  as_i32 = lambda a: jnp.asarray(np.ascontiguousarray(a), jnp.int32)
+  return (as_i32(page_table), as_i32(page_pos), as_i32(page_shift),
+          as_i32(page_len))
+
+
+def random_array(key, shape):
+  return jax.random.normal(key, shape, jnp.float32).astype(DTYPE)
+
+
+def num_sets(kv_bytes):
+  return max(1, min(8, math.ceil(MIN_CYCLE_BYTES / kv_bytes)))
+
+
+def dense_from_pages(pages, page_table):
+  """[K, P, ps, H] pool, [B, M] table -> contiguous [B, M * ps, K, H]."""
+  gathered = pages[:, page_table]  # [K, B, M, ps, H]
+  k, b, m, ps, h = gathered.shape
+  return jnp.transpose(gathered.reshape(k, b, m * ps, h), (1, 2, 0, 3))
+
+
+def decode_shape_name(batch, context):
+  return f"B{batch}/ctx{context}"
+
+
+def decode_inputs(key, rng, batch, context):
+  """Input sets for one decode shape (enough sets to outgrow the L2)."""
+  table, pos, shift, length = page_metadata(rng, batch, context, 0)
+  num_pages = batch * (context // PAGE_SIZE)
+  kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+  pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
+  sets = []
+  for _ in range(num_sets(kv_bytes)):
+    key, kq, kk, kv = jax.random.split(key, 4)
+    sets.append((random_array(kq, (batch, 1, NUM_HEADS, HEAD_DIM)),
+                 random_array(kk, pool_shape), random_array(kv, pool_shape)))
+  q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
+  lazy_sets = [(q, k, v, table, pos, shift, length, q_pos) for q, k, v in sets]
+  shift0_sets = [(q, k, v, table, pos, jnp.zeros_like(shift), length, q_pos)
+                 for q, k, v in sets]
+  return key, kv_bytes, sets, table, lazy_sets, shift0_sets
+
+
+def visible_pairs(q_pos, page_pos, page_len):
+  slot_pos = (np.asarray(page_pos)[:, :, None]
+              + np.arange(PAGE_SIZE)[None, None, :])
+  valid = np.arange(PAGE_SIZE)[None, None, :] < np.asarray(page_len)[:, :,
+                                                                     None]
+  slot_pos = np.where(valid, slot_pos, np.iinfo(np.int32).max).reshape(
+      slot_pos.shape[0], -1)
+  q_pos = np.asarray(q_pos)
+  return int(sum(np.sum(slot_pos[b][None, :] <= q_pos[b][:, None])
+                 for b in range(q_pos.shape[0])))
+
+
+# --------------------------------------------------------------------------
+# Baselines
+
+
+def dense_decode(q, k, v):
+  """q [B, N, H]; k, v [B, S, K, H] pre-rotated; plain XLA."""
+  batch, heads, dim = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+  scores = jnp.einsum("bkgh,bskh->bkgs", qg, k,
+                      preferred_element_type=jnp.float32) * SM_SCALE
+  weights = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgs,bskh->bkgh", weights.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, heads, dim).astype(q.dtype)
+
+
+def jax_paged(settings):
+  from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+  def run(q, k_pages, v_pages, table, lengths):
+    return paged_attention(q, k_pages, v_pages, table, lengths, **settings)
+  return run
+
+
+# Its defaults (block_h 16, 8 pages per compute block, 16 splits, 8 warps,
+# 2 stages).  16 pages per block with 8 splits was slower at every decode
+# shape (docs/kernels.md).
+JAX_PAGED_SETTINGS = {
+    "defaults": {},
+}
+
+
+# --------------------------------------------------------------------------
+# Lazy calls
+
+
+def lazy_fn(kernel, block_sizes):
+  def run(*args):
+    # Float8 sets carry k_scales, v_scales after the 8 contract operands.
+    scales = dict(zip(("k_scales", "v_scales"), args[8:]))
+    return kernel(*args[:8], rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
+                  interpret=False, block_sizes=block_sizes, **scales)
+  return run
+
+
+def decode_planned_sets(sets, block_sizes=None):
+  """(q, k, v, q_pos, *DecodePlan) per set: the Mosaic decode's per-batch
+  plan made outside the timed call, as a model makes it once per step."""
+  make = jax.jit(functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
+                                   page_size=PAGE_SIZE,
+                                   block_sizes=block_sizes),
+                 static_argnames="num_pages")
+  return [(q, k, v, q_pos, *make(table, pos, shift, length, q_pos,
+                                 num_pages=k.shape[1]))
+          for q, k, v, table, pos, shift, length, q_pos in sets]
+
+
+def decode_planned(q, k_pages, v_pages, q_pos, *plan, block_sizes=None):
+  return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos,
+                                  DecodePlan(*plan), rope=ROPE,
+                                  sm_scale=jnp.float32(SM_SCALE),
+                                  block_sizes=block_sizes)
+
+
+def fp8_sets(sets):
+  """The same input sets with float8 e4m3 pools and their page scales."""
+  from pallas_kernels.kv_quant import quantize_pages
+  out = []
+  for q, k, v, table, pos, shift, length, q_pos in sets:
+    k8, k_scales = quantize_pages(k)
+    v8, v_scales = quantize_pages(v)
+    out.append((q, k8, v8, table, pos, shift, length, q_pos, k_scales,
+                v_scales))
+  return out
+
+
+def prefill_plan(q, k_pages, v_pages, table, pos, shift, length, q_pos,
+          block_sizes=None):
+  del v_pages
+  return plan_prefill(table, pos, shift, length, q_pos, rope=ROPE,
+                      group=q.shape[2] // k_pages.shape[0],
+                      head_dim=q.shape[-1], num_pages=k_pages.shape[1],
+                      page_size=k_pages.shape[2], block_sizes=block_sizes)
+
+
+def prefill_plan_only(*lazy_args):
+  """The per-batch plan alone; every output feeds the result (x 0.0, a
+  float product XLA keeps) so none of it is dead code."""
+  plan = prefill_plan(*lazy_args)
+  tie = sum(jnp.sum(x.astype(jnp.float32)) for x in plan)
+  return lazy_args[0] + (tie * jnp.float32(0)).astype(lazy_args[0].dtype)
+
+
+def prefill_planned(q, k_pages, v_pages, q_pos, plan, block_sizes=None):
+  return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos,
+                                   PrefillPlan(*plan), rope=ROPE,
+                                   sm_scale=jnp.float32(SM_SCALE),
+                                   block_sizes=block_sizes)
+

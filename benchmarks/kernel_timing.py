@@ -1,0 +1,85 @@
+"""Timing of GPU kernel calls for the kernel benchmarks (benchmarks/kernels.py,
+benchmarks/mgpu_prefill_check.py): chained calls in one jitted step, and
+the perturbations that chain them."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+class ChainTimer:
+  """Times fn(*args) per call, cycling over arg_sets; compiles once.
+
+  perturb(args, zero) returns args made to depend on `zero`, an f32 scalar
+  that is 0 at run time but computed from the previous call's output.  One
+  jitted step calls fn once per set; steps are dispatched asynchronously back
+  to back (a step is >= ~0.1 ms of device work at every measured shape, well
+  above the dispatch cost), then synchronised.
+  """
+
+  def __init__(self, fn, arg_sets, perturb, *, target_total_s=0.15):
+
+    def step(zero, sets):
+      for args in sets:
+        out = fn(*perturb(args, zero))
+        zero = zero + jnp.float32(0) * jnp.sum(out.astype(jnp.float32))
+      return zero
+
+    self.arg_sets = arg_sets
+    self.step = jax.jit(step)
+    self.zero = jnp.float32(0)
+    jax.block_until_ready(self.step(self.zero, arg_sets))  # compile, warm up
+    start = time.perf_counter()
+    jax.block_until_ready(self.step(self.zero, arg_sets))
+    per_step = time.perf_counter() - start
+    self.steps = max(3, math.ceil(target_total_s / per_step))
+
+  def sample(self):
+    """Seconds per call, from one synchronised run of `steps` steps."""
+    zero = self.zero
+    start = time.perf_counter()
+    for _ in range(self.steps):
+      zero = self.step(zero, self.arg_sets)
+    jax.block_until_ready(zero)
+    return (time.perf_counter() - start) / (self.steps * len(self.arg_sets))
+
+
+def time_per_call(fn, arg_sets, perturb, *, repeats=5):
+  """Median seconds per call of fn over repeats (see ChainTimer)."""
+  timer = ChainTimer(fn, arg_sets, perturb)
+  return statistics.median(timer.sample() for _ in range(repeats))
+
+
+def time_pair(fn_a, sets_a, fn_b, sets_b, perturb, *, rounds=7):
+  """Medians for two functions timed in alternation (A B A B ...), so slow
+  drifts of clock or temperature hit both alike."""
+  timer_a = ChainTimer(fn_a, sets_a, perturb)
+  timer_b = ChainTimer(fn_b, sets_b, perturb)
+  samples_a, samples_b = [], []
+  for _ in range(rounds):
+    samples_a.append(timer_a.sample())
+    samples_b.append(timer_b.sample())
+  return statistics.median(samples_a), statistics.median(samples_b)
+
+
+def perturb_query(args, zero):
+  q, *rest = args
+  return (q + zero.astype(q.dtype), *rest)
+
+
+def perturb_lazy(args, zero):
+  q, k, v, table, pos, shift, length, q_pos, *scales = args
+  bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA
+  return (q + zero.astype(q.dtype), k, v, table, pos, shift, length,
+          q_pos + bump, *scales)
+
+
+def perturb_paged(args, zero):
+  q, k, v, table, lengths = args
+  bump = (zero > 1e30).astype(jnp.int32)
+  return (q + zero.astype(q.dtype), k, v, table, lengths + bump)

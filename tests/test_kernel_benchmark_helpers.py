@@ -1,0 +1,75 @@
+"""The kernel benchmarks' helpers on CPU (benchmarks/kernel_cases.py,
+kernel_timing.py, kernels_report.py): the benchmarks themselves need a GPU,
+so their inputs, FLOP count, dense baselines' layout, timer and report are
+checked here."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import kernel_cases as cases
+from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
+from benchmarks.kernels import Result
+from benchmarks.kernels_report import report
+
+
+def test_page_metadata_shifts_documents_and_keeps_own_pages_in_place():
+  rng = np.random.default_rng(0)
+  doc_tokens, own = 2 * cases.DOC_LEN, 3 * cases.PAGE_SIZE
+  table, pos, shift, length = cases.page_metadata(rng, 2, doc_tokens, own)
+  pages = (doc_tokens + own) // cases.PAGE_SIZE
+  assert table.shape == pos.shape == shift.shape == length.shape == (2, pages)
+  # Every row reads its own physical pages, each page once.
+  assert sorted(np.asarray(table).ravel().tolist()) == list(range(2 * pages))
+  per_doc = cases.DOC_LEN // cases.PAGE_SIZE
+  want_shift = [0] * per_doc + [cases.DOC_LEN] * per_doc + [0] * 3
+  assert np.asarray(shift[1]).tolist() == want_shift
+  assert np.asarray(pos[0]).tolist() == [
+      p * cases.PAGE_SIZE for p in range(pages)]
+  assert np.all(np.asarray(length) == cases.PAGE_SIZE)
+
+
+def test_visible_pairs_counts_the_causal_mask():
+  page_pos = np.array([[0, 16, 32]])
+  page_len = np.array([[16, 16, 5]])  # keys at positions 0..36
+  q_pos = np.array([[34, 36]])
+  assert cases.visible_pairs(q_pos, page_pos, page_len) == 35 + 37
+
+
+def test_dense_from_pages_follows_the_page_table():
+  pages = jnp.arange(2 * 4 * 2 * 3).reshape(2, 4, 2, 3)  # [K, pages, P, H]
+  table = jnp.array([[2, 0], [1, 3]])
+  dense = cases.dense_from_pages(pages, table)  # [B, M * P, K, H]
+  assert dense.shape == (2, 4, 2, 3)
+  np.testing.assert_array_equal(dense[0, :2, 1], pages[1, 2])
+  np.testing.assert_array_equal(dense[1, 2:, 0], pages[0, 3])
+
+
+def test_chain_timer_times_a_chain_and_perturbs_every_call():
+  q = jnp.ones((4, 8), jnp.float32)
+  timer = ChainTimer(lambda q: q * 2.0, [(q,)], perturb_query,
+                     target_total_s=0.001)
+  assert timer.steps >= 3 and timer.sample() > 0
+  lazy_args = (q, None, None, None, None, None, None,
+               jnp.zeros((4, 1), jnp.int32))
+  out = perturb_lazy(lazy_args, jnp.float32(0))
+  np.testing.assert_array_equal(out[0], q)
+  np.testing.assert_array_equal(out[7], lazy_args[7])
+
+
+def test_report_judges_the_prefill_bar_at_the_whole_call(capsys):
+  results = [
+      Result("prefill", "chunk512", "cudnn", 1.0, flops=1e12),
+      Result("prefill", "chunk512", "lazy[v]", 2.0, flops=1e12),
+      Result("prefill", "chunk512", "lazy-mosaic", 1.0 / 0.95, flops=1e12),
+      Result("prefill", "chunk512", "lazy-mosaic per-layer", 1.0 / 0.85,
+             flops=1e12),
+  ]
+  report(results, [], [("chunk512", 4, 512, 8192)], None, "v")
+  text = capsys.readouterr().out
+  assert "lazy-mosaic prefill >= 0.9x cuDNN TFLOP/s at chunk512 (issue 16): " \
+         "PASS (0.950x" in text
+  assert "lazy-mosaic per-layer prefill >= 0.9x cuDNN TFLOP/s at chunk512 " \
+         "(issue 16): MISS (0.850x" in text
+  assert "lazy[v] prefill >= 0.9x" in text and "MISS (0.500x" in text
