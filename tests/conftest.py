@@ -6,6 +6,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests import fast_compile  # noqa: E402 - needs the path above
+
+# Before any test starts JAX's backend (it reads XLA_FLAGS once, then).
+fast_compile.enable()
+
 
 def _has_gpu() -> bool:
   try:

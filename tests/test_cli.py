@@ -7,10 +7,14 @@ import sys
 
 import pytest
 
+from tests import fast_compile
+
 
 def run_cli(*args, timeout=900):
+  # The commands load the 135M model: optimized code is faster there.
   return subprocess.run([sys.executable, "-m", "lazyattn_jax.cli", *args],
-                        capture_output=True, text=True, timeout=timeout)
+                        capture_output=True, text=True, timeout=timeout,
+                        env=fast_compile.default_env())
 
 
 def test_demo_shows_cache_hits_on_reuse():
