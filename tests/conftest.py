@@ -11,6 +11,12 @@ from tests import fast_compile  # noqa: E402 - needs the path above
 # Before any test starts JAX's backend (it reads XLA_FLAGS once, then).
 fast_compile.enable()
 
+# Session fixtures several modules use, defined here once: a module that
+# imports a fixture gets its own definition, so a worker running two such
+# modules loaded the real model (HF's load takes ~20 s) twice.
+from tests.hf_fixtures import (hf_smollm2, smollm2_gguf_path,  # noqa: E402,F401
+                               smollm2_ours, text_model)
+
 
 def _has_gpu() -> bool:
   try:

@@ -9,9 +9,10 @@
 - `hf_greedy`, `hf_lazy_greedy`: greedy tokens from an HF model, on a plain
   causal prompt or with the block-diagonal document mask of a lazy request.
 - Session fixtures for the real SmolLM2-135M-Instruct GGUF: its path, our
-  model loaded from it, and HF transformers' model and tokenizer loaded from
-  the same file.  Import them into a test module to use them:
-    from tests.hf_fixtures import smollm2_gguf_path, smollm2_ours, hf_smollm2
+  model loaded from it, HF transformers' model and tokenizer loaded from
+  the same file, and a tiny random model over its tokenizer (`text_model`).
+  tests/conftest.py registers them for every module; a module that imported
+  one would get its own copy, built again on the same worker.
 """
 
 from __future__ import annotations
@@ -249,6 +250,19 @@ def hf_smollm2(smollm2_gguf_path):
   tokenizer = transformers.AutoTokenizer.from_pretrained(directory,
                                                          gguf_file=name)
   return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def text_model(smollm2_gguf_path):
+  """(config, model, tokenizer): a tiny random Llama over SmolLM2's
+  tokenizer, so requests take the real text and chat-template path."""
+  from flax import nnx
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  from models.tokenizer import LlamaTokenizer
+  tokenizer = LlamaTokenizer.from_gguf(smollm2_gguf_path)
+  config = LlamaConfig.tiny(vocab_size=tokenizer.vocab_size, max_position=1024)
+  return config, Llama(config, rngs=nnx.Rngs(0)), tokenizer
 
 
 def hf_greedy(model, prompt, num_tokens: int):

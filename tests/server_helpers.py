@@ -1,6 +1,7 @@
-"""Shared pieces of the server tests: a tiny random model that reads and
-writes real text (SmolLM2's tokenizer and chat template), engines on it,
-and a server on a background thread."""
+"""Shared pieces of the server tests: engines on `text_model` (a tiny
+random model that reads and writes real text with SmolLM2's tokenizer and
+chat template; a session fixture in tests/hf_fixtures.py), and a server on
+a background thread."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.config import split_settings
 from lazyattn_jax.engine import LazyEngine
-from tests.hf_fixtures import smollm2_gguf_path  # noqa: F401 - a fixture
 from tests.test_engine_faults import assert_pages_accounted_for  # noqa: F401
 
 pytest.importorskip("fastapi")
@@ -32,19 +32,6 @@ CORPUS = [
 QUESTIONS = ["Who built the bridge?", "What lives in the lake?",
              "When is the festival?", "What does Bramley make?"]
 MODEL_NAME = "tiny-text"
-
-
-@pytest.fixture(scope="session")
-def text_model(smollm2_gguf_path):  # noqa: F811 - the fixture above
-  """(config, model, tokenizer): a tiny random Llama over SmolLM2's
-  tokenizer, so requests take the real text and chat-template path."""
-  from flax import nnx
-  from models.config import LlamaConfig
-  from models.llama import Llama
-  from models.tokenizer import LlamaTokenizer
-  tokenizer = LlamaTokenizer.from_gguf(smollm2_gguf_path)
-  config = LlamaConfig.tiny(vocab_size=tokenizer.vocab_size, max_position=1024)
-  return config, Llama(config, rngs=nnx.Rngs(0)), tokenizer
 
 
 def make_engine(text_model, *, num_pages=96, max_batch=4, decode_steps=4,

@@ -12,7 +12,6 @@ import pytest
 from lazyattn_jax.errors import InvalidOptionError
 from lazyattn_jax.quality_options import (QualityOptions, default_quality,
                                           shipped_sink_for, with_fields)
-from tests.hf_fixtures import smollm2_gguf_path  # noqa: F401 - a fixture
 
 SMOLLM2_ID = "gguf:SmolLM2-135M-Instruct.Q4_1.gguf:98362432"
 
@@ -59,7 +58,7 @@ def test_tiny_model_gets_recompute_only(tiny_dir):
   assert tokens.quality.tokens_to_recompute(16) == 32
 
 
-def test_embedded_model_loads_its_sink_by_default(smollm2_gguf_path):  # noqa: F811
+def test_embedded_model_loads_its_sink_by_default(smollm2_gguf_path):
   from lazyattn_jax.engine import LazyEngine
   common = dict(impl="xla", num_pages=96, progress=False, max_batch=1)
   engine = LazyEngine.from_pretrained(smollm2_gguf_path, **common)

