@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -98,6 +99,32 @@ def _long_tests_first(items):
     seconds[lighter] += LONG_TESTS[key] if groups[key] else 0
   cut = max(0, len(items) // 2 - len(shares[0]))
   items[:] = shares[0] + rest[:cut] + shares[1] + rest[cut:]
+
+
+# Each compiled program holds a few memory mappings until it is dropped, and
+# Linux allows a process 65530 (vm.max_map_count); past that XLA crashes
+# while compiling.  A worker of `pytest -n 2` ended the suite with ~53000
+# (measured), so a worker drops its compiled programs between modules once
+# it holds many (the next modules compile theirs again).
+MAX_MAPPINGS = 40000
+
+
+def _mappings() -> int:
+  try:
+    with open("/proc/self/maps") as maps:
+      return sum(1 for _ in maps)
+  except OSError:  # not Linux
+    return 0
+
+
+@pytest.hookimpl(trylast=True)  # after the module's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+  if nextitem is not None and (getattr(nextitem, "module", None) is
+                               getattr(item, "module", None)):
+    return
+  if _mappings() > MAX_MAPPINGS:
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
