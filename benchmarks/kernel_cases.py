@@ -153,15 +153,20 @@ def decode_planned_sets(sets, block_sizes=None):
                                    block_sizes=block_sizes),
                  static_argnames="num_pages")
   return [(q, k, v, q_pos, *make(table, pos, shift, length, q_pos,
-                                 num_pages=k.shape[1]))
-          for q, k, v, table, pos, shift, length, q_pos in sets]
+                                 num_pages=k.shape[1]), *scales)
+          for q, k, v, table, pos, shift, length, q_pos, *scales in sets]
 
 
-def decode_planned(q, k_pages, v_pages, q_pos, *plan, block_sizes=None):
-  return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos,
-                                  DecodePlan(*plan), rope=ROPE,
-                                  sm_scale=jnp.float32(SM_SCALE),
-                                  block_sizes=block_sizes)
+def decode_planned(q, k_pages, v_pages, q_pos, *plan_and_scales,
+                   block_sizes=None):
+  """The per-layer Mosaic decode: `plan_and_scales` is the DecodePlan's
+  fields, then k_scales and v_scales for float8 pools."""
+  plan = DecodePlan(*plan_and_scales[:len(DecodePlan._fields)])
+  scales = plan_and_scales[len(DecodePlan._fields):] or (None, None)
+  return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
+                                  rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
+                                  block_sizes=block_sizes,
+                                  k_scales=scales[0], v_scales=scales[1])
 
 
 def fp8_sets(sets):

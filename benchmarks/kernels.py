@@ -136,6 +136,9 @@ MOSAIC_DECODE_VARIANTS = {
     # One CTA per SM, each streaming its work items through one ring (the
     # next item's query prefetched): no per-CTA start and drain.
     "k128s2-persistent": MgpuDecodeBlockSizes(persistent=True),
+    # float8 pools widened to q's dtype (bf16: e4m3 -> f32 -> bf16) instead
+    # of f16 (one conversion); the same as k128s2 for 16-bit pools.
+    "k128s2-fp8query": MgpuDecodeBlockSizes(float8_operand="query"),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
@@ -237,6 +240,28 @@ def _time_lazy_pair(results, shape, kv_bytes, kernel, sizes, lazy_sets,
             f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
 
 
+def _time_planned_pair(results, shape, kv_bytes, sizes, lazy_sets,
+                       shift0_sets, method):
+  """The Mosaic decode's per-layer part (plan made once, outside), real
+  shifts against shift 0 in alternation; rows `method` and its shift-0
+  twin (float8 sets carry their scales)."""
+  try:
+    planned, planned0 = (decode_planned_sets(lazy_sets, sizes),
+                         decode_planned_sets(shift0_sets, sizes))
+    layer = functools.partial(decode_planned, block_sizes=sizes)
+    layer_s, layer0_s = time_pair(layer, planned, layer, planned0,
+                                  perturb_query)
+  except Exception as e:  # keep going: report the failure in the table
+    print(f"  FAILED {method}: {type(e).__name__}: {e}", flush=True)
+    return
+  shift0 = method.replace(" per-layer[", "-shift0 per-layer[")
+  for name, seconds in ((method, layer_s), (shift0, layer0_s)):
+    results.append(Result("decode", shape, name, seconds, kv_bytes,
+                          note="plan made once, outside"))
+    print(f"  {shape:>14s} {name:<40s} {seconds * 1e3:8.3f} ms "
+          f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
+
+
 def _geomean_best(results, section, names, shapes, prefix="lazy"):
   """Variant name with the lowest geometric-mean time over `shapes`."""
   best = None
@@ -254,7 +279,7 @@ def _geomean_best(results, section, names, shapes, prefix="lazy"):
 
 
 def run_decode(results, variants, shapes, tuning_shapes, budget,
-               mosaic_variants=None, fp8=False):
+               mosaic_variants=None, fp8=False, baselines=True):
   """Measures every decode row; returns the chosen variant name (or None).
 
   Pass 1, at the tuning shapes: every variant ("tune:" rows).  The variant
@@ -262,7 +287,8 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   shape: the chosen variant with real shifts and with every shift 0, timed in
   alternation (the 1.05x bar compares these two), then each Mosaic GPU
   decode variant the same way, with `fp8` both kernels on float8 pools
-  (TB/s of the float8 bytes), then the baselines.
+  (TB/s of the float8 bytes), then (with `baselines`) JAX's paged attention
+  and dense XLA.  An empty `variants` skips the Triton rows.
   """
   mosaic_variants = mosaic_variants or {}
   print("# decode", flush=True)
@@ -295,32 +321,25 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
                       lazy_sets, shift0_sets,
                       (f"lazy-mosaic[{name}]", f"lazy-mosaic-shift0[{name}]"))
     for name, sizes in mosaic_variants.items():  # the per-layer part alone
-      try:
-        planned, planned0 = (decode_planned_sets(lazy_sets, sizes),
-                             decode_planned_sets(shift0_sets, sizes))
-        layer = functools.partial(decode_planned, block_sizes=sizes)
-        layer_s, layer0_s = time_pair(layer, planned, layer, planned0,
-                                      perturb_query)
-        for method, seconds in (
-            (f"lazy-mosaic per-layer[{name}]", layer_s),
-            (f"lazy-mosaic-shift0 per-layer[{name}]", layer0_s)):
-          results.append(Result("decode", shape, method, seconds, kv_bytes,
-                                note="plan made once, outside"))
-          print(f"  {shape:>14s} {method:<40s} {seconds * 1e3:8.3f} ms "
-                f"{kv_bytes / seconds / 1e12:.2f} TB/s", flush=True)
-        del planned, planned0
-      except Exception as e:  # keep going: report the failure in the table
-        print(f"  FAILED lazy-mosaic per-layer[{name}]: "
-              f"{type(e).__name__}: {e}", flush=True)
-    if fp8:  # float8 pools: half the KV bytes; Triton and the Mosaic default
+      _time_planned_pair(results, shape, kv_bytes, sizes, lazy_sets,
+                         shift0_sets, f"lazy-mosaic per-layer[{name}]")
+    if fp8:  # float8 pools: half the KV bytes; Triton and each Mosaic variant
       fp8_lazy, fp8_shift0 = fp8_sets(lazy_sets), fp8_sets(shift0_sets)
-      for kernel, sizes, name in (
-          (lazy_decode_gpu, variants.get(chosen), f"lazy-fp8[{chosen}]"),
-          (lazy_decode_mgpu, None, "lazy-mosaic-fp8[default]")):
-        _time_lazy_pair(results, shape, kv_bytes // 2, kernel, sizes,
-                        fp8_lazy, fp8_shift0,
-                        (name, name.replace("-fp8[", "-fp8-shift0[")))
+      if chosen:
+        _time_lazy_pair(results, shape, kv_bytes // 2, lazy_decode_gpu,
+                        variants[chosen], fp8_lazy, fp8_shift0,
+                        (f"lazy-fp8[{chosen}]", f"lazy-fp8-shift0[{chosen}]"))
+      for name, sizes in (mosaic_variants or {"default": None}).items():
+        _time_lazy_pair(results, shape, kv_bytes // 2, lazy_decode_mgpu,
+                        sizes, fp8_lazy, fp8_shift0,
+                        (f"lazy-mosaic-fp8[{name}]",
+                         f"lazy-mosaic-fp8-shift0[{name}]"))
+        _time_planned_pair(results, shape, kv_bytes // 2, sizes, fp8_lazy,
+                           fp8_shift0, f"lazy-mosaic-fp8 per-layer[{name}]")
       del fp8_lazy, fp8_shift0
+    if not baselines:
+      del sets, lazy_sets, shift0_sets
+      continue
     lengths = jnp.full((batch,), context, jnp.int32)
     paged_sets = [(q[:, 0], k, v, table, lengths) for q, k, v in sets]
     for name, settings in JAX_PAGED_SETTINGS.items():
@@ -442,6 +461,10 @@ def main(argv=None):
   parser.add_argument("--mosaic-variants", default="",
                       help="comma-separated MOSAIC_DECODE_VARIANTS names to "
                       "time (default: all)")
+  parser.add_argument("--no-triton-decode", action="store_true",
+                      help="skip the Triton decode rows (tuning included)")
+  parser.add_argument("--no-baselines", action="store_true",
+                      help="skip JAX's paged attention and dense XLA decode")
   parser.add_argument("--fp8", action="store_true",
                       help="also time decode (Triton and Mosaic GPU) on "
                       "float8 e4m3 pools")
@@ -484,9 +507,11 @@ def main(argv=None):
     mosaic_decode = {name: mosaic_decode[name] for name in names}
   if args.quick:
     mosaic_decode = dict(list(mosaic_decode.items())[:1])
+  if args.no_triton_decode:
+    decode_variants = {}
   decode_variant = run_decode(results, decode_variants, decode_shapes,
                               DECODE_TUNING_SHAPES, budget, mosaic_decode,
-                              fp8=args.fp8)
+                              fp8=args.fp8, baselines=not args.no_baselines)
   prefill_variant = None
   if args.decode_only:
     prefill_shapes = []

@@ -193,6 +193,12 @@ class MgpuDecodeBlockSizes:
       matters only with more splits (`kv_splits`); measured no faster.
     num_ctas: CTAs of the persistent grid; None takes the local GPU's SM
       count (`gpu_sm_count`).
+    float8_operand: the 16-bit wgmma operand dtype of float8 pools' steps
+      (the rotated query, the widened K and V tiles, P): "float16" (Hopper
+      widens e4m3 pairs to f16 in one instruction) or "query" (q's dtype;
+      e4m3 -> bf16 goes through f32).  Both are exact for the e4m3 values;
+      f16 keeps more of the query's and P's mantissa, and its range holds
+      any scaled query and P times a V scale up to 65504.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -204,8 +210,12 @@ class MgpuDecodeBlockSizes:
   mask_fast_path: bool = True
   persistent: bool = False
   num_ctas: int | None = None
+  float8_operand: str = "float16"
 
   def __post_init__(self):
+    if self.float8_operand not in ("float16", "query"):
+      raise ValueError(f"float8_operand must be 'float16' or 'query', got "
+                       f"{self.float8_operand!r}")
     if self.num_ctas is not None and self.num_ctas < 1:
       raise ValueError(f"num_ctas must be >= 1, got {self.num_ctas}")
     if self.block_kv not in (64, 128):

@@ -10,7 +10,7 @@ into a ring of shared-memory slots; one compute warpgroup rotates the query
 tile by -shift at a segment's first step (or its split's first step), and
 runs the online softmax (base 2) with wgmma.  Float8 pages (e4m3) are
 widened by the compute warpgroup from the ring into a 16-bit K / V tile
-(the wgmma operands), their per-page scales applied per score column (K)
+(the wgmma operands, f16 by default: `MgpuDecodeBlockSizes.float8_operand`), their per-page scales applied per score column (K)
 and per P column (V).  Each CTA writes its
 unnormalised partial state (acc, m, l); XLA merges the splits
 (`masked_softmax.merge_splits`).  The inputs come from
@@ -148,12 +148,14 @@ def _kernel(
 
     page_offset = page_offset_ref[0]
 
-    def column_scales(rec, scales_ref, head):
-      # Scale of each key column's page; 0 for pages the step does not read
-      # (an unused page's scale may be NaN, and 0 * NaN would leak).
-      values = [jnp.where(rec[layout.lim + j] > 0,
-                          scales_ref[head, rec[layout.phys + j] + page_offset],
-                          jnp.float32(0.0)) for j in range(ppb)]
+    def page_scales(rec, scales_ref, head):
+      # Scale of each of the step's pages; 0 for pages the step does not
+      # read (an unused page's scale may be NaN, and 0 * NaN would leak).
+      return [jnp.where(rec[layout.lim + j] > 0,
+                        scales_ref[head, rec[layout.phys + j] + page_offset],
+                        jnp.float32(0.0)) for j in range(ppb)]
+
+    def column_scales(values):
       col = ops.iota((block_kv,), 0, col_layout)
       return select_per_page(lax.div(col, jnp.int32(page_size)), values)
 
@@ -167,7 +169,7 @@ def _kernel(
       q_pos = q_pos_ref[batch]
 
       def step(i, carry):
-        acc, m, l = carry
+        acc, m, l, *unit = carry  # float8 pools: [acc's V-scale unit]
         ring = ring_step + i
         slot = lax.rem(ring, stages)
         # The record ring is twice as deep as the K/V ring: the record is
@@ -179,12 +181,22 @@ def _kernel(
         pl.when((rec[layout.new_seg] != 0) | (i == 0))(
             lambda: rotate_query(ops, q_tile, q16_smem, cs_smem, slot, half,
                                  dtype))
+        acc_factor = None
         if quantized:
           k16_smem, v16_smem = wide_smem
           # Scale loads (scalar, from global memory) first: their latency
           # overlaps the widening.
-          k_cols = column_scales(rec, ks_ref, head)
-          v_cols = column_scales(rec, vs_ref, head)
+          k_cols = column_scales(page_scales(rec, ks_ref, head))
+          v_pages = page_scales(rec, vs_ref, head)
+          # acc is kept in units of the largest V scale seen so far, so P
+          # times a V scale relative to it is at most P: never past f16's
+          # range, and below its normal range only for pages far smaller
+          # than the row's largest (powers of two: exact ratios).
+          new_unit = functools.reduce(jnp.maximum, v_pages, unit[0])
+          inv_unit = jnp.where(new_unit > 0, 1.0 / new_unit, 0.0)
+          v_cols = column_scales([x * inv_unit for x in v_pages])
+          acc_factor = jnp.where(new_unit > 0, unit[0] * inv_unit, 1.0)
+          unit = [new_unit]
           widen(k_smem.at[slot], k16_smem)
           plgpu.barrier_arrive(k_free.at[slot])  # the slot is copied out
           s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
@@ -199,7 +211,7 @@ def _kernel(
                        lambda s: s, s)
         else:
           s = mask_scores(s, rec, q_pos)
-        acc, m_new, l, p = softmax_update(acc, m, l, s)
+        acc, m_new, l, p = softmax_update(acc, m, l, s, acc_factor)
         if quantized:  # V scales per P column; l keeps the unscaled p
           p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
         p16 = p.astype(dtype)
@@ -216,10 +228,13 @@ def _kernel(
                                          rec))
           acc = ops.pv(acc, p16, v_smem.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return acc, m_new, l, *unit
 
-      acc, m, l = lax.fori_loop(0, n_steps, step,
-                                softmax_start(ops, head_dim))
+      acc, m, l, *unit = lax.fori_loop(
+          0, n_steps, step,
+          (*softmax_start(ops, head_dim), *[jnp.float32(0.0)] * quantized))
+      if quantized:  # back from units of the largest V scale
+        acc = acc * unit[0]
       # The item's f32 query tile is dead now: it stages the partial output.
       q_tile[...] = acc
       ml_smem[0] = m
@@ -269,7 +284,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
     page_offset: int32 scalar added to every physical page id.
     group: G = N / K (rows of q_tile that are real heads).
     num_splits: S, CTAs per (batch row, kv head).
-    compute_dtype: q's 16-bit dtype: the wgmma operands.
+    compute_dtype: q's 16-bit dtype: the wgmma operands (with float8 pages,
+      `block_sizes.float8_operand` may pick float16 instead).
 
   Returns:
     (acc f32 [B, S, K, Gp, H], ml f32 [B, S, K, 2, 64]) with Gp =
@@ -290,8 +306,10 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   num_ctas = mgpu_decode_num_ctas(block_sizes, num_items)
   query_buffers = 2 if num_ctas < num_items else 1
   page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
-  dtype = jnp.dtype(compute_dtype)
   quantized = k_scales is not None
+  dtype = jnp.dtype(compute_dtype)
+  if quantized and block_sizes.float8_operand == "float16":
+    dtype = jnp.dtype(jnp.float16)
   if not quantized:  # unused operands, one f32 each
     k_scales = v_scales = jnp.zeros((1, 1), jnp.float32)
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements

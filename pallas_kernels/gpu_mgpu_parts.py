@@ -150,13 +150,15 @@ def softmax_start(ops, head_dim: int):
   return acc, m, l
 
 
-def softmax_update(acc, m, l, s):
+def softmax_update(acc, m, l, s, acc_factor=None):
   """One online-softmax step (base 2) over scores s [64, block_kv]:
-  (acc rescaled, new max, new sum, p)."""
+  (acc rescaled, new max, new sum, p).  `acc_factor` (a scalar) also
+  multiplies acc: a change of the units acc is kept in."""
   m_new = jnp.maximum(m, s.max(axis=1))
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  acc_alpha = alpha if acc_factor is None else alpha * acc_factor
+  acc = acc * lax.broadcast_in_dim(acc_alpha, acc.shape, [0])
   l = l * alpha + p.sum(axis=1)
   return acc, m_new, l, p
 

@@ -226,6 +226,32 @@ def test_parity_interpret_float8(persistent):
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("operand", ["float16", "query"])
+def test_parity_interpret_float8_small_and_mixed_v_scales(operand):
+  """bf16 queries on float8 pages whose V values are tiny (scales near
+  2^-27) and differ by 2^6 between pages of one row: P times a V scale
+  would fall below f16's normal range (to zero for most of them), so the
+  kernel keeps acc in units of the row's largest V scale seen so far (with
+  f16 operands, the default, and with q's dtype)."""
+  from pallas_kernels.testing import quantize_case
+  lazy = _ragged_case(6, batch=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_doc_len=100)
+  v = np.asarray(lazy.v_pages, np.float32) * 2.0**-20
+  v[:, 1::3] *= 2.0**6  # every third page larger than the rest
+  lazy = dataclasses.replace(lazy, v_pages=v.astype(lazy.v_pages.dtype))
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  used = np.asarray(v_scales)[~np.isnan(np.asarray(v_scales))]
+  assert used.max() <= 2.0**-20 and used.max() / used.min() >= 2.0**5
+  out = lazy_decode_mgpu(
+      *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
+      sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
+      v_scales=v_scales,
+      block_sizes=MgpuDecodeBlockSizes(block_kv=64, kv_splits=2,
+                                       float8_operand=operand))
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
 def test_plan_decode_steps():
   """Steps hold only live pages (not empty, not after q_pos), one segment
   per step; padding rows have none."""
