@@ -139,6 +139,8 @@ MOSAIC_DECODE_VARIANTS = {
     # float8 pools widened to q's dtype (bf16: e4m3 -> f32 -> bf16) instead
     # of f16 (one conversion); the same as k128s2 for 16-bit pools.
     "k128s2-fp8query": MgpuDecodeBlockSizes(float8_operand="query"),
+    # Three ring stages: fits only with float8 pools (1-byte ring slots).
+    "k128s3": MgpuDecodeBlockSizes(num_stages=3),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key

@@ -231,14 +231,16 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
   """Shared memory of one decode CTA (buffers only): the f32 query tile
   (reused for the output; two when persistent), its 16-bit rotated copy,
   the K/V ring (1-byte elements for float8 pages, plus a 16-bit K and V
-  tile they are widened into), records, cos/sin and the m / l rows."""
+  tile they are widened into), records, cos/sin (twice as deep for float8)
+  and the m / l rows."""
   stages = block_sizes.num_stages
   q_store = WG_ROWS * head_dim * 4 * (2 if block_sizes.persistent else 1)
   q_16 = WG_ROWS * head_dim * 2
   kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
-  if quantized:
-    kv += 2 * block_sizes.block_kv * head_dim * 2
   small = stages * (2 * 256 + 2 * head_dim * 4) + 2 * WG_ROWS * 4
+  if quantized:  # and a cos/sin ring twice as deep
+    kv += 2 * block_sizes.block_kv * head_dim * 2
+    small += stages * head_dim * 4
   return q_store + q_16 + kv + small
 
 

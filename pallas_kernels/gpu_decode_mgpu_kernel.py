@@ -9,9 +9,10 @@ TMA-copies each step's KV pages, its step record and its segment's cos/sin
 into a ring of shared-memory slots; one compute warpgroup rotates the query
 tile by -shift at a segment's first step (or its split's first step), and
 runs the online softmax (base 2) with wgmma.  Float8 pages (e4m3) are
-widened by the compute warpgroup from the ring into a 16-bit K / V tile
-(the wgmma operands, f16 by default: `MgpuDecodeBlockSizes.float8_operand`), their per-page scales applied per score column (K)
-and per P column (V).  Each CTA writes its
+widened by a third, converter warpgroup from the ring into a 16-bit K / V
+tile (the wgmma operands, f16 by default:
+`MgpuDecodeBlockSizes.float8_operand`), their per-page scales applied per
+score column (K) and per P column (V) (gpu_mgpu_float8.py).  Each CTA writes its
 unnormalised partial state (acc, m, l); XLA merges the splits
 (`masked_softmax.merge_splits`).  The inputs come from
 `gpu_decode_mgpu.plan_decode` and `gpu_decode_mgpu.decode_query_tile`.
@@ -33,25 +34,15 @@ from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_num_ctas)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
+from pallas_kernels.gpu_mgpu_float8 import (
+    CONVERTER_REGISTERS, column_scales, convert_kv_ring, drain_converted,
+    load_page_scales, used_pages_only, v_scale_unit)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
     interpreter_params, key_positions, produce_kv_ring, rotate_query,
-    select_per_page, softmax_start, softmax_update, zero_invalid_v_rows)
+    softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.sizes import round_up
-
-
-def _to_operand(x, dtype):
-  """Values of a float8 or 16-bit tile as `dtype` (16-bit).  Hopper converts
-  e4m3 to f16 in hardware (exact: e4m3 fits f16); f16 -> bf16 goes through
-  f32 (also exact: 4 mantissa bits), as Mosaic GPU has no direct cast."""
-  if x.dtype == jnp.dtype(dtype):
-    return x
-  if x.dtype == jnp.dtype(jnp.float8_e4m3fn):
-    x = x.astype(jnp.float16)
-  if x.dtype != jnp.dtype(dtype):
-    x = x.astype(jnp.float32).astype(dtype)
-  return x
 
 
 def out_rows(group: int) -> int:
@@ -94,9 +85,11 @@ def _kernel(
     # Outputs (partial states of each split).
     acc_ref,  # f32 [B, S, K, Gp, H]
     ml_ref,  # f32 [B, S, K, 2, 64]: running max m and sum l of each row
-    # Scratch (float8: two more 16-bit tiles, K16 and V16, at the end).
+    # Scratch (float8: the 16-bit K and V tiles and their four barriers at
+    # the end: ready (converter -> compute) and free (compute -> converter)).
     q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem, q_bars,
-    k_bars, v_bars, k_free, v_free, *wide_smem, cfg: MgpuDecodeBlockSizes,
+    k_bars, v_bars, k_free, v_free, *float8_scratch,
+    cfg: MgpuDecodeBlockSizes,
     page_size: int, num_splits: int, num_items: int, num_ctas: int,
     rows: int, layout: RecordLayout, dtype, interpret: bool):
   ops = Ops(interpret)
@@ -104,7 +97,11 @@ def _kernel(
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
-  quantized = bool(wide_smem)  # dtype: the 16-bit wgmma operand dtype
+  quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
+  # With float8 the converter frees a K slot before the compute warpgroup
+  # has used its cos/sin: their ring is twice as deep, as the records'.
+  cs_stages = cs_smem.shape[0]
+  page_offset = page_offset_ref[0]
   query_buffers = q_smem.shape[0]  # 2: the next item's query prefetched
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
@@ -114,7 +111,9 @@ def _kernel(
   item = functools.partial(_work_item, cta=cta, num_ctas=num_ctas,
                            num_kv_heads=q_ref.shape[1],
                            num_splits=num_splits, n_steps_ref=n_steps_ref)
-  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+  if quantized:
+    k16_smem, v16_smem, k16_ready, v16_ready, k16_free, v16_free = (
+        float8_scratch)
 
   @pl.when(wg == 0)
   def _compute():
@@ -132,32 +131,17 @@ def _kernel(
       visible = lax.broadcast_in_dim(key_pos <= q_pos, s.shape, [1])
       return jnp.where(visible, s, -jnp.inf)
 
-    def fixup_v(src, dst, rec):
-      # For float8, src is the ring slot and dst the 16-bit tile.
-      zero_invalid_v_rows(ops, src, dst, rec, layout, ppb, page_size,
-                          block_kv, head_dim, dtype,
-                          convert=lambda x: _to_operand(x, dtype))
+    def fixup_v(slot, rec):
+      zero_invalid_v_rows(ops, v_smem.at[slot], v_smem.at[slot], rec,
+                          layout, ppb, page_size, block_kv, head_dim, dtype)
 
-    def widen(src, dst):
-      # float8 ring slot -> 16-bit wgmma operand (e4m3 is exact in bf16 and
-      # f16), in 64-row pieces to bound the registers it takes.
-      for r0 in range(0, block_kv, WG_ROWS):
-        dst.at[pl.ds(r0, WG_ROWS)][...] = _to_operand(
-            src.at[pl.ds(r0, WG_ROWS)][...], dtype)
-      plgpu.commit_smem()
+    scale_columns = functools.partial(column_scales, ops, block_kv=block_kv,
+                                      page_size=page_size)
 
-    page_offset = page_offset_ref[0]
-
-    def page_scales(rec, scales_ref, head):
-      # Scale of each of the step's pages; 0 for pages the step does not
-      # read (an unused page's scale may be NaN, and 0 * NaN would leak).
-      return [jnp.where(rec[layout.lim + j] > 0,
-                        scales_ref[head, rec[layout.phys + j] + page_offset],
-                        jnp.float32(0.0)) for j in range(ppb)]
-
-    def column_scales(values):
-      col = ops.iota((block_kv,), 0, col_layout)
-      return select_per_page(lax.div(col, jnp.int32(page_size)), values)
+    def load_scales(batch, head, row):
+      return load_page_scales(rec_ref, ks_ref, vs_ref, batch, head, row,
+                              page_offset, layout=layout,
+                              pages_per_block=ppb)
 
     def one_item(j, ring_step):
       batch, head, split, first, n_steps = item(j)
@@ -169,38 +153,34 @@ def _kernel(
       q_pos = q_pos_ref[batch]
 
       def step(i, carry):
-        acc, m, l, *unit = carry  # float8 pools: [acc's V-scale unit]
+        # float8 pools: [acc's V-scale unit, this step's K and V scales]
+        acc, m, l, *quant = carry
         ring = ring_step + i
         slot = lax.rem(ring, stages)
         # The record ring is twice as deep as the K/V ring: the record is
         # read after the K slot is released (mask, V fix-up); see the
         # prefill.
         rec = rec_smem.at[lax.rem(ring, 2 * stages)]
-        plgpu.barrier_wait(k_bars.at[slot])
+        # float8: the converter waited for the slot (record and cos/sin
+        # included) before it widened K.
+        plgpu.barrier_wait(k16_ready if quantized else k_bars.at[slot])
         # A split may start inside a segment: rotate at its first step too.
         pl.when((rec[layout.new_seg] != 0) | (i == 0))(
-            lambda: rotate_query(ops, q_tile, q16_smem, cs_smem, slot, half,
-                                 dtype))
+            lambda: rotate_query(ops, q_tile, q16_smem, cs_smem,
+                                 lax.rem(ring, cs_stages), half, dtype))
         acc_factor = None
         if quantized:
-          k16_smem, v16_smem = wide_smem
-          # Scale loads (scalar, from global memory) first: their latency
-          # overlaps the widening.
-          k_cols = column_scales(page_scales(rec, ks_ref, head))
-          v_pages = page_scales(rec, vs_ref, head)
-          # acc is kept in units of the largest V scale seen so far, so P
-          # times a V scale relative to it is at most P: never past f16's
-          # range, and below its normal range only for pages far smaller
-          # than the row's largest (powers of two: exact ratios).
-          new_unit = functools.reduce(jnp.maximum, v_pages, unit[0])
-          inv_unit = jnp.where(new_unit > 0, 1.0 / new_unit, 0.0)
-          v_cols = column_scales([x * inv_unit for x in v_pages])
-          acc_factor = jnp.where(new_unit > 0, unit[0] * inv_unit, 1.0)
-          unit = [new_unit]
-          widen(k_smem.at[slot], k16_smem)
-          plgpu.barrier_arrive(k_free.at[slot])  # the slot is copied out
+          unit, k_scales, v_scales = quant
+          next_scales = load_scales(batch, head, first + i + 1)
+          v_pages = used_pages_only(rec, v_scales, layout=layout)
+          unit, inv_unit, acc_factor = v_scale_unit(unit, v_pages)
+          v_cols = scale_columns([x * inv_unit for x in v_pages])
+          k_cols = scale_columns(used_pages_only(rec, k_scales,
+                                                 layout=layout))
           s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
+          plgpu.barrier_arrive(k16_free)
           s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
+          quant = (unit, *next_scales)
         else:
           s = ops.qk(q16_smem, k_smem.at[slot], (WG_ROWS, block_kv))
           plgpu.barrier_arrive(k_free.at[slot])
@@ -216,25 +196,23 @@ def _kernel(
           p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
         p16 = p.astype(dtype)
         acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
-        plgpu.barrier_wait(v_bars.at[slot])
-        if quantized:
-          pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v16_smem, rec))
-          pl.when(jnp.logical_not(fixup))(
-              lambda: widen(v_smem.at[slot], v16_smem))
-          plgpu.barrier_arrive(v_free.at[slot])
+        if quantized:  # the converter zeroed invalid V rows as it widened
+          plgpu.barrier_wait(v16_ready)
           acc = ops.pv(acc, p16, v16_smem)
+          plgpu.barrier_arrive(v16_free)
         else:
-          pl.when(fixup)(lambda: fixup_v(v_smem.at[slot], v_smem.at[slot],
-                                         rec))
+          plgpu.barrier_wait(v_bars.at[slot])
+          pl.when(fixup)(lambda: fixup_v(slot, rec))
           acc = ops.pv(acc, p16, v_smem.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l, *unit
+        return acc, m_new, l, *quant
 
-      acc, m, l, *unit = lax.fori_loop(
-          0, n_steps, step,
-          (*softmax_start(ops, head_dim), *[jnp.float32(0.0)] * quantized))
+      quant = ((jnp.float32(0.0), *load_scales(batch, head, first))
+               if quantized else ())
+      acc, m, l, *quant = lax.fori_loop(
+          0, n_steps, step, (*softmax_start(ops, head_dim), *quant))
       if quantized:  # back from units of the largest V scale
-        acc = acc * unit[0]
+        acc = acc * quant[0]
       # The item's f32 query tile is dead now: it stages the partial output.
       q_tile[...] = acc
       ml_smem[0] = m
@@ -263,10 +241,27 @@ def _kernel(
           cs_ref, rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free,
           v_free, layout=layout, pages_per_block=ppb, page_size=page_size,
           stages=stages, interpret=interpret, first_record=first,
-          ring_step=ring_step, drain=False, set_registers=False)
+          ring_step=ring_step, drain=False, set_registers=False,
+          cs_stages=cs_stages)
 
     ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
     drain_kv_ring(ring_steps, k_free, v_free, stages=stages)
+
+  if quantized:
+    @pl.when(wg == 2)
+    def _convert():
+      if not interpret:
+        plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
+
+      def one_item(j, ring_step):
+        return convert_kv_ring(
+            item(j)[4], ring_step, k_smem, v_smem, rec_smem, k16_smem,
+            v16_smem, k_bars, v_bars, k_free, v_free, k16_ready, v16_ready,
+            k16_free, v16_free, ops=ops, layout=layout, pages_per_block=ppb,
+            page_size=page_size, stages=stages, dtype=dtype)
+
+      ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+      drain_converted(ring_steps, k16_free, v16_free)
 
 
 def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
@@ -329,15 +324,18 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
                  transforms=ring),
       plgpu.SMEM((2 * stages, layout.width), jnp.int32),
-      plgpu.SMEM((stages, 2, head_dim // 2), jnp.float32),
+      plgpu.SMEM(((2 if quantized else 1) * stages, 2, head_dim // 2),
+                 jnp.float32),
       plgpu.SMEM((2, WG_ROWS), jnp.float32),
       plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries
       plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot free
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot free
-  ] + ([plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)] * 2
-       if quantized else [])
+  ]
+  if quantized:  # 16-bit K and V tiles; ready and free barriers of each
+    scratch += [plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)
+                ] * 2 + [plgpu.Barrier(num_arrivals=1)] * 4
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              num_splits=num_splits, num_items=num_items,
                              num_ctas=num_ctas, rows=rows, layout=layout,
@@ -357,7 +355,7 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       scratch_types=scratch,
       grid=(num_ctas,),
       grid_names=("cta",),
-      num_threads=2,
+      num_threads=3 if quantized else 2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **extra,

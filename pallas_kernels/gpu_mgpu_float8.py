@@ -1,0 +1,142 @@
+"""Float8 (e4m3) pages in the Mosaic GPU decode: widening and scales.
+
+wgmma takes 16-bit operands, so a float8 K or V tile is widened in shared
+memory before the compute warpgroup reads it.  A converter warpgroup
+(`convert_kv_ring`) does the widening between the producer's float8 ring
+and one 16-bit K tile and one 16-bit V tile: it widens the next step's K
+while the compute warpgroup runs this step's softmax and P V, and the next
+V while it runs the next Q K^T.  Measured on the H200, widening inside the
+compute warpgroup took a quarter of the float8 decode's time and the scale
+loads at their use a sixth (benchmarks/RESULTS.md); the compute warpgroup
+now reads each step's scales one step ahead (`load_page_scales`).
+
+The per-page scales stay out of the 16-bit tiles: K's multiply the score
+columns, V's the P columns, relative to the largest V scale the work item
+has seen (`v_scale_unit`), so P times a scale never leaves f16's range.
+
+Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gpu_block_sizes import WG_ROWS
+from pallas_kernels.gpu_mgpu_parts import select_per_page, zero_invalid_v_rows
+
+# Registers per thread (setmaxnreg) of the converter warpgroup: with the
+# compute warpgroup's 232 and the producer's 40, three warpgroups fit the
+# SM's 64K registers (128 x (232 + 40 + 160) <= 65536).
+CONVERTER_REGISTERS = 160
+
+
+def to_operand(x, dtype):
+  """Values of a float8 or 16-bit tile as `dtype` (16-bit).  Hopper converts
+  e4m3 to f16 in hardware (exact: e4m3 fits f16); f16 -> bf16 goes through
+  f32 (also exact: 4 mantissa bits), as Mosaic GPU has no direct cast."""
+  if x.dtype == jnp.dtype(dtype):
+    return x
+  if x.dtype == jnp.dtype(jnp.float8_e4m3fn):
+    x = x.astype(jnp.float16)
+  if x.dtype != jnp.dtype(dtype):
+    x = x.astype(jnp.float32).astype(dtype)
+  return x
+
+
+def widen(src, dst, block_kv: int, dtype):
+  """dst = src as `dtype`: a float8 ring slot into a 16-bit wgmma operand,
+  in 64-row pieces to bound the registers it takes."""
+  for r0 in range(0, block_kv, WG_ROWS):
+    dst.at[pl.ds(r0, WG_ROWS)][...] = to_operand(
+        src.at[pl.ds(r0, WG_ROWS)][...], dtype)
+  plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def convert_kv_ring(n_steps, ring_step, k_smem, v_smem, rec_smem, k16, v16,
+                    k_bars, v_bars, k_free, v_free, k16_ready, v16_ready,
+                    k16_free, v16_free, *, ops, layout, pages_per_block: int,
+                    page_size: int, stages: int, dtype):
+  """The converter warpgroup's steps of one work item.
+
+  Step i waits for ring slot (ring_step + i) % stages, widens its K pages
+  into k16 once the compute warpgroup has released the previous K
+  (k16_free), signals k16_ready and frees the slot's K; then the same for
+  V, zeroing the V rows of invalid slots on steps that need it (TMA copies
+  whole pages, and NaN there would survive p = 0).  Returns ring_step +
+  n_steps.
+  """
+  block_kv, head_dim = k16.shape
+
+  def step(i, _):
+    ring = ring_step + i
+    slot = lax.rem(ring, stages)
+    rec = rec_smem.at[lax.rem(ring, 2 * stages)]
+    plgpu.barrier_wait(k_bars.at[slot])
+    pl.when(ring > 0)(lambda: plgpu.barrier_wait(k16_free))
+    widen(k_smem.at[slot], k16, block_kv, dtype)
+    plgpu.barrier_arrive(k16_ready)
+    plgpu.barrier_arrive(k_free.at[slot])
+    plgpu.barrier_wait(v_bars.at[slot])
+    pl.when(ring > 0)(lambda: plgpu.barrier_wait(v16_free))
+    fixup = rec[layout.fixup] != 0
+    pl.when(fixup)(lambda: zero_invalid_v_rows(
+        ops, v_smem.at[slot], v16, rec, layout, pages_per_block, page_size,
+        block_kv, head_dim, dtype, convert=lambda x: to_operand(x, dtype)))
+    pl.when(jnp.logical_not(fixup))(
+        lambda: widen(v_smem.at[slot], v16, block_kv, dtype))
+    plgpu.barrier_arrive(v16_ready)
+    plgpu.barrier_arrive(v_free.at[slot])
+    return ()
+
+  lax.fori_loop(0, n_steps, step, ())
+  return ring_step + n_steps
+
+
+def drain_converted(ring_steps, k16_free, v16_free):
+  """Observe the compute warpgroup's last releases of the 16-bit tiles (the
+  interpreter checks that every barrier phase is seen by its waiter)."""
+  @pl.when(ring_steps > 0)
+  def _():
+    plgpu.barrier_wait(k16_free)
+    plgpu.barrier_wait(v16_free)
+
+
+def load_page_scales(rec_ref, ks_ref, vs_ref, batch, head, row, page_offset,
+                     *, layout, pages_per_block: int):
+  """(K scales, V scales) of plan record `row`'s pages, lists of f32
+  scalars, read from global memory (the record too: its ring slot may not
+  have arrived yet).  Rows past the plan's end are clamped; padding records
+  hold page 0, so any row is safe to read."""
+  row = jnp.minimum(row, jnp.int32(rec_ref.shape[1] - 1))
+  phys = [rec_ref[batch, row, layout.phys + j] + page_offset
+          for j in range(pages_per_block)]
+  return [ks_ref[head, x] for x in phys], [vs_ref[head, x] for x in phys]
+
+
+def used_pages_only(rec, values, *, layout):
+  """0 for the pages the step does not read (an unused page's scale may be
+  NaN, and 0 * NaN would leak)."""
+  return [jnp.where(rec[layout.lim + j] > 0, x, jnp.float32(0.0))
+          for j, x in enumerate(values)]
+
+
+def column_scales(ops, values, *, block_kv: int, page_size: int):
+  """One value per key column: its page's entry of `values`."""
+  col = ops.iota((block_kv,), 0, plgpu.Layout.WGMMA.reduce(0))
+  return select_per_page(lax.div(col, jnp.int32(page_size)), values)
+
+
+def v_scale_unit(unit, v_scales):
+  """(new unit, 1 / new unit, acc factor) for a step whose pages have V
+  scales `v_scales`: acc is kept in units of the largest V scale seen, so P
+  times a V scale relative to it is at most P (never past f16's range, and
+  below its normal range only for pages far smaller than the item's
+  largest).  Scales are powers of two: the ratios are exact."""
+  new_unit = functools.reduce(jnp.maximum, v_scales, unit)
+  inverse = jnp.where(new_unit > 0, 1.0 / new_unit, 0.0)
+  return new_unit, inverse, jnp.where(new_unit > 0, unit * inverse, 1.0)
