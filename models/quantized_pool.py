@@ -128,8 +128,12 @@ def write_quantized_rows(pages, scales, rows, values, page_size: int):
 
   starts = jnp.where(valid & (rows % page_size == 0), page, num_pages)
   kept = scales.at[:, starts].set(0.0, mode="drop")
+  # The barrier orders the read of `kept` before the scatter that updates
+  # it in place; without it XLA copied the whole scales array (all layers)
+  # twice per layer and pool (0.6 ms of a 12 ms decode step on the H200).
+  old, kept = jax.lax.optimization_barrier((kept[:, safe_page], kept))
   new_scales = kept.at[:, page].max(need, mode="drop")
-  old = kept[:, safe_page]  # [K, R]: 0 on a page this step starts
+  # old [K, R]: 0 on a page this step starts
   new = new_scales[:, safe_page]
 
   # Re-scale the slots already in each written row's page.  Rows of one

@@ -121,3 +121,33 @@ def test_cache_config_float8_pool_and_its_bytes():
   with pytest.raises(ValueError, match="the only 8-bit pool is "
                      "float8_e4m3fn, got float8_e5m2"):
     CacheConfig(dtype="float8_e5m2", **kw)
+
+
+@pytest.mark.gpu
+def test_layer_scan_writes_scales_in_place_on_gpu():
+  """A layer scan's float8 writes update the carried scales in place: XLA
+  GPU copied the whole scales array twice per layer and pool when the read
+  of the old scales was not ordered before their scatter (0.6 ms of a
+  12 ms decode step on the H200).  The CPU backend copies scatter operands
+  regardless, so this runs on a GPU only."""
+  layers, pages_per_layer, rows = 4, 64, 8
+
+  def scan(pages, scales, rows_, values):
+    def body(carry, layer):
+      return write_quantized_rows(*carry, rows_ + layer * pages_per_layer *
+                                  PAGE, values, PAGE), None
+    return jax.lax.scan(body, (pages, scales), jnp.arange(layers))[0]
+
+  pages = jax.ShapeDtypeStruct((HEADS, layers * pages_per_layer * PAGE, DIM),
+                               FP8_DTYPE)
+  scales = jax.ShapeDtypeStruct((HEADS, layers * pages_per_layer),
+                                jnp.float32)
+  hlo = jax.jit(scan, donate_argnums=(0, 1)).lower(
+      pages, scales, jax.ShapeDtypeStruct((rows,), jnp.int32),
+      jax.ShapeDtypeStruct((HEADS, rows, DIM), jnp.float32)).compile(
+      ).as_text()
+  whole = f"f32[{HEADS},{layers * pages_per_layer}]"
+  copies = [line for line in hlo.splitlines()
+            if " copy(" in line and line.split("=")[1].strip().startswith(
+                whole)]
+  assert not copies, "\n".join(copies)
