@@ -11,7 +11,6 @@ greedy tokens still equal a fresh engine's.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import jax

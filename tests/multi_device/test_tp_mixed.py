@@ -3,7 +3,6 @@ parallel 2 against one device: the same logits, tokens and pool."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
