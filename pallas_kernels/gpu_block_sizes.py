@@ -161,13 +161,19 @@ class MgpuBlockSizes:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
 
 
-def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int) -> int:
-  """Shared memory of one CTA (buffers only; barriers are a few bytes)."""
+def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
+               quantized: bool = False) -> int:
+  """Shared memory of one CTA (buffers only; barriers are a few bytes).
+  Float8 pages: a ring of 1-byte elements, a 16-bit K and V tile, and a
+  cos/sin ring twice as deep."""
   wgs, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
   q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
-  kv = stages * 2 * block_sizes.block_kv * head_dim * 2
+  kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
   small = stages * (2 * 256 + 2 * head_dim * 4) + wgs * WG_ROWS * 4
+  if quantized:
+    kv += 2 * block_sizes.block_kv * head_dim * 2
+    small += stages * head_dim * 4
   return q_store + q_16 + kv + small
 
 

@@ -35,6 +35,16 @@ from pallas_kernels.gpu_mgpu_parts import select_per_page, zero_invalid_v_rows
 CONVERTER_REGISTERS = 160
 
 
+def float8_registers(num_compute_wgs: int) -> tuple[int, int, int]:
+  """(compute, producer, converter) registers per thread with float8 pages:
+  one compute warpgroup as above; two (the prefill's ping-pong) leave
+  2 x 216 + 24 + 56 = 512 x 128 threads, the SM's 64K (the converter's
+  64-row pieces may spill at 56: not measured yet)."""
+  if num_compute_wgs == 1:
+    return 232, 40, CONVERTER_REGISTERS
+  return 216, 24, 56
+
+
 def to_operand(x, dtype):
   """Values of a float8 or 16-bit tile as `dtype` (16-bit).  Hopper converts
   e4m3 to f16 in hardware (exact: e4m3 fits f16); f16 -> bf16 goes through
@@ -50,7 +60,8 @@ def to_operand(x, dtype):
 
 def widen(src, dst, block_kv: int, dtype):
   """dst = src as `dtype`: a float8 ring slot into a 16-bit wgmma operand,
-  in 64-row pieces to bound the registers it takes."""
+  in 64-row pieces (the layout Mosaic GPU loads them in) to bound the
+  registers it takes."""
   for r0 in range(0, block_kv, WG_ROWS):
     dst.at[pl.ds(r0, WG_ROWS)][...] = to_operand(
         src.at[pl.ds(r0, WG_ROWS)][...], dtype)
@@ -67,8 +78,9 @@ def convert_kv_ring(n_steps, ring_step, k_smem, v_smem, rec_smem, k16, v16,
   into k16 once the compute warpgroup has released the previous K
   (k16_free), signals k16_ready and frees the slot's K; then the same for
   V, zeroing the V rows of invalid slots on steps that need it (TMA copies
-  whole pages, and NaN there would survive p = 0).  Returns ring_step +
-  n_steps.
+  whole pages, and NaN there would survive p = 0).  k16_free and v16_free
+  complete when every compute warpgroup has released the tile.  Returns
+  ring_step + n_steps.
   """
   block_kv, head_dim = k16.shape
 

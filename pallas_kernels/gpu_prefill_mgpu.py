@@ -1,7 +1,8 @@
 """Lazy (deferred-RoPE) paged prefill on Hopper: Pallas, Mosaic GPU lowering.
 
 Same contract and result as `gpu_prefill.lazy_prefill_gpu` (the Triton
-kernel), for 16-bit inputs on H100/H200: TMA copies of whole KV pages into a
+kernel), for 16-bit queries with pools in their dtype or float8 (e4m3, with
+per-page scales; not yet dispatched by `lazy_attention`) on H100/H200: TMA copies of whole KV pages into a
 shared-memory ring and wgmma for both matmuls, FlashAttention-3 style.  This
 module is the entry point: it checks the inputs, makes the per-batch plan
 (`gpu_prefill_mgpu_plan`) and the rotated query, and runs the kernel
@@ -21,6 +22,7 @@ from pallas_kernels.gpu_prefill_mgpu_kernel import mgpu_prefill_kernel
 from pallas_kernels.gpu_prefill_mgpu_plan import (PrefillPlan, RecordLayout,
                                                   padded_query_len,
                                                   plan_prefill, step_records)
+from pallas_kernels.kv_quant import is_quantized
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
 from pallas_kernels.rope import RopeConfig, rotated_query
 
@@ -64,13 +66,18 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
   """Why this kernel cannot take these inputs, or None if it can."""
   if jnp.dtype(q_dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     return f"lazy_prefill_mgpu needs q dtype bfloat16 or float16, got {q_dtype}"
-  if jnp.dtype(k_dtype) != jnp.dtype(q_dtype):
-    return f"k_pages dtype {k_dtype} must equal q dtype {q_dtype}"
+  quantized = is_quantized(k_dtype)
+  if not quantized and jnp.dtype(k_dtype) != jnp.dtype(q_dtype):
+    return (f"k_pages dtype {k_dtype} must equal q dtype {q_dtype} or be "
+            f"float8_e4m3fn")
+  if quantized and block_sizes.query_in_f32:
+    return ("lazy_prefill_mgpu on float8 pages needs 16-bit query storage "
+            "(MgpuBlockSizes(query_in_f32=False))")
   reason = tile_refusal("lazy_prefill_mgpu", head_dim, page_size,
                         block_sizes.block_kv)
   if reason is not None:
     return reason
-  need = smem_bytes(block_sizes, head_dim)
+  need = smem_bytes(block_sizes, head_dim, quantized)
   if need > _SMEM_LIMIT - 4096:
     return (f"block_sizes {block_sizes} need {need} bytes of shared memory "
             f"(limit {_SMEM_LIMIT - 4096}); use fewer stages")
@@ -93,17 +100,18 @@ def _check_inputs(q, k_pages, page_size, block_sizes):
 def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                       page_len, q_pos, *, rope: RopeConfig, sm_scale,
                       block_sizes: MgpuBlockSizes | None = None,
-                      interpret: bool = False):
+                      interpret: bool = False, k_scales=None, v_scales=None):
   """Prefill (T >= 1) of the lazy attention contract, Mosaic GPU (Hopper).
 
   Same arguments and result as `pallas_kernels.lazy_attention` (and
   `gpu_prefill.lazy_prefill_gpu`); `sm_scale` is a float or f32 scalar
-  array.  `block_sizes` picks tiles (MgpuBlockSizes); `interpret=True` runs
-  the kernel in the Mosaic GPU interpreter on CPU (slow; tests only).
-  Raises ValueError, naming the argument, for shapes it does not support.
+  array; float8_e4m3fn pools take `k_scales`, `v_scales`.  `block_sizes`
+  picks tiles (MgpuBlockSizes); `interpret=True` runs the kernel in the
+  Mosaic GPU interpreter on CPU (slow; tests only).  Raises ValueError,
+  naming the argument, for shapes it does not support.
   """
   check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
-                              page_shift, page_len, q_pos)
+                              page_shift, page_len, q_pos, k_scales, v_scales)
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   block_sizes = block_sizes or MgpuBlockSizes()
@@ -115,7 +123,8 @@ def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                    rope=rope, sm_scale=sm_scale,
                                    block_sizes=block_sizes,
-                                   interpret=interpret)
+                                   interpret=interpret, k_scales=k_scales,
+                                   v_scales=v_scales)
 
 
 def rotated_query_tokens(q, q_pos, rope: RopeConfig, sm_scale, padded_len,
@@ -134,7 +143,8 @@ def rotated_query_tokens(q, q_pos, rope: RopeConfig, sm_scale, padded_len,
 def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
                               *, rope: RopeConfig, sm_scale, page_offset=0,
                               block_sizes: MgpuBlockSizes | None = None,
-                              interpret: bool = False):
+                              interpret: bool = False, k_scales=None,
+                              v_scales=None):
   """The per-layer part of `lazy_prefill_mgpu`: query rotation + kernel.
 
   `plan` must come from `plan_prefill` with the same metadata, q_pos, shapes
@@ -144,6 +154,9 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
   """
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
+  if is_quantized(k_pages.dtype) != (k_scales is not None):
+    raise ValueError("k_scales and v_scales go with float8 pages, and only "
+                     "with them")
   batch, q_len, num_heads, _ = q.shape
   t_pad = plan.row_pos.shape[1]
   group = num_heads // k_pages.shape[0]
@@ -155,5 +168,6 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
                                block_sizes.query_in_f32)
   out = mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan, page_offset,
                             out_dtype=q.dtype, block_sizes=block_sizes,
-                            interpret=interpret)
+                            interpret=interpret, k_scales=k_scales,
+                            v_scales=v_scales)
   return out[:, :q_len]

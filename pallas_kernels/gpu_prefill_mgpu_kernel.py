@@ -5,7 +5,10 @@ warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin into a ring of shared-memory slots; one or two compute warpgroups
 each take 64 query rows of one query head, rotate them by -shift for a
 segment's first step (during the step before's P V wgmma), and run the
-online softmax (base 2) with wgmma, the two warpgroups in ping-pong.  The
+online softmax (base 2) with wgmma, the two warpgroups in ping-pong.
+Float8 pages (e4m3): a converter warpgroup widens each step's K and V into
+one 16-bit K and V tile the compute warpgroups share, as in the decode
+(gpu_mgpu_float8.py; per-page scales per score and P column).  The
 inputs come from `gpu_prefill_mgpu_plan.plan_prefill` and
 `gpu_prefill_mgpu.rotated_query_tokens`.
 
@@ -24,6 +27,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
+from pallas_kernels.gpu_mgpu_float8 import (
+    column_scales, convert_kv_ring, drain_converted, float8_registers,
+    load_page_scales, used_pages_only, v_scale_unit)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
     produce_kv_ring, rotate_query, softmax_start, softmax_update,
@@ -42,20 +48,31 @@ def _kernel(
     # Operands.
     q_ref,  # [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), f32 or
     #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32)
-    k_ref,  # [K, pages * P, H] in the pool's dtype
+    k_ref,  # [K, pages * P, H] in the pool's dtype (16-bit or float8)
     v_ref,  # [K, pages * P, H]
+    ks_ref,  # f32 [K, pages]: K scale of each page (float8; else unused)
+    vs_ref,  # f32 [K, pages]: V scale of each page
     # Output.
     o_ref,  # [B, T_pad, N, H]
-    # Scratch.
+    # Scratch (float8: the 16-bit K and V tiles and their ready and free
+    # barriers at the end).
     q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
-    k_bars, v_bars, k_free, v_free, sched_bar, *, cfg: MgpuBlockSizes,
-    page_size: int, group: int, layout: RecordLayout, interpret: bool):
+    k_bars, v_bars, k_free, v_free, sched_bar, *float8_scratch,
+    cfg: MgpuBlockSizes, page_size: int, group: int, layout: RecordLayout,
+    dtype, interpret: bool):
   ops = Ops(interpret)
   nwg, stages, block_kv = cfg.num_compute_wgs, cfg.num_stages, cfg.block_kv
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
-  dtype = k_ref.dtype
+  quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
+  if quantized:
+    k16, v16, k16_ready, v16_ready, k16_free, v16_free = float8_scratch
+    compute_regs, producer_regs, converter_regs = float8_registers(nwg)
+  else:
+    compute_regs, producer_regs = COMPUTE_REGISTERS, None
+  cs_stages = cs_smem.shape[0]  # twice as deep with float8 (the decode's)
+  page_offset = page_offset_ref[0]
   tile = lax.axis_index("tile")
   head = lax.axis_index("head")
   batch = lax.axis_index("batch")
@@ -72,7 +89,7 @@ def _kernel(
   @pl.when(wg < nwg)
   def _compute():
     if not interpret:
-      plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+      plgpu.set_max_registers(compute_regs, action="increase")
     unit = tile * nwg + wg
     token_block = lax.div(unit, jnp.int32(group))
     query_head = head * group + (unit - token_block * group)
@@ -87,8 +104,17 @@ def _kernel(
     row_pos = ops.cast(rp_smem[wg], row_layout)
     oldest_row = min_row_ref[batch, token_block]
 
-    def rotate(slot):
-      rotate_query(ops, q_store, q16, cs_smem, slot, half, dtype)
+    def rotate(cs_slot):
+      rotate_query(ops, q_store, q16, cs_smem, cs_slot, half, dtype)
+
+    scale_columns = functools.partial(column_scales, ops, block_kv=block_kv,
+                                      page_size=page_size)
+
+    def load_scales(row):
+      # The CTA's steps are the plan rows 0..n_steps - 1 of its batch row.
+      return load_page_scales(rec_ref, ks_ref, vs_ref, batch, head, row,
+                              page_offset, layout=layout,
+                              pages_per_block=ppb)
 
     def mask_scores(s, rec):
       key_pos = key_positions(ops, rec, layout, ppb, page_size, block_kv)
@@ -109,25 +135,42 @@ def _kernel(
       path: step j - 1's Q K^T is done with q16 by then."""
       @pl.when(j < n_steps)
       def _():
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(k_bars.at[slot])
+        # float8: the converter waited for the slot (record and cos/sin
+        # included) before it widened K.
+        plgpu.barrier_wait(k16_ready if quantized
+                           else k_bars.at[lax.rem(j, stages)])
         rec = rec_smem.at[lax.rem(j, 2 * stages)]
-        pl.when(rec[layout.new_seg] != 0)(lambda: rotate(slot))
+        pl.when(rec[layout.new_seg] != 0)(
+            lambda: rotate(lax.rem(j, cs_stages)))
 
     next_step_ready(jnp.int32(0))
     if use_sched:
       pl.when(wg == 1)(schedule)
 
     def step(i, carry):
-      acc, m, l = carry
+      # float8 pools: [acc's V-scale unit, this step's K and V scales]
+      acc, m, l, *quant = carry
       slot = lax.rem(i, stages)
       # The record ring is twice as deep as the K/V ring: the record is read
       # after the K slot is released (masks, V fix-up), and the producer
       # rewrites record slot r only after both warpgroups released the K of
       # step i - stages, i.e. after they finished step i - 2 * stages.
       rec = rec_smem.at[lax.rem(i, 2 * stages)]
-      s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
-      plgpu.barrier_arrive(k_free.at[slot])
+      acc_factor = None
+      if quantized:
+        unit, k_scales, v_scales = quant
+        next_scales = load_scales(i + 1)
+        v_pages = used_pages_only(rec, v_scales, layout=layout)
+        unit, inv_unit, acc_factor = v_scale_unit(unit, v_pages)
+        v_cols = scale_columns([x * inv_unit for x in v_pages])
+        k_cols = scale_columns(used_pages_only(rec, k_scales, layout=layout))
+        s = ops.qk(q16, k16, (WG_ROWS, block_kv), schedule)
+        plgpu.barrier_arrive(k16_free)
+        s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
+        quant = (unit, *next_scales)
+      else:
+        s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
+        plgpu.barrier_arrive(k_free.at[slot])
       fixup = rec[layout.fixup] != 0
       if cfg.mask_fast_path:
         needs_mask = fixup | (rec[layout.max_pos] > oldest_row)
@@ -135,46 +178,80 @@ def _kernel(
                      s)
       else:
         s = mask_scores(s, rec)
-      acc, m_new, l, p = softmax_update(acc, m, l, s)
+      acc, m_new, l, p = softmax_update(acc, m, l, s, acc_factor)
+      if quantized:  # V scales per P column; l keeps the unscaled p
+        p = p * lax.broadcast_in_dim(v_cols, p.shape, [1])
       p16 = p.astype(dtype)
       acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
       if use_sched:
         plgpu.barrier_arrive(sched_bar)  # softmax done
-      plgpu.barrier_wait(v_bars.at[slot])
-      pl.when(fixup)(lambda: fixup_v(slot, rec))
+      if quantized:  # the converter zeroed invalid V rows as it widened
+        plgpu.barrier_wait(v16_ready)
+      else:
+        plgpu.barrier_wait(v_bars.at[slot])
+        pl.when(fixup)(lambda: fixup_v(slot, rec))
       if use_sched:
         plgpu.barrier_wait(sched_bar)  # tensor cores free
-      acc = ops.pv(acc, p16, v_smem.at[slot], lambda: next_step_ready(i + 1))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
+      acc = ops.pv(acc, p16, v16 if quantized else v_smem.at[slot],
+                   lambda: next_step_ready(i + 1))
+      plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
+      return acc, m_new, l, *quant
 
-    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
+    quant = (jnp.float32(0.0), *load_scales(jnp.int32(0))) if quantized else ()
+    acc, m, l, *quant = lax.fori_loop(0, n_steps, step, (acc, m, l, *quant))
     if use_sched:
       pl.when(wg == 0)(schedule)
     seen = l > 0
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    if quantized:  # back from units of the largest V scale
+      inv_l = inv_l * quant[0]
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-    q16[...] = out.astype(dtype)
+    # float8: the operands are f16; q's dtype stages the output (q_store,
+    # dead after the last rotation; mgpu_prefill_kernel checks its dtype).
+    out_smem = q_store if quantized else q16
+    out_smem[...] = out.astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q16, o_ref.at[batch, tokens, query_head])
+    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[batch, tokens, query_head])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == nwg)
   def _produce():
+    if quantized and not interpret:
+      plgpu.set_max_registers(producer_regs, action="decrease")
     produce_kv_ring(
         n_steps, batch, head, page_offset_ref, rec_ref, k_ref, v_ref, cs_ref,
         rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
         layout=layout, pages_per_block=ppb, page_size=page_size,
-        stages=stages, interpret=interpret)
+        stages=stages, interpret=interpret, set_registers=not quantized,
+        cs_stages=cs_stages)
+
+  if quantized:
+    @pl.when(wg == nwg + 1)
+    def _convert():
+      if not interpret:
+        plgpu.set_max_registers(converter_regs, action="decrease")
+      ring_steps = convert_kv_ring(
+          n_steps, jnp.int32(0), k_smem, v_smem, rec_smem, k16, v16, k_bars,
+          v_bars, k_free, v_free, k16_ready, v16_ready, k16_free, v16_free,
+          ops=ops, layout=layout, pages_per_block=ppb, page_size=page_size,
+          stages=stages, dtype=dtype)
+      drain_converted(ring_steps, k16_free, v16_free)
 
 
 def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
                         page_offset=0, *, out_dtype,
                         block_sizes: MgpuBlockSizes | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, k_scales=None,
+                        v_scales=None):
   """The kernel alone: q_rot from `rotated_query_tokens`, plan from
-  `plan_prefill`.  Returns out_dtype [B, T_pad, N, H]."""
+  `plan_prefill`; float8_e4m3fn pages take f32 k_scales, v_scales [K,
+  num_pages] (f16 wgmma operands, 16-bit query storage only).  Returns
+  out_dtype [B, T_pad, N, H]."""
   block_sizes = block_sizes or MgpuBlockSizes()
+  quantized = k_scales is not None
+  if quantized and block_sizes.query_in_f32:
+    raise ValueError("float8 pages need 16-bit query storage "
+                     "(MgpuBlockSizes(query_in_f32=False))")
   want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
   if q_rot.dtype != jnp.dtype(want):
     raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "
@@ -193,29 +270,46 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
                      f"units over {nwg} warpgroups")
   page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
 
-  dtype = k_pages.dtype
+  # The wgmma operands: the pool's 16-bit dtype, f16 for float8 pages.
+  dtype = jnp.dtype(jnp.float16) if quantized else k_pages.dtype
+  if not quantized:  # unused operands, one f32 each
+    k_scales = v_scales = jnp.zeros((1, 1), jnp.float32)
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
   tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
              plgpu.SwizzleTransform(swizzle))
+  tiled8 = (plgpu.TilingTransform((8, swizzle)),
+            plgpu.SwizzleTransform(swizzle))  # one row of float8 elements
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  ring = tiled8 if quantized else tiled16
+  # float8: the converter alone frees the ring's slots; the compute
+  # warpgroups free the 16-bit tiles.
+  slot_users = 1 if quantized else nwg
   scratch = [
       plgpu.SMEM((nwg, WG_ROWS, head_dim), q_rot.dtype,
                  transforms=tiled32 if block_sizes.query_in_f32 else tiled16),
       plgpu.SMEM((nwg, WG_ROWS, head_dim), dtype, transforms=tiled16),
-      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiled16),
-      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiled16),
+      plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
+                 transforms=ring),
+      plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
+                 transforms=ring),
       plgpu.SMEM((2 * stages, layout.width), jnp.int32),
-      plgpu.SMEM((stages, 2, head_dim // 2), jnp.float32),
+      plgpu.SMEM(((2 if quantized else 1) * stages, 2, head_dim // 2),
+                 jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
       plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
       plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
-      plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot free
-      plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot free
+      plgpu.Barrier(num_arrivals=slot_users, num_barriers=stages),  # K free
+      plgpu.Barrier(num_arrivals=slot_users, num_barriers=stages),  # V free
       plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong)
   ]
+  if quantized:  # 16-bit K and V tiles; ready (1) and free (nwg) barriers
+    scratch += [plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)
+                ] * 2 + [plgpu.Barrier(num_arrivals=1)] * 2 + [
+                    plgpu.Barrier(num_arrivals=nwg)] * 2
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
-                             group=group, layout=layout, interpret=interpret)
+                             group=group, layout=layout, dtype=dtype,
+                             interpret=interpret)
   extra = {}
   if interpret:
     extra["interpret"] = interpreter_params()
@@ -226,9 +320,10 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       scratch_types=scratch,
       grid=(num_tiles, num_kv_heads, batch),
       grid_names=("tile", "head", "batch"),
-      num_threads=nwg + 1,
+      num_threads=nwg + (2 if quantized else 1),
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **extra,
   )(plan.n_steps, plan.min_row, plan.records, plan.cos_sin, plan.row_pos,
-    page_offset, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages))
+    page_offset, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages),
+    k_scales, v_scales)

@@ -14,7 +14,10 @@ shifts (pallas_kernels.testing.make_case), plus a benchmark-like layout.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
+import os
 import sys
 
 import jax
@@ -333,6 +336,79 @@ def test_parity_interpret_mha_and_page_offset():
       sm_scale=jnp.float32(64 ** -0.5), page_offset=jnp.int32(offset),
       interpret=True)
   _check(out, lazy, PLAIN)
+
+
+@pytest.mark.parametrize("num_compute_wgs", [1, 2])
+def test_float8_export_lowers_for_cuda(num_compute_wgs):
+  """float8 pages: a converter warpgroup widens the e4m3 ring (four
+  warpgroups with the ping-pong's two compute warpgroups)."""
+  specs = list(_specs(**BENCH))
+  pages = jax.ShapeDtypeStruct(specs[1].shape, jnp.float8_e4m3fn)
+  scales = jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)
+  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs)
+  fn = jax.jit(lambda *a: lazy_prefill_mgpu(
+      *a[:8], rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=sizes,
+      k_scales=a[8], v_scales=a[9]))
+  exported = export.export(fn, platforms=["cuda"])(
+      specs[0], pages, pages, *specs[3:], scales, scales)
+  assert exported.out_avals[0].dtype == jnp.bfloat16
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_compute_wgs", [
+    1,
+    # Four warpgroups: the interpreter runs each in a host computation whose
+    # barrier waits block a thread of XLA's CPU pool (one per core); with
+    # two cores, two blocked waits starve the other two warpgroups and the
+    # run hangs.  Runs where there are cores enough (the GPU machine).
+    pytest.param(2, marks=pytest.mark.skipif(
+        (os.cpu_count() or 1) < 4,
+        reason="the Mosaic GPU interpreter needs >= 4 cores for 4 "
+        "warpgroups"))])
+def test_parity_interpret_float8(num_compute_wgs):
+  """float8 pages with NaN in unused slots and NaN scales on unused pages;
+  bf16 queries on f16 operands; V values tiny (scales down to 2^-27) and
+  2^6 apart between pages, so P times a V scale would leave f16's normal
+  range without acc's V-scale unit.  Two warpgroups: the ping-pong with a
+  16-bit K / V tile both read."""
+  from pallas_kernels.testing import quantize_case
+  from tests.test_gpu_decode_mgpu import _check_float8
+  rng = np.random.default_rng(3)
+  lazy = make_case(rng, batch=2, q_len=7, num_heads=8, num_kv_heads=2,
+                   head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                   max_doc_len=100)
+  v = np.asarray(lazy.v_pages, np.float32) * 2.0**-20
+  v[:, 1::3] *= 2.0**6
+  lazy = dataclasses.replace(lazy, v_pages=v.astype(lazy.v_pages.dtype))
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  assert np.isnan(np.asarray(k_scales)).any(), "no NaN scale to skip"
+  out = lazy_prefill_mgpu(
+      *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
+      sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
+      v_scales=v_scales,
+      block_sizes=MgpuBlockSizes(num_compute_wgs=num_compute_wgs))
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
+def test_float8_argument_errors():
+  """Scales without float8 pages (and the reverse), and float32 query
+  storage with float8 pages, are refused before any work."""
+  rng = np.random.default_rng(4)
+  lazy = make_case(rng, batch=1, q_len=3, num_heads=2, num_kv_heads=1,
+                   head_dim=64, page_size=16, dtype=jnp.bfloat16)
+  from pallas_kernels.testing import quantize_case
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  args = [jnp.asarray(a) for a in fp8.args()]
+  call = functools.partial(lazy_prefill_mgpu, rope=PLAIN,
+                           sm_scale=jnp.float32(0.125))
+  with pytest.raises(ValueError, match="float8_e4m3fn pages need k_scales"):
+    call(*args)
+  with pytest.raises(ValueError, match="16-bit query storage"):
+    call(*args, k_scales=k_scales, v_scales=v_scales,
+         block_sizes=MgpuBlockSizes(query_in_f32=True))
+  plain = [jnp.asarray(a) for a in lazy.args()]
+  with pytest.raises(ValueError, match="k_scales"):
+    call(*plain, k_scales=k_scales, v_scales=v_scales)
 
 
 def test_plan_units_and_steps():
