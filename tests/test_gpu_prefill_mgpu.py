@@ -473,6 +473,26 @@ def test_parity_gpu(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_compute_wgs", [1, 2])
+def test_parity_gpu_float8(num_compute_wgs):
+  """float8 pages on the GPU: documents at shifts near 2^20, NaN in unused
+  slots and NaN scales on unused pages, one and two compute warpgroups."""
+  from pallas_kernels.testing import quantize_case
+  from tests.test_gpu_decode_mgpu import _check_float8
+  rng = np.random.default_rng(11)
+  lazy = make_case(rng, batch=3, q_len=200, num_heads=32, num_kv_heads=8,
+                   head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                   docs_per_row=4, max_doc_len=300, base_position=2**20)
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs)
+  out = jax.jit(lambda *a: lazy_prefill_mgpu(
+      *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=sizes, k_scales=a[8], v_scales=a[9]))(
+          *[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
+@pytest.mark.gpu
 def test_benchmark_layout_gpu():
   """Documents of 512 at their own shifts + the chunk's own pages, like the
   benchmark (smaller batch and context)."""
