@@ -374,7 +374,7 @@ def test_parity_interpret_float8(num_compute_wgs):
   from pallas_kernels.testing import quantize_case
   from tests.test_gpu_decode_mgpu import _check_float8
   rng = np.random.default_rng(3)
-  lazy = make_case(rng, batch=2, q_len=7, num_heads=8, num_kv_heads=2,
+  lazy = make_case(rng, batch=1, q_len=7, num_heads=8, num_kv_heads=2,
                    head_dim=64, page_size=16, dtype=jnp.bfloat16,
                    max_doc_len=100)
   v = np.asarray(lazy.v_pages, np.float32) * 2.0**-20
