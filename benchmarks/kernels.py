@@ -356,11 +356,13 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   return chosen
 
 
-def run_prefill(results, variants, shapes, tuning_shape, budget):
+def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False):
   """Measures every prefill row; returns the chosen variant name (or None).
 
   The tuning shape runs first with every variant ("tune:" rows); the fastest
-  there is chosen and runs at every shape, beside cuDNN.
+  there is chosen and runs at every shape, beside cuDNN.  With `fp8`, the
+  Triton and Mosaic GPU kernels on float8 pools too (whole call; the Mosaic
+  one with two and one compute warpgroups).
   """
   print("# prefill", flush=True)
   key = jax.random.PRNGKey(1)
@@ -405,6 +407,18 @@ def run_prefill(results, variants, shapes, tuning_shape, budget):
                functools.partial(prefill_planned, block_sizes=sizes),
                [(q, k_pages, v_pages, q_pos, plan)], perturb_query,
                flops=flops, note="plan made once per batch")
+    if fp8:  # float8 pools: the Triton kernel (what lazy_attention runs for
+      # float8 prefill today) against the Mosaic kernel, whole call
+      fp8_lazy = fp8_sets(lazy_sets)
+      for method, kernel, sizes in (
+          (f"lazy-fp8[{chosen or 'triton-default'}]", lazy_prefill_gpu,
+           variants.get(chosen)),
+          ("lazy-mosaic-fp8", lazy_prefill_mgpu, None),
+          ("lazy-mosaic-fp8[one-wg]", lazy_prefill_mgpu,
+           MgpuBlockSizes(num_compute_wgs=1))):
+        _measure(results, "prefill", shape, method, lazy_fn(kernel, sizes),
+                 fp8_lazy, perturb_lazy, flops=flops)
+      del fp8_lazy
     k_dense = dense_from_pages(k_pages, table)
     v_dense = dense_from_pages(v_pages, table)
     causal = context == 0
@@ -468,8 +482,16 @@ def main(argv=None):
   parser.add_argument("--no-baselines", action="store_true",
                       help="skip JAX's paged attention and dense XLA decode")
   parser.add_argument("--fp8", action="store_true",
-                      help="also time decode (Triton and Mosaic GPU) on "
-                      "float8 e4m3 pools")
+                      help="also time decode and prefill (Triton and Mosaic "
+                      "GPU) on float8 e4m3 pools")
+  parser.add_argument("--prefill-only", action="store_true",
+                      help="only the prefill section")
+  parser.add_argument("--prefill-shapes", default="",
+                      help="comma-separated PREFILL_SHAPES names, e.g. "
+                      "chunk512 (default: all)")
+  parser.add_argument("--no-triton-prefill", action="store_true",
+                      help="skip the Triton prefill tuning and rows (its "
+                      "float8 row then takes the default tiles)")
   parser.add_argument("--compile-once", action="store_true",
                       help="only run lazy decode (B8/ctx4096) and prefill "
                       "(chunk512) once with the default block sizes, e.g. "
@@ -511,15 +533,28 @@ def main(argv=None):
     mosaic_decode = dict(list(mosaic_decode.items())[:1])
   if args.no_triton_decode:
     decode_variants = {}
-  decode_variant = run_decode(results, decode_variants, decode_shapes,
-                              DECODE_TUNING_SHAPES, budget, mosaic_decode,
-                              fp8=args.fp8, baselines=not args.no_baselines)
-  prefill_variant = None
+  if args.no_triton_prefill:
+    prefill_variants = {}
+  if args.prefill_shapes:
+    names = args.prefill_shapes.split(",")
+    unknown = set(names) - {s[0] for s in PREFILL_SHAPES}
+    if unknown:
+      parser.error(f"unknown --prefill-shapes {sorted(unknown)}; known: "
+                   f"{[s[0] for s in PREFILL_SHAPES]}")
+    prefill_shapes = [s for s in prefill_shapes if s[0] in names]
+  decode_variant = prefill_variant = None
+  if args.prefill_only:
+    decode_shapes = []
+  else:
+    decode_variant = run_decode(results, decode_variants, decode_shapes,
+                                DECODE_TUNING_SHAPES, budget, mosaic_decode,
+                                fp8=args.fp8,
+                                baselines=not args.no_baselines)
   if args.decode_only:
     prefill_shapes = []
   else:
     prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
-                                  PREFILL_TUNING_SHAPE, budget)
+                                  PREFILL_TUNING_SHAPE, budget, fp8=args.fp8)
   report(results, decode_shapes, prefill_shapes, decode_variant,
          prefill_variant, mosaic_candidates=tuple(MOSAIC_CANDIDATES))
   if args.json:
