@@ -161,20 +161,30 @@ class MgpuBlockSizes:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
 
 
+def _ring_bytes(stages: int, block_kv: int, head_dim: int,
+                quantized: bool) -> int:
+  """The producer's rings, shared by the prefill and decode kernels: K/V
+  (1-byte elements for float8 pages, plus the 16-bit K and V tiles they are
+  widened into), step records and cos/sin (twice as deep for float8)."""
+  kv = stages * 2 * block_kv * head_dim * (1 if quantized else 2)
+  small = stages * (2 * 256 + 2 * head_dim * 4)
+  if quantized:
+    kv += 2 * block_kv * head_dim * 2
+    small += stages * head_dim * 4
+  return kv + small
+
+
 def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
                quantized: bool = False) -> int:
   """Shared memory of one CTA (buffers only; barriers are a few bytes).
   Float8 pages: a ring of 1-byte elements, a 16-bit K and V tile, and a
   cos/sin ring twice as deep."""
-  wgs, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
+  wgs = block_sizes.num_compute_wgs
   q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
-  kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
-  small = stages * (2 * 256 + 2 * head_dim * 4) + wgs * WG_ROWS * 4
-  if quantized:
-    kv += 2 * block_sizes.block_kv * head_dim * 2
-    small += stages * head_dim * 4
-  return q_store + q_16 + kv + small
+  return (q_store + q_16 + wgs * WG_ROWS * 4
+          + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
+                        head_dim, quantized))
 
 
 # --------------------------------------------------------------------------
@@ -239,15 +249,11 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
   the K/V ring (1-byte elements for float8 pages, plus a 16-bit K and V
   tile they are widened into), records, cos/sin (twice as deep for float8)
   and the m / l rows."""
-  stages = block_sizes.num_stages
   q_store = WG_ROWS * head_dim * 4 * (2 if block_sizes.persistent else 1)
   q_16 = WG_ROWS * head_dim * 2
-  kv = stages * 2 * block_sizes.block_kv * head_dim * (1 if quantized else 2)
-  small = stages * (2 * 256 + 2 * head_dim * 4) + 2 * WG_ROWS * 4
-  if quantized:  # and a cos/sin ring twice as deep
-    kv += 2 * block_sizes.block_kv * head_dim * 2
-    small += stages * head_dim * 4
-  return q_store + q_16 + kv + small
+  return (q_store + q_16 + 2 * WG_ROWS * 4
+          + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
+                        head_dim, quantized))
 
 
 def mgpu_decode_kv_splits(block_sizes: MgpuDecodeBlockSizes, *, batch: int,

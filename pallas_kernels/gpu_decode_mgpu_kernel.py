@@ -12,8 +12,8 @@ runs the online softmax (base 2) with wgmma.  Float8 pages (e4m3) are
 widened by a third, converter warpgroup from the ring into a 16-bit K / V
 tile (the wgmma operands, f16 by default:
 `MgpuDecodeBlockSizes.float8_operand`), their per-page scales applied per
-score column (K) and per P column (V) (gpu_mgpu_float8.py).  Each CTA writes its
-unnormalised partial state (acc, m, l); XLA merges the splits
+score column (K) and per P column (V) (gpu_mgpu_float8.py).  Each CTA
+writes its unnormalised partial state (acc, m, l); XLA merges the splits
 (`masked_softmax.merge_splits`).  The inputs come from
 `gpu_decode_mgpu.plan_decode` and `gpu_decode_mgpu.decode_query_tile`.
 
@@ -35,8 +35,8 @@ from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_num_ctas)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_mgpu_float8 import (
-    CONVERTER_REGISTERS, column_scales, convert_kv_ring, drain_converted,
-    load_page_scales, used_pages_only, v_scale_unit)
+    CONVERTER_REGISTERS, convert_kv_ring, drain_converted, float8_scratch,
+    load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
     interpreter_params, key_positions, produce_kv_ring, rotate_query,
@@ -135,9 +135,6 @@ def _kernel(
       zero_invalid_v_rows(ops, v_smem.at[slot], v_smem.at[slot], rec,
                           layout, ppb, page_size, block_kv, head_dim, dtype)
 
-    scale_columns = functools.partial(column_scales, ops, block_kv=block_kv,
-                                      page_size=page_size)
-
     def load_scales(batch, head, row):
       return load_page_scales(rec_ref, ks_ref, vs_ref, batch, head, row,
                               page_offset, layout=layout,
@@ -170,13 +167,10 @@ def _kernel(
                                  lax.rem(ring, cs_stages), half, dtype))
         acc_factor = None
         if quantized:
-          unit, k_scales, v_scales = quant
           next_scales = load_scales(batch, head, first + i + 1)
-          v_pages = used_pages_only(rec, v_scales, layout=layout)
-          unit, inv_unit, acc_factor = v_scale_unit(unit, v_pages)
-          v_cols = scale_columns([x * inv_unit for x in v_pages])
-          k_cols = scale_columns(used_pages_only(rec, k_scales,
-                                                 layout=layout))
+          k_cols, v_cols, acc_factor, unit = step_scales(
+              ops, rec, *quant, layout=layout, block_kv=block_kv,
+              page_size=page_size)
           s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
           plgpu.barrier_arrive(k16_free)
           s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
@@ -310,10 +304,7 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
   tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
              plgpu.SwizzleTransform(swizzle))
-  swizzle8 = min(128, head_dim)  # bytes of one row of float8 elements
-  tiled8 = (plgpu.TilingTransform((8, swizzle8)),
-            plgpu.SwizzleTransform(swizzle8))
-  ring = tiled8 if quantized else tiled16
+  ring = ring_transforms(head_dim) if quantized else tiled16
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   scratch = [
       plgpu.SMEM((query_buffers, WG_ROWS, head_dim), jnp.float32,
@@ -334,8 +325,7 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot free
   ]
   if quantized:  # 16-bit K and V tiles; ready and free barriers of each
-    scratch += [plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)
-                ] * 2 + [plgpu.Barrier(num_arrivals=1)] * 4
+    scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, 1)
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              num_splits=num_splits, num_items=num_items,
                              num_ctas=num_ctas, rows=rows, layout=layout,

@@ -12,7 +12,7 @@ now reads each step's scales one step ahead (`load_page_scales`).
 
 The per-page scales stay out of the 16-bit tiles: K's multiply the score
 columns, V's the P columns, relative to the largest V scale the work item
-has seen (`v_scale_unit`), so P times a scale never leaves f16's range.
+has seen (`step_scales`), so P times a scale never leaves f16's range.
 
 Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
 """
@@ -130,25 +130,54 @@ def load_page_scales(rec_ref, ks_ref, vs_ref, batch, head, row, page_offset,
   return [ks_ref[head, x] for x in phys], [vs_ref[head, x] for x in phys]
 
 
-def used_pages_only(rec, values, *, layout):
+def _used_pages_only(rec, values, layout):
   """0 for the pages the step does not read (an unused page's scale may be
   NaN, and 0 * NaN would leak)."""
   return [jnp.where(rec[layout.lim + j] > 0, x, jnp.float32(0.0))
           for j, x in enumerate(values)]
 
 
-def column_scales(ops, values, *, block_kv: int, page_size: int):
+def _column_scales(ops, values, block_kv: int, page_size: int):
   """One value per key column: its page's entry of `values`."""
   col = ops.iota((block_kv,), 0, plgpu.Layout.WGMMA.reduce(0))
   return select_per_page(lax.div(col, jnp.int32(page_size)), values)
 
 
-def v_scale_unit(unit, v_scales):
-  """(new unit, 1 / new unit, acc factor) for a step whose pages have V
-  scales `v_scales`: acc is kept in units of the largest V scale seen, so P
-  times a V scale relative to it is at most P (never past f16's range, and
-  below its normal range only for pages far smaller than the item's
-  largest).  Scales are powers of two: the ratios are exact."""
-  new_unit = functools.reduce(jnp.maximum, v_scales, unit)
+def step_scales(ops, rec, unit, k_scales, v_scales, *, layout, block_kv: int,
+                page_size: int):
+  """The scales of one compute step: (K scale per score column, V scale per
+  P column relative to the new unit, acc factor, new unit).
+
+  acc is kept in units of the largest V scale seen (`unit`, 0 before any),
+  so P times a V scale relative to it is at most P (never past f16's range,
+  and below its normal range only for pages far smaller than the item's
+  largest); the acc factor moves acc to the new unit.  Scales are powers of
+  two: the ratios are exact.
+  """
+  v_pages = _used_pages_only(rec, v_scales, layout)
+  new_unit = functools.reduce(jnp.maximum, v_pages, unit)
   inverse = jnp.where(new_unit > 0, 1.0 / new_unit, 0.0)
-  return new_unit, inverse, jnp.where(new_unit > 0, unit * inverse, 1.0)
+  acc_factor = jnp.where(new_unit > 0, unit * inverse, 1.0)
+  k_cols = _column_scales(ops, _used_pages_only(rec, k_scales, layout),
+                          block_kv, page_size)
+  v_cols = _column_scales(ops, [x * inverse for x in v_pages], block_kv,
+                          page_size)
+  return k_cols, v_cols, acc_factor, new_unit
+
+
+def float8_scratch(block_kv: int, head_dim: int, dtype, transforms,
+                   num_compute_wgs: int):
+  """The scratch the float8 path adds at the end of a kernel's: the 16-bit
+  K and V tiles, their ready barriers (the converter arrives) and their
+  free barriers (every compute warpgroup arrives)."""
+  tile = plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)
+  return ([tile] * 2 + [plgpu.Barrier(num_arrivals=1)] * 2
+          + [plgpu.Barrier(num_arrivals=num_compute_wgs)] * 2)
+
+
+def ring_transforms(head_dim: int):
+  """Tiling and swizzle of a float8 ring slot (one row of 1-byte elements
+  per swizzle span)."""
+  swizzle = min(128, head_dim)
+  return (plgpu.TilingTransform((8, swizzle)),
+          plgpu.SwizzleTransform(swizzle))

@@ -28,8 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
 from pallas_kernels.gpu_mgpu_float8 import (
-    column_scales, convert_kv_ring, drain_converted, float8_registers,
-    load_page_scales, used_pages_only, v_scale_unit)
+    convert_kv_ring, drain_converted, float8_registers, float8_scratch,
+    load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
     produce_kv_ring, rotate_query, softmax_start, softmax_update,
@@ -107,9 +107,6 @@ def _kernel(
     def rotate(cs_slot):
       rotate_query(ops, q_store, q16, cs_smem, cs_slot, half, dtype)
 
-    scale_columns = functools.partial(column_scales, ops, block_kv=block_kv,
-                                      page_size=page_size)
-
     def load_scales(row):
       # The CTA's steps are the plan rows 0..n_steps - 1 of its batch row.
       return load_page_scales(rec_ref, ks_ref, vs_ref, batch, head, row,
@@ -158,12 +155,10 @@ def _kernel(
       rec = rec_smem.at[lax.rem(i, 2 * stages)]
       acc_factor = None
       if quantized:
-        unit, k_scales, v_scales = quant
         next_scales = load_scales(i + 1)
-        v_pages = used_pages_only(rec, v_scales, layout=layout)
-        unit, inv_unit, acc_factor = v_scale_unit(unit, v_pages)
-        v_cols = scale_columns([x * inv_unit for x in v_pages])
-        k_cols = scale_columns(used_pages_only(rec, k_scales, layout=layout))
+        k_cols, v_cols, acc_factor, unit = step_scales(
+            ops, rec, *quant, layout=layout, block_kv=block_kv,
+            page_size=page_size)
         s = ops.qk(q16, k16, (WG_ROWS, block_kv), schedule)
         plgpu.barrier_arrive(k16_free)
         s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
@@ -277,10 +272,8 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
   tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
              plgpu.SwizzleTransform(swizzle))
-  tiled8 = (plgpu.TilingTransform((8, swizzle)),
-            plgpu.SwizzleTransform(swizzle))  # one row of float8 elements
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-  ring = tiled8 if quantized else tiled16
+  ring = ring_transforms(head_dim) if quantized else tiled16
   # float8: the converter alone frees the ring's slots; the compute
   # warpgroups free the 16-bit tiles.
   slot_users = 1 if quantized else nwg
@@ -304,9 +297,7 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong)
   ]
   if quantized:  # 16-bit K and V tiles; ready (1) and free (nwg) barriers
-    scratch += [plgpu.SMEM((block_kv, head_dim), dtype, transforms=tiled16)
-                ] * 2 + [plgpu.Barrier(num_arrivals=1)] * 2 + [
-                    plgpu.Barrier(num_arrivals=nwg)] * 2
+    scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, nwg)
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              group=group, layout=layout, dtype=dtype,
                              interpret=interpret)
