@@ -204,9 +204,9 @@ class MgpuDecodeBlockSizes:
     mask_fast_path: skip the score mask on steps that need none.
     persistent: launch at most one CTA per SM (`num_ctas`), each streaming
       several (batch row, kv head, split) work items through one K/V ring,
-      the next item's query prefetched; else one CTA per work item.  With
-      the default splits there are about as many items as SMs, so it
-      matters only with more splits (`kv_splits`); measured no faster.
+      the next item's query prefetched; else one CTA per work item.
+      `gpu_decode_mgpu.default_decode_block_sizes` turns it on for float8
+      pools only: on 16-bit pools it measured no faster.
     num_ctas: CTAs of the persistent grid; None takes the local GPU's SM
       count (`gpu_sm_count`).
     float8_operand: the 16-bit wgmma operand dtype of float8 pools' steps

@@ -39,6 +39,15 @@ from pallas_kernels.sizes import ceil_div
 _SMEM_LIMIT = 227 * 1024 - 4096
 
 
+def default_decode_block_sizes(kv_dtype) -> MgpuDecodeBlockSizes:
+  """The decode tiles for pools of `kv_dtype`: the persistent grid for
+  float8 pools (faster there per layer on the H200: their steps are
+  compute-bound, and a CTA's next item overlaps its drain), one CTA per
+  work item for 16-bit pools (no faster persistent; benchmarks/RESULTS.md).
+  The plan does not depend on the choice."""
+  return MgpuDecodeBlockSizes(persistent=is_quantized(kv_dtype))
+
+
 def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
                               block_sizes: MgpuDecodeBlockSizes | None = None
                               ) -> str | None:
@@ -46,7 +55,7 @@ def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
 
   q_shape [B, T, N, H], k_shape [K, num_pages, P, H].
   """
-  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  block_sizes = block_sizes or default_decode_block_sizes(k_dtype)
   q_len, num_heads, head_dim = q_shape[1], q_shape[2], q_shape[3]
   num_kv_heads, page_size = k_shape[0], k_shape[2]
   if q_len != 1:
@@ -131,7 +140,7 @@ def lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                               page_shift, page_len, q_pos, k_scales, v_scales)
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
-  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  block_sizes = block_sizes or default_decode_block_sizes(k_pages.dtype)
   reason = mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
                                      k_pages.dtype, block_sizes)
   if reason is not None:
@@ -158,7 +167,7 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
   and block_sizes; `page_offset` (int or int32 scalar) is added to every
   physical page id of the plan (layers at offsets of one page array).
   """
-  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  block_sizes = block_sizes or default_decode_block_sizes(k_pages.dtype)
   reason = mosaic_decode_unsupported(q.shape, q.dtype, k_pages.shape,
                                      k_pages.dtype, block_sizes)
   if reason is not None:

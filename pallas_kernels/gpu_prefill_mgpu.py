@@ -84,10 +84,12 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
   return None
 
 
-def mosaic_prefill_supported(dtype, head_dim: int, page_size: int) -> bool:
-  """Whether the default MgpuBlockSizes handle these inputs."""
-  return _unsupported(dtype, dtype, head_dim, page_size,
-                      MgpuBlockSizes()) is None
+def mosaic_prefill_supported(dtype, head_dim: int, page_size: int,
+                             kv_dtype=None) -> bool:
+  """Whether the default MgpuBlockSizes handle these inputs (`kv_dtype`:
+  the pool's dtype, default `dtype`; float8_e4m3fn pools are taken)."""
+  return _unsupported(dtype, dtype if kv_dtype is None else kv_dtype,
+                      head_dim, page_size, MgpuBlockSizes()) is None
 
 
 def _check_inputs(q, k_pages, page_size, block_sizes):

@@ -162,10 +162,9 @@ def _gpu_prefill_kernel(q, k_pages, interpret: bool) -> str:
   Mosaic kernel has its own interpreter tests.
   """
   from pallas_kernels.gpu_prefill_mgpu import mosaic_prefill_supported
-  # float8 pages: the Mosaic kernel TMA-copies pages straight into wgmma
-  # operands and has no dequantizing step, so they run the Triton kernel.
-  if interpret or is_quantized(k_pages.dtype) or not mosaic_prefill_supported(q.dtype, q.shape[-1],
-                                                k_pages.shape[2]):
+  if interpret or not mosaic_prefill_supported(q.dtype, q.shape[-1],
+                                               k_pages.shape[2],
+                                               k_pages.dtype):
     return "triton"
   return "mosaic" if _mosaic_gpu_target() else "triton"
 
@@ -204,7 +203,8 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
     from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu_planned
     return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                      rope=rope, sm_scale=sm_scale,
-                                     page_offset=page_offset)
+                                     page_offset=page_offset,
+                                     k_scales=k_scales, v_scales=v_scales)
   page_table = page_table + page_offset
   if impl == "xla":
     from pallas_kernels.xla_attention import lazy_attention_xla
@@ -225,7 +225,8 @@ def _lazy_attention_jit(q, k_pages, v_pages, page_table, page_pos, page_shift,
       from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
       return lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos,
                                page_shift, page_len, q_pos, rope=rope,
-                               sm_scale=sm_scale)
+                               sm_scale=sm_scale, k_scales=k_scales,
+                               v_scales=v_scales)
     else:
       from pallas_kernels.gpu_prefill import lazy_prefill_gpu as kernel
   else:
@@ -290,8 +291,8 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
   Returns:
     An opaque plan, or None where the kernel that `lazy_attention` picks for
     these inputs has no plan (the xla and tpu impls, the Triton kernels:
-    non-Hopper GPUs, float32 pools, float8 prefill, shapes the Mosaic GPU kernels
-    do not take); passing None as `plan` is always fine.
+    non-Hopper GPUs, float32 pools, shapes the Mosaic GPU kernels do not
+    take); passing None as `plan` is always fine.
   """
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
@@ -345,8 +346,8 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     k_scales, v_scales: float32 [K, num_pages], with float8_e4m3fn pages
       only: slot i of page p of head k reads as
       k_pages[k, p, i] * k_scales[k, p] (pallas_kernels/kv_quant.py).  The
-      kernels dequantize on chip; float8 prefill on GPU runs the Triton
-      kernel (decode takes the Mosaic GPU kernel on Hopper).
+      kernels dequantize on chip (on Hopper, in the Mosaic GPU kernels'
+      converter warpgroup).
 
   Returns:
     [B, T, N, H] in q's dtype.

@@ -226,15 +226,25 @@ def test_float8_tpu_kernels_export_for_tpu(kernel, q_len, dtype):
   assert exported.out_avals[0].dtype == dtype
 
 
-def test_float8_gpu_prefill_never_takes_the_mosaic_kernel():
-  """Mosaic GPU prefill has no dequantizing step: float8 pages must get the
-  Triton kernel (and no plan) even where bf16 pages would get Mosaic."""
+def test_float8_gpu_prefill_takes_the_mosaic_kernel_with_a_plan():
+  """On Hopper, float8 prefill runs the Mosaic GPU kernel (its converter
+  warpgroup dequantizes), as 16-bit pages do: `plan_lazy_attention` makes
+  a plan, and `lazy_attention` with it lowers to one Mosaic GPU call per
+  layer and no Triton call."""
   from pallas_kernels.lazy_attention import (_gpu_prefill_kernel,
                                              plan_lazy_attention)
   specs = _fp8_specs(jnp.bfloat16, 16, 32, 8, 128, 16)
-  bf16_pages = jax.ShapeDtypeStruct(specs[1].shape, jnp.bfloat16)
-  assert _gpu_prefill_kernel(specs[0], bf16_pages, False) == "mosaic"
-  assert _gpu_prefill_kernel(specs[0], specs[1], False) == "triton"
-  meta = [jnp.zeros(s.shape, s.dtype) for s in specs[3:8]]
-  assert plan_lazy_attention(specs[0], specs[1], *meta, rope=PLAIN,
-                             impl="gpu") is None
+  assert _gpu_prefill_kernel(specs[0], specs[1], False) == "mosaic"
+  assert _gpu_prefill_kernel(specs[0], specs[1], True) == "triton"
+
+  def attend(*a):
+    plan = plan_lazy_attention(a[0], a[1], *a[3:8], rope=LLAMA3, impl="gpu")
+    assert plan is not None
+    return lazy_attention(*a[:8], rope=LLAMA3, sm_scale=jnp.float32(0.1),
+                          impl="gpu", plan=plan, k_scales=a[8],
+                          v_scales=a[9])
+
+  exported = export.export(jax.jit(attend), platforms=["cuda"])(*specs)
+  module = exported.mlir_module()
+  assert "mosaic_gpu" in module and "triton" not in module
+  assert exported.out_avals[0].shape == (2, 16, 32, 128)

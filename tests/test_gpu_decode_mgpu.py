@@ -326,6 +326,31 @@ def test_persistent_grid_size():
     MgpuDecodeBlockSizes(persistent=True, num_ctas=0)
 
 
+@pytest.mark.parametrize("kv_dtype,persistent", [
+    (jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
+def test_float8_pools_default_to_the_persistent_grid(monkeypatch, kv_dtype,
+                                                     persistent):
+  """`lazy_attention` decode launches the persistent grid on float8 pools
+  and one CTA per work item on 16-bit pools (default_decode_block_sizes)."""
+  import pallas_kernels.gpu_decode_mgpu_kernel as kernel_module
+  from pallas_kernels.gpu_decode_mgpu import default_decode_block_sizes
+  assert default_decode_block_sizes(kv_dtype).persistent == persistent
+  launched = []
+  real = kernel_module.mgpu_decode_num_ctas
+  monkeypatch.setattr(kernel_module, "mgpu_decode_num_ctas",
+                      lambda bs, n: launched.append(bs.persistent) or real(bs, n))
+  specs = list(_specs(2, 32, 8, 128, 64, 16, 20, jnp.bfloat16))
+  pages = jax.ShapeDtypeStruct(specs[1].shape, kv_dtype)
+  scales = ([jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)] * 2
+            if kv_dtype == jnp.float8_e4m3fn else [None, None])
+  fn = jax.jit(lambda *a: lazy_attention(
+      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))
+  jax.clear_caches()  # other tests traced lazy_attention on these shapes
+  export.export(fn, platforms=["cuda"])(specs[0], pages, pages, *specs[3:],
+                                        *scales)
+  assert launched == [persistent]
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(q_len=2), "one query token"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),

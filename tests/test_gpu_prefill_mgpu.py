@@ -493,6 +493,32 @@ def test_parity_gpu_float8(num_compute_wgs):
 
 
 @pytest.mark.gpu
+def test_lazy_attention_float8_prefill_runs_mosaic_with_a_plan_gpu():
+  """The model's path on float8 pages: `plan_lazy_attention` once, then
+  `lazy_attention` with the plan (the Mosaic kernel on Hopper)."""
+  from pallas_kernels import lazy_attention
+  from pallas_kernels.lazy_attention import plan_lazy_attention
+  from pallas_kernels.testing import quantize_case
+  from tests.test_gpu_decode_mgpu import _check_float8
+  rng = np.random.default_rng(12)
+  lazy = make_case(rng, batch=2, q_len=130, num_heads=32, num_kv_heads=8,
+                   head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                   docs_per_row=3, max_doc_len=200, base_position=2**20)
+  fp8, k_scales, v_scales = quantize_case(lazy)
+
+  def attend(*a):
+    plan = plan_lazy_attention(a[0], a[1], *a[3:8], rope=LLAMA3, impl="gpu")
+    assert plan is not None, "float8 prefill must take the Mosaic kernel"
+    return lazy_attention(*a[:8], rope=LLAMA3, impl="gpu", plan=plan,
+                          sm_scale=jnp.float32(128 ** -0.5),
+                          k_scales=a[8], v_scales=a[9])
+
+  out = jax.jit(attend)(*[jnp.asarray(a) for a in fp8.args()], k_scales,
+                        v_scales)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
+@pytest.mark.gpu
 def test_benchmark_layout_gpu():
   """Documents of 512 at their own shifts + the chunk's own pages, like the
   benchmark (smaller batch and context)."""
