@@ -14,10 +14,16 @@ the GPU's code too) or where XLA_FLAGS already sets an optimization level.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 FLAG = "--xla_backend_optimization_level=0"
+# The run's compilation cache directory, made by the first process that
+# enables fast compiles (pytest's main process) and inherited by the rest.
+CACHE_ENV = "LAZYATTN_TEST_COMPILE_CACHE"
 
 
 def _accelerator_plugin() -> bool:
@@ -26,11 +32,33 @@ def _accelerator_plugin() -> bool:
 
 
 def enable() -> None:
-  """Adds FLAG to XLA_FLAGS; call before JAX initializes its backend."""
+  """Adds FLAG to XLA_FLAGS and shares one compilation cache across the
+  run; call before JAX initializes its backend."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_backend_optimization_level" in flags or _accelerator_plugin():
     return
   os.environ["XLA_FLAGS"] = f"{flags} {FLAG}".strip()
+  _share_compilation_cache()
+
+
+def _share_compilation_cache() -> None:
+  """One persistent compilation cache for the whole run, empty at its
+  start: xdist workers and test subprocesses that compile a program another
+  one compiled (the same model at the same shapes) load it instead.  It
+  lives in a temporary directory that the process that made it removes at
+  exit, so nothing carries over between runs."""
+  import jax
+  directory = os.environ.get(CACHE_ENV)
+  if directory is None:
+    directory = tempfile.mkdtemp(prefix="lazyattn-test-xla-cache-")
+    os.environ[CACHE_ENV] = directory
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+  settings = {"jax_compilation_cache_dir": directory,
+              "jax_persistent_cache_min_compile_time_secs": 0,
+              "jax_persistent_cache_min_entry_size_bytes": 0}
+  for name, value in settings.items():
+    os.environ[name.upper()] = str(value)  # for subprocesses
+    jax.config.update(name, value)
 
 
 def default_env() -> dict:

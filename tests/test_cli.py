@@ -17,6 +17,7 @@ def run_cli(*args, timeout=900):
                         env=fast_compile.default_env())
 
 
+@pytest.mark.slow
 def test_demo_shows_cache_hits_on_reuse():
   proc = run_cli("demo", "--max-new-tokens", "12")
   assert proc.returncode == 0, proc.stderr[-2000:]

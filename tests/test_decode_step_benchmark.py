@@ -12,6 +12,7 @@ SMALL = ["--model", "tiny", "--batch", "3", "--doc-len", "24",
          "--page-size", "8", "--decode-steps", "2", "--copy-mib", "4"]
 
 
+@pytest.mark.slow
 def test_variants_run_side_by_side(tmp_path):
   out = tmp_path / "step.json"
   rows = decode_step.main(SMALL + ["--variants", "triton,plain,unroll,merge,graphs",

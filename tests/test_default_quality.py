@@ -58,6 +58,7 @@ def test_tiny_model_gets_recompute_only(tiny_dir):
   assert tokens.quality.tokens_to_recompute(16) == 32
 
 
+@pytest.mark.slow
 def test_embedded_model_loads_its_sink_by_default(smollm2_gguf_path):
   from lazyattn_jax.engine import LazyEngine
   common = dict(impl="xla", num_pages=96, progress=False, max_batch=1)

@@ -421,6 +421,7 @@ def test_closing_a_stream_early_cancels_its_request(model_and_config, corpus):
   assert "".join(full) == FakeChatTokenizer().decode(want.token_ids)
 
 
+@pytest.mark.slow
 def test_churn_soak_with_failing_steps(model_and_config):
   """Many requests through a small pool (documents evicted all the time),
   with faults injected at random into encodes, prefills and decodes: every

@@ -127,7 +127,8 @@ def _ragged_case(seed, **kwargs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("persistent", [False, True],
+@pytest.mark.parametrize("persistent", [
+    pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["cta-per-item", "persistent"])
 def test_parity_interpret_ragged(persistent):
   """Ragged documents (some shorter than a page), an empty page (page_len
@@ -204,7 +205,8 @@ def _check_float8(out, lazy, fp8, k_scales, v_scales, rope):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("persistent", [False, True],
+@pytest.mark.parametrize("persistent", [
+    pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["cta-per-item", "persistent"])
 def test_parity_interpret_float8(persistent):
   """float8 pages with NaN in unused slots and NaN scales on unused pages,
@@ -227,13 +229,16 @@ def test_parity_interpret_float8(persistent):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("operand", ["float16", "query"])
+@pytest.mark.parametrize("operand", [
+    "float16", pytest.param("query", marks=pytest.mark.slow)])
 def test_parity_interpret_float8_small_and_mixed_v_scales(operand):
   """bf16 queries on float8 pages whose V values are tiny (scales near
   2^-27) and differ by 2^6 between pages of one row: P times a V scale
   would fall below f16's normal range (to zero for most of them), so the
   kernel keeps acc in units of the row's largest V scale seen so far (with
-  f16 operands, the default, and with q's dtype)."""
+  f16 operands, the default, and with q's dtype).  On the persistent grid
+  (float8's default) of 2 CTAs for 8 work items: each item starts its unit
+  afresh after the one before it on the same CTA."""
   from pallas_kernels.testing import quantize_case
   lazy = _ragged_case(6, batch=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       page_size=16, dtype=jnp.bfloat16, max_doc_len=100)
@@ -248,6 +253,7 @@ def test_parity_interpret_float8_small_and_mixed_v_scales(operand):
       sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
       v_scales=v_scales,
       block_sizes=MgpuDecodeBlockSizes(block_kv=64, kv_splits=2,
+                                       persistent=True, num_ctas=2,
                                        float8_operand=operand))
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
@@ -339,15 +345,15 @@ def test_float8_pools_default_to_the_persistent_grid(monkeypatch, kv_dtype,
   real = kernel_module.mgpu_decode_num_ctas
   monkeypatch.setattr(kernel_module, "mgpu_decode_num_ctas",
                       lambda bs, n: launched.append(bs.persistent) or real(bs, n))
-  specs = list(_specs(2, 32, 8, 128, 64, 16, 20, jnp.bfloat16))
+  # A batch of 5 rows, which no other test traces lazy_attention with: a
+  # cached trace would not call the kernel builder again.
+  specs = list(_specs(5, 32, 8, 128, 64, 16, 20, jnp.bfloat16))
   pages = jax.ShapeDtypeStruct(specs[1].shape, kv_dtype)
   scales = ([jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)] * 2
             if kv_dtype == jnp.float8_e4m3fn else [None, None])
-  fn = jax.jit(lambda *a: lazy_attention(
-      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))
-  jax.clear_caches()  # other tests traced lazy_attention on these shapes
-  export.export(fn, platforms=["cuda"])(specs[0], pages, pages, *specs[3:],
-                                        *scales)
+  jax.make_jaxpr(lambda *a: lazy_attention(
+      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))(
+          specs[0], pages, pages, *specs[3:], *scales)
   assert launched == [persistent]
 
 

@@ -253,6 +253,7 @@ def _doc_layout_case(rng, *, num_docs, doc_len, q_len, num_heads, num_kv_heads,
                   q_pos)
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_parity_interpret_fast_path():
   """Documents in whole pages: unmasked steps (lax.cond fast path)."""
@@ -267,7 +268,8 @@ def test_parity_interpret_fast_path():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("schedule_barrier", [False, True])
+@pytest.mark.parametrize("schedule_barrier", [
+    pytest.param(False, marks=pytest.mark.slow), True])
 def test_parity_interpret_segments_of_several_steps(schedule_barrier):
   """Documents of three 64-key steps (the query is rotated ahead, during
   the P V product of the step before a segment's first); a half-full page
@@ -299,6 +301,7 @@ def test_parity_interpret_one_warpgroup_page8():
   _check(out, lazy, LLAMA3)
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_parity_interpret_odd_group_pads_a_token_block():
   """Hq/Hkv 9/3 with two warpgroups: 3 (token block, head) units do not

@@ -1,9 +1,10 @@
-"""CI executes the example notebook on CPU."""
+"""The slow tier executes the example notebook on CPU."""
 
 from __future__ import annotations
 
 import pathlib
 
+import pytest
 import nbformat
 from nbclient import NotebookClient
 
@@ -12,6 +13,7 @@ from tests import fast_compile
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "rag_demo.ipynb"
 
 
+@pytest.mark.slow
 def test_rag_demo_notebook_runs_and_plots():
   nb = nbformat.read(NOTEBOOK, as_version=4)
   client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={

@@ -232,6 +232,7 @@ def tiny_model_dir(smollm2_gguf_path, tmp_path_factory):
   return directory
 
 
+@pytest.mark.slow
 def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
   from benchmarks.rag_quality import main
   out = tmp_path / "new" / "hotpot.json"
@@ -271,6 +272,7 @@ def test_benchmark_end_to_end(tiny_model_dir, fixture_json, tmp_path):
   assert 0 < runs["full"]["compile_seconds"] < runs["full"]["seconds"]
 
 
+@pytest.mark.slow
 def test_a_run_may_use_another_model(tiny_model_dir, fixture_json, tmp_path):
   """model=PATH runs that run on a second load (here of the same files, so
   the answers must be the same as the first model's)."""

@@ -120,7 +120,8 @@ def test_layout_metadata_has_the_shapes_this_file_is_about(mode_cls):
   assert len(q_pos) == heads + QUERY_LEN
 
 
-@pytest.mark.parametrize("impl", IMPLS + ["mgpu"])
+@pytest.mark.parametrize("impl", IMPLS + [
+    pytest.param("mgpu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("q_len", ["prefill", "decode"])
 def test_kernels_on_the_recompute_layout(impl, q_len):
   if impl == "mgpu" and (q_len == "decode" or not _has_mgpu_interpreter()):

@@ -93,6 +93,7 @@ def test_merge_later_rows_replace_earlier(tmp_path):
   assert report["runs"] == [] and report["device"] == "d"
 
 
+@pytest.mark.slow
 def test_warm_cache_requests_measure_from_a_warm_cache(tmp_path):
   """--warm-cache-requests serves other requests of the same popularity
   first (full recompute has no cache and skips them): the measured trace
@@ -133,6 +134,7 @@ def test_unwritable_out_path_is_refused_before_any_work(tmp_path):
   assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_quality_runs_measure_the_options_on_the_same_trace(tmp_path):
   """--quality-runs repeats lazy with answer-quality options: first-page
   recompute adds one page of tokens per document after the first of each
@@ -164,6 +166,7 @@ def test_unknown_quality_run_is_refused(tmp_path):
   assert "unknown --quality-runs ['chat']" in done.stderr
 
 
+@pytest.mark.slow
 def test_kv_dtypes_run_the_same_bytes_of_float8_pages(tmp_path):
   """--kv-dtypes float8_e4m3fn repeats each mode with a float8 pool of the
   same bytes: a float32 page's bytes hold four float8 pages less their
@@ -183,6 +186,7 @@ def test_kv_dtypes_run_the_same_bytes_of_float8_pages(tmp_path):
   assert fp8["kv_pages_written_for_cached_docs"] == 0
 
 
+@pytest.mark.slow
 def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
   """--decode-during-prefill-runs repeats each mode with running requests
   decoding inside the round's prefill calls: the same trace, documents and
@@ -199,6 +203,7 @@ def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
   assert riding["kv_pages_written_for_cached_docs"] == 0
 
 
+@pytest.mark.slow
 def test_profile_replay_reports_the_busiest_ops(tmp_path):
   """--profile-replay-dir replays each measured trace under the profiler
   and adds where the device time went to the row.  The replay starts from

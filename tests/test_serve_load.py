@@ -8,6 +8,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
+@pytest.mark.slow
 def test_load_run_accounts_for_every_page_and_checks_answers(tmp_path):
   from benchmarks import serve_load
   out = tmp_path / "load.json"

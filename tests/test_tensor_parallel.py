@@ -39,11 +39,15 @@ def _env(devices: int) -> dict:
               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags))
 
 
-def test_multi_device_checks_pass_on_eight_cpu_devices():
+def test_multi_device_checks_pass_on_eight_cpu_devices(pytestconfig):
+  # The slow tier's cases run with --slow, as here; else they are
+  # deselected, so that nothing in the subprocess may skip.
+  tier = ["--slow"] if pytestconfig.getoption("--slow") else ["-m",
+                                                              "not slow"]
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "-p", "no:randomly", "tests/multi_device"], cwd=ROOT, env=_env(8),
-      capture_output=True, text=True, timeout=900)
+       "-p", "no:randomly", *tier, "tests/multi_device"], cwd=ROOT,
+      env=_env(8), capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
   assert " passed" in proc.stdout and "skipped" not in proc.stdout
 
@@ -55,6 +59,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_serve_one_engine_in_lockstep(tmp_path):
   """Two processes (jax.distributed over CPU, gloo collectives), one device
   each, one engine split over both; process 0 takes the requests (over
@@ -211,6 +216,7 @@ def test_op_kind_drops_only_the_numeric_suffix():
   assert op_kind("cublas-gemm.2") == "cublas-gemm"
 
 
+@pytest.mark.slow
 def test_benchmark_runs_one_and_two_devices_side_by_side(tmp_path):
   out = tmp_path / "tp.json"
   cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--model", "tiny",

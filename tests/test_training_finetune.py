@@ -118,6 +118,7 @@ _TWO_DEVICES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_devices_give_the_loss_of_one(tmp_path, uninterrupted):
   """The first two steps of the same run with the batch split over two
   forced host devices, against the one-device run."""

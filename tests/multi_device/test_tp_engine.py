@@ -77,7 +77,7 @@ def one_device(model, engine_impl):
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block", "prefix", "full"])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_engine_matches_one_device(model, one_device, mode, tp, engine_impl):
   needs_devices(tp)
   engine = _engine(model, mode, tp, _pool(mode), engine_impl)
