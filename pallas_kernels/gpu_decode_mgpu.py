@@ -28,7 +28,7 @@ from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
 from pallas_kernels.gpu_prefill_mgpu import SUPPORTED_DTYPES, tile_refusal
 from pallas_kernels.gpu_prefill_mgpu_plan import (segment_cos_sin,
                                                   step_records)
-from pallas_kernels.kv_quant import is_quantized
+from pallas_kernels.kv_quant import check_kv_scales, is_quantized
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
 from pallas_kernels.masked_softmax import merge_splits
 from pallas_kernels.rope import RopeConfig, rotated_query
@@ -172,9 +172,7 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
                                      k_pages.dtype, block_sizes)
   if reason is not None:
     raise ValueError(reason)
-  if is_quantized(k_pages.dtype) != (k_scales is not None):
-    raise ValueError("k_scales and v_scales go with float8 pages, and only "
-                     "with them")
+  check_kv_scales(k_pages, v_pages, k_scales, v_scales, q.dtype)
   batch, _, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads

@@ -2,7 +2,7 @@
 
 Same contract and result as `gpu_prefill.lazy_prefill_gpu` (the Triton
 kernel), for 16-bit queries with pools in their dtype or float8 (e4m3, with
-per-page scales; not yet dispatched by `lazy_attention`) on H100/H200: TMA copies of whole KV pages into a
+per-page scales) on H100/H200: TMA copies of whole KV pages into a
 shared-memory ring and wgmma for both matmuls, FlashAttention-3 style.  This
 module is the entry point: it checks the inputs, makes the per-batch plan
 (`gpu_prefill_mgpu_plan`) and the rotated query, and runs the kernel
@@ -22,7 +22,7 @@ from pallas_kernels.gpu_prefill_mgpu_kernel import mgpu_prefill_kernel
 from pallas_kernels.gpu_prefill_mgpu_plan import (PrefillPlan, RecordLayout,
                                                   padded_query_len,
                                                   plan_prefill, step_records)
-from pallas_kernels.kv_quant import is_quantized
+from pallas_kernels.kv_quant import check_kv_scales, is_quantized
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
 from pallas_kernels.rope import RopeConfig, rotated_query
 
@@ -84,12 +84,12 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
   return None
 
 
-def mosaic_prefill_supported(dtype, head_dim: int, page_size: int,
-                             kv_dtype=None) -> bool:
-  """Whether the default MgpuBlockSizes handle these inputs (`kv_dtype`:
-  the pool's dtype, default `dtype`; float8_e4m3fn pools are taken)."""
-  return _unsupported(dtype, dtype if kv_dtype is None else kv_dtype,
-                      head_dim, page_size, MgpuBlockSizes()) is None
+def mosaic_prefill_supported(q_dtype, kv_dtype, head_dim: int,
+                             page_size: int) -> bool:
+  """Whether the default MgpuBlockSizes handle a query of `q_dtype` on pools
+  of `kv_dtype` (q's dtype, or float8_e4m3fn)."""
+  return _unsupported(q_dtype, kv_dtype, head_dim, page_size,
+                      MgpuBlockSizes()) is None
 
 
 def _check_inputs(q, k_pages, page_size, block_sizes):
@@ -156,9 +156,7 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
   """
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
-  if is_quantized(k_pages.dtype) != (k_scales is not None):
-    raise ValueError("k_scales and v_scales go with float8 pages, and only "
-                     "with them")
+  check_kv_scales(k_pages, v_pages, k_scales, v_scales, q.dtype)
   batch, q_len, num_heads, _ = q.shape
   t_pad = plan.row_pos.shape[1]
   group = num_heads // k_pages.shape[0]

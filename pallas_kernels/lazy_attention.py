@@ -162,9 +162,8 @@ def _gpu_prefill_kernel(q, k_pages, interpret: bool) -> str:
   Mosaic kernel has its own interpreter tests.
   """
   from pallas_kernels.gpu_prefill_mgpu import mosaic_prefill_supported
-  if interpret or not mosaic_prefill_supported(q.dtype, q.shape[-1],
-                                               k_pages.shape[2],
-                                               k_pages.dtype):
+  if interpret or not mosaic_prefill_supported(q.dtype, k_pages.dtype,
+                                               q.shape[-1], k_pages.shape[2]):
     return "triton"
   return "mosaic" if _mosaic_gpu_target() else "triton"
 
