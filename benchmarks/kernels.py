@@ -407,8 +407,8 @@ def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False):
                functools.partial(prefill_planned, block_sizes=sizes),
                [(q, k_pages, v_pages, q_pos, plan)], perturb_query,
                flops=flops, note="plan made once per batch")
-    if fp8:  # float8 pools: the Triton kernel (what lazy_attention runs for
-      # float8 prefill today) against the Mosaic kernel, whole call
+    if fp8:  # float8 pools: the Triton kernel (non-Hopper GPUs) against
+      # the Mosaic kernel (lazy_attention's on Hopper), whole call
       fp8_lazy = fp8_sets(lazy_sets)
       for method, kernel, sizes in (
           (f"lazy-fp8[{chosen or 'triton-default'}]", lazy_prefill_gpu,

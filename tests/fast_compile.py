@@ -1,4 +1,4 @@
-"""The CPU suite compiles with LLVM's optimizations off.
+"""The CPU suite compiles with LLVM's optimizations off, into one cache.
 
 Most CPU tests compile many small programs and run each once or twice:
 compiling is most of their time, and `--xla_backend_optimization_level=0`
@@ -7,8 +7,9 @@ always used it).  The flag goes into XLA_FLAGS before JAX starts a backend,
 so subprocesses of the tests inherit it.  A run of the 135M-parameter model
 is the exception: its unoptimized code runs ~1.7x longer than the compile
 saves, so the tests that run it in a subprocess use `default_env()`.
+The run's processes also share one compilation cache (about 5% off).
 
-Left alone where an accelerator plugin is installed (the flag would slow
+Both left alone where an accelerator plugin is installed (the flag would slow
 the GPU's code too) or where XLA_FLAGS already sets an optimization level.
 """
 
