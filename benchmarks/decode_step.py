@@ -139,6 +139,25 @@ def serving_args(args, cache_pages: int, variant: str):
   return rag_serving.parse_args(argv)
 
 
+def random_requests(args, vocab_size: int, rng) -> list:
+  """`args.batch` (query, documents) pairs of random token ids."""
+  tokens = lambda n: rng.integers(1, vocab_size, n).tolist()
+  return [(tokens(args.query_len),
+           [tokens(args.doc_len) for _ in range(args.docs_per_request)])
+          for _ in range(args.batch)]
+
+
+def admit_all(engine, requests, sampling):
+  """Submits `requests` and runs scheduling rounds until none waits (a
+  round's prefill is bounded by max_prefill_tokens)."""
+  for query, docs in requests:
+    engine.submit(query, docs, sampling)
+  for _ in range(4 * len(requests)):
+    engine.step()
+    if not engine.scheduler.waiting:
+      break
+
+
 def run_variant(args, config, model, dtype, variant, requests, weight_bytes,
                 kv_per_token, bandwidth):
   """Times `args.loops` decode loops of the full batch on a fresh engine."""
@@ -159,15 +178,8 @@ def run_variant(args, config, model, dtype, variant, requests, weight_bytes,
       temperature=0.0, stop_token_ids=())
   try:
     compile_started = time.perf_counter()
-    for query, docs in requests:
-      engine.submit(query, docs, sampling)
-    # Admission rounds until every row decodes (a round's prefill is
-    # bounded by max_prefill_tokens), then one more untimed loop.
-    for _ in range(4 * args.batch):
-      engine.step()
-      if not engine.scheduler.waiting:
-        break
-    engine.step()
+    admit_all(engine, requests, sampling)
+    engine.step()  # one more untimed loop
     warm_s = time.perf_counter() - compile_started
     if len(engine.scheduler.decoding()) != args.batch:
       raise RuntimeError(f"{len(engine.scheduler.decoding())} of "
@@ -211,13 +223,8 @@ def main(argv=None):
   settings = serving_args(args, 1, "plain")
   settings.seed = args.seed
   config, model, dtype = rag_serving.build_model(settings)
-  rng = np.random.default_rng(args.seed)
-  requests = []
-  for _ in range(args.batch):
-    docs = [rng.integers(1, config.vocab_size, args.doc_len).tolist()
-            for _ in range(args.docs_per_request)]
-    requests.append((rng.integers(1, config.vocab_size,
-                                  args.query_len).tolist(), docs))
+  requests = random_requests(args, config.vocab_size,
+                             np.random.default_rng(args.seed))
   weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(
       nnx.state(model)))
   if not config.tie_word_embeddings:  # decode reads one embedding row a token

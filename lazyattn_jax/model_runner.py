@@ -25,21 +25,22 @@ from lazyattn_jax.block_copy import rerotate_pages
 from lazyattn_jax.buckets import length_bucket
 from lazyattn_jax.config import RunnerConfig
 from lazyattn_jax.layout import PageRow, PrefillTokens
-from lazyattn_jax.mixed_step import _mixed_step, run_mixed_step
-from lazyattn_jax.sampling import SamplingParams, sample_tokens
+from lazyattn_jax.mixed_step import DecodeRiders, _mixed_step, run_mixed_step
+from lazyattn_jax.sampling import (SamplingParams, sample_tokens,
+                                   sampling_needs_sort)
 from lazyattn_jax.step_jit import DECODE_GPU_OPTIONS, params_platform, step_jit
-from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_decode,
+from lazyattn_jax.step_packing import (MIN_PREFILL_LEN, advance_carry,
                                        decode_step_inputs, pack_decode,
                                        pack_prefill)
 from pallas_kernels.sizes import next_power_of_two
 
 
 @step_jit(static_argnames=("graphdef", "impl", "pool_as_bits",
-                           "tensor_parallel"),
+                           "tensor_parallel", "any_sampled"),
           donate_argnums=(1, 2))
 def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                   sampling, embeddings=None, *, graphdef, impl,
-                  pool_as_bits=False, tensor_parallel=None):
+                  pool_as_bits=False, tensor_parallel=None, any_sampled=True):
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
                                    impl=impl, logits_index=logits_index,
@@ -48,17 +49,17 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                                    tensor_parallel=tensor_parallel)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
-                        jnp.zeros_like(seed))
+                        jnp.zeros_like(seed), any_sampled=any_sampled)
   return logits, first, k_cache, v_cache
 
 
 @step_jit(gpu_options=DECODE_GPU_OPTIONS,
           static_argnames=("graphdef", "impl", "num_steps", "pool_as_bits",
-                           "layer_unroll", "tensor_parallel"),
+                           "layer_unroll", "tensor_parallel", "any_sampled"),
           donate_argnums=(1, 2))
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
                  graphdef, impl, num_steps, pool_as_bits=False,
-                 layer_unroll=1, tensor_parallel=None):
+                 layer_unroll=1, tensor_parallel=None, any_sampled=True):
   """`num_steps` decode steps of B rows in one compiled loop.
 
   carry: (tokens i32[B] last token, pos i32[B] its logical position,
@@ -67,6 +68,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
   pages: (page_table, page_pos, page_shift, doc_page_len i32[B, M],
           private_start i32[B] logical index of the first query page).
   limits: (max_new i32[B], stop_ids i32[B, S] padded with -1).
+  any_sampled: False when no row samples (`sample_tokens`).
   Returns (k, v, carry, tokens i32[B, num_steps], emitted bool[B, num_steps]).
   """
   model = nnx.merge(graphdef, params)
@@ -75,30 +77,23 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
   batch = pages[0].shape[0]
 
   def step(state, _):
-    k_cache, v_cache, tokens, pos, written, generated, done = state
-    live = ~done
-    step_live = live.astype(jnp.int32)
-    inputs = decode_step_inputs(pages, pos, written, live, num_pages,
+    k_cache, v_cache, carry = state
+    tokens, pos, written, generated, done = carry
+    inputs = decode_step_inputs(pages, pos, written, ~done, num_pages,
                                 page_size)
     logits, k_cache, v_cache = model(
         tokens[:, None], k_cache, v_cache, inputs, impl=impl,
         logits_index=jnp.zeros((batch,), jnp.int32),
         pool_as_bits=pool_as_bits, unroll=layer_unroll,
         tensor_parallel=tensor_parallel)
-    nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated)
-    generated_after, done_after = advance_decode(nxt, live, generated, done,
-                                                 limits)
-    state = (k_cache, v_cache, jnp.where(live, nxt, tokens), pos + step_live,
-             written + step_live, generated_after, done_after)
-    return state, (nxt, live)
+    nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated,
+                        any_sampled=any_sampled)
+    carry, live = advance_carry(carry, nxt, limits)
+    return (k_cache, v_cache, carry), (nxt, live)
 
-  tokens, pos, written, generated, done = carry
-  state = (k_cache, v_cache, tokens, pos, written, generated, done)
-  state, (out_tokens, emitted) = jax.lax.scan(step, state, None,
-                                              length=num_steps)
-  k_cache, v_cache, tokens, pos, written, generated, done = state
-  return (k_cache, v_cache, (tokens, pos, written, generated, done),
-          out_tokens.T, emitted.T)
+  (k_cache, v_cache, carry), (out_tokens, emitted) = jax.lax.scan(
+      step, (k_cache, v_cache, tuple(carry)), None, length=num_steps)
+  return k_cache, v_cache, carry, out_tokens.T, emitted.T
 
 
 _rerotate = jax.jit(rerotate_pages, static_argnames=("rope", "tensor_parallel"),
@@ -226,15 +221,16 @@ class ModelRunner:
                          np.float32)
       for b, rows_b in enumerate(embeddings):
         vectors[b, :len(rows_b)] = np.asarray(rows_b, np.float32)
-      vectors = jnp.asarray(vectors)
-    self._note("prefill", state.k, tokens, inputs, vectors)
+    any_sampled = sampling_needs_sort(sampling[0])
+    self._note("prefill", state.k, tokens, inputs, vectors,
+               any_sampled=any_sampled)
     tokens, inputs, logits_index, sampling, vectors = self._replicated(
         tokens, inputs, logits_index, sampling, vectors)
     logits, first, k, v = self.compiled_form(_prefill_step)(
         self.params, state.k, state.v, tokens, inputs, logits_index,
         sampling, vectors, graphdef=self.graphdef,
         impl=self.config.impl, pool_as_bits=self.config.pool_as_bits,
-        tensor_parallel=self.tensor_parallel)
+        tensor_parallel=self.tensor_parallel, any_sampled=any_sampled)
     return state.replace(k=k, v=v), logits, first
 
   def encode_documents(self, state, jobs, *, pieces=None):
@@ -282,7 +278,9 @@ class ModelRunner:
     done bool[B]) on host, row b for requests[b].
     """
     carry, pages, sampling, limits = pack_decode(requests, batch)
-    self._note("decode", state.k, pages, limits, num_steps=num_steps)
+    any_sampled = sampling_needs_sort(sampling[0])
+    self._note("decode", state.k, pages, limits, num_steps=num_steps,
+               any_sampled=any_sampled)
     carry, pages, sampling, limits = self._replicated(carry, pages, sampling,
                                                       limits)
     k, v, carry, out, emitted = self.compiled_form(_decode_loop)(
@@ -290,19 +288,49 @@ class ModelRunner:
         graphdef=self.graphdef, impl=self.config.impl, num_steps=num_steps,
         pool_as_bits=self.config.pool_as_bits,
         layer_unroll=self.config.decode_layer_unroll,
-        tensor_parallel=self.tensor_parallel)
+        tensor_parallel=self.tensor_parallel, any_sampled=any_sampled)
     state = state.replace(k=k, v=v)
     out, emitted, done = jax.device_get((out, emitted, carry[4]))
     return state, out, emitted, done
 
   # --- mixed -------------------------------------------------------------------
+  def decode_riders(self, requests, batch: int) -> DecodeRiders:
+    """`requests` (scheduler.LiveRequest) as the decode rows of a run of
+    mixed steps, in `batch` rows (the decode program's fixed batch)."""
+    put = ((lambda tree: self._replicated(tree)[0]) if self.tensor_parallel
+           else jax.device_put)
+    return DecodeRiders(requests, batch, self.num_pages, self.page_size,
+                        put=put)
+
+  def mixed_step_async(self, state, riders: DecodeRiders | None, rows, plans,
+                       samplings, ends_query):
+    """One step of decode rows and prefill-chunk rows together, without
+    waiting (lazyattn_jax/mixed_step.py, `run_mixed_step`): the riders'
+    carry advances on the device.  Returns (state, fetch), fetch() ->
+    (prefill logits, first tokens, -1 where a chunk does not end its
+    query) on host."""
+    state, _, fetch = run_mixed_step(self, state, riders, rows, plans,
+                                     samplings, ends_query)
+    return state, fetch
+
   def mixed_step(self, state, decode_requests, batch: int, rows, plans,
                  samplings, ends_query):
-    """One step of decode rows and prefill-chunk rows together
-    (lazyattn_jax/mixed_step.py, `run_mixed_step`).
+    """One mixed step, waited for: `decode_requests` decode one token each
+    (in `batch` rows) beside the chunk rows.
 
     Returns (state, decode logits, next tokens, done, prefill logits,
-    first tokens, -1 where a chunk does not end its query), on host.
+    first tokens, -1 where a chunk does not end its query), on host, the
+    decode outputs row b for decode_requests[b].
     """
-    return run_mixed_step(self, state, decode_requests, batch, rows, plans,
-                          samplings, ends_query)
+    riders = (self.decode_riders(decode_requests, batch) if decode_requests
+              else None)
+    state, decode_logits, fetch = run_mixed_step(
+        self, state, riders, rows, plans, samplings, ends_query)
+    n = len(decode_requests)
+    nxt, done = np.zeros((0,), np.int32), np.zeros((0,), bool)
+    if riders is not None:
+      tokens, _, done = riders.collect()
+      nxt = tokens[:, 0]
+    prefill_logits, first = fetch()
+    return (state, np.asarray(decode_logits)[:n], nxt, done, prefill_logits,
+            first)

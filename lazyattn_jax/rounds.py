@@ -18,8 +18,6 @@ import dataclasses
 import logging
 import time
 
-import numpy as np
-
 from lazyattn_jax.cache_state import init_cache_state
 from lazyattn_jax.layout import prefill_chunks
 from lazyattn_jax.sampling import SamplingParams
@@ -65,6 +63,7 @@ class RoundExecutor:
     self.cache_config = cache_config
     self.state = init_cache_state(cache_config)
     self.stats = EngineStats()
+    self._riders_run = None  # DecodeRiders of the current run of mixed steps
 
   @property
   def _budget(self) -> int:
@@ -88,6 +87,7 @@ class RoundExecutor:
     self.free_pool()
     self.state = init_cache_state(self.cache_config)
     self.stats = EngineStats()
+    self._riders_run = None
 
   def free_pool(self):
     """Deletes the pool's buffers now (the state is gone after this)."""
@@ -111,6 +111,12 @@ class RoundExecutor:
     the next group (the calls run in order, so the fetch waits only for
     its own group's).  With decode during prefill each group starts at
     once instead, so its requests ride in the next group's calls."""
+    try:
+      self._serve_groups(new)
+    finally:
+      self._collect_riders()
+
+  def _serve_groups(self, new):
     groups = self.scheduler.first_token_groups(new)
     lookahead = not self.scheduler.config.decode_during_prefill
     round_tokens, waiting = 0, None  # served group whose tokens are unread
@@ -249,21 +255,45 @@ class RoundExecutor:
     """One prefill call (`ends_query`: per row, whether its chunk ends a
     request's prompt; documents end none); with riders, one mixed step in
     which each running request also decodes its next token.  Returns
-    fetch() -> (logits, first tokens) of the rows, on host."""
+    fetch() -> (logits, first tokens) of the rows, on host.
+
+    Successive mixed steps with the same riders carry their decode state
+    on the device (`DecodeRiders`), so none waits for the one before; the
+    riders' tokens are recorded when the riders change and at the end of
+    the round (`_collect_riders`)."""
     riders = self._riders()
     if not riders:
+      self._collect_riders()
       self.state, fetch = self.runner.prefill_async(self.state, rows, plans,
                                                     samplings)
       return fetch
-    cfg = self.scheduler.config
-    self.state, _, nxt, done, logits, first = self.runner.mixed_step(
-        self.state, riders, cfg.max_batch, rows, plans, samplings,
-        ends_query)
+    run = self._riders_run
+    if run is None or not run.same_requests(riders):
+      self._collect_riders()
+      run = self._riders_run = self.runner.decode_riders(
+          riders, self.scheduler.config.max_batch)
+    self.state, fetch = self.runner.mixed_step_async(
+        self.state, run, rows, plans, samplings, ends_query)
     self.stats.decode_steps += 1
+    return fetch
+
+  def _collect_riders(self):
+    """Records the tokens the riders drew in mixed steps so far (waits for
+    them); a failure to read them fails the riders."""
+    run, self._riders_run = self._riders_run, None
+    if run is None or not run.steps:
+      return
+    try:
+      tokens, emitted, done = run.collect()
+    except BaseException as error:
+      live = {id(r) for r in self.scheduler.live}
+      self._fail([r for r in run.requests if id(r) in live], error,
+                 prefilled=True)
+      if not isinstance(error, Exception):
+        raise
+      return
     self.stats.generated_tokens += self.scheduler.record_decode(
-        riders, nxt[:, None], np.ones((len(riders), 1), bool), done,
-        time.perf_counter())
-    return lambda: (logits, first)
+        run.requests, tokens, emitted, done, time.perf_counter())
 
   def _decode(self, decoding):
     cfg = self.scheduler.config
@@ -288,6 +318,7 @@ class RoundExecutor:
     logger.error("%d request(s) failed: %s: %s", len(requests),
                  type(error).__name__, error)
     if pool_lost(self.state):
+      self._riders_run = None  # everyone fails below, riders included
       failed = {id(r) for r in requests}
       everyone = requests + [r for r in self.scheduler.live
                              if id(r) not in failed]

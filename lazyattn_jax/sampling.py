@@ -97,7 +97,8 @@ def _real(name: str, value) -> float:
   return float(value)
 
 
-def sample_tokens(logits, temperature, top_k, top_p, seed, step):
+def sample_tokens(logits, temperature, top_k, top_p, seed, step, *,
+                  any_sampled: bool = True):
   """Samples one token per row.
 
   Args:
@@ -107,21 +108,28 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, step):
     top_p: float32[B] in (0, 1].
     seed: int32[B] per-request seeds.
     step: int32[B] index of the token being generated (0 for the first).
+    any_sampled: static; False promises that every temperature is 0, and
+      the batch then takes the argmax with no sort.  The caller knows it on
+      the host (`sampling_needs_sort`); deciding it in the program would
+      take a conditional, which on GPU makes the host wait for the device.
 
   Returns:
     int32[B] token ids.
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  # The sort over the whole vocabulary is costly in every decode step; an
-  # all-greedy batch (the common serving case) skips it.
-  # Sampled rows always take the same path, so a row's tokens do not depend
-  # on the rest of its batch.
-  return jax.lax.cond(
-      jnp.any(temperature > 0),
-      lambda: jnp.where(temperature > 0,
-                        _sample_sorted(logits, temperature, top_k, top_p,
-                                       seed, step), greedy),
-      lambda: greedy)
+  if not any_sampled:
+    return greedy
+  # Sampled rows always take the sorted path, so a row's tokens do not
+  # depend on the rest of its batch.
+  return jnp.where(temperature > 0,
+                   _sample_sorted(logits, temperature, top_k, top_p, seed,
+                                  step), greedy)
+
+
+def sampling_needs_sort(temperature) -> bool:
+  """Whether any row of the host array `temperature` samples (the
+  `any_sampled` of `sample_tokens`)."""
+  return bool(np.any(np.asarray(temperature) > 0))
 
 
 def _sample_sorted(logits, temperature, top_k, top_p, seed, step):

@@ -1,6 +1,11 @@
 """Host-side packing of a step's rows into arrays, and the page metadata of
 one decode step, shared by the model runner's steps (prefill, the decode
-loop) and the mixed step (lazyattn_jax/mixed_step.py)."""
+loop) and the mixed step (lazyattn_jax/mixed_step.py).
+
+Packing returns numpy arrays: a jitted step copies them to the device in
+its own dispatch, where a `jnp.asarray` per array is one eager op each,
+slow on the host (benchmarks/RESULTS.md, "The mixed step").
+"""
 
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ def pack_prefill(rows, plans, samplings, num_pages: int):
   bucketed: rows to a power of two B, lengths to T = length_bucket.
 
   Returns (tokens i32[B, T], inputs PagedAttentionInputs, logits_index
-  i32[B] (each row's last token), sampling tuple of [B] arrays), as jax
+  i32[B] (each row's last token), sampling tuple of [B] arrays), as numpy
   arrays; padding rows and positions write to page `num_pages` (dropped).
   """
   batch = next_power_of_two(len(rows))
@@ -54,18 +59,15 @@ def pack_prefill(rows, plans, samplings, num_pages: int):
     logits_index[b] = n - 1
   table, pos, shift, plen = pack_rows(rows, num_logical, batch)
   inputs = PagedAttentionInputs(
-      page_table=jnp.asarray(table), page_pos=jnp.asarray(pos),
-      page_shift=jnp.asarray(shift), page_len=jnp.asarray(plen),
-      q_pos=jnp.asarray(q_pos), write_page=jnp.asarray(write_page),
-      write_slot=jnp.asarray(write_slot))
-  sampling = tuple(jnp.asarray(a) for a in sampling_arrays(samplings, batch))
-  return jnp.asarray(tokens), inputs, jnp.asarray(logits_index), sampling
+      page_table=table, page_pos=pos, page_shift=shift, page_len=plen,
+      q_pos=q_pos, write_page=write_page, write_slot=write_slot)
+  return tokens, inputs, logits_index, sampling_arrays(samplings, batch)
 
 
 def pack_decode(requests, batch: int):
   """Decode rows of `requests` (scheduler.LiveRequest) in `batch` rows (the
   rest done), as `_decode_loop` takes them: (carry, pages, sampling,
-  limits) tuples of jax arrays; see its docstring."""
+  limits) tuples of numpy arrays; see its docstring."""
   num_logical = next_power_of_two(max(len(r.layout.row) for r in requests))
   table, pos, shift, plen = pack_rows([r.layout.row for r in requests],
                                       num_logical, batch)
@@ -89,17 +91,15 @@ def pack_decode(requests, batch: int):
     max_new[b] = r.request.sampling.max_new_tokens
     stop_ids[b, :len(r.request.stop_ids)] = r.request.stop_ids
   sampling = sampling_arrays([r.request.sampling for r in requests], batch)
-  carry = tuple(jnp.asarray(a) for a in (tokens, position, written,
-                                         generated, done))
-  pages = tuple(jnp.asarray(a) for a in (table, pos, shift, plen,
-                                         private_start))
-  limits = (jnp.asarray(max_new), jnp.asarray(stop_ids))
-  return carry, pages, tuple(jnp.asarray(a) for a in sampling), limits
+  carry = (tokens, position, written, generated, done)
+  pages = (table, pos, shift, plen, private_start)
+  return carry, pages, sampling, (max_new, stop_ids)
 
 
 def decode_step_inputs(pages, pos, written, live, num_pages: int,
-                       page_size: int) -> PagedAttentionInputs:
-  """Page metadata of one decode step (inside jit).
+                       page_size: int, xp=jnp) -> PagedAttentionInputs:
+  """Page metadata of one decode step (inside jit; with `xp=np`, of numpy
+  arrays on the host).
 
   pages: (page_table, page_pos, page_shift, doc_page_len i32[B, M],
   private_start i32[B]); pos i32[B] each row's token position; written
@@ -108,19 +108,19 @@ def decode_step_inputs(pages, pos, written, live, num_pages: int,
   tokens written through this step, so the row sees its own new token.
   """
   page_table, page_pos, page_shift, doc_page_len, private_start = pages
-  logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)[None, :]
+  logical = xp.arange(page_table.shape[1], dtype=xp.int32)[None, :]
   private_index = logical - private_start[:, None]  # >= 0 on private pages
-  rows = jnp.arange(page_table.shape[0])
-  written_after = written + live.astype(jnp.int32)
-  private_len = jnp.clip(written_after[:, None] - private_index * page_size,
-                         0, page_size)
-  page_len = jnp.where(private_index >= 0, private_len, doc_page_len)
-  target = jnp.clip(private_start + written // page_size, 0,
-                    page_table.shape[1] - 1)
-  write_page = jnp.where(live, page_table[rows, target], num_pages)
+  rows = xp.arange(page_table.shape[0])
+  written_after = written + live.astype(xp.int32)
+  private_len = xp.clip(written_after[:, None] - private_index * page_size,
+                        0, page_size)
+  page_len = xp.where(private_index >= 0, private_len, doc_page_len)
+  target = xp.clip(private_start + written // page_size, 0,
+                   page_table.shape[1] - 1)
+  write_page = xp.where(live, page_table[rows, target], num_pages)
   return PagedAttentionInputs(
       page_table=page_table, page_pos=page_pos, page_shift=page_shift,
-      page_len=page_len, q_pos=jnp.where(live, pos, -1)[:, None],
+      page_len=page_len, q_pos=xp.where(live, pos, -1)[:, None],
       write_page=write_page[:, None],
       write_slot=(written % page_size)[:, None])
 
@@ -135,3 +135,16 @@ def advance_decode(nxt, live, generated, done, limits):
   generated_after = generated + live.astype(jnp.int32)
   done_after = done | (live & (stopped | (generated_after >= max_new)))
   return generated_after, done_after
+
+
+def advance_carry(carry, nxt, limits):
+  """The decode carry (tokens, pos, written, generated, done [B]) after one
+  step that drew `nxt` i32[B]; returns (carry, live bool[B]: the rows that
+  were live in the step, whose `nxt` is a token of their stream)."""
+  tokens, pos, written, generated, done = carry
+  live = ~done
+  step_live = live.astype(jnp.int32)
+  generated_after, done_after = advance_decode(nxt, live, generated, done,
+                                               limits)
+  return (jnp.where(live, nxt, tokens), pos + step_live, written + step_live,
+          generated_after, done_after), live

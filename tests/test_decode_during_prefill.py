@@ -69,7 +69,7 @@ def test_a_failed_mixed_step_fails_its_prefill_rows_only(model_and_config,
   def broken(*args, **kwargs):
     raise ValueError("mixed step refused")
 
-  monkeypatch.setattr(engine.runner, "mixed_step", broken)
+  monkeypatch.setattr(engine.runner, "mixed_step_async", broken)
   second = engine.submit(random_tokens(rng, 4, config.vocab_size),
                          [random_tokens(rng, 5, config.vocab_size)],
                          greedy(4))

@@ -256,6 +256,50 @@ def test_query_in_two_chunks_equals_one_prefill(live):
   assert not np.allclose(logits_1, ref_logits, rtol=1e-2, atol=1e-2)
 
 
+def test_riders_carry_their_state_on_device_across_steps(live, monkeypatch):
+  """Two mixed steps with the same riders (a query in two chunks beside
+  them) read nothing back between the steps, and `collect` then gives the
+  tokens, emitted flags and done of a two-step decode loop after the
+  query's prefill; the pools agree."""
+  engine, decoding = live
+  runner = engine.runner
+  state, free = _nan_free_state(engine)
+  query = random_tokens(np.random.default_rng(6), 11,
+                        engine.config.vocab_size)
+  pages = free[:3]
+  ref_state, _, _ = runner.prefill(
+      _copy(state), *[[x] for x in _causal_chunk(pages, query, 0, 11)],
+      [greedy(1)])
+  ref_state, ref_out, ref_emitted, ref_done = runner.decode(
+      ref_state, decoding, MAX_BATCH, 2)
+
+  riders = runner.decode_riders(decoding, MAX_BATCH)
+
+  def no_reads(*args, **kwargs):
+    raise AssertionError("a mixed step waited for the device")
+
+  monkeypatch.setattr(jax, "device_get", no_reads)
+  mixed = _copy(state)
+  for start, end, ends in ((0, 6, False), (6, 11, True)):
+    row, plan = _causal_chunk(pages, query, start, end)
+    mixed, _ = runner.mixed_step_async(mixed, riders, [row], [plan],
+                                       [greedy(1)], [ends])
+  monkeypatch.undo()
+  assert riders.steps == 2
+  tokens, emitted, done = riders.collect()
+  n = len(decoding)
+  np.testing.assert_array_equal(emitted, ref_emitted[:n])
+  # The request of max_new_tokens 3 reaches it in the first step: padding
+  # in the second.
+  assert emitted.tolist() == [
+      [True, r.request.sampling.max_new_tokens != 3] for r in decoding]
+  np.testing.assert_array_equal(np.where(emitted, tokens, -1),
+                                np.where(ref_emitted[:n], ref_out[:n], -1))
+  np.testing.assert_array_equal(done, ref_done[:n])
+  assert riders.steps == 0
+  _assert_pools_equal(mixed, ref_state)
+
+
 def test_rows_sharing_pages_are_refused(live):
   """A chunk row may not write a page a decode row reads or writes, nor
   read a page a decode row writes; refused before the pool is donated."""

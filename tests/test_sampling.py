@@ -1,12 +1,14 @@
-"""The jit-compatible sampler: greedy rows, sampled rows, and the greedy
-batch's branch that skips the vocabulary sort."""
+"""The jit-compatible sampler: greedy rows, sampled rows, and the
+all-greedy batch that skips the vocabulary sort."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyattn_jax.sampling import sample_tokens
+from lazyattn_jax.sampling import sample_tokens, sampling_needs_sort
 
 VOCAB = 64
 
@@ -73,10 +75,21 @@ def _primitives(jaxpr) -> set[str]:
   return names
 
 
-def test_the_greedy_branch_has_no_sort():
-  closed = jax.make_jaxpr(sample_tokens)(_logits(3), *_params(3))
-  conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
-  assert len(conds) == 1
-  names = [_primitives(b.jaxpr) for b in conds[0].params["branches"]]
-  # The branch taken when no row samples sorts nothing; the other sorts.
-  assert ["sort" in n for n in names] == [False, True], names
+def test_an_all_greedy_batch_sorts_nothing_and_nothing_branches():
+  """`any_sampled=False` (the host saw no sampling row) is an argmax with no
+  sort; either way the sampler has no conditional, which on GPU would make
+  the host wait for the device in every step."""
+  logits, params = _logits(3), _params(3)
+  greedy = jax.make_jaxpr(functools.partial(sample_tokens, any_sampled=False))(
+      logits, *params)
+  sampled = jax.make_jaxpr(sample_tokens)(logits, *params)
+  assert "sort" not in _primitives(greedy.jaxpr)
+  assert "sort" in _primitives(sampled.jaxpr)
+  for closed in (greedy, sampled):
+    assert not {"cond", "while"} & _primitives(closed.jaxpr)
+  temperature = np.zeros((3,), np.float32)
+  np.testing.assert_array_equal(
+      sample_tokens(logits, temperature, *params[1:], any_sampled=False),
+      np.argmax(np.asarray(logits), axis=-1))
+  assert not sampling_needs_sort(temperature)
+  assert sampling_needs_sort(np.array([0.0, 0.7, 0.0], np.float32))
