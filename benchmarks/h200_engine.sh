@@ -38,6 +38,9 @@
 #           MIXED_CHUNK=256 encodes documents in 256-token chunks;
 #           MIXED_EXTRA adds rag_serving options, e.g. "--gpu-xla-option
 #           xla_gpu_dot_merger_threshold_mb=0").
+#   mixedstep - a mixed step against its parts, alone and chained, at
+#           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
+#           ~70 s).
 # On two or more GPUs (issue 15, tensor parallelism):
 #   tptests - tests/multi_device with the Pallas kernels (engine parity at
 #           tensor parallel 2 in every mode, kernels per device, loading);
@@ -148,6 +151,10 @@ for part in $parts; do
         --max-prefill-tokens ${MIXED_BUDGET:-16384} --prefill-chunk-tokens ${MIXED_CHUNK:-0} \
         ${MIXED_EXTRA:-} \
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
+    mixedstep)
+      timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \
+        --prefill-tokens ${MIXEDSTEP_TOKENS:-512,1024,2048} --repeats 5 \
+        --out "$out/mixed_step.json" 2>&1 | grep -v Warning | tail -4 ;;
     idle)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \

@@ -388,12 +388,9 @@ def test_mixed_forward_refuses_shared_pages_and_empty_steps(
                   impl="xla", prefill_logits_index=jnp.zeros((0,), jnp.int32))
 
 
-def test_mixed_step_lowers_for_cuda():
-  """The mixed step of a bf16 model (H 128) exports for CUDA from CPU: the
-  decode part through the Mosaic GPU decode kernel, the chunk part through
-  the Mosaic GPU prefill kernel, each with its plan, in one program with no
-  Triton call (so no disabled safety check)."""
-  from jax import export
+def _cuda_mixed_step_args():
+  """(step, args) of a bf16 model's (H 128) mixed step on the GPU kernels,
+  as abstract shapes: 4 decode rows and 2 chunk rows of 64 tokens."""
   from flax import nnx
   from lazyattn_jax.mixed_step import _mixed_step
   from lazyattn_jax.sharding import random_model
@@ -416,8 +413,54 @@ def test_mixed_step_lowers_for_cuda():
              PagedAttentionInputs(*(spec((chunks, pages)),) * 4,
                                   *(spec((chunks, length)),) * 3),
              spec((chunks,)), sampling(chunks))
-  step = jax.jit(lambda *a: _mixed_step(*a, graphdef=graphdef, impl="gpu"))
-  text = export.export(step, platforms=["cuda"])(
-      params, pool, pool, decode, prefill).mlir_module()
+  step = functools.partial(_mixed_step, graphdef=graphdef, impl="gpu")
+  return step, (params, pool, pool, decode, prefill)
+
+
+def test_mixed_step_lowers_for_cuda():
+  """The mixed step of a bf16 model (H 128) exports for CUDA from CPU: the
+  decode part through the Mosaic GPU decode kernel, the chunk part through
+  the Mosaic GPU prefill kernel, each with its plan, in one program with no
+  Triton call (so no disabled safety check)."""
+  from jax import export
+  step, args = _cuda_mixed_step_args()
+  text = export.export(jax.jit(step), platforms=["cuda"])(
+      *args).mlir_module()
   assert "xla.gpu.triton" not in text
   assert text.count("custom_call @mosaic_gpu") >= 2  # decode and prefill
+
+
+# How Pallas kernels appear in a jaxpr (Mosaic GPU kernels with several
+# warpgroups as `mpmd_map`).
+KERNEL_PRIMITIVES = {"pallas_call", "mpmd_map"}
+
+
+def _primitives_outside_kernels(jaxpr) -> set[str]:
+  """Primitives of a jaxpr and its nested jaxprs, not looking inside
+  Pallas kernels (whose loops and branches run on the device)."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    if eqn.primitive.name in KERNEL_PRIMITIVES:
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          names |= _primitives_outside_kernels(inner)
+  return names
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_gpu_mixed_step_has_no_host_side_control_flow(sampled):
+  """No XLA conditional and no while loop outside the kernels: on GPU
+  each reads its predicate on the host, so the host would wait for the
+  device in every call (the sampler's old conditional did;
+  benchmarks/RESULTS.md, "The mixed step").  The layer loop is a scan of
+  known length."""
+  step, args = _cuda_mixed_step_args()
+  closed = jax.make_jaxpr(functools.partial(
+      step, decode_sampled=sampled, prefill_sampled=sampled))(*args)
+  names = _primitives_outside_kernels(closed.jaxpr)
+  assert KERNEL_PRIMITIVES & names and "scan" in names
+  assert not {"cond", "while"} & names, names & {"cond", "while"}
