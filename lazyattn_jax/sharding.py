@@ -199,7 +199,6 @@ def random_model(config: LlamaConfig, tp: TensorParallel | None, *,
   Same scales as `models.params.init_params` (LeCun-normal projections,
   standard-normal biases, unit norms); the draws differ.
   """
-  from flax import nnx
   from models.llama import llama_from_params
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
   target = config if tp is None else tp.model_config(config)
