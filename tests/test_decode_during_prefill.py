@@ -84,6 +84,38 @@ def test_a_failed_mixed_step_fails_its_prefill_rows_only(model_and_config,
   assert results[first].token_ids == alone.token_ids
 
 
+def test_riders_whose_tokens_cannot_be_read_fail_alone(model_and_config,
+                                                      monkeypatch):
+  """If the riders' tokens cannot be read back at the end of a run of
+  mixed steps, the riders fail with the error; the request being
+  prefilled beside them goes on and gets the tokens it gets alone."""
+  from lazyattn_jax.mixed_step import DecodeRiders
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(4)
+  engine = make_engine(model_and_config, decode_during_prefill=True)
+  rider = engine.submit(random_tokens(rng, 5, config.vocab_size),
+                        [random_tokens(rng, 8, config.vocab_size)],
+                        greedy(10))
+  engine.step()
+  query = random_tokens(rng, 4, config.vocab_size)
+  doc = random_tokens(rng, 6, config.vocab_size)
+
+  def unreadable(self):
+    raise RuntimeError("device lost the riders' tokens")
+
+  monkeypatch.setattr(DecodeRiders, "collect", unreadable)
+  second = engine.submit(query, [doc], greedy(4))
+  results = {r.request_id: r for r in engine.step()}
+  monkeypatch.undo()
+  assert results[rider].finish_reason == "error"
+  assert "lost the riders' tokens" in results[rider].error
+  while engine.has_work():
+    results.update({r.request_id: r for r in engine.step()})
+  assert results[second].finish_reason == "length"
+  alone = make_engine(model_and_config).generate(query, [doc], greedy(4))
+  assert results[second].token_ids == alone.token_ids
+
+
 def test_the_option_must_be_a_bool():
   with pytest.raises(ValueError, match="decode_during_prefill must be a bool"):
     SchedulerConfig(decode_during_prefill="yes")
