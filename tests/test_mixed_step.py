@@ -36,6 +36,7 @@ from models import paged_pool
 from models.llama import forward, kv_cache_shape
 from models.mixed_batch import mixed_forward
 from tests.hf_fixtures import contiguous_paged_inputs
+from tests.jaxpr_helpers import KERNEL_PRIMITIVES, primitives
 from tests.test_engine import (PAGE, greedy, make_engine, model_and_config,
                                random_tokens)
 
@@ -222,15 +223,21 @@ def test_decode_and_prefill_rows(live):
   _check_against_separate(expected, decode_ref, got, ends)
 
 
+def _state_and_query(engine, seed: int):
+  """(state with NaN free pages, an 11-token query, three free pages for
+  it)."""
+  state, free = _nan_free_state(engine)
+  query = random_tokens(np.random.default_rng(seed), 11,
+                        engine.config.vocab_size)
+  return state, query, free[:3]
+
+
 def test_query_in_two_chunks_equals_one_prefill(live):
   """Chunked prefill of one query over two steps (the first beside the
   decode rows) equals one prefill of the whole query."""
   engine, decoding = live
   runner = engine.runner
-  state, free = _nan_free_state(engine)
-  query = random_tokens(np.random.default_rng(4), 11,
-                        engine.config.vocab_size)
-  pages = free[:3]
+  state, query, pages = _state_and_query(engine, seed=4)
   whole_row, whole_plan = _causal_chunk(pages, query, 0, len(query))
   ref_state, ref_logits, ref_first = runner.prefill(
       _copy(state), [whole_row], [whole_plan], [greedy(1)])
@@ -263,10 +270,7 @@ def test_riders_carry_their_state_on_device_across_steps(live, monkeypatch):
   query's prefill; the pools agree."""
   engine, decoding = live
   runner = engine.runner
-  state, free = _nan_free_state(engine)
-  query = random_tokens(np.random.default_rng(6), 11,
-                        engine.config.vocab_size)
-  pages = free[:3]
+  state, query, pages = _state_and_query(engine, seed=6)
   ref_state, _, _ = runner.prefill(
       _copy(state), *[[x] for x in _causal_chunk(pages, query, 0, 11)],
       [greedy(1)])
@@ -430,27 +434,6 @@ def test_mixed_step_lowers_for_cuda():
   assert text.count("custom_call @mosaic_gpu") >= 2  # decode and prefill
 
 
-# How Pallas kernels appear in a jaxpr (Mosaic GPU kernels with several
-# warpgroups as `mpmd_map`).
-KERNEL_PRIMITIVES = {"pallas_call", "mpmd_map"}
-
-
-def _primitives_outside_kernels(jaxpr) -> set[str]:
-  """Primitives of a jaxpr and its nested jaxprs, not looking inside
-  Pallas kernels (whose loops and branches run on the device)."""
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    if eqn.primitive.name in KERNEL_PRIMITIVES:
-      continue
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else [value]:
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          names |= _primitives_outside_kernels(inner)
-  return names
-
-
 @pytest.mark.parametrize("sampled", [False, True])
 def test_the_gpu_mixed_step_has_no_host_side_control_flow(sampled):
   """No XLA conditional and no while loop outside the kernels: on GPU
@@ -461,6 +444,6 @@ def test_the_gpu_mixed_step_has_no_host_side_control_flow(sampled):
   step, args = _cuda_mixed_step_args()
   closed = jax.make_jaxpr(functools.partial(
       step, decode_sampled=sampled, prefill_sampled=sampled))(*args)
-  names = _primitives_outside_kernels(closed.jaxpr)
+  names = primitives(closed.jaxpr, opaque=KERNEL_PRIMITIVES)
   assert KERNEL_PRIMITIVES & names and "scan" in names
   assert not {"cond", "while"} & names, names & {"cond", "while"}

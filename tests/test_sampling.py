@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lazyattn_jax.sampling import sample_tokens, sampling_needs_sort
+from tests.jaxpr_helpers import primitives
 
 VOCAB = 64
 
@@ -62,19 +63,6 @@ def test_top_k_and_top_p_bound_the_draws(top_k, top_p):
     assert len(set(tokens.tolist())) == 2
 
 
-def _primitives(jaxpr) -> set[str]:
-  """Every primitive in a jaxpr, nested jaxprs (pjit, cond) included."""
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else [value]:
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          names |= _primitives(inner)
-  return names
-
-
 def test_an_all_greedy_batch_sorts_nothing_and_nothing_branches():
   """`any_sampled=False` (the host saw no sampling row) is an argmax with no
   sort; either way the sampler has no conditional, which on GPU would make
@@ -83,10 +71,10 @@ def test_an_all_greedy_batch_sorts_nothing_and_nothing_branches():
   greedy = jax.make_jaxpr(functools.partial(sample_tokens, any_sampled=False))(
       logits, *params)
   sampled = jax.make_jaxpr(sample_tokens)(logits, *params)
-  assert "sort" not in _primitives(greedy.jaxpr)
-  assert "sort" in _primitives(sampled.jaxpr)
+  assert "sort" not in primitives(greedy.jaxpr)
+  assert "sort" in primitives(sampled.jaxpr)
   for closed in (greedy, sampled):
-    assert not {"cond", "while"} & _primitives(closed.jaxpr)
+    assert not {"cond", "while"} & primitives(closed.jaxpr)
   temperature = np.zeros((3,), np.float32)
   np.testing.assert_array_equal(
       sample_tokens(logits, temperature, *params[1:], any_sampled=False),
