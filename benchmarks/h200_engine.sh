@@ -37,7 +37,9 @@
 #           512-token documents, each carrying a decode token;
 #           MIXED_CHUNK=256 encodes documents in 256-token chunks;
 #           MIXED_EXTRA adds rag_serving options, e.g. "--gpu-xla-option
-#           xla_gpu_dot_merger_threshold_mb=0").
+#           xla_gpu_dot_merger_threshold_mb=0"; MIXED_PROFILE=1 replays
+#           each run under the profiler and prints where the device idled,
+#           as the idle stage does).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -61,6 +63,21 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 bits=""
 fraction=0.3333
+# Prints each run's profile replay of a rag_serving JSON: device busy and
+# idle time, idle by gap size and by the host's Python frame.
+idle_summary() {
+  python3 -c "
+import json, sys
+for run in json.load(open(sys.argv[1]))['runs']:
+  p = run.get('profile')
+  if not p:
+    continue
+  print(run['mode'], {k: round(p[k], 3) for k in ('wall_s', 'busy_s', 'span_s', 'idle_s')})
+  print(p['idle_by_gap_size'])
+  for name, seconds, share in p['idle_by_frame'][:15]:
+    print(f'{seconds:8.4f} {share:5.2f} {name}')
+" "$1"
+}
 for part in $parts; do
   echo "== $part $(date +%T)"
   case $part in
@@ -149,8 +166,9 @@ for part in $parts; do
         --eviction lfu --cache-fraction ${MIXED_FRACTION:-0.2} --modes lazy \
         --decode-during-prefill-runs --decode-steps 16 \
         --max-prefill-tokens ${MIXED_BUDGET:-16384} --prefill-chunk-tokens ${MIXED_CHUNK:-0} \
-        ${MIXED_EXTRA:-} \
-        --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12 ;;
+        ${MIXED_EXTRA:-} ${MIXED_PROFILE:+--profile-replay-dir /tmp/mixed_profile} \
+        --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12
+      [ -n "${MIXED_PROFILE:-}" ] && idle_summary "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" ;;
     mixedstep)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \
         --prefill-tokens ${MIXEDSTEP_TOKENS:-512,1024,2048} --repeats 5 \
@@ -163,15 +181,7 @@ for part in $parts; do
         --eviction lfu --cache-fraction ${PAPER_FRACTION:-0.2} --modes lazy --decode-steps 16 \
         --profile-replay-dir /tmp/idle_profile --no-progress --out "$out/rag_paper_like_idle.json" \
         2>&1 | grep -v Warning | tail -2
-      python3 -c "
-import json, sys
-for run in json.load(open(sys.argv[1]))['runs']:
-  p = run['profile']
-  print({k: round(p[k], 3) for k in ('wall_s', 'busy_s', 'span_s', 'idle_s')})
-  print(p['idle_by_gap_size'])
-  for name, seconds, share in p['idle_by_frame'][:15]:
-    print(f'{seconds:8.4f} {share:5.2f} {name}')
-" "$out/rag_paper_like_idle.json" ;;
+      idle_summary "$out/rag_paper_like_idle.json" ;;
     step)
       timeout ${STEP_TIMEOUT:-300} python3 -m benchmarks.decode_step \
         --variants ${STEP_VARIANTS:-triton,plain,merge,graphs} --loops 4 \
