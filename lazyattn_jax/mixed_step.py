@@ -95,6 +95,17 @@ def _empty_prefill():
   return i32(0, 1), inputs, i32(0), sampling
 
 
+@jax.jit
+def _merge_carry(previous, packed, index):
+  """Decode carry whose row b is row index[b] of `previous` where
+  index[b] >= 0 (a rider that keeps riding) and row b of `packed` (packed
+  from the host) elsewhere."""
+  keep = index >= 0
+  row = jnp.maximum(index, 0)
+  return tuple(jnp.where(keep, old[row], new)
+               for old, new in zip(previous, packed))
+
+
 class DecodeRiders:
   """Running requests that decode one token in each of a run of mixed
   steps, with their decode carry on the device between steps.
@@ -102,15 +113,19 @@ class DecodeRiders:
   The requests' host state (`LiveRequest.tokens`) is not touched until
   `collect`, which reads every step's tokens back at once; until then a row
   that finished (stop id or max_new_tokens) stays in the batch as padding.
-  Made by `ModelRunner.decode_riders`.
+  When the riders change (requests start riding), `previous=` makes the
+  new rows from the old ones on the device, so nothing is read back; the
+  old rows' steps stay pending until `collect`.  Made by
+  `ModelRunner.decode_riders`.
 
   Attributes:
     requests: the scheduler.LiveRequest of rows 0..n-1.
-    steps: mixed steps run since the last `collect`.
+    steps: mixed steps run since the last `collect`, over every set of
+      riders.
   """
 
   def __init__(self, requests, batch: int, num_pages: int, page_size: int,
-               put=lambda tree: tree):
+               put=lambda tree: tree, previous: DecodeRiders | None = None):
     self.requests = list(requests)
     carry, pages, sampling, limits = pack_decode(self.requests, batch)
     # The pages the step's precondition checks chunk rows against (host
@@ -123,9 +138,21 @@ class DecodeRiders:
       private.update(row[private_start[b]:].tolist())
     self.listed_pages, self.private_pages = listed, private
     self.num_pages = num_pages
-    self.carry = carry
     self.any_sampled = sampling_needs_sort(sampling[0])
     self.pages, self.sampling, self.limits = put((pages, sampling, limits))
+    # Pending steps of earlier riders: (requests, outputs, done) each.
+    self._segments = []
+    if previous is not None:
+      self._segments = previous._pending()
+      if previous.steps:
+        # Riders that keep riding continue from their state on the device
+        # (the host's copy is behind by the pending steps).
+        rows = {id(r): b for b, r in enumerate(previous.requests)}
+        index = np.full((batch,), -1, np.int32)
+        for b, live in enumerate(self.requests):
+          index[b] = rows.get(id(live), -1)
+        carry = _merge_carry(previous.carry, carry, index)
+    self.carry = carry
     self._outputs = []  # (next tokens, live) device arrays per step
 
   def same_requests(self, requests) -> bool:
@@ -135,26 +162,33 @@ class DecodeRiders:
 
   @property
   def steps(self) -> int:
-    return len(self._outputs)
+    return len(self._outputs) + sum(len(o) for _, o, _ in self._segments)
 
   def advanced(self, carry, nxt, live):
     """Records one step's outputs (device arrays, not waited for)."""
     self.carry = carry
     self._outputs.append((nxt, live))
 
+  def _pending(self):
+    """The segments not yet collected, this one's last."""
+    mine = [(self.requests, self._outputs, self.carry[4])]
+    return [s for s in self._segments + mine if s[1]]
+
   def collect(self):
-    """(tokens i32[n, steps], emitted bool[n, steps], done bool[n]) of the
-    steps since the last collect, on host (waits for them), n =
-    len(requests); as `ModelRunner.decode` returns a decode loop's."""
-    n = len(self.requests)
-    outputs, self._outputs = self._outputs, []
-    if not outputs:
-      return (np.zeros((n, 0), np.int32), np.zeros((n, 0), bool),
-              np.zeros((n,), bool))
-    host, done = jax.device_get((outputs, self.carry[4]))
-    tokens = np.stack([np.asarray(t)[:n] for t, _ in host], axis=1)
-    emitted = np.stack([np.asarray(e)[:n] for _, e in host], axis=1)
-    return tokens, emitted, np.asarray(done)[:n]
+    """The steps since the last collect, on host (waits for them): a list
+    of (requests, tokens i32[n, steps], emitted bool[n, steps], done
+    bool[n]), one per set of riders in the order they rode, each as
+    `ModelRunner.decode` returns a decode loop's (n = len(requests))."""
+    segments = self._pending()
+    self._segments, self._outputs = [], []
+    host = jax.device_get([(outputs, done) for _, outputs, done in segments])
+    collected = []
+    for (requests, _, _), (outputs, done) in zip(segments, host):
+      n = len(requests)
+      tokens = np.stack([np.asarray(t)[:n] for t, _ in outputs], axis=1)
+      emitted = np.stack([np.asarray(e)[:n] for _, e in outputs], axis=1)
+      collected.append((requests, tokens, emitted, np.asarray(done)[:n]))
+    return collected
 
   def check_chunk_rows(self, inputs: PagedAttentionInputs):
     """Raises ValueError if chunk rows with page metadata `inputs` (host

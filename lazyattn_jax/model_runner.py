@@ -294,13 +294,17 @@ class ModelRunner:
     return state, out, emitted, done
 
   # --- mixed -------------------------------------------------------------------
-  def decode_riders(self, requests, batch: int) -> DecodeRiders:
+  def decode_riders(self, requests, batch: int,
+                    previous: DecodeRiders | None = None) -> DecodeRiders:
     """`requests` (scheduler.LiveRequest) as the decode rows of a run of
-    mixed steps, in `batch` rows (the decode program's fixed batch)."""
+    mixed steps, in `batch` rows (the decode program's fixed batch); with
+    `previous`, the riders before them, whose uncollected steps the new
+    run takes over and whose rows that keep riding continue on the
+    device."""
     put = ((lambda tree: self._replicated(tree)[0]) if self.tensor_parallel
            else jax.device_put)
     return DecodeRiders(requests, batch, self.num_pages, self.page_size,
-                        put=put)
+                        put=put, previous=previous)
 
   def mixed_step_async(self, state, riders: DecodeRiders | None, rows, plans,
                        samplings, ends_query):
@@ -329,7 +333,7 @@ class ModelRunner:
     n = len(decode_requests)
     nxt, done = np.zeros((0,), np.int32), np.zeros((0,), bool)
     if riders is not None:
-      tokens, _, done = riders.collect()
+      [(_, tokens, _, done)] = riders.collect()
       nxt = tokens[:, 0]
     prefill_logits, first = fetch()
     return (state, np.asarray(decode_logits)[:n], nxt, done, prefill_logits,

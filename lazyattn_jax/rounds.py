@@ -109,8 +109,9 @@ class RoundExecutor:
     A group's first tokens are fetched only once the next group's calls
     are on the device, so the device never waits while the host prepares
     the next group (the calls run in order, so the fetch waits only for
-    its own group's).  With decode during prefill each group starts at
-    once instead, so its requests ride in the next group's calls."""
+    its own group's).  With decode during prefill a group's requests
+    start riding then, in the calls of the group after next; the riders'
+    state stays on the device throughout (`_prefill_call`)."""
     try:
       self._serve_groups(new)
     finally:
@@ -118,7 +119,6 @@ class RoundExecutor:
 
   def _serve_groups(self, new):
     groups = self.scheduler.first_token_groups(new)
-    lookahead = not self.scheduler.config.decode_during_prefill
     round_tokens, waiting = 0, None  # served group whose tokens are unread
     for index, group in enumerate(groups):
       try:
@@ -132,9 +132,7 @@ class RoundExecutor:
         return
       if waiting is not None and not self._finish_group(groups, *waiting):
         return
-      waiting = (index, fetches) if lookahead else None
-      if not lookahead and not self._finish_group(groups, index, fetches):
-        return
+      waiting = (index, fetches)
     if waiting is not None:
       self._finish_group(groups, *waiting)
 
@@ -257,10 +255,10 @@ class RoundExecutor:
     which each running request also decodes its next token.  Returns
     fetch() -> (logits, first tokens) of the rows, on host.
 
-    Successive mixed steps with the same riders carry their decode state
-    on the device (`DecodeRiders`), so none waits for the one before; the
-    riders' tokens are recorded when the riders change and at the end of
-    the round (`_collect_riders`)."""
+    Successive mixed steps carry the riders' decode state on the device
+    (`DecodeRiders`, also when requests start riding), so none waits for
+    the one before; the riders' tokens are recorded at the end of the
+    round (`_collect_riders`)."""
     riders = self._riders()
     if not riders:
       self._collect_riders()
@@ -269,9 +267,8 @@ class RoundExecutor:
       return fetch
     run = self._riders_run
     if run is None or not run.same_requests(riders):
-      self._collect_riders()
       run = self._riders_run = self.runner.decode_riders(
-          riders, self.scheduler.config.max_batch)
+          riders, self.scheduler.config.max_batch, previous=run)
     self.state, fetch = self.runner.mixed_step_async(
         self.state, run, rows, plans, samplings, ends_query)
     self.stats.decode_steps += 1
@@ -279,12 +276,13 @@ class RoundExecutor:
 
   def _collect_riders(self):
     """Records the tokens the riders drew in mixed steps so far (waits for
-    them); a failure to read them fails the riders."""
+    them), for the riders still live; a failure to read them fails the
+    riders."""
     run, self._riders_run = self._riders_run, None
     if run is None or not run.steps:
       return
     try:
-      tokens, emitted, done = run.collect()
+      collected = run.collect()
     except BaseException as error:
       live = {id(r) for r in self.scheduler.live}
       self._fail([r for r in run.requests if id(r) in live], error,
@@ -292,8 +290,13 @@ class RoundExecutor:
       if not isinstance(error, Exception):
         raise
       return
-    self.stats.generated_tokens += self.scheduler.record_decode(
-        run.requests, tokens, emitted, done, time.perf_counter())
+    live = {id(r) for r in self.scheduler.live}
+    now = time.perf_counter()
+    for requests, tokens, emitted, done in collected:
+      rows = [b for b, r in enumerate(requests) if id(r) in live]
+      self.stats.generated_tokens += self.scheduler.record_decode(
+          [requests[b] for b in rows], tokens[rows], emitted[rows],
+          done[rows], now)
 
   def _decode(self, decoding):
     cfg = self.scheduler.config

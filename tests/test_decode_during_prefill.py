@@ -56,6 +56,46 @@ def test_riders_give_the_same_tokens_and_decode_during_prefill(
                                        for r in mixed.values())
 
 
+def test_riders_that_change_within_a_round_stay_on_the_device(
+    model_and_config, monkeypatch):
+  """A round of four first-token groups while A runs: A rides from the
+  first group's calls, each group's requests from the calls of the group
+  after next, so the riders change twice within the round.  The new rows
+  are made from the old ones on the device (no read-back), and every
+  request gets the tokens it gets without riding."""
+  from lazyattn_jax.mixed_step import DecodeRiders
+  _, config, _ = model_and_config
+  merges = []
+  init = DecodeRiders.__init__
+
+  def watched(self, requests, *args, previous=None, **kwargs):
+    if previous is not None and previous.steps:
+      merges.append((len(previous.requests), len(requests)))
+    init(self, requests, *args, previous=previous, **kwargs)
+
+  monkeypatch.setattr(DecodeRiders, "__init__", watched)
+
+  def serve(riding):
+    rng = np.random.default_rng(8)
+    engine = make_engine(model_and_config, max_batch=8,
+                         first_token_group_tokens=10,
+                         decode_during_prefill=riding)
+    a = engine.submit(random_tokens(rng, 5, config.vocab_size),
+                      [random_tokens(rng, 10, config.vocab_size)],
+                      greedy(20))
+    engine.step()
+    ids = [engine.submit(random_tokens(rng, 4, config.vocab_size),
+                         [random_tokens(rng, 10, config.vocab_size)],
+                         greedy(6)) for _ in range(4)]
+    results = {}
+    while engine.has_work():
+      results.update({r.request_id: r for r in engine.step()})
+    return [results[i].token_ids for i in [a] + ids]
+
+  assert serve(True) == serve(False)
+  assert merges == [(1, 2), (2, 3)]
+
+
 def test_a_failed_mixed_step_fails_its_prefill_rows_only(model_and_config,
                                                          monkeypatch):
   _, config, _ = model_and_config

@@ -290,7 +290,8 @@ def test_riders_carry_their_state_on_device_across_steps(live, monkeypatch):
                                        [greedy(1)], [ends])
   monkeypatch.undo()
   assert riders.steps == 2
-  tokens, emitted, done = riders.collect()
+  [(requests, tokens, emitted, done)] = riders.collect()
+  assert requests == decoding
   n = len(decoding)
   np.testing.assert_array_equal(emitted, ref_emitted[:n])
   # The request of max_new_tokens 3 reaches it in the first step: padding

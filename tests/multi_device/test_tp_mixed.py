@@ -77,3 +77,39 @@ def test_mixed_step_at_tensor_parallel_2_matches_one_device():
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
   # The chunk's pages were free (zeros) and now hold its keys.
   assert np.abs(k_one[:, :, free_one[0]]).min(axis=-1).all()
+
+
+def _riding_tokens(model, tp):
+  """Greedy tokens of A (running) and four requests served in four
+  first-token groups of one round, with decode during prefill: the
+  riders change twice within the round (tests/test_decode_during_prefill.py
+  on one device)."""
+  cache = CacheConfig(num_pages=64, page_size=PAGE,
+                      num_layers=CONFIG.num_layers,
+                      num_kv_heads=CONFIG.num_kv_heads,
+                      head_dim=CONFIG.head_dim, dtype="float32", max_docs=16,
+                      max_pages_per_doc=8)
+  scheduler, runner = split_settings(None, None, dict(
+      impl="xla", max_batch=8, decode_steps=2, first_token_group_tokens=10,
+      decode_during_prefill=True))
+  engine = LazyEngine(CONFIG, model, cache, scheduler=scheduler,
+                      runner=runner, tensor_parallel=tp)
+  rng = np.random.default_rng(8)
+  tokens = lambda n: rng.integers(1, CONFIG.vocab_size, n).tolist()
+  sampling = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0,
+                                      stop_token_ids=())
+  ids = [engine.submit(tokens(5), [tokens(10)], sampling(12))]
+  engine.step()
+  ids += [engine.submit(tokens(4), [tokens(10)], sampling(5))
+          for _ in range(4)]
+  results = {}
+  while engine.has_work():
+    results.update({r.request_id: r for r in engine.step()})
+  engine.close()
+  return [results[i].token_ids for i in ids]
+
+
+def test_riders_changing_within_a_round_at_tensor_parallel_2():
+  needs_devices(2)
+  model = Llama(CONFIG, rngs=nnx.Rngs(0))
+  assert _riding_tokens(model, 2) == _riding_tokens(model, None)
