@@ -4,8 +4,8 @@ chunks of new prompts together (issue #16 part 2; models/mixed_batch.py).
 Chunked prefill mixed with decode.  The decode rows are `DecodeRiders`:
 packed once as `ModelRunner.decode` packs them (`batch` rows), then carried
 on the device from one mixed step to the next, so a run of mixed steps never
-waits for a step's tokens before dispatching the next; the tokens are read
-back once, by `DecodeRiders.collect`.  The chunk rows are packed as
+waits for a step's tokens before dispatching the next, also when requests
+start riding; the tokens are read back once, by `DecodeRiders.collect`.  The chunk rows are packed as
 `ModelRunner.prefill` packs them (a row is a `layout.PageRow` and the
 `layout.PrefillTokens` of this chunk: its pages list everything written so
 far plus this chunk, with page_len counting this chunk).  `_mixed_step` runs
@@ -43,11 +43,13 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
     `_decode_loop` takes them (carry: tokens, pos, written, generated,
     done [B_d]).
   prefill: (tokens i32[B_p, T], inputs, logits_index i32[B_p], sampling).
+  decode_sampled, prefill_sampled: whether any row of the part samples
+    (`sample_tokens`' any_sampled).
   Returns (decode logits f32[B_d, V], next tokens i32[B_d], live bool[B_d]
-(the rows that decoded in this step), the decode carry after the step (as
-`_decode_loop` returns it), prefill logits f32[B_p, V], first tokens
-i32[B_p], k_cache, v_cache).  A row done before the step is padding: it
-writes nothing and its token means nothing.
+  (the rows that decoded in this step), the decode carry after the step
+  (as `_decode_loop` returns it), prefill logits f32[B_p, V], first tokens
+  i32[B_p], k_cache, v_cache).  A row done before the step is padding: it
+  writes nothing and its token means nothing.
   """
   model = nnx.merge(graphdef, params)
   (tokens, pos, written, generated, done), pages, decode_sampling, limits = (
