@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -393,9 +394,10 @@ def test_mixed_forward_refuses_shared_pages_and_empty_steps(
                   impl="xla", prefill_logits_index=jnp.zeros((0,), jnp.int32))
 
 
-def _cuda_mixed_step_args():
-  """(step, args) of a bf16 model's (H 128) mixed step on the GPU kernels,
-  as abstract shapes: 4 decode rows and 2 chunk rows of 64 tokens."""
+def _mixed_step_args(impl: str = "gpu"):
+  """(step, args) of a bf16 model's (H 128) mixed step on the `impl`
+  kernels, as abstract shapes: 4 decode rows and 2 chunk rows of 64
+  tokens."""
   from flax import nnx
   from lazyattn_jax.mixed_step import _mixed_step
   from lazyattn_jax.sharding import random_model
@@ -418,7 +420,7 @@ def _cuda_mixed_step_args():
              PagedAttentionInputs(*(spec((chunks, pages)),) * 4,
                                   *(spec((chunks, length)),) * 3),
              spec((chunks,)), sampling(chunks))
-  step = functools.partial(_mixed_step, graphdef=graphdef, impl="gpu")
+  step = functools.partial(_mixed_step, graphdef=graphdef, impl=impl)
   return step, (params, pool, pool, decode, prefill)
 
 
@@ -428,11 +430,22 @@ def test_mixed_step_lowers_for_cuda():
   the Mosaic GPU prefill kernel, each with its plan, in one program with no
   Triton call (so no disabled safety check)."""
   from jax import export
-  step, args = _cuda_mixed_step_args()
+  step, args = _mixed_step_args()
   text = export.export(jax.jit(step), platforms=["cuda"])(
       *args).mlir_module()
   assert "xla.gpu.triton" not in text
   assert text.count("custom_call @mosaic_gpu") >= 2  # decode and prefill
+
+
+def test_mixed_step_lowers_for_tpu():
+  """The same step on the Pallas TPU kernels exports for TPU from CPU:
+  the decode and the prefill kernel in one program."""
+  from jax import export
+  step, args = _mixed_step_args("tpu")
+  exported = export.export(jax.jit(step), platforms=["tpu"])(*args)
+  assert exported.platforms == ("tpu",)
+  kernels = re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module())
+  assert {"_decode_kernel", "_prefill_kernel"} <= set(kernels)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -442,7 +455,7 @@ def test_the_gpu_mixed_step_has_no_host_side_control_flow(sampled):
   device in every call (the sampler's old conditional did;
   benchmarks/RESULTS.md, "The mixed step").  The layer loop is a scan of
   known length."""
-  step, args = _cuda_mixed_step_args()
+  step, args = _mixed_step_args()
   closed = jax.make_jaxpr(functools.partial(
       step, decode_sampled=sampled, prefill_sampled=sampled))(*args)
   names = primitives(closed.jaxpr, opaque=KERNEL_PRIMITIVES)
