@@ -39,7 +39,7 @@
 #           MIXED_EXTRA adds rag_serving options, e.g. "--gpu-xla-option
 #           xla_gpu_dot_merger_threshold_mb=0"; MIXED_PROFILE=1 replays
 #           each run under the profiler and prints where the device idled,
-#           as the idle stage does).
+#           as the idle stage does; MIXED_ONLY=1 skips the plain run).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -159,12 +159,14 @@ for part in $parts; do
         --kv-dtypes float8_e4m3fn --decode-steps 16 \
         --no-progress --out "$out/rag_paper_like_fp8.json" 2>&1 | grep -v Warning | tail -12 ;;
     mixed)
+      riding=--decode-during-prefill-runs
+      [ -n "${MIXED_ONLY:-}" ] && riding=--decode-during-prefill-only
       timeout ${PAPER_TIMEOUT:-540} python3 -m benchmarks.rag_serving --model llama3-8b-shape $bits \
         --num-docs 2000 --docs-per-request 8 --doc-len 512 --query-len 64 --output-len 64 \
         --zipf 1.1 --concurrency 32 --max-batch 32 --num-requests 64 \
         --warm-cache-requests ${WARM_CACHE:-192} --group-tokens ${GROUP_TOKENS:-4096} \
         --eviction lfu --cache-fraction ${MIXED_FRACTION:-0.2} --modes lazy \
-        --decode-during-prefill-runs --decode-steps 16 \
+        $riding --decode-steps 16 \
         --max-prefill-tokens ${MIXED_BUDGET:-16384} --prefill-chunk-tokens ${MIXED_CHUNK:-0} \
         ${MIXED_EXTRA:-} ${MIXED_PROFILE:+--profile-replay-dir /tmp/mixed_profile} \
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12

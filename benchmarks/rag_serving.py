@@ -374,9 +374,10 @@ def main(argv=None):
 
   runs = []
   for mode in ([] if args.skip_base else args.mode_list):
-    runs.append(run_mode(args, config, model, dtype, mode, base_pages, warm,
-                         measured, cache_warmer))
-    record(runs[-1], "base")
+    if not args.decode_during_prefill_only:
+      runs.append(run_mode(args, config, model, dtype, mode, base_pages,
+                           warm, measured, cache_warmer))
+      record(runs[-1], "base")
     for kv_dtype in args.kv_dtypes:
       pooled = argparse.Namespace(**vars(args))
       pooled.kv_dtype = kv_dtype
@@ -386,7 +387,7 @@ def main(argv=None):
                            label_suffix=f" [{kv_dtype} pages]"))
       runs[-1]["kv_dtype"] = kv_dtype
       record(runs[-1], "base")
-    if args.decode_during_prefill_runs:
+    if args.decode_during_prefill_runs or args.decode_during_prefill_only:
       riding = argparse.Namespace(**vars(args))
       riding.decode_during_prefill = True
       runs.append(run_mode(riding, config, model, dtype, mode, base_pages,

@@ -96,6 +96,9 @@ def parse_args(argv=None, description: str | None = None):
                  help="also run each mode with running requests decoding "
                       "inside the round's prefill calls (SchedulerConfig."
                       "decode_during_prefill), beside the plain run")
+  p.add_argument("--decode-during-prefill-only", action="store_true",
+                 help="run each mode only with decode during prefill (no "
+                      "plain run)")
   p.add_argument("--merge", nargs="+", default=[], metavar="JSONL",
                  help="instead of running: merge the per-run rows of these "
                       ".partial.jsonl files (a later row of the same kind, "

@@ -186,21 +186,30 @@ def test_kv_dtypes_run_the_same_bytes_of_float8_pages(tmp_path):
   assert fp8["kv_pages_written_for_cached_docs"] == 0
 
 
+RIDING_LOAD = ("--num-docs", "12", "--docs-per-request", "3", "--doc-len",
+               "16", "--query-len", "4", "--output-len", "6",
+               "--num-requests", "8", "--concurrency", "4", "--max-batch",
+               "4", "--page-size", "8", "--cache-fraction", "1.0",
+               "--add-working-pages", "--modes", "lazy")
+
+
 @pytest.mark.slow
 def test_decode_during_prefill_runs_beside_the_plain_run(tmp_path):
   """--decode-during-prefill-runs repeats each mode with running requests
   decoding inside the round's prefill calls: the same trace, documents and
-  prefill work, every token generated."""
-  runs = _serving_runs(
-      tmp_path, "--num-docs", "12", "--docs-per-request", "3", "--doc-len",
-      "16", "--query-len", "4", "--output-len", "6", "--num-requests", "8",
-      "--concurrency", "4", "--max-batch", "4", "--page-size", "8",
-      "--cache-fraction", "1.0", "--add-working-pages", "--modes", "lazy",
-      "--decode-during-prefill-runs")
+  prefill work, every token generated.  --decode-during-prefill-only runs
+  that alone, with the same result."""
+  runs = _serving_runs(tmp_path, *RIDING_LOAD, "--decode-during-prefill-runs")
   base, riding = runs["lazy"], runs["lazy [decode during prefill]"]
   for key in ("doc_hit_rate", "prefill_tokens_computed", "requests"):
     assert riding[key] == base[key], key
   assert riding["kv_pages_written_for_cached_docs"] == 0
+  (tmp_path / "only").mkdir()
+  only = _serving_runs(tmp_path / "only", *RIDING_LOAD,
+                       "--decode-during-prefill-only")
+  assert list(only) == ["lazy [decode during prefill]"]
+  for key in ("doc_hit_rate", "prefill_tokens_computed", "requests"):
+    assert only["lazy [decode during prefill]"][key] == riding[key], key
 
 
 @pytest.mark.slow
