@@ -5,10 +5,11 @@ Chunked prefill mixed with decode.  The decode rows are `DecodeRiders`:
 packed once as `ModelRunner.decode` packs them (`batch` rows), then carried
 on the device from one mixed step to the next, so a run of mixed steps never
 waits for a step's tokens before dispatching the next, also when requests
-start riding; the tokens are read back once, by `DecodeRiders.collect`.  The chunk rows are packed as
-`ModelRunner.prefill` packs them (a row is a `layout.PageRow` and the
-`layout.PrefillTokens` of this chunk: its pages list everything written so
-far plus this chunk, with page_len counting this chunk).  `_mixed_step` runs
+start riding; the tokens are read back once, by `DecodeRiders.collect`.
+The chunk rows are packed as `ModelRunner.prefill` packs them (a row is a
+`layout.PageRow` and the `layout.PrefillTokens` of this chunk: its pages
+list everything written so far plus this chunk, with page_len counting
+this chunk).  `_mixed_step` runs
 with the pool donated and samples the next token of every decode row and the
 first token of every chunk row that ends its query.  The rounds run it for
 every prefill call when `SchedulerConfig.decode_during_prefill` is on
@@ -126,7 +127,7 @@ class DecodeRiders:
       riders.
   """
 
-  def __init__(self, requests, batch: int, num_pages: int, page_size: int,
+  def __init__(self, requests, batch: int, num_pages: int,
                put=lambda tree: tree, previous: DecodeRiders | None = None):
     self.requests = list(requests)
     carry, pages, sampling, limits = pack_decode(self.requests, batch)

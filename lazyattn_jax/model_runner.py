@@ -303,8 +303,8 @@ class ModelRunner:
     device."""
     put = ((lambda tree: self._replicated(tree)[0]) if self.tensor_parallel
            else jax.device_put)
-    return DecodeRiders(requests, batch, self.num_pages, self.page_size,
-                        put=put, previous=previous)
+    return DecodeRiders(requests, batch, self.num_pages, put=put,
+                        previous=previous)
 
   def mixed_step_async(self, state, riders: DecodeRiders | None, rows, plans,
                        samplings, ends_query):

@@ -281,16 +281,15 @@ class RoundExecutor:
     run, self._riders_run = self._riders_run, None
     if run is None or not run.steps:
       return
+    live = {id(r) for r in self.scheduler.live}
     try:
       collected = run.collect()
     except BaseException as error:
-      live = {id(r) for r in self.scheduler.live}
       self._fail([r for r in run.requests if id(r) in live], error,
                  prefilled=True)
       if not isinstance(error, Exception):
         raise
       return
-    live = {id(r) for r in self.scheduler.live}
     now = time.perf_counter()
     for requests, tokens, emitted, done in collected:
       rows = [b for b, r in enumerate(requests) if id(r) in live]

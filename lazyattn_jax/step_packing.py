@@ -97,9 +97,8 @@ def pack_decode(requests, batch: int):
 
 
 def decode_step_inputs(pages, pos, written, live, num_pages: int,
-                       page_size: int, xp=jnp) -> PagedAttentionInputs:
-  """Page metadata of one decode step (inside jit; with `xp=np`, of numpy
-  arrays on the host).
+                       page_size: int) -> PagedAttentionInputs:
+  """Page metadata of one decode step (inside jit).
 
   pages: (page_table, page_pos, page_shift, doc_page_len i32[B, M],
   private_start i32[B]); pos i32[B] each row's token position; written
@@ -108,19 +107,19 @@ def decode_step_inputs(pages, pos, written, live, num_pages: int,
   tokens written through this step, so the row sees its own new token.
   """
   page_table, page_pos, page_shift, doc_page_len, private_start = pages
-  logical = xp.arange(page_table.shape[1], dtype=xp.int32)[None, :]
+  logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)[None, :]
   private_index = logical - private_start[:, None]  # >= 0 on private pages
-  rows = xp.arange(page_table.shape[0])
-  written_after = written + live.astype(xp.int32)
-  private_len = xp.clip(written_after[:, None] - private_index * page_size,
-                        0, page_size)
-  page_len = xp.where(private_index >= 0, private_len, doc_page_len)
-  target = xp.clip(private_start + written // page_size, 0,
-                   page_table.shape[1] - 1)
-  write_page = xp.where(live, page_table[rows, target], num_pages)
+  rows = jnp.arange(page_table.shape[0])
+  written_after = written + live.astype(jnp.int32)
+  private_len = jnp.clip(written_after[:, None] - private_index * page_size,
+                         0, page_size)
+  page_len = jnp.where(private_index >= 0, private_len, doc_page_len)
+  target = jnp.clip(private_start + written // page_size, 0,
+                    page_table.shape[1] - 1)
+  write_page = jnp.where(live, page_table[rows, target], num_pages)
   return PagedAttentionInputs(
       page_table=page_table, page_pos=page_pos, page_shift=page_shift,
-      page_len=page_len, q_pos=xp.where(live, pos, -1)[:, None],
+      page_len=page_len, q_pos=jnp.where(live, pos, -1)[:, None],
       write_page=write_page[:, None],
       write_slot=(written % page_size)[:, None])
 

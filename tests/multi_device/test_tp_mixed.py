@@ -22,17 +22,23 @@ CONFIG = LlamaConfig.tiny(num_heads=8, num_kv_heads=4, max_position=512)
 TOL = 1e-4
 
 
-def _live_engine(model, tp):
-  """An engine after one round with two requests decoding."""
-  cache = CacheConfig(num_pages=32, page_size=PAGE,
+def _engine(model, tp, num_pages, **settings):
+  """A float32 engine on CONFIG (XLA attention) with these scheduler and
+  runner settings."""
+  cache = CacheConfig(num_pages=num_pages, page_size=PAGE,
                       num_layers=CONFIG.num_layers,
                       num_kv_heads=CONFIG.num_kv_heads,
                       head_dim=CONFIG.head_dim, dtype="float32", max_docs=16,
                       max_pages_per_doc=8)
-  scheduler, runner = split_settings(None, None, dict(
-      impl="xla", max_batch=2, decode_steps=1))
-  engine = LazyEngine(CONFIG, model, cache, scheduler=scheduler,
-                      runner=runner, tensor_parallel=tp)
+  scheduler, runner = split_settings(None, None, dict(impl="xla",
+                                                      **settings))
+  return LazyEngine(CONFIG, model, cache, scheduler=scheduler, runner=runner,
+                    tensor_parallel=tp)
+
+
+def _live_engine(model, tp):
+  """An engine after one round with two requests decoding."""
+  engine = _engine(model, tp, 32, max_batch=2, decode_steps=1)
   rng = np.random.default_rng(3)
   sampling = SamplingParams(max_new_tokens=8, temperature=0.0,
                             stop_token_ids=())
@@ -84,16 +90,8 @@ def _riding_tokens(model, tp):
   first-token groups of one round, with decode during prefill: the
   riders change twice within the round (tests/test_decode_during_prefill.py
   on one device)."""
-  cache = CacheConfig(num_pages=64, page_size=PAGE,
-                      num_layers=CONFIG.num_layers,
-                      num_kv_heads=CONFIG.num_kv_heads,
-                      head_dim=CONFIG.head_dim, dtype="float32", max_docs=16,
-                      max_pages_per_doc=8)
-  scheduler, runner = split_settings(None, None, dict(
-      impl="xla", max_batch=8, decode_steps=2, first_token_group_tokens=10,
-      decode_during_prefill=True))
-  engine = LazyEngine(CONFIG, model, cache, scheduler=scheduler,
-                      runner=runner, tensor_parallel=tp)
+  engine = _engine(model, tp, 64, max_batch=8, decode_steps=2,
+                   first_token_group_tokens=10, decode_during_prefill=True)
   rng = np.random.default_rng(8)
   tokens = lambda n: rng.integers(1, CONFIG.vocab_size, n).tolist()
   sampling = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0,
