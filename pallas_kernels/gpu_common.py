@@ -268,15 +268,30 @@ def grouped_row_positions(q_pos, group, rows_multiple):
                  constant_values=PADDING_ROW)
 
 
-def prefix_sum(x):
+def prefix_sum(x, block: int = 32):
   """Inclusive prefix sum over the last axis of an integer [..., M] array.
 
-  Written as one masked reduction ([..., M, M], which XLA fuses into a single
-  kernel) because jnp.cumsum lowers on GPU to a tree of reduce-window ops,
-  several launches each; the XLA work before the prefill kernels is launch
-  bound (docs/kernels.md), and the metadata rows here are short
-  (M logical pages), so the quadratic sum costs less than the launches.
+  Written as masked reductions, which XLA fuses into a few kernels, because
+  jnp.cumsum lowers on GPU to a tree of reduce-window ops, several launches
+  each, and the XLA work before the kernels is launch bound
+  (docs/kernels.md).  Rows of up to `block` take one [..., M, M] reduction;
+  longer rows are cut into blocks of `block`, summed within each block and
+  then over the block totals, so the work grows as M * block instead of M^2
+  (a row of 512 pages in a decode batch of 64).
   """
+  m = x.shape[-1]
+  if m <= block:
+    return _quadratic_prefix_sum(x)
+  num_blocks = -(-m // block)
+  pad = [(0, 0)] * (x.ndim - 1) + [(0, num_blocks * block - m)]
+  blocks = jnp.pad(x, pad).reshape(*x.shape[:-1], num_blocks, block)
+  within = _quadratic_prefix_sum(blocks)
+  before = _quadratic_prefix_sum(within[..., -1]) - within[..., -1]
+  out = within + before[..., None]
+  return out.reshape(*x.shape[:-1], num_blocks * block)[..., :m]
+
+
+def _quadratic_prefix_sum(x):
   m = x.shape[-1]
   row = lax.broadcasted_iota(jnp.int32, (m, m), 0)
   col = lax.broadcasted_iota(jnp.int32, (m, m), 1)

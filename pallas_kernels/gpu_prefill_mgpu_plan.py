@@ -111,13 +111,15 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   num_steps = cum[:, -1]
   s_max = max_steps(num_logical, ppb)
   steps = jnp.arange(s_max, dtype=jnp.int32)
-  sorted_start = jnp.where(seg_valid, start, INT32_MAX)
-  # compare_all: one [B, S, M] comparison and a sum.  The default binary
-  # search is a while loop, one GPU launch per iteration, and those launches
-  # dominated this wrapper (docs/kernels.md).
-  seg = jax.vmap(lambda a: jnp.searchsorted(a, steps, side="right",
-                                            method="compare_all"))(
-      sorted_start).astype(jnp.int32) - 1
+  # The segment of step t is the number of segments starting at or before
+  # it, less one: a mark at each valid segment's first step (counts are
+  # positive, so the starts are distinct) and a prefix sum.  A binary search
+  # is a while loop, one GPU launch per iteration, and a compare-all search
+  # is [B, S, M] work (docs/kernels.md).
+  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  marks = jnp.zeros((batch, s_max), jnp.int32).at[
+      rows, jnp.where(seg_valid, start, s_max)].set(1, mode="drop")
+  seg = common.prefix_sum(marks) - 1
   seg = jnp.clip(seg, 0, num_logical - 1)  # [B, S]
   step_valid = steps[None, :] < num_steps[:, None]
   take = lambda a: jnp.take_along_axis(a, seg, axis=1)
