@@ -45,8 +45,11 @@ class SchedulerConfig:
     decode_during_prefill: the running requests decode one token in every
       prefill call of a round (document encoding and query prefill), in
       one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
-      for the round's prefill to end.  Off by default until measured on a
-      GPU (docs/design.md, "Mixed steps").
+      for the round's prefill to end.  Off by default: on the H200 it
+      serves about 10% fewer tokens/s than the plain rounds; with
+      max_prefill_tokens=1024 and first_token_group_tokens=2048 it gives
+      the lowest TTFT at about the same TPOT (benchmarks/RESULTS.md, "The
+      mixed step"; docs/design.md, "Mixed steps").
     prefill_chunk_tokens: documents and requests' own prefill (queries,
       recomputed pages, full mode's prompts) longer than this go in chunks
       of at most this many tokens, in successive prefill calls, so no call
