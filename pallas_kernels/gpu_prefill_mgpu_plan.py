@@ -26,7 +26,7 @@ import numpy as np
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
-from pallas_kernels.gpu_prefill import prefill_segments, tile_page_ends
+from pallas_kernels.gpu_prefill import tile_page_ends
 from pallas_kernels.rope import RopeConfig, cos_sin_from_chunks
 from pallas_kernels.sizes import ceil_div, round_up
 
@@ -93,60 +93,82 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
     num_steps: int32 [B];
     step_first_page: int32 [B, S_max], first page of each step that belongs
       to its segment (INT32_MAX past the row's steps), nondecreasing;
-    shift: int32 [B, M], shift of segment j (entries past the count unused).
+    shift: int32 [B, M], shift of segment j (entries past the count are 0).
+
+  Built block by block: a block of `pages_per_block` logical pages holds
+  one step per segment piece in it (a segment carried over from the block
+  before, then one per segment starting in the block), and a step's index
+  is a prefix sum of the per-block counts.  Steps in block order are steps
+  in segment order, since segments are runs of pages.  Every array is
+  [B, M] or [B, blocks, ppb, ppb] elementwise work and a few short prefix
+  sums, so XLA makes the plan in a handful of kernels (docs/kernels.md).
   """
   batch, num_logical = page_table.shape
   ppb = pages_per_block
   layout = RecordLayout(ppb)
-  segments, segment_of_page = prefill_segments(page_shift, live)
-  first, end, shift = segments[..., 0], segments[..., 1], segments[..., 2]
-  num_segments = segment_of_page[:, -1] + 1  # [B]
-  seg_ids = jnp.arange(num_logical, dtype=jnp.int32)[None, :]
-  seg_valid = seg_ids < num_segments[:, None]
-  first_block = first // ppb
-  end_block = ceil_div(end, ppb)
-  count = jnp.where(seg_valid, end_block - first_block, 0)
-  cum = common.prefix_sum(count.astype(jnp.int32))
-  start = cum - count
-  num_steps = cum[:, -1]
+  num_blocks = ceil_div(num_logical, ppb)
   s_max = max_steps(num_logical, ppb)
-  steps = jnp.arange(s_max, dtype=jnp.int32)
-  # The segment of step t is the number of segments starting at or before
-  # it, less one: a mark at each valid segment's first step (counts are
-  # positive, so the starts are distinct) and a prefix sum.  A binary search
-  # is a while loop, one GPU launch per iteration, and a compare-all search
-  # is [B, S, M] work (docs/kernels.md).
-  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
-  marks = jnp.zeros((batch, s_max), jnp.int32).at[
-      rows, jnp.where(seg_valid, start, s_max)].set(1, mode="drop")
-  seg = common.prefix_sum(marks) - 1
-  seg = jnp.clip(seg, 0, num_logical - 1)  # [B, S]
-  step_valid = steps[None, :] < num_steps[:, None]
-  take = lambda a: jnp.take_along_axis(a, seg, axis=1)
-  seg_first, seg_end, seg_start = take(first), take(end), take(start)
-  block = take(first_block) + steps[None, :] - seg_start
-  page = block[..., None] * ppb + jnp.arange(ppb, dtype=jnp.int32)
-  page_c = jnp.clip(page, 0, num_logical - 1).reshape(batch, -1)
-  gather = lambda a: jnp.take_along_axis(a, page_c, axis=1).reshape(
-      page.shape)
-  in_segment = ((page >= seg_first[..., None]) & (page < seg_end[..., None])
-                & (page < num_logical) & step_valid[..., None])
-  lim = jnp.where(in_segment & gather(live), gather(page_len), 0)
-  phys = jnp.clip(gather(page_table), 0, num_pages - 1)
-  pos = gather(page_pos)
-  new_seg = step_valid & (steps[None, :] == seg_start)
+  pad = num_blocks * ppb - num_logical
+  # Pages past M are dead and read the last page's id and position, as a
+  # clipped page index would.
+  by_block = lambda a, mode="edge": jnp.pad(a, ((0, 0), (0, pad)),
+                                            mode=mode).reshape(
+                                                batch, num_blocks, ppb)
+  live_b = by_block(live, "constant")
+  shift_b = by_block(page_shift)
+  prev_live = jnp.pad(live, ((0, 0), (1, 0)))[:, :num_logical]
+  prev_shift = jnp.pad(page_shift, ((0, 0), (1, 0)))[:, :num_logical]
+  starts = live & ~(prev_live & (prev_shift == page_shift))
+  start_b = by_block(starts, "constant")
+  page = jnp.arange(num_logical, dtype=jnp.int32)
+  last_live = jnp.max(jnp.where(live, page, -1), axis=1)  # [B]
+  # Starts in each block, at or before each page of it, and before it.
+  rank = common.prefix_sum(start_b.astype(jnp.int32))  # [B, NB, ppb]
+  starts_in = rank[..., -1]
+  starts_before = common.prefix_sum(starts_in) - starts_in  # [B, NB]
+  block_first = jnp.arange(num_blocks, dtype=jnp.int32) * ppb
+  carried = ((starts_before > 0) & (block_first[None] <= last_live[:, None])
+             & ~start_b[..., 0]).astype(jnp.int32)  # [B, NB]
+  count = starts_in + carried
+  step_base = common.prefix_sum(count) - count
+  num_steps = jnp.sum(count, axis=1)
+  # Piece j of a block: its pages with piece == j (-1: before any segment).
+  piece = rank + carried[..., None] - 1  # [B, NB, ppb]
+  j = jnp.arange(ppb, dtype=jnp.int32)
+  in_piece = piece[:, :, None, :] == j[None, None, :, None]  # [B,NB,j,i]
+  valid = j[None, None, :] < count[..., None]  # [B, NB, j]
+  expand = lambda a: jnp.broadcast_to(a[:, :, None, :],
+                                      (batch, num_blocks, ppb, ppb))
+  lim = jnp.where(in_piece & expand(live_b), expand(by_block(page_len)), 0)
+  pos = expand(by_block(page_pos))
+  phys = expand(jnp.clip(by_block(page_table), 0, num_pages - 1))
+  seg = starts_before[..., None] - carried[..., None] + j
+  new_seg = (j > 0) | (carried[..., None] == 0)
   fixup = jnp.any(lim < page_size, axis=-1)
   max_pos = jnp.max(jnp.where(lim > 0, pos + lim - 1, INT32_MIN), axis=-1)
-  step_first = jnp.where(step_valid, jnp.maximum(block * ppb, seg_first),
-                         INT32_MAX)
+  first_in_piece = jnp.min(jnp.where(in_piece, j[None, None, None, :], ppb),
+                           axis=-1)
+  step_first = block_first[None, :, None] + first_in_piece
   i32 = lambda x: x.astype(jnp.int32)
   fields = [phys, pos, lim, i32(seg)[..., None], i32(new_seg)[..., None],
             i32(fixup)[..., None], max_pos[..., None]]
-  records = jnp.concatenate(fields, axis=-1)
-  records = jnp.pad(records, ((0, 0), (0, 0),
-                              (0, layout.width - records.shape[-1])))
-  records = jnp.where(step_valid[..., None], records, 0)
-  return records, num_steps, step_first, shift
+  candidates = jnp.concatenate(fields, axis=-1)  # [B, NB, j, fields]
+  candidates = jnp.pad(candidates, ((0, 0), (0, 0), (0, 0),
+                                    (0, layout.width - candidates.shape[-1])))
+  target = jnp.where(valid, step_base[..., None] + j, s_max)
+  target = target.reshape(batch, num_blocks * ppb)
+  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  records = jnp.zeros((batch, s_max, layout.width), jnp.int32).at[
+      rows, target].set(candidates.reshape(batch, -1, layout.width),
+                        mode="drop")
+  step_first = jnp.full((batch, s_max), INT32_MAX, jnp.int32).at[
+      rows, target].set(step_first.reshape(batch, -1), mode="drop")
+  # Segment j's shift, scattered from its first page.
+  seg_of_start = (starts_before[..., None] + rank - 1).reshape(batch, -1)
+  dest = jnp.where(start_b.reshape(batch, -1), seg_of_start, num_logical)
+  shift = jnp.zeros((batch, num_logical), jnp.int32).at[rows, dest].set(
+      shift_b.reshape(batch, -1), mode="drop")
+  return records, num_steps.astype(jnp.int32), step_first, shift
 
 
 def segment_cos_sin(shift, rope: RopeConfig, head_dim: int):
