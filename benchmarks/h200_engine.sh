@@ -40,6 +40,10 @@
 #           xla_gpu_dot_merger_threshold_mb=0"; MIXED_PROFILE=1 replays
 #           each run under the profiler and prints where the device idled,
 #           as the idle stage does; MIXED_ONLY=1 skips the plain run).
+#   wholecall - the Mosaic kernels' whole calls (plan included) against
+#           their per-layer calls: decode at B64 and B32 / ctx 8192, prefill
+#           at the 512- and 128-token chunks beside cuDNN (issue 16, parts 1
+#           and 4 as whole calls; ~100 s).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -171,6 +175,13 @@ for part in $parts; do
         ${MIXED_EXTRA:-} ${MIXED_PROFILE:+--profile-replay-dir /tmp/mixed_profile} \
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12
       [ -n "${MIXED_PROFILE:-}" ] && idle_summary "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" ;;
+    wholecall)
+      timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.kernels --decode-only --no-triton-decode \
+        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants k128s2 --time-budget 60 \
+        --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | tail -8
+      timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
+        --variants k128w2s2-q16-sched 2>&1 | grep -v Warning | tee "$out/mgpu_prefill_wholecall.txt" \
+        | tail -16 ;;
     mixedstep)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \
         --prefill-tokens ${MIXEDSTEP_TOKENS:-512,1024,2048} --repeats 5 \
