@@ -146,8 +146,9 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   new_seg = (j > 0) | (carried[..., None] == 0)
   fixup = jnp.any(lim < page_size, axis=-1)
   max_pos = jnp.max(jnp.where(lim > 0, pos + lim - 1, INT32_MIN), axis=-1)
-  first_in_piece = jnp.min(jnp.where(in_piece, j[None, None, None, :], ppb),
-                           axis=-1)
+  slot = j  # a page's index in its block, on the last axis of in_piece
+  first_in_piece = jnp.min(
+      jnp.where(in_piece, slot[None, None, None, :], ppb), axis=-1)
   step_first = block_first[None, :, None] + first_in_piece
   i32 = lambda x: x.astype(jnp.int32)
   fields = [phys, pos, lim, i32(seg)[..., None], i32(new_seg)[..., None],
