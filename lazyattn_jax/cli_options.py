@@ -6,6 +6,7 @@ with flags shaped for a command line (a file for the learned preamble)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import re
@@ -39,12 +40,17 @@ def add_config_options(parser, cls, names, *, use_defaults: bool = True):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for name in names:
     default = fields[name].default
-    kind = float if isinstance(default, float) else int
     text = docs.get(name, "").replace("%", "%%")
     if use_defaults:
       text += f" (default: {default})"
-    parser.add_argument("--" + name.replace("_", "-"), type=kind,
-                        default=default if use_defaults else None, help=text)
+    flag = "--" + name.replace("_", "-")
+    unset = default if use_defaults else None
+    if isinstance(default, bool):  # --name / --no-name
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                          default=unset, help=text)
+      continue
+    kind = float if isinstance(default, float) else int
+    parser.add_argument(flag, type=kind, default=unset, help=text)
 
 
 def chosen(args, names) -> dict:

@@ -26,12 +26,43 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--mode", "nope"], "mode must be one of"),
     (["--max-queue", "0"], "max_queue must be an integer >= 1"),
     (["--num-pages", "0"], "must be >= 1"),
+    (["--prefill-chunk-tokens", "0"],
+     "prefill_chunk_tokens must be an int >= 1 or None, got 0"),
+    (["--decode-during-prefill", "--max-prefill-tokens", "0"],
+     "max_prefill_tokens must be an int >= 1, got 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
   assert main(["serve", "--model", "no-such-model", *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("lazyattn: error:") and message in err
   assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, settings", [
+    ([], {}),
+    (["--decode-during-prefill", "--max-prefill-tokens", "1024",
+      "--first-token-group-tokens", "2048"],
+     dict(decode_during_prefill=True, max_prefill_tokens=1024,
+          first_token_group_tokens=2048)),
+    (["--no-decode-during-prefill", "--prefill-chunk-tokens", "256"],
+     dict(decode_during_prefill=False, prefill_chunk_tokens=256)),
+])
+def test_serve_passes_scheduler_settings_to_the_engine(argv, settings,
+                                                        monkeypatch):
+  """Only the settings given reach the engine (its own defaults apply to
+  the rest)."""
+  import lazyattn_jax.cli as cli
+  seen = {}
+
+  def load(model, args, **kwargs):
+    seen.update(kwargs)
+    raise cli.UsageError("stop here")
+
+  monkeypatch.setattr(cli, "_load_engine", load)
+  assert main(["serve", "--model", "m", *argv]) == 2
+  engine_settings = {k: v for k, v in seen.items()
+                     if k in cli.ENGINE_OPTIONS}
+  assert engine_settings == settings
 
 
 @pytest.fixture(scope="module")
