@@ -39,7 +39,9 @@
 #           MIXED_EXTRA adds rag_serving options, e.g. "--gpu-xla-option
 #           xla_gpu_dot_merger_threshold_mb=0"; MIXED_PROFILE=1 replays
 #           each run under the profiler and prints where the device idled,
-#           as the idle stage does; MIXED_ONLY=1 skips the plain run).
+#           as the idle stage does; MIXED_ONLY=1 skips the plain run;
+#           MIXED_EXTRA=--decode-loops-to-first-finish ends decode loops at
+#           the first request that reaches its output length, in both runs).
 #   wholecall - the Mosaic kernels' whole calls (plan included) against
 #           their per-layer calls: decode at B64 and B32 / ctx 8192, prefill
 #           at the 512- and 128-token chunks beside cuDNN (issue 16, parts 1

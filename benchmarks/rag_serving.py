@@ -116,6 +116,8 @@ def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
       first_token_group_tokens=args.group_tokens or None,
       decode_during_prefill=bool(getattr(args, "decode_during_prefill",
                                          False)),
+      decode_loops_to_first_finish=bool(getattr(
+          args, "decode_loops_to_first_finish", False)),
       prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", 0) or None)
   runner = RunnerConfig(impl=args.impl, pool_as_bits=args.pool_as_bits,
                         decode_layer_unroll=True if args.decode_unroll else 1,

@@ -96,6 +96,10 @@ def parse_args(argv=None, description: str | None = None):
                  help="also run each mode with running requests decoding "
                       "inside the round's prefill calls (SchedulerConfig."
                       "decode_during_prefill), beside the plain run")
+  p.add_argument("--decode-loops-to-first-finish", action="store_true",
+                 help="end each decode loop at the first request that reaches "
+                      "its output length (SchedulerConfig."
+                      "decode_loops_to_first_finish), in every run")
   p.add_argument("--decode-during-prefill-only", action="store_true",
                  help="run each mode only with decode during prefill (no "
                       "plain run)")

@@ -158,7 +158,7 @@ SERVER_OPTIONS = ("max_queue", "default_max_tokens", "drain_timeout_s",
                   "max_registered_documents", "retry_after_s")
 ENGINE_OPTIONS = ("max_batch", "decode_steps", "max_prefill_tokens",
                   "first_token_group_tokens", "decode_during_prefill",
-                  "prefill_chunk_tokens")
+                  "decode_loops_to_first_finish", "prefill_chunk_tokens")
 
 
 def run_serve(args) -> int:

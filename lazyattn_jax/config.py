@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.lazy_attention import IMPLS
+from pallas_kernels.sizes import next_power_of_two
 
 
 def _check_int(owner: str, name: str, value, minimum: int = 1,
@@ -50,6 +51,14 @@ class SchedulerConfig:
       max_prefill_tokens=1024 and first_token_group_tokens=2048 it gives
       the lowest TTFT at about the same TPOT (benchmarks/RESULTS.md, "The
       mixed step"; docs/design.md, "Mixed steps").
+    decode_loops_to_first_finish: a decode loop runs only as many steps
+      as the running request closest to its `max_new_tokens` still needs,
+      rounded up to a power of two (at most `decode_steps`), so a request
+      that reaches its limit leaves, and a waiting one is admitted, at the
+      end of that loop instead of up to `decode_steps` steps later.  Tokens
+      that requests decode during prefill then shorten their loops too.
+      One decode program per loop length.  Off by default (not yet measured
+      on a GPU).
     prefill_chunk_tokens: documents and requests' own prefill (queries,
       recomputed pages, full mode's prompts) longer than this go in chunks
       of at most this many tokens, in successive prefill calls, so no call
@@ -64,6 +73,7 @@ class SchedulerConfig:
   prefill_tokens_per_step: int | None = None
   first_token_group_tokens: int | None = None
   decode_during_prefill: bool = False
+  decode_loops_to_first_finish: bool = False
   prefill_chunk_tokens: int | None = None
 
   def __post_init__(self):
@@ -72,14 +82,23 @@ class SchedulerConfig:
     for name in ("prefill_tokens_per_step", "first_token_group_tokens",
                  "prefill_chunk_tokens"):
       _check_int("SchedulerConfig", name, getattr(self, name), optional=True)
-    if not isinstance(self.decode_during_prefill, bool):
-      raise ValueError("SchedulerConfig.decode_during_prefill must be a "
-                       f"bool, got {self.decode_during_prefill!r}")
+    for name in ("decode_during_prefill", "decode_loops_to_first_finish"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"SchedulerConfig.{name} must be a bool, got "
+                         f"{getattr(self, name)!r}")
 
   @property
   def group_tokens(self) -> int:
     """The first-token group size in effect."""
     return self.first_token_group_tokens or self.max_prefill_tokens
+
+  def loop_steps(self, fewest_tokens_left: int) -> int:
+    """Steps of the next decode loop, where the running request closest to
+    its limit may generate `fewest_tokens_left` more tokens."""
+    if not self.decode_loops_to_first_finish:
+      return self.decode_steps
+    return min(self.decode_steps,
+               next_power_of_two(max(1, fewest_tokens_left)))
 
 
 @dataclasses.dataclass(frozen=True)

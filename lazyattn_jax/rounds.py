@@ -299,10 +299,12 @@ class RoundExecutor:
 
   def _decode(self, decoding):
     cfg = self.scheduler.config
+    steps = cfg.loop_steps(min(
+        r.request.sampling.max_new_tokens - len(r.tokens) for r in decoding))
     started = time.perf_counter()
     try:
       self.state, out, emitted, done = self.runner.decode(
-          self.state, decoding, cfg.max_batch, cfg.decode_steps)
+          self.state, decoding, cfg.max_batch, steps)
     except BaseException as error:
       self._fail(decoding, error, prefilled=True)
       if not isinstance(error, Exception):
@@ -310,7 +312,7 @@ class RoundExecutor:
       return
     now = time.perf_counter()
     self.stats.decode_seconds += now - started
-    self.stats.decode_steps += cfg.decode_steps
+    self.stats.decode_steps += steps
     self.stats.generated_tokens += self.scheduler.record_decode(
         decoding, out, emitted, done, now)
 
