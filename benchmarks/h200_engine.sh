@@ -44,8 +44,9 @@
 #           the first request that reaches its output length, in both runs).
 #   wholecall - the Mosaic kernels' whole calls (plan included) against
 #           their per-layer calls: decode at B64 and B32 / ctx 8192, prefill
-#           at the 512- and 128-token chunks beside cuDNN (issue 16, parts 1
-#           and 4 as whole calls; ~100 s).
+#           at the 512- and 128-token chunks beside cuDNN, after the plans'
+#           device time by op (benchmarks/plan_profile.py) (issue 16, parts
+#           1 and 4 as whole calls; ~130 s).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -178,6 +179,8 @@ for part in $parts; do
         --no-progress --out "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" 2>&1 | grep -v Warning | tail -12
       [ -n "${MIXED_PROFILE:-}" ] && idle_summary "$out/rag_paper_like_mixed_${MIXED_BUDGET:-16384}.json" ;;
     wholecall)
+      timeout 120 python3 -m benchmarks.plan_profile --trace-dir /tmp/plan_profile --top 12 2>&1 \
+        | grep -v Warning | tee "$out/plan_profile.txt" | tail -28
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.kernels --decode-only --no-triton-decode \
         --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants k128s2 --time-budget 60 \
         --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | tail -8

@@ -1,0 +1,27 @@
+"""benchmarks/plan_profile.py on CPU at small shapes: both plans are
+profiled and their ops listed; bad shapes are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.plan_profile import main
+
+
+def test_both_plans_are_profiled(tmp_path, capsys):
+  rows = main(["--trace-dir", str(tmp_path), "--top", "3",
+               "--decode-batch", "2", "--context", "1024",
+               "--prefill-batch", "1", "--chunk", "64"])
+  assert [r["name"] for r in rows] == ["decode_B2_ctx1024",
+                                       "prefill_B1_chunk64"]
+  for row in rows:
+    assert row["device_us"] > 0 and row["ops_per_call"] >= 1
+    assert 1 <= len(row["top_ops"]) <= 3
+  assert "decode_B2_ctx1024:" in capsys.readouterr().out
+
+
+def test_bad_shapes_are_refused(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--context", "1000"])
+  assert exit_info.value.code == 2
+  assert "multiple of 512" in capsys.readouterr().err
