@@ -59,27 +59,34 @@ VARIANTS = {
 }
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(p):
+  """The options `serving_args` and `random_requests` read: the model, the
+  rows and their documents and query, the pool, the implementation, and
+  the seed (benchmarks/mixed_step.py takes them too)."""
   p.add_argument("--model", default="llama3-8b-shape", choices=MODELS)
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--docs-per-request", type=int, default=8)
   p.add_argument("--doc-len", type=int, default=512)
   p.add_argument("--query-len", type=int, default=64)
   p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--kv-dtype", default="")
+  p.add_argument("--impl", default="auto")
+  p.add_argument("--gpu-xla-option", action="append", default=[],
+                 metavar="NAME=VALUE")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_workload_arguments(p)
   p.add_argument("--decode-steps", type=int, default=16)
   p.add_argument("--loops", type=int, default=5,
                  help="timed decode loops per variant (after one untimed)")
   p.add_argument("--variants", default="triton,plain")
-  p.add_argument("--kv-dtype", default="")
-  p.add_argument("--impl", default="auto")
   p.add_argument("--copy-mib", type=int, default=4096,
                  help="array size for the copy-bandwidth measurement")
   p.add_argument("--profile-dir", default="")
-  p.add_argument("--gpu-xla-option", action="append", default=[],
-                 metavar="NAME=VALUE")
-  p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
   args.variant_list = [v for v in args.variants.split(",") if v]

@@ -41,13 +41,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(
       description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", default="llama3-8b-shape",
-                 choices=decode_step.MODELS)
-  p.add_argument("--batch", type=int, default=32)
-  p.add_argument("--docs-per-request", type=int, default=8)
-  p.add_argument("--doc-len", type=int, default=512)
-  p.add_argument("--query-len", type=int, default=64)
-  p.add_argument("--page-size", type=int, default=16)
+  decode_step.add_workload_arguments(p)
   p.add_argument("--prefill-tokens", default="512,1024,2048",
                  help="comma-separated document tokens per call (whole "
                       "documents of --doc-len)")
@@ -55,15 +49,10 @@ def parse_args(argv=None):
                  help="timed calls of each kind (after one untimed)")
   p.add_argument("--chain", type=int, default=4,
                  help="mixed steps per timed 'chained' call")
-  p.add_argument("--impl", default="auto")
-  p.add_argument("--kv-dtype", default="")
   p.add_argument("--profile-dir", default="")
-  p.add_argument("--gpu-xla-option", action="append", default=[],
-                 metavar="NAME=VALUE")
   p.add_argument("--host-profile", type=int, default=0, metavar="N",
                  help="print the host's Python profile (cProfile) of N more "
                       "calls of each kind, the busiest functions first")
-  p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
   try:
