@@ -137,7 +137,7 @@ def serving_args(args, cache_pages: int, variant: str):
           "--query-len", str(args.query_len), "--max-prefill-tokens",
           str(prefill_budget(args)), "--page-size",
           str(args.page_size), "--impl", args.impl, "--cache-pages",
-          str(cache_pages)]
+          str(cache_pages), "--seed", str(args.seed)]
   if args.kv_dtype:
     argv += ["--kv-dtype", args.kv_dtype]
   argv += VARIANTS[variant]
@@ -227,9 +227,8 @@ def main(argv=None):
   args = parse_args(argv)
   import jax
   from flax import nnx
-  settings = serving_args(args, 1, "plain")
-  settings.seed = args.seed
-  config, model, dtype = rag_serving.build_model(settings)
+  config, model, dtype = rag_serving.build_model(serving_args(args, 1,
+                                                            "plain"))
   requests = random_requests(args, config.vocab_size,
                              np.random.default_rng(args.seed))
   weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(

@@ -114,9 +114,8 @@ def main(argv=None):
   import jax
   from benchmarks.comm_profile import op_breakdown
   from lazyattn_jax.sampling import SamplingParams
-  settings = decode_step.serving_args(args, 1, "plain")
-  settings.seed = args.seed
-  config, model, dtype = rag_serving.build_model(settings)
+  config, model, dtype = rag_serving.build_model(
+      decode_step.serving_args(args, 1, "plain"))
   rng = np.random.default_rng(args.seed)
   requests = decode_step.random_requests(args, config.vocab_size, rng)
   random_tokens = lambda n: rng.integers(1, config.vocab_size, n).tolist()
