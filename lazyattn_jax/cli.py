@@ -163,6 +163,7 @@ ENGINE_OPTIONS = ("max_batch", "decode_steps", "max_prefill_tokens",
 
 def run_serve(args) -> int:
   from lazyattn_jax.cli_options import chosen
+  from lazyattn_jax.config import INTERACTIVE_SETTINGS
   from lazyattn_jax.server import ServerConfig
   try:
     import uvicorn
@@ -178,9 +179,10 @@ def run_serve(args) -> int:
       quality = dict(quality=None)
     else:
       quality = {}
+    scheduler = {**INTERACTIVE_SETTINGS, **chosen(args, ENGINE_OPTIONS)}
     engine = _load_engine(args.model, args, mode=args.mode,
                           page_size=args.page_size, dtype=args.dtype,
-                          **quality, **chosen(args, ENGINE_OPTIONS))
+                          **quality, **scheduler)
   except ValueError as e:  # a setting the server or the engine refuses
     raise UsageError(_first_line(e)) from None
   app = create_app(engine, server_config, close_engine=True)
@@ -193,7 +195,7 @@ def run_serve(args) -> int:
 
 def _add_serve_parser(sub, common):
   from lazyattn_jax.cli_options import add_config_options
-  from lazyattn_jax.config import SchedulerConfig
+  from lazyattn_jax.config import INTERACTIVE_SETTINGS, SchedulerConfig
   from lazyattn_jax.server.config import ServerConfig
   serve = sub.add_parser(
       "serve", parents=[common],
@@ -215,8 +217,12 @@ def _add_serve_parser(sub, common):
                           "in lazy and block modes (first-page recompute, "
                           "and the shipped learned sink for the default "
                           "model)")
-  add_config_options(serve, SchedulerConfig, ENGINE_OPTIONS,
-                     use_defaults=False)
+  engine = serve.add_argument_group(
+      "scheduling", "the engine's SchedulerConfig; unset ones take "
+      "SchedulerConfig.interactive()'s settings (decode during prefill, "
+      "for time to first token), then SchedulerConfig's defaults")
+  add_config_options(engine, SchedulerConfig, ENGINE_OPTIONS,
+                     use_defaults=False, shown_defaults=INTERACTIVE_SETTINGS)
   add_config_options(serve, ServerConfig, SERVER_OPTIONS)
 
 

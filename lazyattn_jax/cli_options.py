@@ -30,18 +30,23 @@ def attribute_docs(cls) -> dict[str, str]:
   return docs
 
 
-def add_config_options(parser, cls, names, *, use_defaults: bool = True):
+def add_config_options(parser, cls, names, *, use_defaults: bool = True,
+                       shown_defaults=None):
   """Adds --field-name options for `names` of dataclass `cls`.
 
   `use_defaults=False` leaves unset options None, so the caller passes only
-  what the user set (and the owner's own defaults apply).
+  what the user set (and the owner's own defaults apply); `shown_defaults`
+  (name -> value) names in the help the defaults the caller applies
+  itself to unset options.
   """
   docs = attribute_docs(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for name in names:
     default = fields[name].default
     text = docs.get(name, "").replace("%", "%%")
-    if use_defaults:
+    if shown_defaults and name in shown_defaults:
+      text += f" (default here: {shown_defaults[name]})"
+    elif use_defaults:
       text += f" (default: {default})"
     flag = "--" + name.replace("_", "-")
     unset = default if use_defaults else None

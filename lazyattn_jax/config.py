@@ -9,6 +9,7 @@ config that owns each one.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from pallas_kernels.lazy_attention import IMPLS
 from pallas_kernels.sizes import next_power_of_two
@@ -46,19 +47,21 @@ class SchedulerConfig:
     decode_during_prefill: the running requests decode one token in every
       prefill call of a round (document encoding and query prefill), in
       one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
-      for the round's prefill to end.  Off by default: on the H200 it
-      serves about 10% fewer tokens/s than the plain rounds; with
-      max_prefill_tokens=1024 and first_token_group_tokens=2048 it gives
-      the lowest TTFT at about the same TPOT (benchmarks/RESULTS.md, "The
-      mixed step"; docs/design.md, "Mixed steps").
+      for the round's prefill to end.  Off by default, where the most
+      tokens/s matter; `SchedulerConfig.interactive()` (the default of
+      `lazyattn serve`) turns it on with the settings that go with it
+      (benchmarks/RESULTS.md, "The mixed step"; docs/design.md, "Mixed
+      steps").
     decode_loops_to_first_finish: a decode loop runs only as many steps
       as the running request closest to its `max_new_tokens` still needs,
       rounded up to a power of two (at most `decode_steps`), so a request
       that reaches its limit leaves, and a waiting one is admitted, at the
       end of that loop instead of up to `decode_steps` steps later.  Tokens
       that requests decode during prefill then shorten their loops too.
-      One decode program per loop length.  Off by default (not yet measured
-      on a GPU).
+      One decode program per loop length.  Off by default: no faster
+      without `decode_during_prefill`, whose riders finish at different
+      times (with it, 4% more tokens/s and 22% lower TTFT on the H200;
+      benchmarks/RESULTS.md, "The mixed step").
     prefill_chunk_tokens: documents and requests' own prefill (queries,
       recomputed pages, full mode's prompts) longer than this go in chunks
       of at most this many tokens, in successive prefill calls, so no call
@@ -87,6 +90,20 @@ class SchedulerConfig:
         raise ValueError(f"SchedulerConfig.{name} must be a bool, got "
                          f"{getattr(self, name)!r}")
 
+  @classmethod
+  def interactive(cls, **overrides) -> "SchedulerConfig":
+    """The settings for online serving, where time to first token
+    matters: `INTERACTIVE_SETTINGS` (decode during prefill in calls of at
+    most 1,024 tokens, first-token groups of 4,096, decode loops to the
+    first finish), then `overrides` (fields by name).
+
+    On the H200 at the paper-like load they give a TTFT p50 39% below the
+    plain rounds' at TPOT p50 under 20 ms, for 5% fewer tokens/s
+    (benchmarks/RESULTS.md, "The mixed step").  `lazyattn serve` starts
+    from them; `SchedulerConfig()` keeps the plain rounds (most tokens/s).
+    """
+    return cls(**{**INTERACTIVE_SETTINGS, **overrides})
+
   @property
   def group_tokens(self) -> int:
     """The first-token group size in effect."""
@@ -99,6 +116,18 @@ class SchedulerConfig:
       return self.decode_steps
     return min(self.decode_steps,
                next_power_of_two(max(1, fewest_tokens_left)))
+
+
+# `SchedulerConfig.interactive()`'s fields.  Chunks of 1,024 tokens keep a
+# long document or prompt from holding one call (and the riders) whole;
+# at the measured load (512-token documents) they split nothing.
+INTERACTIVE_SETTINGS = types.MappingProxyType(dict(
+    decode_during_prefill=True,
+    max_prefill_tokens=1024,
+    first_token_group_tokens=4096,
+    decode_loops_to_first_finish=True,
+    prefill_chunk_tokens=1024,
+))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,26 @@ def test_configs_are_frozen_and_hashable():
   assert SchedulerConfig(first_token_group_tokens=None).group_tokens == 8192
 
 
+def test_interactive_settings_and_their_overrides():
+  from lazyattn_jax.config import INTERACTIVE_SETTINGS
+  config = SchedulerConfig.interactive()
+  assert config.decode_during_prefill and config.decode_loops_to_first_finish
+  assert (config.max_prefill_tokens, config.group_tokens,
+          config.prefill_chunk_tokens) == (1024, 4096, 1024)
+  assert config == SchedulerConfig(**INTERACTIVE_SETTINGS)
+  assert not SchedulerConfig().decode_during_prefill  # plain by default
+  mine = SchedulerConfig.interactive(decode_during_prefill=False,
+                                     max_batch=4)
+  assert (mine.decode_during_prefill, mine.max_batch,
+          mine.max_prefill_tokens) == (False, 4, 1024)
+  with pytest.raises(ValueError, match="max_prefill_tokens must be an int"):
+    SchedulerConfig.interactive(max_prefill_tokens=0)
+  with pytest.raises(TypeError, match="no_such_field"):
+    SchedulerConfig.interactive(no_such_field=1)
+  with pytest.raises(TypeError):  # read-only, so no engine changes it
+    INTERACTIVE_SETTINGS["max_prefill_tokens"] = 1
+
+
 def test_split_settings_routes_each_setting_to_its_config():
   scheduler, runner = split_settings(None, RunnerConfig(pool_as_bits=True),
                                      dict(max_batch=3, impl="xla"))

@@ -40,17 +40,20 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
 
 @pytest.mark.parametrize("argv, settings", [
     ([], {}),
-    (["--decode-during-prefill", "--max-prefill-tokens", "1024",
-      "--first-token-group-tokens", "2048"],
-     dict(decode_during_prefill=True, max_prefill_tokens=1024,
-          first_token_group_tokens=2048)),
-    (["--no-decode-during-prefill", "--prefill-chunk-tokens", "256"],
-     dict(decode_during_prefill=False, prefill_chunk_tokens=256)),
+    (["--max-prefill-tokens", "2048", "--first-token-group-tokens", "2048",
+      "--max-batch", "4"],
+     dict(max_prefill_tokens=2048, first_token_group_tokens=2048,
+          max_batch=4)),
+    (["--no-decode-during-prefill", "--prefill-chunk-tokens", "256",
+      "--no-decode-loops-to-first-finish"],
+     dict(decode_during_prefill=False, prefill_chunk_tokens=256,
+          decode_loops_to_first_finish=False)),
 ])
 def test_serve_passes_scheduler_settings_to_the_engine(argv, settings,
                                                         monkeypatch):
-  """Only the settings given reach the engine (its own defaults apply to
-  the rest)."""
+  """The interactive settings reach the engine, with the ones given in
+  their place; SchedulerConfig's own defaults apply to the rest."""
+  from lazyattn_jax.config import INTERACTIVE_SETTINGS
   import lazyattn_jax.cli as cli
   seen = {}
 
@@ -62,7 +65,7 @@ def test_serve_passes_scheduler_settings_to_the_engine(argv, settings,
   assert main(["serve", "--model", "m", *argv]) == 2
   engine_settings = {k: v for k, v in seen.items()
                      if k in cli.ENGINE_OPTIONS}
-  assert engine_settings == settings
+  assert engine_settings == {**INTERACTIVE_SETTINGS, **settings}
 
 
 @pytest.fixture(scope="module")
