@@ -26,6 +26,8 @@ Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import statistics
 import sys
@@ -70,6 +72,10 @@ VARIANTS = {
     "k128w2s2-q16": _tiles(128, 2, 2, sched=False, f32_query=False),
     "k128w2s2-q16-sched": _tiles(128, 2, 2, sched=True,
                                  f32_query=False),  # default
+    # The rotated query in registers (MgpuBlockSizes.query_in_registers).
+    "k128w2s2-qreg-sched": dataclasses.replace(
+        _tiles(128, 2, 2, sched=True, f32_query=False),
+        query_in_registers=True),
 }
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]

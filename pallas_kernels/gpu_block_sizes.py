@@ -137,6 +137,10 @@ class MgpuBlockSizes:
     query_in_f32: keep R(q_pos) q in float32 (one rounding to 16 bits per
       segment).  False keeps it in q's 16-bit dtype (two roundings, half the
       shared memory: room for block_kv 128 with two warpgroups).
+    query_in_registers: keep each segment's rotated query in registers as
+      the A operand of Q K^T (two wgmmas over the halves of H) instead of
+      writing it to shared memory; 16-bit pages only.  An experiment: no
+      faster or slower on the H200 yet (docs/kernels.md).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -150,6 +154,7 @@ class MgpuBlockSizes:
   schedule_barrier: bool = True
   mask_fast_path: bool = True
   query_in_f32: bool = False
+  query_in_registers: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):

@@ -55,6 +55,29 @@ class Ops:
       return acc_ref[...]
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
+  def qk_halves(self, q_lo, q_hi, k_ref, shape, between=None):
+    """S = Q K^T in f32 with Q's column halves in registers (16-bit
+    [64, H/2] each): two wgmmas over the halves of H."""
+    half = q_lo.shape[1]
+    if self.interpret:
+      if between is not None:
+        between()
+      k = k_ref[...]
+      dims = (((1,), (1,)), ((), ()))
+      return (lax.dot_general(q_lo, k[:, :half], dims,
+                              preferred_element_type=jnp.float32) +
+              lax.dot_general(q_hi, k[:, half:], dims,
+                              preferred_element_type=jnp.float32))
+
+    def body(acc_ref):
+      for part, start in ((q_lo, 0), (q_hi, half)):
+        plgpu.wgmma(acc_ref, part, plgpu.transpose_ref(
+            k_ref.at[:, pl.ds(start, half)], (1, 0)))
+      if between is not None:
+        between()
+      return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
   def pv(self, acc, p, v_ref, between=None):
     """acc + P V; `between()` runs while the wgmma is in flight."""
     if self.interpret:
@@ -102,6 +125,21 @@ def rotate_query(ops, src, dst, cs_smem, slot, half, dtype):
   dst.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
   dst.at[:, pl.ds(half, half)][...] = (hi * cos - lo * sin).astype(dtype)
   plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):
+  """(lo, hi): the column halves of R(-shift) src in `dtype`, in registers
+  (WGMMA layout: the A operands of `Ops.qk_halves`), with the step's cos /
+  sin in cs_smem[slot]; src f32 or 16-bit."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  lo = src.at[:, pl.ds(0, half)][...].astype(jnp.float32)
+  hi = src.at[:, pl.ds(half, half)][...].astype(jnp.float32)
+  cos = ops.cast(cs_smem[slot, 0], col_layout)
+  sin = ops.cast(cs_smem[slot, 1], col_layout)
+  cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
+  sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
+  return (ops.cast((lo * cos + hi * sin).astype(dtype), plgpu.Layout.WGMMA),
+          ops.cast((hi * cos - lo * sin).astype(dtype), plgpu.Layout.WGMMA))
 
 
 def key_positions(ops, rec, layout: RecordLayout, pages_per_block: int,

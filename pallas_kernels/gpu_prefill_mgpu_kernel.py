@@ -32,8 +32,8 @@ from pallas_kernels.gpu_mgpu_float8 import (
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
-    produce_kv_ring, rotate_query, softmax_start, softmax_update,
-    zero_invalid_v_rows)
+    produce_kv_ring, rotate_query, rotated_query_halves, softmax_start,
+    softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
 
 
@@ -79,6 +79,9 @@ def _kernel(
   wg = lax.axis_index("wg")
   n_steps = n_steps_ref[batch, tile]
   use_sched = nwg == 2 and cfg.schedule_barrier
+  # The rotated query's halves ride in the loop carry (registers) instead
+  # of q16_smem; rotated at a segment's first step, before its Q K^T.
+  regs_query = cfg.query_in_registers
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 
   def schedule():
@@ -136,16 +139,18 @@ def _kernel(
         # included) before it widened K.
         plgpu.barrier_wait(k16_ready if quantized
                            else k_bars.at[lax.rem(j, stages)])
-        rec = rec_smem.at[lax.rem(j, 2 * stages)]
-        pl.when(rec[layout.new_seg] != 0)(
-            lambda: rotate(lax.rem(j, cs_stages)))
+        if not regs_query:
+          rec = rec_smem.at[lax.rem(j, 2 * stages)]
+          pl.when(rec[layout.new_seg] != 0)(
+              lambda: rotate(lax.rem(j, cs_stages)))
 
     next_step_ready(jnp.int32(0))
     if use_sched:
       pl.when(wg == 1)(schedule)
 
     def step(i, carry):
-      # float8 pools: [acc's V-scale unit, this step's K and V scales]
+      # float8 pools: [acc's V-scale unit, this step's K and V scales];
+      # regs_query: [the rotated query's two halves]
       acc, m, l, *quant = carry
       slot = lax.rem(i, stages)
       # The record ring is twice as deep as the K/V ring: the record is read
@@ -163,6 +168,16 @@ def _kernel(
         plgpu.barrier_arrive(k16_free)
         s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
         quant = (unit, *next_scales)
+      elif regs_query:
+        halves = lax.cond(
+            rec[layout.new_seg] != 0,
+            lambda: rotated_query_halves(ops, q_store, cs_smem,
+                                         lax.rem(i, cs_stages), half, dtype),
+            lambda: tuple(quant))
+        s = ops.qk_halves(*halves, k_smem.at[slot], (WG_ROWS, block_kv),
+                          schedule)
+        plgpu.barrier_arrive(k_free.at[slot])
+        quant = halves
       else:
         s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
         plgpu.barrier_arrive(k_free.at[slot])
@@ -192,7 +207,13 @@ def _kernel(
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
       return acc, m_new, l, *quant
 
-    quant = (jnp.float32(0.0), *load_scales(jnp.int32(0))) if quantized else ()
+    if quantized:
+      quant = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
+    elif regs_query:  # every CTA's first step starts a segment
+      zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
+      quant = (zero, zero)
+    else:
+      quant = ()
     acc, m, l, *quant = lax.fori_loop(0, n_steps, step, (acc, m, l, *quant))
     if use_sched:
       pl.when(wg == 0)(schedule)
@@ -247,6 +268,9 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   if quantized and block_sizes.query_in_f32:
     raise ValueError("float8 pages need 16-bit query storage "
                      "(MgpuBlockSizes(query_in_f32=False))")
+  if quantized and block_sizes.query_in_registers:
+    raise ValueError("float8 pages keep the query in shared memory "
+                     "(MgpuBlockSizes(query_in_registers=False))")
   want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
   if q_rot.dtype != jnp.dtype(want):
     raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "

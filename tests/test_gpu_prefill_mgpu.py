@@ -66,8 +66,9 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
     MgpuBlockSizes(block_kv=64, num_compute_wgs=1, num_stages=4,
                    mask_fast_path=False),
     MgpuBlockSizes(schedule_barrier=False),
+    MgpuBlockSizes(query_in_registers=True),
 ], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
-        "no_sched"])
+        "no_sched", "query_in_registers"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -268,9 +269,11 @@ def test_parity_interpret_fast_path():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("schedule_barrier", [
-    pytest.param(False, marks=pytest.mark.slow), True])
-def test_parity_interpret_segments_of_several_steps(schedule_barrier):
+@pytest.mark.parametrize("schedule_barrier,query_in_registers", [
+    pytest.param(False, False, marks=pytest.mark.slow), (True, False),
+    (True, True)])
+def test_parity_interpret_segments_of_several_steps(schedule_barrier,
+                                                    query_in_registers):
   """Documents of three 64-key steps (the query is rotated ahead, during
   the P V product of the step before a segment's first); a half-full page
   in the middle of document 1 (NaN in its unused slots); group 1 puts two
@@ -282,7 +285,8 @@ def test_parity_interpret_segments_of_several_steps(schedule_barrier):
   lazy.page_len[0, page] = 9
   for pages in (lazy.k_pages, lazy.v_pages):
     pages[:, lazy.page_table[0, page], 9:] = np.nan
-  sizes = MgpuBlockSizes(block_kv=64, schedule_barrier=schedule_barrier)
+  sizes = MgpuBlockSizes(block_kv=64, schedule_barrier=schedule_barrier,
+                         query_in_registers=query_in_registers)
   _check(_call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes),
          lazy, LLAMA3)
 
@@ -409,6 +413,9 @@ def test_float8_argument_errors():
   with pytest.raises(ValueError, match="16-bit query storage"):
     call(*args, k_scales=k_scales, v_scales=v_scales,
          block_sizes=MgpuBlockSizes(query_in_f32=True))
+  with pytest.raises(ValueError, match="query in shared memory"):
+    call(*args, k_scales=k_scales, v_scales=v_scales,
+         block_sizes=MgpuBlockSizes(query_in_registers=True))
   plain = [jnp.asarray(a) for a in lazy.args()]
   with pytest.raises(ValueError, match="k_scales"):
     call(*plain, k_scales=k_scales, v_scales=v_scales)
