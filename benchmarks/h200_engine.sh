@@ -185,7 +185,7 @@ for part in $parts; do
         --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants k128s2 --time-budget 60 \
         --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | tail -8
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
-        --variants k128w2s2-q16-sched 2>&1 | grep -v Warning | tee "$out/mgpu_prefill_wholecall.txt" \
+        --variants k128w2s2-qreg-sched 2>&1 | grep -v Warning | tee "$out/mgpu_prefill_wholecall.txt" \
         | tail -16 ;;
     mixedstep)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \

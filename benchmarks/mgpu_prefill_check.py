@@ -26,7 +26,6 @@ Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 
 from __future__ import annotations
 
-import dataclasses
 
 import argparse
 import statistics
@@ -53,10 +52,10 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              rotated_query_tokens)
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
-def _tiles(block_kv, wgs, stages, *, sched, f32_query):
+def _tiles(block_kv, wgs, stages, *, sched, f32_query, registers=False):
   return MgpuBlockSizes(block_kv=block_kv, num_compute_wgs=wgs,
                         num_stages=stages, schedule_barrier=sched,
-                        query_in_f32=f32_query)
+                        query_in_f32=f32_query, query_in_registers=registers)
 
 
 VARIANTS = {
@@ -70,12 +69,10 @@ VARIANTS = {
     # for 128-key steps with two compute warpgroups.
     "k64w2s2-q16": _tiles(64, 2, 2, sched=False, f32_query=False),
     "k128w2s2-q16": _tiles(128, 2, 2, sched=False, f32_query=False),
-    "k128w2s2-q16-sched": _tiles(128, 2, 2, sched=True,
-                                 f32_query=False),  # default
+    "k128w2s2-q16-sched": _tiles(128, 2, 2, sched=True, f32_query=False),
     # The rotated query in registers (MgpuBlockSizes.query_in_registers).
-    "k128w2s2-qreg-sched": dataclasses.replace(
-        _tiles(128, 2, 2, sched=True, f32_query=False),
-        query_in_registers=True),
+    "k128w2s2-qreg-sched": _tiles(128, 2, 2, sched=True, f32_query=False,
+                                  registers=True),  # default
 }
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]

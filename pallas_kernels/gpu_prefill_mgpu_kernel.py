@@ -81,7 +81,7 @@ def _kernel(
   use_sched = nwg == 2 and cfg.schedule_barrier
   # The rotated query's halves ride in the loop carry (registers) instead
   # of q16_smem; rotated at a segment's first step, before its Q K^T.
-  regs_query = cfg.query_in_registers
+  regs_query = cfg.query_in_registers and not float8_scratch
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 
   def schedule():
@@ -268,9 +268,6 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   if quantized and block_sizes.query_in_f32:
     raise ValueError("float8 pages need 16-bit query storage "
                      "(MgpuBlockSizes(query_in_f32=False))")
-  if quantized and block_sizes.query_in_registers:
-    raise ValueError("float8 pages keep the query in shared memory "
-                     "(MgpuBlockSizes(query_in_registers=False))")
   want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
   if q_rot.dtype != jnp.dtype(want):
     raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "

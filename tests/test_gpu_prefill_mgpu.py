@@ -66,9 +66,9 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
     MgpuBlockSizes(block_kv=64, num_compute_wgs=1, num_stages=4,
                    mask_fast_path=False),
     MgpuBlockSizes(schedule_barrier=False),
-    MgpuBlockSizes(query_in_registers=True),
+    MgpuBlockSizes(query_in_registers=False),
 ], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
-        "no_sched", "query_in_registers"])
+        "no_sched", "query_in_smem"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -270,7 +270,7 @@ def test_parity_interpret_fast_path():
 
 @needs_interpreter
 @pytest.mark.parametrize("schedule_barrier,query_in_registers", [
-    pytest.param(False, False, marks=pytest.mark.slow), (True, False),
+    pytest.param(False, True, marks=pytest.mark.slow), (True, False),
     (True, True)])
 def test_parity_interpret_segments_of_several_steps(schedule_barrier,
                                                     query_in_registers):
@@ -413,9 +413,6 @@ def test_float8_argument_errors():
   with pytest.raises(ValueError, match="16-bit query storage"):
     call(*args, k_scales=k_scales, v_scales=v_scales,
          block_sizes=MgpuBlockSizes(query_in_f32=True))
-  with pytest.raises(ValueError, match="query in shared memory"):
-    call(*args, k_scales=k_scales, v_scales=v_scales,
-         block_sizes=MgpuBlockSizes(query_in_registers=True))
   plain = [jnp.asarray(a) for a in lazy.args()]
   with pytest.raises(ValueError, match="k_scales"):
     call(*plain, k_scales=k_scales, v_scales=v_scales)
