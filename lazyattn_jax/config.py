@@ -98,7 +98,7 @@ class SchedulerConfig:
     first finish), then `overrides` (fields by name).
 
     On the H200 at the paper-like load they give a TTFT p50 39% below the
-    plain rounds' at TPOT p50 under 20 ms, for 5% fewer tokens/s
+    plain rounds' at TPOT p50 under 20 ms, for 5-6% fewer tokens/s
     (benchmarks/RESULTS.md, "The mixed step").  `lazyattn serve` starts
     from them; `SchedulerConfig()` keeps the plain rounds (most tokens/s).
     """
