@@ -97,7 +97,7 @@ class SchedulerConfig:
     most 1,024 tokens, first-token groups of 4,096, decode loops to the
     first finish), then `overrides` (fields by name).
 
-    On the H200 at the paper-like load they give a TTFT p50 39% below the
+    On the H200 at the paper-like load they give a TTFT p50 38-39% below the
     plain rounds' at TPOT p50 under 20 ms, for 5-6% fewer tokens/s
     (benchmarks/RESULTS.md, "The mixed step").  `lazyattn serve` starts
     from them; `SchedulerConfig()` keeps the plain rounds (most tokens/s).

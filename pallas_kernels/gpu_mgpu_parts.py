@@ -110,27 +110,9 @@ def page_fields(rec, offset, pages_per_block):
 
 
 # The compute warpgroups' steps.
-def rotate_query(ops, src, dst, cs_smem, slot, half, dtype):
-  """dst = R(-shift) src in `dtype` (64 rows: the wgmma A operand), with the
-  step's cos / sin in cs_smem[slot]; src f32 or 16-bit."""
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
-  lo = src.at[:, pl.ds(0, half)][...]
-  hi = src.at[:, pl.ds(half, half)][...]
-  if lo.dtype != jnp.float32:
-    lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
-  cos = ops.cast(cs_smem[slot, 0], col_layout)
-  sin = ops.cast(cs_smem[slot, 1], col_layout)
-  cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
-  sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
-  dst.at[:, pl.ds(0, half)][...] = (lo * cos + hi * sin).astype(dtype)
-  dst.at[:, pl.ds(half, half)][...] = (hi * cos - lo * sin).astype(dtype)
-  plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
-
-
-def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):
-  """(lo, hi): the column halves of R(-shift) src in `dtype`, in registers
-  (WGMMA layout: the A operands of `Ops.qk_halves`), with the step's cos /
-  sin in cs_smem[slot]; src f32 or 16-bit."""
+def _rotated_halves(ops, src, cs_smem, slot, half):
+  """f32 (lo, hi): the column halves of R(-shift) src [64, H] (f32 or
+  16-bit), with the step's cos / sin in cs_smem[slot]."""
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   lo = src.at[:, pl.ds(0, half)][...].astype(jnp.float32)
   hi = src.at[:, pl.ds(half, half)][...].astype(jnp.float32)
@@ -138,8 +120,25 @@ def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):
   sin = ops.cast(cs_smem[slot, 1], col_layout)
   cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
   sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
-  return (ops.cast((lo * cos + hi * sin).astype(dtype), plgpu.Layout.WGMMA),
-          ops.cast((hi * cos - lo * sin).astype(dtype), plgpu.Layout.WGMMA))
+  return lo * cos + hi * sin, hi * cos - lo * sin
+
+
+def rotate_query(ops, src, dst, cs_smem, slot, half, dtype):
+  """dst = R(-shift) src in `dtype` (64 rows: the wgmma A operand), with the
+  step's cos / sin in cs_smem[slot]; src f32 or 16-bit."""
+  lo, hi = _rotated_halves(ops, src, cs_smem, slot, half)
+  dst.at[:, pl.ds(0, half)][...] = lo.astype(dtype)
+  dst.at[:, pl.ds(half, half)][...] = hi.astype(dtype)
+  plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):
+  """(lo, hi): the column halves of R(-shift) src in `dtype`, in registers
+  (WGMMA layout: the A operands of `Ops.qk_halves`), with the step's cos /
+  sin in cs_smem[slot]; src f32 or 16-bit."""
+  lo, hi = _rotated_halves(ops, src, cs_smem, slot, half)
+  return (ops.cast(lo.astype(dtype), plgpu.Layout.WGMMA),
+          ops.cast(hi.astype(dtype), plgpu.Layout.WGMMA))
 
 
 def key_positions(ops, rec, layout: RecordLayout, pages_per_block: int,

@@ -3,9 +3,11 @@
 One CTA per (tile of query units, kv head, batch row).  A producer
 warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin into a ring of shared-memory slots; one or two compute warpgroups
-each take 64 query rows of one query head, rotate them by -shift for a
-segment's first step (during the step before's P V wgmma), and run the
-online softmax (base 2) with wgmma, the two warpgroups in ping-pong.
+each take 64 query rows of one query head, rotate them by -shift at a
+segment's first step (into registers, the A operand of Q K^T; or into
+shared memory during the step before's P V wgmma, `query_in_registers=
+False` and float8), and run the online softmax (base 2) with wgmma, the
+two warpgroups in ping-pong.
 Float8 pages (e4m3): a converter warpgroup widens each step's K and V into
 one 16-bit K and V tile the compute warpgroups share, as in the decode
 (gpu_mgpu_float8.py; per-page scales per score and P column).  The
@@ -151,7 +153,7 @@ def _kernel(
     def step(i, carry):
       # float8 pools: [acc's V-scale unit, this step's K and V scales];
       # regs_query: [the rotated query's two halves]
-      acc, m, l, *quant = carry
+      acc, m, l, *carried = carry
       slot = lax.rem(i, stages)
       # The record ring is twice as deep as the K/V ring: the record is read
       # after the K slot is released (masks, V fix-up), and the producer
@@ -162,22 +164,22 @@ def _kernel(
       if quantized:
         next_scales = load_scales(i + 1)
         k_cols, v_cols, acc_factor, unit = step_scales(
-            ops, rec, *quant, layout=layout, block_kv=block_kv,
+            ops, rec, *carried, layout=layout, block_kv=block_kv,
             page_size=page_size)
         s = ops.qk(q16, k16, (WG_ROWS, block_kv), schedule)
         plgpu.barrier_arrive(k16_free)
         s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
-        quant = (unit, *next_scales)
+        carried = (unit, *next_scales)
       elif regs_query:
         halves = lax.cond(
             rec[layout.new_seg] != 0,
             lambda: rotated_query_halves(ops, q_store, cs_smem,
                                          lax.rem(i, cs_stages), half, dtype),
-            lambda: tuple(quant))
+            lambda: tuple(carried))
         s = ops.qk_halves(*halves, k_smem.at[slot], (WG_ROWS, block_kv),
                           schedule)
         plgpu.barrier_arrive(k_free.at[slot])
-        quant = halves
+        carried = halves
       else:
         s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
         plgpu.barrier_arrive(k_free.at[slot])
@@ -205,22 +207,23 @@ def _kernel(
       acc = ops.pv(acc, p16, v16 if quantized else v_smem.at[slot],
                    lambda: next_step_ready(i + 1))
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
-      return acc, m_new, l, *quant
+      return acc, m_new, l, *carried
 
     if quantized:
-      quant = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
+      carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
     elif regs_query:  # every CTA's first step starts a segment
       zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
-      quant = (zero, zero)
+      carried = (zero, zero)
     else:
-      quant = ()
-    acc, m, l, *quant = lax.fori_loop(0, n_steps, step, (acc, m, l, *quant))
+      carried = ()
+    acc, m, l, *carried = lax.fori_loop(0, n_steps, step,
+                                        (acc, m, l, *carried))
     if use_sched:
       pl.when(wg == 0)(schedule)
     seen = l > 0
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     if quantized:  # back from units of the largest V scale
-      inv_l = inv_l * quant[0]
+      inv_l = inv_l * carried[0]
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     # float8: the operands are f16; q's dtype stages the output (q_store,
     # dead after the last rotation; mgpu_prefill_kernel checks its dtype).
