@@ -221,6 +221,12 @@ class MgpuDecodeBlockSizes:
       e4m3 -> bf16 goes through f32).  Both are exact for the e4m3 values;
       f16 keeps more of the query's and P's mantissa, and its range holds
       any scaled query and P times a V scale up to 65504.
+    steps_by_block: one step per KV block, whatever shifts its pages carry
+      (the kernel rotates the query for each run of one shift inside the
+      block and takes that run's columns from its own Q K^T), so the plan
+      is a reshape of the page metadata, not a flattening into segment
+      steps (`gpu_decode_block_plan.py`).  16-bit pages only.  Not yet
+      measured on a GPU.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -233,6 +239,7 @@ class MgpuDecodeBlockSizes:
   persistent: bool = False
   num_ctas: int | None = None
   float8_operand: str = "float16"
+  steps_by_block: bool = False
 
   def __post_init__(self):
     if self.float8_operand not in ("float16", "query"):
@@ -249,15 +256,21 @@ class MgpuDecodeBlockSizes:
 
 
 def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
-                           head_dim: int, quantized: bool = False) -> int:
+                           head_dim: int, quantized: bool = False,
+                           page_size: int = 8) -> int:
   """Shared memory of one decode CTA (buffers only): the f32 query tile
   (reused for the output; two when persistent), its 16-bit rotated copy,
   the K/V ring (1-byte elements for float8 pages, plus a 16-bit K and V
-  tile they are widened into), records, cos/sin (twice as deep for float8)
+  tile they are widened into), records, cos/sin (twice as deep for float8;
+  one row per page of a step with `steps_by_block`, pages of `page_size`)
   and the m / l rows."""
   q_store = WG_ROWS * head_dim * 4 * (2 if block_sizes.persistent else 1)
   q_16 = WG_ROWS * head_dim * 2
-  return (q_store + q_16 + 2 * WG_ROWS * 4
+  # steps_by_block: cos / sin of every page of a step, not of one segment.
+  pages = (block_sizes.block_kv // page_size if block_sizes.steps_by_block
+           else 1)
+  cos_sin_pages = block_sizes.num_stages * (pages - 1) * head_dim * 4
+  return (q_store + q_16 + cos_sin_pages + 2 * WG_ROWS * 4
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 

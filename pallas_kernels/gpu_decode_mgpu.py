@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_decode_block_plan import block_records
 from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_kv_splits,
                                             mgpu_decode_smem_bytes)
@@ -70,11 +71,15 @@ def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
                         block_sizes.block_kv)
   if reason is not None:
     return reason
+  if block_sizes.steps_by_block and is_quantized(k_dtype):
+    return ("lazy_decode_mgpu with steps_by_block needs 16-bit pages, got "
+            f"{k_dtype}")
   if num_heads // num_kv_heads > WG_ROWS:
     return (f"lazy_decode_mgpu needs at most {WG_ROWS} query heads per kv "
             f"head, got {num_heads // num_kv_heads}")
   need = mgpu_decode_smem_bytes(block_sizes, head_dim,
-                                quantized=is_quantized(k_dtype))
+                                quantized=is_quantized(k_dtype),
+                                page_size=page_size)
   if need > _SMEM_LIMIT:
     return (f"block_sizes {block_sizes} need {need} bytes of shared memory "
             f"(limit {_SMEM_LIMIT}); use fewer stages or block_kv 64")
@@ -87,7 +92,8 @@ class DecodePlan(NamedTuple):
 
   n_steps: jax.Array  # int32 [B]: KV steps of each row
   records: jax.Array  # int32 [B, steps, width]: step records (prefill's)
-  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin
+  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin (per
+  #                    page, M rounded up to whole blocks, steps_by_block)
   q_pos: jax.Array  # int32 [B]: q_pos, PADDING_ROW for padding rows
 
 
@@ -98,11 +104,14 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
                 ) -> DecodePlan:
   """Step records of each row's live pages (page_len > 0, page_pos <=
   q_pos; none for a padding row), in page order, one segment (one shift) per
-  step, and the cos / sin of each segment's shift (exact)."""
+  step, and the cos / sin of each segment's shift (exact).  With
+  `block_sizes.steps_by_block`: one step per block of pages, and the cos /
+  sin of each page's shift (`gpu_decode_block_plan.block_records`)."""
   block_sizes = block_sizes or MgpuDecodeBlockSizes()
   row = q_pos[:, 0]
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
-  records, num_steps, _, shift = step_records(
+  make = block_records if block_sizes.steps_by_block else step_records
+  records, num_steps, *_, shift = make(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
       page_size=page_size, pages_per_block=block_sizes.block_kv // page_size)
   return DecodePlan(num_steps.astype(jnp.int32), records,

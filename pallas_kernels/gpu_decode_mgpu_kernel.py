@@ -41,7 +41,8 @@ from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
     interpreter_params, key_positions, produce_kv_ring, rotate_query,
     softmax_start, softmax_update, zero_invalid_v_rows)
-from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
+from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
+from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 from pallas_kernels.sizes import round_up
 
 
@@ -98,6 +99,8 @@ def _kernel(
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
   quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
+  by_block = cfg.steps_by_block  # one step per block (BlockRecordLayout)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
   # With float8 the converter frees a K slot before the compute warpgroup
   # has used its cos/sin: their ring is twice as deep, as the records'.
   cs_stages = cs_smem.shape[0]
@@ -140,6 +143,38 @@ def _kernel(
                               page_offset, layout=layout,
                               pages_per_block=ppb)
 
+    def block_scores(rec, slot, ring, q_tile, rotated):
+      """S of a block whose pages may carry several shifts: the query is
+      rotated for each run of pages of one shift, and the run's columns
+      (its first page's on) come from its own Q K^T.  `rotated`: the shift
+      the 16-bit query tile holds (INT32_MIN: none yet); returns (S, the
+      shift it holds after)."""
+      cs = cs_smem.at[lax.rem(ring, cs_stages)]
+      k_slot, shape = k_smem.at[slot], (WG_ROWS, block_kv)
+      col_page = lax.div(ops.iota((block_kv,), 0, col_layout),
+                         jnp.int32(page_size))
+
+      def changes(j, rotated):
+        shift = rec[layout.shift + j]
+        change = (rec[layout.lim + j] > 0) & (shift != rotated)
+        return change, jnp.where(change, shift, rotated)
+
+      def rotate_to(j):
+        rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype)
+
+      change, rotated = changes(0, rotated)
+      pl.when(change)(lambda: rotate_to(0))
+      s = ops.qk(q16_smem, k_slot, shape)
+      for j in range(1, ppb):
+        change, rotated = changes(j, rotated)
+
+        def run_from(s, j=j):
+          rotate_to(j)
+          take = lax.broadcast_in_dim(col_page >= j, s.shape, [1])
+          return jnp.where(take, ops.qk(q16_smem, k_slot, shape), s)
+        s = lax.cond(change, run_from, lambda s: s, s)
+      return s, rotated
+
     def one_item(j, ring_step):
       batch, head, split, first, n_steps = item(j)
       buf = lax.rem(j, query_buffers)
@@ -150,7 +185,8 @@ def _kernel(
       q_pos = q_pos_ref[batch]
 
       def step(i, carry):
-        # float8 pools: [acc's V-scale unit, this step's K and V scales]
+        # float8 pools: [acc's V-scale unit, this step's K and V scales];
+        # steps_by_block: [the shift the query tile is rotated by]
         acc, m, l, *quant = carry
         ring = ring_step + i
         slot = lax.rem(ring, stages)
@@ -161,12 +197,17 @@ def _kernel(
         # float8: the converter waited for the slot (record and cos/sin
         # included) before it widened K.
         plgpu.barrier_wait(k16_ready if quantized else k_bars.at[slot])
-        # A split may start inside a segment: rotate at its first step too.
-        pl.when((rec[layout.new_seg] != 0) | (i == 0))(
-            lambda: rotate_query(ops, q_tile, q16_smem, cs_smem,
-                                 lax.rem(ring, cs_stages), half, dtype))
+        if not by_block:
+          # A split may start inside a segment: rotate at its first step too.
+          pl.when((rec[layout.new_seg] != 0) | (i == 0))(
+              lambda: rotate_query(ops, q_tile, q16_smem, cs_smem,
+                                   lax.rem(ring, cs_stages), half, dtype))
         acc_factor = None
-        if quantized:
+        if by_block:
+          s, rotated = block_scores(rec, slot, ring, q_tile, *quant)
+          plgpu.barrier_arrive(k_free.at[slot])
+          quant = (rotated,)
+        elif quantized:
           next_scales = load_scales(batch, head, first + i + 1)
           k_cols, v_cols, acc_factor, unit = step_scales(
               ops, rec, *quant, layout=layout, block_kv=block_kv,
@@ -201,8 +242,12 @@ def _kernel(
           plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l, *quant
 
-      quant = ((jnp.float32(0.0), *load_scales(batch, head, first))
-               if quantized else ())
+      if quantized:
+        quant = (jnp.float32(0.0), *load_scales(batch, head, first))
+      elif by_block:  # no rotation yet: the first live page rotates
+        quant = (jnp.int32(INT32_MIN),)
+      else:
+        quant = ()
       acc, m, l, *quant = lax.fori_loop(
           0, n_steps, step, (*softmax_start(ops, head_dim), *quant))
       if quantized:  # back from units of the largest V scale
@@ -236,7 +281,7 @@ def _kernel(
           v_free, layout=layout, pages_per_block=ppb, page_size=page_size,
           stages=stages, interpret=interpret, first_record=first,
           ring_step=ring_step, drain=False, set_registers=False,
-          cs_stages=cs_stages)
+          cs_stages=cs_stages, cs_rows=ppb if by_block else None)
 
     ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
     drain_kv_ring(ring_steps, k_free, v_free, stages=stages)
@@ -285,7 +330,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   page_size = k_pages.shape[2]
   stages, block_kv = block_sizes.num_stages, block_sizes.block_kv
   ppb = block_kv // page_size
-  layout = RecordLayout(ppb)
+  layout = (BlockRecordLayout if block_sizes.steps_by_block
+            else RecordLayout)(ppb)
   if records.shape[-1] != layout.width:
     raise ValueError(f"records width {records.shape[-1]} must be "
                      f"{layout.width} for block_kv {block_kv} and page size "
@@ -315,8 +361,9 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
                  transforms=ring),
       plgpu.SMEM((2 * stages, layout.width), jnp.int32),
-      plgpu.SMEM(((2 if quantized else 1) * stages, 2, head_dim // 2),
-                 jnp.float32),
+      plgpu.SMEM(((2 if quantized else 1) * stages,
+                  *((ppb,) if block_sizes.steps_by_block else ()), 2,
+                  head_dim // 2), jnp.float32),
       plgpu.SMEM((2, WG_ROWS), jnp.float32),
       plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries
       plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs

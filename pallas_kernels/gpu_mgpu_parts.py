@@ -205,7 +205,8 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
                     v_bars, k_free, v_free, *, layout, pages_per_block: int,
                     page_size: int, stages: int, interpret: bool,
                     first_record=None, ring_step=None, drain: bool = True,
-                    set_registers: bool = True, cs_stages: int | None = None):
+                    set_registers: bool = True, cs_stages: int | None = None,
+                    cs_rows: int | None = None):
   """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
   Step i copies, into ring slot (ring_step + i) % stages, the K pages of
@@ -218,6 +219,8 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   `set_registers=False` leaves the warpgroup's register count to a caller
   that has set it once.  `cs_stages` (stages when None) is the depth of the
   cos/sin ring, deeper where a slot is freed before its cos/sin are used.
+  `cs_rows` (None: one) copies that many cos/sin rows from the record's
+  `seg` on (a block's pages, `gpu_decode_block_plan`).
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
@@ -248,7 +251,9 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
                             rec_smem.at[lax.rem(ring, 2 * stages)],
                             k_bars.at[slot])
-    plgpu.copy_gmem_to_smem(cs_ref.at[batch, seg],
+    cs_src = (cs_ref.at[batch, seg] if cs_rows is None
+              else cs_ref.at[batch, pl.ds(seg, cs_rows)])
+    plgpu.copy_gmem_to_smem(cs_src,
                             cs_smem.at[lax.rem(ring, cs_stages or stages)],
                             k_bars.at[slot])
 

@@ -1,0 +1,151 @@
+"""The Mosaic GPU decode with one step per KV block
+(`MgpuDecodeBlockSizes.steps_by_block`, gpu_decode_block_plan.py): its
+records, its CUDA lowering, and parity in the Mosaic GPU interpreter where
+shifts change inside a block; on a GPU (`@pytest.mark.gpu`), parity with
+the reference and the float64 truth."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
+from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
+from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _custom_calls,
+                                        _ragged_case, _specs)
+from tests.test_gpu_prefill_mgpu import (_check, _doc_layout_case,
+                                         needs_interpreter)
+
+BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True)
+
+
+def test_block_records():
+  """One record per block of pages, each page with its own shift; dead
+  pages (empty, after q_pos) hold no slots; steps end at the last live
+  page's block; padding rows have none."""
+  # Row 0: doc A (pages 0-2, shift 0), doc B (pages 3-4, shift 48), a page
+  # after q_pos; row 1: padding.
+  table = np.array([[5, 6, 7, 1, 2, 3], [0, 0, 0, 0, 0, 0]], np.int32)
+  pos = np.array([[0, 16, 32, 48, 64, 80], [0] * 6], np.int32)
+  shift = np.array([[0, 0, 0, 48, 48, 0], [0] * 6], np.int32)
+  length = np.array([[16, 16, 16, 16, 5, 16], [16] * 6], np.int32)
+  q_pos = np.array([[68], [-1]], np.int32)
+  plan = plan_decode(*(jnp.asarray(a) for a in (table, pos, shift, length,
+                                                q_pos)),
+                     rope=PLAIN, head_dim=64, num_pages=8, page_size=16,
+                     block_sizes=MgpuDecodeBlockSizes(block_kv=64,
+                                                      steps_by_block=True))
+  layout = BlockRecordLayout(4)
+  rec = np.asarray(plan.records)
+  assert rec.shape == (2, 2, layout.width)
+  assert np.asarray(plan.n_steps).tolist() == [2, 0]
+  field = lambda name: rec[0, :, getattr(layout, name):
+                           getattr(layout, name) + 4].tolist()
+  assert field("lim") == [[16, 16, 16, 16], [5, 0, 0, 0]]
+  assert field("shift") == [[0, 0, 0, 48], [48, 0, 0, 0]]
+  assert field("phys") == [[5, 6, 7, 1], [2, 3, 0, 0]]
+  assert rec[0, :, layout.seg].tolist() == [0, 4]  # first page of a block
+  assert rec[0, :, layout.fixup].tolist() == [0, 1]
+  assert rec[0, :, layout.max_pos].tolist() == [63, 68]
+  cos_sin = np.asarray(plan.cos_sin)  # per page, whole blocks
+  assert cos_sin.shape == (2, 8, 2, 32)
+  np.testing.assert_allclose(cos_sin[0, 3, 0, 0], np.cos(48.0), atol=1e-6)
+  np.testing.assert_allclose(cos_sin[0, 2, 0, 0], 1.0)
+
+
+@pytest.mark.parametrize("case", [
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, BLOCKS),
+    (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
+     MgpuDecodeBlockSizes(block_kv=64, kv_splits=3, steps_by_block=True)),
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3,
+     MgpuDecodeBlockSizes(persistent=True, steps_by_block=True)),
+], ids=["bench", "small_splits3", "bench_persistent"])
+def test_export_lowers_for_cuda(case):
+  batch, heads, kv_heads, head_dim, page_size, logical, dtype, rope, bs = case
+  args = _specs(batch, heads, kv_heads, head_dim, 4 * logical, page_size,
+                logical, dtype)
+  fn = jax.jit(lambda *a: lazy_decode_mgpu(
+      *a, rope=rope, sm_scale=jnp.float32(0.088), block_sizes=bs))
+  exported = export.export(fn, platforms=["cuda"])(*args)
+  assert _custom_calls(exported) == {"mosaic_gpu_v2"}
+  assert exported.out_avals[0].shape == (batch, 1, heads, head_dim)
+
+
+def test_float8_pages_are_refused():
+  from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
+  reason = mosaic_decode_unsupported((1, 1, 8, 128), jnp.bfloat16,
+                                     (2, 4, 16, 128), jnp.float8_e4m3fn,
+                                     BLOCKS)
+  assert "steps_by_block needs 16-bit pages" in reason
+
+
+@needs_interpreter
+@pytest.mark.parametrize("persistent", [
+    False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["cta-per-item", "persistent"])
+def test_parity_interpret_ragged(persistent):
+  """Documents shorter than a page, so shifts change inside blocks (and
+  back: one physical document read at two shifts); an empty page; NaN in
+  every unused page and padding slot; a padding row; two KV splits, so a
+  split starts inside a document."""
+  lazy = _ragged_case(0, batch=3, num_heads=8, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_doc_len=150)
+  assert (lazy.page_len[lazy.page_len > 0] < 16).any()
+  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, persistent=persistent,
+                            num_ctas=3, steps_by_block=True)
+  _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
+
+
+@needs_interpreter
+def test_parity_interpret_documents_across_blocks_llama3():
+  """Whole-page documents of 9 pages of 8 at shifts up to 2^20: each block
+  of 8 pages holds the end of one document and the start of the next."""
+  lazy = _doc_layout_case(np.random.default_rng(1), num_docs=3, doc_len=72,
+                          q_len=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                          page_size=8)
+  base = 2**20
+  lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
+                             page_pos=lazy.page_pos + base,
+                             page_shift=lazy.page_shift + base)
+  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True)
+  _check(_call(lazy, rope=LLAMA3, block_sizes=bs, interpret=True), lazy,
+         LLAMA3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_sizes", [
+    BLOCKS, MgpuDecodeBlockSizes(block_kv=64, kv_splits=3,
+                                 steps_by_block=True),
+    MgpuDecodeBlockSizes(persistent=True, num_ctas=7, kv_splits=2,
+                         steps_by_block=True)],
+                         ids=["default", "k64_splits3", "persistent"])
+def test_parity_gpu(block_sizes):
+  lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
+                      head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                      docs_per_row=4, max_doc_len=300, base_position=2**20)
+  out = jax.jit(lambda *a: lazy_decode_mgpu(
+      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=block_sizes))(*[jnp.asarray(a) for a in lazy.args()])
+  _check(out, lazy, LLAMA3)
+
+
+@pytest.mark.gpu
+def test_matches_the_segment_steps_on_the_benchmark_layout():
+  """16 documents of 512 tokens at their own shifts: the same result as
+  the default decode's segment steps."""
+  lazy = _doc_layout_case(np.random.default_rng(3), num_docs=16, doc_len=512,
+                          q_len=1, num_heads=32, num_kv_heads=8,
+                          head_dim=128, page_size=16)
+  args = [jnp.asarray(a) for a in lazy.args()]
+  call = lambda bs: np.asarray(lazy_decode_mgpu(
+      *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=bs).astype(jnp.float32))
+  np.testing.assert_allclose(call(BLOCKS), call(MgpuDecodeBlockSizes()),
+                             rtol=2e-2, atol=2e-2)
+  _check(call(BLOCKS), lazy, LLAMA3)
