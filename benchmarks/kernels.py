@@ -141,6 +141,9 @@ MOSAIC_DECODE_VARIANTS = {
     "k128s2-fp8query": MgpuDecodeBlockSizes(float8_operand="query"),
     # Three ring stages: fits only with float8 pools (1-byte ring slots).
     "k128s3": MgpuDecodeBlockSizes(num_stages=3),
+    # One step per block, the query rotated per run of one shift inside it:
+    # a plan of reshapes instead of segment steps (16-bit pools only).
+    "k128s2-blocks": MgpuDecodeBlockSizes(steps_by_block=True),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key

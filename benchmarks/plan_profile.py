@@ -1,7 +1,8 @@
 """Device time of the Mosaic kernels' per-batch plans (XLA metadata work).
 
-The decode plan at B64 / ctx 8192 and the prefill plan at the 512-token
-chunk (B 4, 8K context), on the kernel benchmark's page layout
+The decode plan at B64 / ctx 8192 (segment steps, and one step per block:
+`MgpuDecodeBlockSizes.steps_by_block`) and the prefill plan at the
+512-token chunk (B 4, 8K context), on the kernel benchmark's page layout
 (benchmarks/kernel_cases.py): each is jitted with its outputs summed (so no
 output is dead code), timed chained, then profiled, and its ops listed by
 device time.  A plan call is too short to time by the wall clock alone
@@ -23,6 +24,7 @@ from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                      PAGE_SIZE, ROPE, page_metadata)
 from benchmarks.kernel_timing import time_per_call
+from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_mgpu import plan_decode
 from pallas_kernels.gpu_prefill_mgpu import plan_prefill
 
@@ -77,12 +79,14 @@ def main(argv=None):
   batch, context = args.decode_batch, args.context
   table, pos, shift, length = page_metadata(rng, batch, context, 0)
   q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
-  rows.append(profile_plan(
-      f"decode_B{batch}_ctx{context}",
-      functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
-                        page_size=PAGE_SIZE,
-                        num_pages=table.size),
-      (table, pos, shift, length, q_pos), args.trace_dir, args.top))
+  for suffix, sizes in (("", None),
+                        ("_blocks", MgpuDecodeBlockSizes(steps_by_block=True))):
+    rows.append(profile_plan(
+        f"decode_B{batch}_ctx{context}{suffix}",
+        functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
+                          page_size=PAGE_SIZE, num_pages=table.size,
+                          block_sizes=sizes),
+        (table, pos, shift, length, q_pos), args.trace_dir, args.top))
   batch, q_len = args.prefill_batch, args.chunk
   table, pos, shift, length = page_metadata(rng, batch, context, q_len)
   q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
