@@ -47,7 +47,7 @@
 #           steps, and one step per block: k128s2-blocks), prefill
 #           at the 512- and 128-token chunks beside cuDNN, after the plans'
 #           device time by op (benchmarks/plan_profile.py) (issue 16, parts
-#           1 and 4 as whole calls; ~130 s).
+#           1 and 4 as whole calls; ~170 s).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
