@@ -227,6 +227,10 @@ class MgpuDecodeBlockSizes:
       is a reshape of the page metadata, not a flattening into segment
       steps (`gpu_decode_block_plan.py`).  16-bit pages only.  Not yet
       measured on a GPU.
+    rope_in_kernel: with `steps_by_block`, the kernel computes each
+      shift's cos / sin itself (the exact range reduction of
+      `rope.cos_sin_from_chunks`, then the GPU's sin / cos), so the plan
+      writes and the producer copies none.  Not yet measured on a GPU.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -240,8 +244,11 @@ class MgpuDecodeBlockSizes:
   num_ctas: int | None = None
   float8_operand: str = "float16"
   steps_by_block: bool = False
+  rope_in_kernel: bool = False
 
   def __post_init__(self):
+    if self.rope_in_kernel and not self.steps_by_block:
+      raise ValueError("rope_in_kernel needs steps_by_block=True")
     if self.float8_operand not in ("float16", "query"):
       raise ValueError(f"float8_operand must be 'float16' or 'query', got "
                        f"{self.float8_operand!r}")
@@ -262,15 +269,18 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
   (reused for the output; two when persistent), its 16-bit rotated copy,
   the K/V ring (1-byte elements for float8 pages, plus a 16-bit K and V
   tile they are widened into), records, cos/sin (twice as deep for float8;
-  one row per page of a step with `steps_by_block`, pages of `page_size`)
-  and the m / l rows."""
+  one row per page of a step with `steps_by_block`, pages of `page_size`),
+  the RoPE turn chunks and the m / l rows."""
   q_store = WG_ROWS * head_dim * 4 * (2 if block_sizes.persistent else 1)
   q_16 = WG_ROWS * head_dim * 2
   # steps_by_block: cos / sin of every page of a step, not of one segment.
   pages = (block_sizes.block_kv // page_size if block_sizes.steps_by_block
            else 1)
+  if block_sizes.rope_in_kernel:  # a one-row placeholder per stage
+    pages = 1
   cos_sin_pages = block_sizes.num_stages * (pages - 1) * head_dim * 4
-  return (q_store + q_16 + cos_sin_pages + 2 * WG_ROWS * 4
+  turn_chunks = 6 * head_dim // 2 * 4  # rope.NUM_TURN_CHUNKS rows
+  return (q_store + q_16 + cos_sin_pages + turn_chunks + 2 * WG_ROWS * 4
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 

@@ -106,7 +106,8 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   q_pos; none for a padding row), in page order, one segment (one shift) per
   step, and the cos / sin of each segment's shift (exact).  With
   `block_sizes.steps_by_block`: one step per block of pages, and the cos /
-  sin of each page's shift (`gpu_decode_block_plan.block_records`)."""
+  sin of each page's shift (`gpu_decode_block_plan.block_records`); none
+  with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder)."""
   block_sizes = block_sizes or MgpuDecodeBlockSizes()
   row = q_pos[:, 0]
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
@@ -114,8 +115,11 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   records, num_steps, *_, shift = make(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
       page_size=page_size, pages_per_block=block_sizes.block_kv // page_size)
-  return DecodePlan(num_steps.astype(jnp.int32), records,
-                    segment_cos_sin(shift, rope, head_dim),
+  if block_sizes.rope_in_kernel:  # computed in the kernel: none here
+    cos_sin = jnp.zeros((shift.shape[0], shift.shape[1], 2, 0), jnp.float32)
+  else:
+    cos_sin = segment_cos_sin(shift, rope, head_dim)
+  return DecodePlan(num_steps.astype(jnp.int32), records, cos_sin,
                     jnp.where(row >= 0, row, common.PADDING_ROW))
 
 
@@ -195,7 +199,7 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
   q_tile = decode_query_tile(q, q_pos, rope, sm_scale, num_kv_heads)
   acc, ml = mgpu_decode_kernel(
       q_tile, k_pages, v_pages, plan.n_steps, plan.records, plan.cos_sin,
-      plan.q_pos, page_offset, group=group, num_splits=splits,
+      plan.q_pos, page_offset, group=group, num_splits=splits, rope=rope,
       compute_dtype=q.dtype, k_scales=k_scales, v_scales=v_scales,
       block_sizes=block_sizes, interpret=interpret)
   # acc [B, S, K, Gp, H], ml [B, S, K, 2, 64]: keep the G real rows.

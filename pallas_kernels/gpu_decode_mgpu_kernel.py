@@ -40,9 +40,10 @@ from pallas_kernels.gpu_mgpu_float8 import (
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
     interpreter_params, key_positions, produce_kv_ring, rotate_query,
-    softmax_start, softmax_update, zero_invalid_v_rows)
+    shift_cos_sin, softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
+from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
 from pallas_kernels.sizes import round_up
 
 
@@ -77,6 +78,7 @@ def _kernel(
     cs_ref,  # f32 [B, M, 2, H/2]: cos / sin of each segment's shift
     q_pos_ref,  # int32 [B]: q_pos, PADDING_ROW for padding rows
     page_offset_ref,  # int32 [1]: added to every physical page id
+    chunks_ref,  # int32 [6, H/2]: RoPE turn chunks (rope_in_kernel)
     # Operands.
     q_ref,  # f32 [B, K, 64, H]: R(q_pos) q * sm_scale * log2(e), G rows
     k_ref,  # [K, pages * P, H], 16-bit or float8_e4m3fn
@@ -88,8 +90,9 @@ def _kernel(
     ml_ref,  # f32 [B, S, K, 2, 64]: running max m and sum l of each row
     # Scratch (float8: the 16-bit K and V tiles and their four barriers at
     # the end: ready (converter -> compute) and free (compute -> converter)).
-    q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem, q_bars,
-    k_bars, v_bars, k_free, v_free, *float8_scratch,
+    q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem,
+    chunks_smem, q_bars, k_bars, v_bars, k_free, v_free, chunks_bar,
+    *float8_scratch,
     cfg: MgpuDecodeBlockSizes,
     page_size: int, num_splits: int, num_items: int, num_ctas: int,
     rows: int, layout: RecordLayout, dtype, interpret: bool):
@@ -160,7 +163,10 @@ def _kernel(
         return change, jnp.where(change, shift, rotated)
 
       def rotate_to(j):
-        rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype)
+        cos_sin = None
+        if cfg.rope_in_kernel:
+          cos_sin = shift_cos_sin(ops, rec[layout.shift + j], chunk_rows)
+        rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype, cos_sin)
 
       change, rotated = changes(0, rotated)
       pl.when(change)(lambda: rotate_to(0))
@@ -174,6 +180,12 @@ def _kernel(
           return jnp.where(take, ops.qk(q16_smem, k_slot, shape), s)
         s = lax.cond(change, run_from, lambda s: s, s)
       return s, rotated
+
+    if cfg.rope_in_kernel:  # the turn chunks' rows, once per CTA
+      plgpu.copy_gmem_to_smem(chunks_ref, chunks_smem, chunks_bar.at[0])
+      plgpu.barrier_wait(chunks_bar.at[0])
+      chunk_rows = [ops.cast(chunks_smem[r], col_layout)
+                    for r in range(chunks_smem.shape[0])]
 
     def one_item(j, ring_step):
       batch, head, split, first, n_steps = item(j)
@@ -281,7 +293,8 @@ def _kernel(
           v_free, layout=layout, pages_per_block=ppb, page_size=page_size,
           stages=stages, interpret=interpret, first_record=first,
           ring_step=ring_step, drain=False, set_registers=False,
-          cs_stages=cs_stages, cs_rows=ppb if by_block else None)
+          cs_stages=cs_stages,
+          cs_rows=0 if cfg.rope_in_kernel else ppb if by_block else None)
 
     ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
     drain_kv_ring(ring_steps, k_free, v_free, stages=stages)
@@ -305,7 +318,8 @@ def _kernel(
 
 def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
                        q_pos, page_offset=0, *, group: int, num_splits: int,
-                       compute_dtype, k_scales=None, v_scales=None,
+                       compute_dtype, rope: RopeConfig | None = None,
+                       k_scales=None, v_scales=None,
                        block_sizes: MgpuDecodeBlockSizes | None = None,
                        interpret: bool = False):
   """The kernel alone.
@@ -320,6 +334,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
     num_splits: S, CTAs per (batch row, kv head).
     compute_dtype: q's 16-bit dtype: the wgmma operands (with float8 pages,
       `block_sizes.float8_operand` may pick float16 instead).
+    rope: the RoPE whose cos / sin the kernel computes
+      (`block_sizes.rope_in_kernel`; else unused).
 
   Returns:
     (acc f32 [B, S, K, Gp, H], ml f32 [B, S, K, 2, 64]) with Gp =
@@ -347,11 +363,22 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
     dtype = jnp.dtype(jnp.float16)
   if not quantized:  # unused operands, one f32 each
     k_scales = v_scales = jnp.zeros((1, 1), jnp.float32)
+  half = head_dim // 2
+  if block_sizes.rope_in_kernel:
+    if rope is None:
+      raise ValueError("rope_in_kernel needs the rope")
+    chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :half])
+  else:  # unused
+    chunks = jnp.zeros((NUM_TURN_CHUNKS, half), jnp.int32)
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
   tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
              plgpu.SwizzleTransform(swizzle))
   ring = ring_transforms(head_dim) if quantized else tiled16
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  # cos/sin rows per ring slot: a segment's, a block's pages', or (rope
+  # computed in the kernel) an unused placeholder.
+  cs_pages = ((1,) if block_sizes.rope_in_kernel else
+              (ppb,) if block_sizes.steps_by_block else ())
   scratch = [
       plgpu.SMEM((query_buffers, WG_ROWS, head_dim), jnp.float32,
                  transforms=tiled32),
@@ -362,14 +389,17 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
                  transforms=ring),
       plgpu.SMEM((2 * stages, layout.width), jnp.int32),
       plgpu.SMEM(((2 if quantized else 1) * stages,
-                  *((ppb,) if block_sizes.steps_by_block else ()), 2,
-                  head_dim // 2), jnp.float32),
+                  *cs_pages, 2, head_dim // 2), jnp.float32),
       plgpu.SMEM((2, WG_ROWS), jnp.float32),
+      plgpu.SMEM(chunks.shape, jnp.int32),
       plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries
-      plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
+      # K pages, record and (unless rope_in_kernel) cos/sin
+      plgpu.Barrier(num_arrivals=ppb + 1 + (not block_sizes.rope_in_kernel),
+                    num_barriers=stages),
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot free
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot free
+      plgpu.Barrier(num_arrivals=1, num_barriers=1),  # turn chunks
   ]
   if quantized:  # 16-bit K and V tiles; ready and free barriers of each
     scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, 1)
@@ -396,6 +426,6 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **extra,
-  )(n_steps, records, cos_sin, q_pos, page_offset, q_tile,
+  )(n_steps, records, cos_sin, q_pos, page_offset, chunks, q_tile,
     common.flat_pages(k_pages), common.flat_pages(v_pages), k_scales,
     v_scales)

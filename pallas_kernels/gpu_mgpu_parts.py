@@ -19,6 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
+from pallas_kernels.rope import cos_sin_from_chunks
 
 # Registers per thread (setmaxnreg) of compute / producer warpgroups.
 PRODUCER_REGISTERS = 40
@@ -110,33 +111,49 @@ def page_fields(rec, offset, pages_per_block):
 
 
 # The compute warpgroups' steps.
-def _rotated_halves(ops, src, cs_smem, slot, half):
-  """f32 (lo, hi): the column halves of R(-shift) src [64, H] (f32 or
-  16-bit), with the step's cos / sin in cs_smem[slot]."""
+def _cos_sin_at(ops, cs_smem, slot):
+  """The cos and sin rows cs_smem[slot] (f32 [H/2] each, one value per
+  column of the WGMMA layout)."""
   col_layout = plgpu.Layout.WGMMA.reduce(0)
+  return (ops.cast(cs_smem[slot, 0], col_layout),
+          ops.cast(cs_smem[slot, 1], col_layout))
+
+
+def _rotated_halves(src, cos, sin, half):
+  """f32 (lo, hi): the column halves of R(-shift) src [64, H] (f32 or
+  16-bit), shift's cos and sin [H/2] given per column."""
   lo = src.at[:, pl.ds(0, half)][...].astype(jnp.float32)
   hi = src.at[:, pl.ds(half, half)][...].astype(jnp.float32)
-  cos = ops.cast(cs_smem[slot, 0], col_layout)
-  sin = ops.cast(cs_smem[slot, 1], col_layout)
   cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
   sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
   return lo * cos + hi * sin, hi * cos - lo * sin
 
 
-def rotate_query(ops, src, dst, cs_smem, slot, half, dtype):
+def rotate_query(ops, src, dst, cs_smem, slot, half, dtype, cos_sin=None):
   """dst = R(-shift) src in `dtype` (64 rows: the wgmma A operand), with the
-  step's cos / sin in cs_smem[slot]; src f32 or 16-bit."""
-  lo, hi = _rotated_halves(ops, src, cs_smem, slot, half)
+  step's cos / sin in cs_smem[slot] (or given: `cos_sin`, per column); src
+  f32 or 16-bit."""
+  cos, sin = cos_sin or _cos_sin_at(ops, cs_smem, slot)
+  lo, hi = _rotated_halves(src, cos, sin, half)
   dst.at[:, pl.ds(0, half)][...] = lo.astype(dtype)
   dst.at[:, pl.ds(half, half)][...] = hi.astype(dtype)
   plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def shift_cos_sin(ops, shift, chunk_rows):
+  """cos and sin (f32 [H/2] each, per column) of a scalar int32 shift,
+  computed in the kernel with the exact range reduction of
+  `rope.cos_sin_from_chunks` from `chunk_rows` (the turn chunks' first
+  H/2 columns, int32 rows per column)."""
+  nearest = (lambda x: jnp.floor(x + 0.5)) if ops.interpret else jnp.round
+  return cos_sin_from_chunks(shift, chunk_rows, nearest=nearest)
 
 
 def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):
   """(lo, hi): the column halves of R(-shift) src in `dtype`, in registers
   (WGMMA layout: the A operands of `Ops.qk_halves`), with the step's cos /
   sin in cs_smem[slot]; src f32 or 16-bit."""
-  lo, hi = _rotated_halves(ops, src, cs_smem, slot, half)
+  lo, hi = _rotated_halves(src, *_cos_sin_at(ops, cs_smem, slot), half)
   return (ops.cast(lo.astype(dtype), plgpu.Layout.WGMMA),
           ops.cast(hi.astype(dtype), plgpu.Layout.WGMMA))
 
@@ -220,7 +237,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   that has set it once.  `cs_stages` (stages when None) is the depth of the
   cos/sin ring, deeper where a slot is freed before its cos/sin are used.
   `cs_rows` (None: one) copies that many cos/sin rows from the record's
-  `seg` on (a block's pages, `gpu_decode_block_plan`).
+  `seg` on (a block's pages, `gpu_decode_block_plan`); 0 copies none.
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
@@ -251,11 +268,12 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
                             rec_smem.at[lax.rem(ring, 2 * stages)],
                             k_bars.at[slot])
-    cs_src = (cs_ref.at[batch, seg] if cs_rows is None
-              else cs_ref.at[batch, pl.ds(seg, cs_rows)])
-    plgpu.copy_gmem_to_smem(cs_src,
-                            cs_smem.at[lax.rem(ring, cs_stages or stages)],
-                            k_bars.at[slot])
+    if cs_rows != 0:  # 0: the kernel computes its cos / sin itself
+      cs_src = (cs_ref.at[batch, seg] if cs_rows is None
+                else cs_ref.at[batch, pl.ds(seg, cs_rows)])
+      plgpu.copy_gmem_to_smem(cs_src,
+                              cs_smem.at[lax.rem(ring, cs_stages or stages)],
+                              k_bars.at[slot])
 
     @pl.when(ring >= stages)
     def _():

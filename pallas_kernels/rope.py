@@ -99,7 +99,7 @@ class RopeConfig:
     return np.concatenate([chunks, chunks], axis=1).astype(np.int32)
 
 
-def cos_sin_from_chunks(positions, chunks):
+def cos_sin_from_chunks(positions, chunks, nearest=None):
   """cos and sin of `positions * inv_freq`, float32, exact range reduction.
 
   Args:
@@ -108,6 +108,9 @@ def cos_sin_from_chunks(positions, chunks):
     chunks: int32[NUM_TURN_CHUNKS, D] from `RopeConfig.turn_chunks`, or a
       sequence of NUM_TURN_CHUNKS int32 rows of shape [D] (kernels pass rows
       loaded from a ref).
+    nearest: the nearest integer to each float of an array (default
+      floor(x + 0.5); a kernel without floor passes its own rounding: ties
+      only move an angle of exactly +-pi to the other sign).
 
   Returns:
     (cos, sin), each float32 with the broadcast shape [..., D].
@@ -124,7 +127,9 @@ def cos_sin_from_chunks(positions, chunks):
            + (n * c[3]).astype(jnp.float32) * (2.0 ** -32)
            + (n * c[4]).astype(jnp.float32) * (2.0 ** -40)
            + (n * c[5]).astype(jnp.float32) * (2.0 ** -48))
-  turns = turns - jnp.floor(turns + 0.5)  # now in [-1/2, 1/2]
+  if nearest is None:
+    nearest = lambda x: jnp.floor(x + 0.5)
+  turns = turns - nearest(turns)  # now in [-1/2, 1/2]
   angle = turns * jnp.float32(_TWO_PI)
   return jnp.cos(angle), jnp.sin(angle)
 

@@ -23,6 +23,7 @@ from tests.test_gpu_prefill_mgpu import (_check, _doc_layout_case,
                                          needs_interpreter)
 
 BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True)
+ROPE_IN_KERNEL = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
 
 
 def test_block_records():
@@ -65,7 +66,12 @@ def test_block_records():
      MgpuDecodeBlockSizes(block_kv=64, kv_splits=3, steps_by_block=True)),
     (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3,
      MgpuDecodeBlockSizes(persistent=True, steps_by_block=True)),
-], ids=["bench", "small_splits3", "bench_persistent"])
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, ROPE_IN_KERNEL),
+    (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
+     MgpuDecodeBlockSizes(block_kv=64, persistent=True, steps_by_block=True,
+                          rope_in_kernel=True)),
+], ids=["bench", "small_splits3", "bench_persistent", "bench_rope_in_kernel",
+        "small_persistent_rope_in_kernel"])
 def test_export_lowers_for_cuda(case):
   batch, heads, kv_heads, head_dim, page_size, logical, dtype, rope, bs = case
   args = _specs(batch, heads, kv_heads, head_dim, 4 * logical, page_size,
@@ -77,6 +83,18 @@ def test_export_lowers_for_cuda(case):
   assert exported.out_avals[0].shape == (batch, 1, heads, head_dim)
 
 
+def test_rope_in_kernel_plan_has_no_cos_sin():
+  """The plan leaves the cos / sin to the kernel (a [B, M, 2, 0]
+  placeholder), and the setting needs steps by block."""
+  args = [jnp.zeros(s.shape, s.dtype)
+          for s in _specs(2, 8, 2, 64, 40, 16, 10)]
+  plan = plan_decode(*args[3:], rope=PLAIN, head_dim=64, num_pages=40,
+                     page_size=16, block_sizes=ROPE_IN_KERNEL)
+  assert plan.cos_sin.shape == (2, 16, 2, 0)
+  with pytest.raises(ValueError, match="rope_in_kernel needs steps_by_block"):
+    MgpuDecodeBlockSizes(rope_in_kernel=True)
+
+
 def test_float8_pages_are_refused():
   from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
   reason = mosaic_decode_unsupported((1, 1, 8, 128), jnp.bfloat16,
@@ -86,10 +104,10 @@ def test_float8_pages_are_refused():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("persistent", [
-    False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["cta-per-item", "persistent"])
-def test_parity_interpret_ragged(persistent):
+@pytest.mark.parametrize("persistent,rope_in_kernel", [
+    (False, False), pytest.param(True, False, marks=pytest.mark.slow),
+    (False, True)], ids=["cta-per-item", "persistent", "rope-in-kernel"])
+def test_parity_interpret_ragged(persistent, rope_in_kernel):
   """Documents shorter than a page, so shifts change inside blocks (and
   back: one physical document read at two shifts); an empty page; NaN in
   every unused page and padding slot; a padding row; two KV splits, so a
@@ -98,12 +116,14 @@ def test_parity_interpret_ragged(persistent):
                       page_size=16, dtype=jnp.bfloat16, max_doc_len=150)
   assert (lazy.page_len[lazy.page_len > 0] < 16).any()
   bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, persistent=persistent,
-                            num_ctas=3, steps_by_block=True)
+                            num_ctas=3, steps_by_block=True,
+                            rope_in_kernel=rope_in_kernel)
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
 
 
 @needs_interpreter
-def test_parity_interpret_documents_across_blocks_llama3():
+@pytest.mark.parametrize("rope_in_kernel", [False, True])
+def test_parity_interpret_documents_across_blocks_llama3(rope_in_kernel):
   """Whole-page documents of 9 pages of 8 at shifts up to 2^20: each block
   of 8 pages holds the end of one document and the start of the next."""
   lazy = _doc_layout_case(np.random.default_rng(1), num_docs=3, doc_len=72,
@@ -113,7 +133,8 @@ def test_parity_interpret_documents_across_blocks_llama3():
   lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
                              page_pos=lazy.page_pos + base,
                              page_shift=lazy.page_shift + base)
-  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True)
+  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True,
+                            rope_in_kernel=rope_in_kernel)
   _check(_call(lazy, rope=LLAMA3, block_sizes=bs, interpret=True), lazy,
          LLAMA3)
 
@@ -123,8 +144,10 @@ def test_parity_interpret_documents_across_blocks_llama3():
     BLOCKS, MgpuDecodeBlockSizes(block_kv=64, kv_splits=3,
                                  steps_by_block=True),
     MgpuDecodeBlockSizes(persistent=True, num_ctas=7, kv_splits=2,
-                         steps_by_block=True)],
-                         ids=["default", "k64_splits3", "persistent"])
+                         steps_by_block=True),
+    ROPE_IN_KERNEL],
+                         ids=["default", "k64_splits3", "persistent",
+                              "rope_in_kernel"])
 def test_parity_gpu(block_sizes):
   lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
                       head_dim=128, page_size=16, dtype=jnp.bfloat16,
@@ -146,6 +169,7 @@ def test_matches_the_segment_steps_on_the_benchmark_layout():
   call = lambda bs: np.asarray(lazy_decode_mgpu(
       *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=bs).astype(jnp.float32))
-  np.testing.assert_allclose(call(BLOCKS), call(MgpuDecodeBlockSizes()),
-                             rtol=2e-2, atol=2e-2)
-  _check(call(BLOCKS), lazy, LLAMA3)
+  segments = call(MgpuDecodeBlockSizes())
+  for sizes in (BLOCKS, ROPE_IN_KERNEL):
+    np.testing.assert_allclose(call(sizes), segments, rtol=2e-2, atol=2e-2)
+    _check(call(sizes), lazy, LLAMA3)
