@@ -144,6 +144,9 @@ MOSAIC_DECODE_VARIANTS = {
     # One step per block, the query rotated per run of one shift inside it:
     # a plan of reshapes instead of segment steps (16-bit pools only).
     "k128s2-blocks": MgpuDecodeBlockSizes(steps_by_block=True),
+    # The same with each shift's cos / sin computed in the kernel.
+    "k128s2-blocks-rope": MgpuDecodeBlockSizes(steps_by_block=True,
+                                               rope_in_kernel=True),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key

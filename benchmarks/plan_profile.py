@@ -1,7 +1,8 @@
 """Device time of the Mosaic kernels' per-batch plans (XLA metadata work).
 
 The decode plan at B64 / ctx 8192 (segment steps, and one step per block:
-`MgpuDecodeBlockSizes.steps_by_block`) and the prefill plan at the
+`MgpuDecodeBlockSizes.steps_by_block`, with and without its cos / sin,
+`rope_in_kernel`) and the prefill plan at the
 512-token chunk (B 4, 8K context), on the kernel benchmark's page layout
 (benchmarks/kernel_cases.py): each is jitted with its outputs summed (so no
 output is dead code), timed chained, then profiled, and its ops listed by
@@ -79,8 +80,10 @@ def main(argv=None):
   batch, context = args.decode_batch, args.context
   table, pos, shift, length = page_metadata(rng, batch, context, 0)
   q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
-  for suffix, sizes in (("", None),
-                        ("_blocks", MgpuDecodeBlockSizes(steps_by_block=True))):
+  for suffix, sizes in (
+      ("", None), ("_blocks", MgpuDecodeBlockSizes(steps_by_block=True)),
+      ("_blocks_rope", MgpuDecodeBlockSizes(steps_by_block=True,
+                                            rope_in_kernel=True))):
     rows.append(profile_plan(
         f"decode_B{batch}_ctx{context}{suffix}",
         functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,

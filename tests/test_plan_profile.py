@@ -14,6 +14,7 @@ def test_every_plan_is_profiled(tmp_path, capsys):
                "--prefill-batch", "1", "--chunk", "64"])
   assert [r["name"] for r in rows] == ["decode_B2_ctx1024",
                                        "decode_B2_ctx1024_blocks",
+                                       "decode_B2_ctx1024_blocks_rope",
                                        "prefill_B1_chunk64"]
   for row in rows:
     assert row["device_us"] > 0 and row["ops_per_call"] >= 1
