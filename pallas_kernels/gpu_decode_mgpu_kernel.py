@@ -12,7 +12,11 @@ runs the online softmax (base 2) with wgmma.  Float8 pages (e4m3) are
 widened by a third, converter warpgroup from the ring into a 16-bit K / V
 tile (the wgmma operands, f16 by default:
 `MgpuDecodeBlockSizes.float8_operand`), their per-page scales applied per
-score column (K) and per P column (V) (gpu_mgpu_float8.py).  Each CTA
+score column (K) and per P column (V) (gpu_mgpu_float8.py).  With
+`MgpuDecodeBlockSizes.steps_by_block` a step is a whole KV block whatever
+its pages' shifts: the query is rotated per run of one shift in it, and
+each run's columns come from its own Q K^T (`rope_in_kernel`: the cos /
+sin computed here, not read from the plan).  Each CTA
 writes its unnormalised partial state (acc, m, l); XLA merges the splits
 (`masked_softmax.merge_splits`).  The inputs come from
 `gpu_decode_mgpu.plan_decode` and `gpu_decode_mgpu.decode_query_tile`.
@@ -164,7 +168,10 @@ def _kernel(
 
       def rotate_to(j):
         cos_sin = None
-        if cfg.rope_in_kernel:
+        if cfg.rope_in_kernel:  # chunk rows read here: rotations are rare,
+          # and six rows held in registers through the loop would spill
+          chunk_rows = [ops.cast(chunks_smem[r], col_layout)
+                        for r in range(chunks_smem.shape[0])]
           cos_sin = shift_cos_sin(ops, rec[layout.shift + j], chunk_rows)
         rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype, cos_sin)
 
@@ -181,11 +188,9 @@ def _kernel(
         s = lax.cond(change, run_from, lambda s: s, s)
       return s, rotated
 
-    if cfg.rope_in_kernel:  # the turn chunks' rows, once per CTA
+    if cfg.rope_in_kernel:  # the turn chunks, once per CTA
       plgpu.copy_gmem_to_smem(chunks_ref, chunks_smem, chunks_bar.at[0])
       plgpu.barrier_wait(chunks_bar.at[0])
-      chunk_rows = [ops.cast(chunks_smem[r], col_layout)
-                    for r in range(chunks_smem.shape[0])]
 
     def one_item(j, ring_step):
       batch, head, split, first, n_steps = item(j)
@@ -199,7 +204,7 @@ def _kernel(
       def step(i, carry):
         # float8 pools: [acc's V-scale unit, this step's K and V scales];
         # steps_by_block: [the shift the query tile is rotated by]
-        acc, m, l, *quant = carry
+        acc, m, l, *carried = carry
         ring = ring_step + i
         slot = lax.rem(ring, stages)
         # The record ring is twice as deep as the K/V ring: the record is
@@ -216,18 +221,18 @@ def _kernel(
                                    lax.rem(ring, cs_stages), half, dtype))
         acc_factor = None
         if by_block:
-          s, rotated = block_scores(rec, slot, ring, q_tile, *quant)
+          s, rotated = block_scores(rec, slot, ring, q_tile, *carried)
           plgpu.barrier_arrive(k_free.at[slot])
-          quant = (rotated,)
+          carried = (rotated,)
         elif quantized:
           next_scales = load_scales(batch, head, first + i + 1)
           k_cols, v_cols, acc_factor, unit = step_scales(
-              ops, rec, *quant, layout=layout, block_kv=block_kv,
+              ops, rec, *carried, layout=layout, block_kv=block_kv,
               page_size=page_size)
           s = ops.qk(q16_smem, k16_smem, (WG_ROWS, block_kv))
           plgpu.barrier_arrive(k16_free)
           s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
-          quant = (unit, *next_scales)
+          carried = (unit, *next_scales)
         else:
           s = ops.qk(q16_smem, k_smem.at[slot], (WG_ROWS, block_kv))
           plgpu.barrier_arrive(k_free.at[slot])
@@ -252,18 +257,18 @@ def _kernel(
           pl.when(fixup)(lambda: fixup_v(slot, rec))
           acc = ops.pv(acc, p16, v_smem.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l, *quant
+        return acc, m_new, l, *carried
 
       if quantized:
-        quant = (jnp.float32(0.0), *load_scales(batch, head, first))
+        carried = (jnp.float32(0.0), *load_scales(batch, head, first))
       elif by_block:  # no rotation yet: the first live page rotates
-        quant = (jnp.int32(INT32_MIN),)
+        carried = (jnp.int32(INT32_MIN),)
       else:
-        quant = ()
-      acc, m, l, *quant = lax.fori_loop(
-          0, n_steps, step, (*softmax_start(ops, head_dim), *quant))
+        carried = ()
+      acc, m, l, *carried = lax.fori_loop(
+          0, n_steps, step, (*softmax_start(ops, head_dim), *carried))
       if quantized:  # back from units of the largest V scale
-        acc = acc * quant[0]
+        acc = acc * carried[0]
       # The item's f32 query tile is dead now: it stages the partial output.
       q_tile[...] = acc
       ml_smem[0] = m
