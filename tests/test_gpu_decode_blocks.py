@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
 from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
-from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _custom_calls,
-                                        _ragged_case, _specs)
+from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _ragged_case,
+                                        _specs, check_export,
+                                        two_document_plan)
 from tests.test_gpu_prefill_mgpu import (_check, _doc_layout_case,
                                          needs_interpreter)
 
@@ -30,18 +30,8 @@ def test_block_records():
   """One record per block of pages, each page with its own shift; dead
   pages (empty, after q_pos) hold no slots; steps end at the last live
   page's block; padding rows have none."""
-  # Row 0: doc A (pages 0-2, shift 0), doc B (pages 3-4, shift 48), a page
-  # after q_pos; row 1: padding.
-  table = np.array([[5, 6, 7, 1, 2, 3], [0, 0, 0, 0, 0, 0]], np.int32)
-  pos = np.array([[0, 16, 32, 48, 64, 80], [0] * 6], np.int32)
-  shift = np.array([[0, 0, 0, 48, 48, 0], [0] * 6], np.int32)
-  length = np.array([[16, 16, 16, 16, 5, 16], [16] * 6], np.int32)
-  q_pos = np.array([[68], [-1]], np.int32)
-  plan = plan_decode(*(jnp.asarray(a) for a in (table, pos, shift, length,
-                                                q_pos)),
-                     rope=PLAIN, head_dim=64, num_pages=8, page_size=16,
-                     block_sizes=MgpuDecodeBlockSizes(block_kv=64,
-                                                      steps_by_block=True))
+  plan = two_document_plan(MgpuDecodeBlockSizes(block_kv=64,
+                                                steps_by_block=True))
   layout = BlockRecordLayout(4)
   rec = np.asarray(plan.records)
   assert rec.shape == (2, 2, layout.width)
@@ -73,14 +63,7 @@ def test_block_records():
 ], ids=["bench", "small_splits3", "bench_persistent", "bench_rope_in_kernel",
         "small_persistent_rope_in_kernel"])
 def test_export_lowers_for_cuda(case):
-  batch, heads, kv_heads, head_dim, page_size, logical, dtype, rope, bs = case
-  args = _specs(batch, heads, kv_heads, head_dim, 4 * logical, page_size,
-                logical, dtype)
-  fn = jax.jit(lambda *a: lazy_decode_mgpu(
-      *a, rope=rope, sm_scale=jnp.float32(0.088), block_sizes=bs))
-  exported = export.export(fn, platforms=["cuda"])(*args)
-  assert _custom_calls(exported) == {"mosaic_gpu_v2"}
-  assert exported.out_avals[0].shape == (batch, 1, heads, head_dim)
+  check_export(case)
 
 
 def test_rope_in_kernel_plan_has_no_cos_sin():

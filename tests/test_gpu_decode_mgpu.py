@@ -79,6 +79,12 @@ EXPORT_CASES = [
 def test_export_lowers_for_cuda(case):
   """The Mosaic GPU custom call is in jax.export's stable list: the export
   runs with every safety check on (Triton's needs one disabled)."""
+  check_export(case)
+
+
+def check_export(case):
+  """lazy_decode_mgpu of an EXPORT_CASES-style case exports for cuda
+  through the Mosaic GPU custom call alone."""
   batch, heads, kv_heads, head_dim, page_size, logical, dtype, rope, bs = case
   args = _specs(batch, heads, kv_heads, head_dim, 4 * logical, page_size,
                 logical, dtype)
@@ -258,20 +264,25 @@ def test_parity_interpret_float8_small_and_mixed_v_scales(operand):
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
-def test_plan_decode_steps():
-  """Steps hold only live pages (not empty, not after q_pos), one segment
-  per step; padding rows have none."""
-  # Row 0: doc A (pages 0-2, shift 0), doc B (pages 3-4, shift 48), a page
-  # after q_pos; row 1: padding.
+def two_document_plan(block_sizes):
+  """plan_decode of two rows, pages of 16, H 64.  Row 0: doc A (pages 0-2,
+  shift 0), doc B (pages 3-4, shift 48; page 4 holds 5 tokens), then a page
+  after q_pos 68; row 1: padding."""
   table = np.array([[5, 6, 7, 1, 2, 3], [0, 0, 0, 0, 0, 0]], np.int32)
   pos = np.array([[0, 16, 32, 48, 64, 80], [0] * 6], np.int32)
   shift = np.array([[0, 0, 0, 48, 48, 0], [0] * 6], np.int32)
   length = np.array([[16, 16, 16, 16, 5, 16], [16] * 6], np.int32)
   q_pos = np.array([[68], [-1]], np.int32)
-  plan = plan_decode(*(jnp.asarray(a) for a in (table, pos, shift, length,
+  return plan_decode(*(jnp.asarray(a) for a in (table, pos, shift, length,
                                                 q_pos)),
                      rope=PLAIN, head_dim=64, num_pages=8, page_size=16,
-                     block_sizes=MgpuDecodeBlockSizes(block_kv=64))
+                     block_sizes=block_sizes)
+
+
+def test_plan_decode_steps():
+  """Steps hold only live pages (not empty, not after q_pos), one segment
+  per step; padding rows have none."""
+  plan = two_document_plan(MgpuDecodeBlockSizes(block_kv=64))
   assert isinstance(plan, DecodePlan)
   layout = RecordLayout(4)
   # Doc A: one step (pages 0-2).  Doc B spans blocks 0 and 1: page 3 alone,
