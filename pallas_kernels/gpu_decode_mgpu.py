@@ -193,9 +193,18 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
     raise ValueError(f"plan was made for {plan.n_steps.shape[0]} rows; q "
                      f"has {batch}")
   num_logical = plan.cos_sin.shape[1]
+  ppb = block_sizes.block_kv // page_size
+  # A block plan has one record per ppb cos/sin rows, a segment plan more.
+  made = dict(steps_by_block=plan.records.shape[1] * ppb == num_logical,
+              rope_in_kernel=plan.cos_sin.shape[-1] == 0)
+  for name, value in made.items():
+    if value != getattr(block_sizes, name):
+      raise ValueError(f"plan was made with {name}={value}, block_sizes "
+                       f"have {name}={not value}: make the plan with the "
+                       f"same block_sizes")
   splits = mgpu_decode_kv_splits(
       block_sizes, batch=batch, num_kv_heads=num_kv_heads,
-      max_steps=ceil_div(num_logical, block_sizes.block_kv // page_size))
+      max_steps=ceil_div(num_logical, ppb))
   q_tile = decode_query_tile(q, q_pos, rope, sm_scale, num_kv_heads)
   acc, ml = mgpu_decode_kernel(
       q_tile, k_pages, v_pages, plan.n_steps, plan.records, plan.cos_sin,

@@ -78,6 +78,28 @@ def test_rope_in_kernel_plan_has_no_cos_sin():
     MgpuDecodeBlockSizes(rope_in_kernel=True)
 
 
+@pytest.mark.parametrize("plan_sizes,call_sizes,message", [
+    (None, BLOCKS, "plan was made with steps_by_block=False"),
+    (MgpuDecodeBlockSizes(block_kv=64, steps_by_block=True),
+     MgpuDecodeBlockSizes(block_kv=64), "made with steps_by_block=True"),
+    (BLOCKS, ROPE_IN_KERNEL, "plan was made with rope_in_kernel=False"),
+    (ROPE_IN_KERNEL, BLOCKS, "plan was made with rope_in_kernel=True"),
+])
+def test_a_plan_of_other_block_sizes_is_refused(plan_sizes, call_sizes,
+                                                message):
+  """Block and segment records can have the same width (64-key blocks
+  of 16-token pages): the planned call tells them apart by their shapes."""
+  from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu_planned
+  args = [jnp.zeros(s.shape, s.dtype)
+          for s in _specs(2, 8, 2, 64, 64, 16, 16)]
+  q, k, v, *metadata, q_pos = args
+  plan = plan_decode(*metadata, q_pos, rope=PLAIN, head_dim=64, num_pages=64,
+                     page_size=16, block_sizes=plan_sizes)
+  with pytest.raises(ValueError, match=message):
+    lazy_decode_mgpu_planned(q, k, v, q_pos, plan, rope=PLAIN, sm_scale=0.1,
+                             block_sizes=call_sizes)
+
+
 def test_float8_pages_are_refused():
   from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
   reason = mosaic_decode_unsupported((1, 1, 8, 128), jnp.bfloat16,
