@@ -111,7 +111,8 @@ def test_float8_pages_are_refused():
 @needs_interpreter
 @pytest.mark.parametrize("persistent,rope_in_kernel", [
     (False, False), pytest.param(True, False, marks=pytest.mark.slow),
-    (False, True)], ids=["cta-per-item", "persistent", "rope-in-kernel"])
+    pytest.param(False, True, marks=pytest.mark.slow)],
+                         ids=["cta-per-item", "persistent", "rope-in-kernel"])
 def test_parity_interpret_ragged(persistent, rope_in_kernel):
   """Documents shorter than a page, so shifts change inside blocks (and
   back: one physical document read at two shifts); an empty page; NaN in
@@ -127,7 +128,8 @@ def test_parity_interpret_ragged(persistent, rope_in_kernel):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rope_in_kernel", [False, True])
+@pytest.mark.parametrize("rope_in_kernel", [
+    pytest.param(False, marks=pytest.mark.slow), True])
 def test_parity_interpret_documents_across_blocks_llama3(rope_in_kernel):
   """Whole-page documents of 9 pages of 8 at shifts up to 2^20: each block
   of 8 pages holds the end of one document and the start of the next."""

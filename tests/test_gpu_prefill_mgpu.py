@@ -270,8 +270,8 @@ def test_parity_interpret_fast_path():
 
 @needs_interpreter
 @pytest.mark.parametrize("schedule_barrier,query_in_registers", [
-    pytest.param(False, True, marks=pytest.mark.slow), (True, False),
-    (True, True)])
+    pytest.param(False, True, marks=pytest.mark.slow),
+    pytest.param(True, False, marks=pytest.mark.slow), (True, True)])
 def test_parity_interpret_segments_of_several_steps(schedule_barrier,
                                                     query_in_registers):
   """Documents of three 64-key steps (the query is rotated ahead, during
