@@ -26,7 +26,6 @@ Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 
 from __future__ import annotations
 
-
 import argparse
 import statistics
 import sys

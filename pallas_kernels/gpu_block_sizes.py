@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.rope import NUM_TURN_CHUNKS
 from pallas_kernels.sizes import ceil_div
 
 # The Triton decode aims for about four waves of programs on a 132-SM Hopper
@@ -279,7 +280,7 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
   if block_sizes.rope_in_kernel:  # a one-row placeholder per stage
     pages = 1
   cos_sin_pages = block_sizes.num_stages * (pages - 1) * head_dim * 4
-  turn_chunks = 6 * head_dim // 2 * 4  # rope.NUM_TURN_CHUNKS rows
+  turn_chunks = NUM_TURN_CHUNKS * head_dim // 2 * 4
   return (q_store + q_16 + cos_sin_pages + turn_chunks + 2 * WG_ROWS * 4
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))

@@ -20,7 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
+from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout, step_flags
 from pallas_kernels.sizes import ceil_div, round_up
 
 
@@ -65,9 +65,7 @@ def block_records(page_table, page_pos, page_shift, page_len, live, *,
   by_block = lambda a: a.reshape(batch, num_blocks, ppb)
   lim_b, pos_b = by_block(lim), by_block(padded(page_pos))
   phys_b = by_block(padded(jnp.clip(page_table, 0, num_pages - 1)))
-  fixup = jnp.any(lim_b < page_size, axis=-1)
-  max_pos = jnp.max(jnp.where(lim_b > 0, pos_b + lim_b - 1, INT32_MIN),
-                    axis=-1)
+  fixup, max_pos = step_flags(lim_b, pos_b, page_size)
   first_page = jnp.broadcast_to(
       jnp.arange(num_blocks, dtype=jnp.int32) * ppb, (batch, num_blocks))
   column = lambda a: a.astype(jnp.int32)[..., None]

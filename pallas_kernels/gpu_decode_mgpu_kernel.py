@@ -172,7 +172,7 @@ def _kernel(
           # and six rows held in registers through the loop would spill
           chunk_rows = [ops.cast(chunks_smem[r], col_layout)
                         for r in range(chunks_smem.shape[0])]
-          cos_sin = shift_cos_sin(ops, rec[layout.shift + j], chunk_rows)
+          cos_sin = shift_cos_sin(rec[layout.shift + j], chunk_rows)
         rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype, cos_sin)
 
       change, rotated = changes(0, rotated)

@@ -140,13 +140,13 @@ def rotate_query(ops, src, dst, cs_smem, slot, half, dtype, cos_sin=None):
   plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
 
 
-def shift_cos_sin(ops, shift, chunk_rows):
+def shift_cos_sin(shift, chunk_rows):
   """cos and sin (f32 [H/2] each, per column) of a scalar int32 shift,
   computed in the kernel with the exact range reduction of
   `rope.cos_sin_from_chunks` from `chunk_rows` (the turn chunks' first
-  H/2 columns, int32 rows per column)."""
-  nearest = (lambda x: jnp.floor(x + 0.5)) if ops.interpret else jnp.round
-  return cos_sin_from_chunks(shift, chunk_rows, nearest=nearest)
+  H/2 columns, int32 rows per column).  Mosaic GPU lowers round, not
+  floor; the interpreter runs the same."""
+  return cos_sin_from_chunks(shift, chunk_rows, nearest=jnp.round)
 
 
 def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):

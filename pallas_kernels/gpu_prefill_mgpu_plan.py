@@ -75,6 +75,15 @@ class RecordLayout:
     return round_up(self.seg + 4, 32)
 
 
+def step_flags(lim, pos, page_size: int):
+  """A step record's fix-up flag (a page of the step not fully valid) and
+  newest valid key position (INT32_MIN if none), from its pages' valid
+  slots and positions ([..., ppb] each)."""
+  fixup = jnp.any(lim < page_size, axis=-1)
+  max_pos = jnp.max(jnp.where(lim > 0, pos + lim - 1, INT32_MIN), axis=-1)
+  return fixup, max_pos
+
+
 def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
   """Static bound on the steps of one batch row.
 
@@ -144,8 +153,7 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   phys = expand(jnp.clip(by_block(page_table), 0, num_pages - 1))
   seg = starts_before[..., None] - carried[..., None] + j
   new_seg = (j > 0) | (carried[..., None] == 0)
-  fixup = jnp.any(lim < page_size, axis=-1)
-  max_pos = jnp.max(jnp.where(lim > 0, pos + lim - 1, INT32_MIN), axis=-1)
+  fixup, max_pos = step_flags(lim, pos, page_size)
   slot = j  # a page's index in its block, on the last axis of in_piece
   first_in_piece = jnp.min(
       jnp.where(in_piece, slot[None, None, None, :], ppb), axis=-1)
