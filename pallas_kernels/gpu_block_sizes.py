@@ -213,7 +213,8 @@ class MgpuDecodeBlockSizes:
       several (batch row, kv head, split) work items through one K/V ring,
       the next item's query prefetched; else one CTA per work item.
       `gpu_decode_mgpu.default_decode_block_sizes` turns it on for float8
-      pools only: on 16-bit pools it measured no faster.
+      pools only: on 16-bit pools it measured no faster (and with
+      `steps_by_block` at 128-key steps and H 128 it does not fit).
     num_ctas: CTAs of the persistent grid; None takes the local GPU's SM
       count (`gpu_sm_count`).
     float8_operand: the 16-bit wgmma operand dtype of float8 pools' steps
@@ -226,12 +227,12 @@ class MgpuDecodeBlockSizes:
       (the kernel rotates the query for each run of one shift inside the
       block and takes that run's columns from its own Q K^T), so the plan
       is a reshape of the page metadata, not a flattening into segment
-      steps (`gpu_decode_block_plan.py`).  16-bit pages only.  Not yet
-      measured on a GPU.
+      steps (`gpu_decode_block_plan.py`).  16-bit pages only.
     rope_in_kernel: with `steps_by_block`, the kernel computes each
       shift's cos / sin itself (the exact range reduction of
       `rope.cos_sin_from_chunks`, then the GPU's sin / cos), so the plan
-      writes and the producer copies none.  Not yet measured on a GPU.
+      writes and the producer copies none.  The two together are the
+      default for 16-bit pools (`gpu_decode_mgpu.default_decode_block_sizes`).
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -271,7 +272,8 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
   the K/V ring (1-byte elements for float8 pages, plus a 16-bit K and V
   tile they are widened into), records, cos/sin (twice as deep for float8;
   one row per page of a step with `steps_by_block`, pages of `page_size`),
-  the RoPE turn chunks and the m / l rows."""
+  the RoPE turn chunks, the m / l rows and (`steps_by_block`) a block's
+  f32 scores."""
   q_store = WG_ROWS * head_dim * 4 * (2 if block_sizes.persistent else 1)
   q_16 = WG_ROWS * head_dim * 2
   # steps_by_block: cos / sin of every page of a step, not of one segment.
@@ -281,7 +283,10 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
     pages = 1
   cos_sin_pages = block_sizes.num_stages * (pages - 1) * head_dim * 4
   turn_chunks = NUM_TURN_CHUNKS * head_dim // 2 * 4
+  scores = (WG_ROWS * block_sizes.block_kv * 4 if block_sizes.steps_by_block
+            else 0)
   return (q_store + q_16 + cos_sin_pages + turn_chunks + 2 * WG_ROWS * 4
+          + scores
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 

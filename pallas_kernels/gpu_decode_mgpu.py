@@ -6,7 +6,8 @@ per-page scales) pools on H100/H200: TMA copies of whole KV
 pages into a shared-memory ring, wgmma for both matmuls, the KV of a row
 split over CTAs (flash-decoding) and merged in XLA.  This module is the entry
 point: input checks (`mosaic_decode_unsupported`), the per-batch plan
-(`plan_decode`: the prefill's step records with T == 1), the query tile, the
+(`plan_decode`: one step per KV block for 16-bit pools, the prefill's
+segment step records with T == 1 for float8 pools), the query tile, the
 kernel (`gpu_decode_mgpu_kernel`) and the merge.  `interpret=True` runs the
 kernel in jax's Mosaic GPU interpreter on CPU.
 
@@ -41,12 +42,20 @@ _SMEM_LIMIT = 227 * 1024 - 4096
 
 
 def default_decode_block_sizes(kv_dtype) -> MgpuDecodeBlockSizes:
-  """The decode tiles for pools of `kv_dtype`: the persistent grid for
-  float8 pools (faster there per layer on the H200: their steps are
-  compute-bound, and a CTA's next item overlaps its drain), one CTA per
-  work item for 16-bit pools (no faster persistent; benchmarks/RESULTS.md).
-  The plan does not depend on the choice."""
-  return MgpuDecodeBlockSizes(persistent=is_quantized(kv_dtype))
+  """The decode tiles for pools of `kv_dtype`.
+
+  16-bit pools: one CTA per work item (no faster persistent), one step per
+  KV block with the RoPE cos / sin computed in the kernel, so the plan is
+  the page metadata reshaped (7 XLA ops, 15 us at B 64 / 8K context on the
+  H200, against 19 ops and 37 us for segment steps; the kernel as fast).
+  Float8 pools: segment steps on the persistent grid (faster there per
+  layer: their steps are compute-bound, and a CTA's next item overlaps its
+  drain).  The plan depends on the choice: plan with the same block sizes
+  (`plan_decode`'s default for the same `kv_dtype`).  Measurements:
+  benchmarks/RESULTS.md."""
+  if is_quantized(kv_dtype):
+    return MgpuDecodeBlockSizes(persistent=True)
+  return MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
 
 
 def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
@@ -100,15 +109,17 @@ class DecodePlan(NamedTuple):
 def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
                 rope: RopeConfig, head_dim: int, num_pages: int,
                 page_size: int,
-                block_sizes: MgpuDecodeBlockSizes | None = None
-                ) -> DecodePlan:
+                block_sizes: MgpuDecodeBlockSizes | None = None,
+                kv_dtype=jnp.bfloat16) -> DecodePlan:
   """Step records of each row's live pages (page_len > 0, page_pos <=
   q_pos; none for a padding row), in page order, one segment (one shift) per
   step, and the cos / sin of each segment's shift (exact).  With
   `block_sizes.steps_by_block`: one step per block of pages, and the cos /
   sin of each page's shift (`gpu_decode_block_plan.block_records`); none
-  with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder)."""
-  block_sizes = block_sizes or MgpuDecodeBlockSizes()
+  with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder).
+  block_sizes defaults to `default_decode_block_sizes(kv_dtype)`, the
+  pools' dtype."""
+  block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
   row = q_pos[:, 0]
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
   make = block_records if block_sizes.steps_by_block else step_records

@@ -92,11 +92,12 @@ def _kernel(
     # Outputs (partial states of each split).
     acc_ref,  # f32 [B, S, K, Gp, H]
     ml_ref,  # f32 [B, S, K, 2, 64]: running max m and sum l of each row
-    # Scratch (float8: the 16-bit K and V tiles and their four barriers at
-    # the end: ready (converter -> compute) and free (compute -> converter)).
+    # Scratch; at the end, float8: the 16-bit K and V tiles and their four
+    # barriers: ready (converter -> compute) and free (compute -> converter);
+    # steps_by_block: the block's f32 scores [64, block_kv].
     q_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, ml_smem,
     chunks_smem, q_bars, k_bars, v_bars, k_free, v_free, chunks_bar,
-    *float8_scratch,
+    *tail_scratch,
     cfg: MgpuDecodeBlockSizes,
     page_size: int, num_splits: int, num_items: int, num_ctas: int,
     rows: int, layout: RecordLayout, dtype, interpret: bool):
@@ -105,8 +106,11 @@ def _kernel(
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
-  quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
   by_block = cfg.steps_by_block  # one step per block (BlockRecordLayout)
+  # (16-bit pages only, so the scores never follow float8 scratch)
+  s_smem = tail_scratch[0] if by_block else None
+  float8_scratch = () if by_block else tail_scratch
+  quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
   # With float8 the converter frees a K slot before the compute warpgroup
   # has used its cos/sin: their ring is twice as deep, as the records'.
@@ -158,13 +162,15 @@ def _kernel(
       shift it holds after)."""
       cs = cs_smem.at[lax.rem(ring, cs_stages)]
       k_slot, shape = k_smem.at[slot], (WG_ROWS, block_kv)
-      col_page = lax.div(ops.iota((block_kv,), 0, col_layout),
-                         jnp.int32(page_size))
-
-      def changes(j, rotated):
+      # Where the shift changes, on the scalar unit: page j starts a run
+      # if it has valid slots and a shift other than the tile's.
+      starts = []
+      for j in range(ppb):
         shift = rec[layout.shift + j]
         change = (rec[layout.lim + j] > 0) & (shift != rotated)
-        return change, jnp.where(change, shift, rotated)
+        starts.append(change)
+        rotated = jnp.where(change, shift, rotated)
+      later = functools.reduce(lambda a, b: a | b, starts[1:], False)
 
       def rotate_to(j):
         cos_sin = None
@@ -175,17 +181,26 @@ def _kernel(
           cos_sin = shift_cos_sin(rec[layout.shift + j], chunk_rows)
         rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype, cos_sin)
 
-      change, rotated = changes(0, rotated)
-      pl.when(change)(lambda: rotate_to(0))
-      s = ops.qk(q16_smem, k_slot, shape)
-      for j in range(1, ppb):
-        change, rotated = changes(j, rotated)
+      def later_runs(s):
+        # S waits in shared memory while the query is rotated: S, the
+        # accumulator and the rotation at once would not fit in the
+        # registers (spills, and serialized wgmmas everywhere).
+        s_smem[...] = s
+        col_page = lax.div(ops.iota((block_kv,), 0, col_layout),
+                           jnp.int32(page_size))
+        for j in range(1, ppb):
+          def run_from(j=j):
+            rotate_to(j)
+            fresh = ops.qk(q16_smem, k_slot, shape)
+            take = lax.broadcast_in_dim(col_page >= j, shape, [1])
+            s_smem[...] = jnp.where(take, fresh, s_smem[...])
+          pl.when(starts[j])(run_from)
+        return s_smem[...]
 
-        def run_from(s, j=j):
-          rotate_to(j)
-          take = lax.broadcast_in_dim(col_page >= j, s.shape, [1])
-          return jnp.where(take, ops.qk(q16_smem, k_slot, shape), s)
-        s = lax.cond(change, run_from, lambda s: s, s)
+      pl.when(starts[0])(lambda: rotate_to(0))
+      s = ops.qk(q16_smem, k_slot, shape)
+      if ppb > 1:
+        s = lax.cond(later, later_runs, lambda s: s, s)
       return s, rotated
 
     if cfg.rope_in_kernel:  # the turn chunks, once per CTA
@@ -408,6 +423,10 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   ]
   if quantized:  # 16-bit K and V tiles; ready and free barriers of each
     scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, 1)
+  if block_sizes.steps_by_block:  # a block's scores while the query is
+    # rotated again
+    scratch.append(plgpu.SMEM((WG_ROWS, block_kv), jnp.float32,
+                              transforms=tiled32))
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              num_splits=num_splits, num_items=num_items,
                              num_ctas=num_ctas, rows=rows, layout=layout,

@@ -249,13 +249,13 @@ def _gpu_kernel(impl: str, q, k_pages, interpret: bool) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("rope", "head_dim", "num_pages",
-                                             "page_size"))
+                                             "page_size", "kv_dtype"))
 def _plan_decode_jit(page_table, page_pos, page_shift, page_len, q_pos, *,
-                     rope, head_dim, num_pages, page_size):
+                     rope, head_dim, num_pages, page_size, kv_dtype):
   from pallas_kernels.gpu_decode_mgpu import plan_decode
   return plan_decode(page_table, page_pos, page_shift, page_len, q_pos,
                      rope=rope, head_dim=head_dim, num_pages=num_pages,
-                     page_size=page_size)
+                     page_size=page_size, kv_dtype=kv_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("rope", "group", "head_dim",
@@ -302,7 +302,8 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
   if q.shape[1] == 1:
     return _plan_decode_jit(page_table, page_pos, page_shift, page_len,
                             q_pos, rope=rope, head_dim=head_dim,
-                            num_pages=num_pages, page_size=page_size)
+                            num_pages=num_pages, page_size=page_size,
+                            kv_dtype=jnp.dtype(k_pages.dtype))
   return _plan_jit(page_table, page_pos, page_shift, page_len, q_pos,
                    rope=rope, group=q.shape[2] // num_kv_heads,
                    head_dim=head_dim, num_pages=num_pages,

@@ -55,7 +55,7 @@ def test_block_records():
     (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
      MgpuDecodeBlockSizes(block_kv=64, kv_splits=3, steps_by_block=True)),
     (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3,
-     MgpuDecodeBlockSizes(persistent=True, steps_by_block=True)),
+     MgpuDecodeBlockSizes(block_kv=64, persistent=True, steps_by_block=True)),
     (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, ROPE_IN_KERNEL),
     (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
      MgpuDecodeBlockSizes(block_kv=64, persistent=True, steps_by_block=True,
@@ -79,7 +79,9 @@ def test_rope_in_kernel_plan_has_no_cos_sin():
 
 
 @pytest.mark.parametrize("plan_sizes,call_sizes,message", [
-    (None, BLOCKS, "plan was made with steps_by_block=False"),
+    (MgpuDecodeBlockSizes(), BLOCKS,
+     "plan was made with steps_by_block=False"),
+    (None, MgpuDecodeBlockSizes(), "plan was made with steps_by_block=True"),
     (MgpuDecodeBlockSizes(block_kv=64, steps_by_block=True),
      MgpuDecodeBlockSizes(block_kv=64), "made with steps_by_block=True"),
     (BLOCKS, ROPE_IN_KERNEL, "plan was made with rope_in_kernel=False"),
@@ -106,6 +108,17 @@ def test_float8_pages_are_refused():
                                      (2, 4, 16, 128), jnp.float8_e4m3fn,
                                      BLOCKS)
   assert "steps_by_block needs 16-bit pages" in reason
+
+
+def test_persistent_at_128_keys_does_not_fit():
+  """Two f32 query tiles, the 128-key ring and the block's scores are more
+  shared memory than an SM has at H 128."""
+  from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
+  reason = mosaic_decode_unsupported(
+      (1, 1, 32, 128), jnp.bfloat16, (8, 4, 16, 128), jnp.bfloat16,
+      MgpuDecodeBlockSizes(persistent=True, steps_by_block=True,
+                           rope_in_kernel=True))
+  assert "bytes of shared memory" in reason and "block_kv 64" in reason
 
 
 @needs_interpreter
@@ -150,8 +163,8 @@ def test_parity_interpret_documents_across_blocks_llama3(rope_in_kernel):
 @pytest.mark.parametrize("block_sizes", [
     BLOCKS, MgpuDecodeBlockSizes(block_kv=64, kv_splits=3,
                                  steps_by_block=True),
-    MgpuDecodeBlockSizes(persistent=True, num_ctas=7, kv_splits=2,
-                         steps_by_block=True),
+    MgpuDecodeBlockSizes(block_kv=64, persistent=True, num_ctas=7,
+                         kv_splits=2, steps_by_block=True),
     ROPE_IN_KERNEL],
                          ids=["default", "k64_splits3", "persistent",
                               "rope_in_kernel"])

@@ -343,29 +343,39 @@ def test_persistent_grid_size():
     MgpuDecodeBlockSizes(persistent=True, num_ctas=0)
 
 
-@pytest.mark.parametrize("kv_dtype,persistent", [
-    (jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
-def test_float8_pools_default_to_the_persistent_grid(monkeypatch, kv_dtype,
-                                                     persistent):
-  """`lazy_attention` decode launches the persistent grid on float8 pools
-  and one CTA per work item on 16-bit pools (default_decode_block_sizes)."""
+@pytest.mark.parametrize("kv_dtype,expected", [
+    (jnp.bfloat16, (False, True, True)), (jnp.float8_e4m3fn, (True, False, False))])
+def test_decode_defaults_by_pool_dtype(monkeypatch, kv_dtype, expected):
+  """`lazy_attention` decode launches (persistent, steps_by_block,
+  rope_in_kernel): one CTA per work item and block steps with the rope in
+  the kernel on 16-bit pools, segment steps on the persistent grid on
+  float8 pools (default_decode_block_sizes); `plan_lazy_attention` plans
+  for the same form."""
   import pallas_kernels.gpu_decode_mgpu_kernel as kernel_module
   from pallas_kernels.gpu_decode_mgpu import default_decode_block_sizes
-  assert default_decode_block_sizes(kv_dtype).persistent == persistent
+  defaults = default_decode_block_sizes(kv_dtype)
+  assert (defaults.persistent, defaults.steps_by_block,
+          defaults.rope_in_kernel) == expected
   launched = []
   real = kernel_module.mgpu_decode_num_ctas
   monkeypatch.setattr(kernel_module, "mgpu_decode_num_ctas",
-                      lambda bs, n: launched.append(bs.persistent) or real(bs, n))
+                      lambda bs, n: launched.append(
+                          (bs.persistent, bs.steps_by_block,
+                           bs.rope_in_kernel)) or real(bs, n))
   # A batch of 5 rows, which no other test traces lazy_attention with: a
   # cached trace would not call the kernel builder again.
   specs = list(_specs(5, 32, 8, 128, 64, 16, 20, jnp.bfloat16))
   pages = jax.ShapeDtypeStruct(specs[1].shape, kv_dtype)
   scales = ([jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)] * 2
             if kv_dtype == jnp.float8_e4m3fn else [None, None])
-  jax.make_jaxpr(lambda *a: lazy_attention(
-      *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9]))(
-          specs[0], pages, pages, *specs[3:], *scales)
-  assert launched == [persistent]
+
+  def planned(*a):
+    plan = plan_lazy_attention(a[0], a[1], *a[3:8], rope=LLAMA3, impl="gpu")
+    assert (plan.cos_sin.shape[-1] == 0) == defaults.rope_in_kernel
+    return lazy_attention(*a[:8], rope=LLAMA3, impl="gpu", plan=plan,
+                          k_scales=a[8], v_scales=a[9])
+  jax.make_jaxpr(planned)(specs[0], pages, pages, *specs[3:], *scales)
+  assert launched == [expected]
 
 
 @pytest.mark.parametrize("change,message", [
