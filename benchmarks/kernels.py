@@ -147,6 +147,13 @@ MOSAIC_DECODE_VARIANTS = {
     # The same with each shift's cos / sin computed in the kernel.
     "k128s2-blocks-rope": MgpuDecodeBlockSizes(steps_by_block=True,
                                                rope_in_kernel=True),
+    # The default form at 64-key steps: a deeper ring in the same bytes,
+    # one CTA per item or persistent (128-key persistent steps do not fit).
+    "k64s4-blocks-rope": MgpuDecodeBlockSizes(
+        block_kv=64, num_stages=4, steps_by_block=True, rope_in_kernel=True),
+    "k64s3-blocks-rope-persistent": MgpuDecodeBlockSizes(
+        block_kv=64, num_stages=3, steps_by_block=True, rope_in_kernel=True,
+        persistent=True),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key

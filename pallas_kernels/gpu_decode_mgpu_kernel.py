@@ -16,9 +16,9 @@ score column (K) and per P column (V) (gpu_mgpu_float8.py).  With
 `MgpuDecodeBlockSizes.steps_by_block` a step is a whole KV block whatever
 its pages' shifts: the query is rotated per run of one shift in it, and
 each run's columns come from its own Q K^T (`rope_in_kernel`: the cos /
-sin computed here, not read from the plan).  Each CTA
-writes its unnormalised partial state (acc, m, l); XLA merges the splits
-(`masked_softmax.merge_splits`).  The inputs come from
+sin computed here, not read from the plan; gpu_decode_block_scores.py).
+Each CTA writes its unnormalised partial state (acc, m, l); XLA merges the
+splits (`masked_softmax.merge_splits`).  The inputs come from
 `gpu_decode_mgpu.plan_decode` and `gpu_decode_mgpu.decode_query_tile`.
 
 Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
@@ -44,8 +44,9 @@ from pallas_kernels.gpu_mgpu_float8 import (
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
     interpreter_params, key_positions, produce_kv_ring, rotate_query,
-    shift_cos_sin, softmax_start, softmax_update, zero_invalid_v_rows)
+    softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
+from pallas_kernels.gpu_decode_block_scores import block_scores
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
 from pallas_kernels.sizes import round_up
@@ -111,7 +112,6 @@ def _kernel(
   s_smem = tail_scratch[0] if by_block else None
   float8_scratch = () if by_block else tail_scratch
   quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
-  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
   # With float8 the converter frees a K slot before the compute warpgroup
   # has used its cos/sin: their ring is twice as deep, as the records'.
   cs_stages = cs_smem.shape[0]
@@ -154,55 +154,6 @@ def _kernel(
                               page_offset, layout=layout,
                               pages_per_block=ppb)
 
-    def block_scores(rec, slot, ring, q_tile, rotated):
-      """S of a block whose pages may carry several shifts: the query is
-      rotated for each run of pages of one shift, and the run's columns
-      (its first page's on) come from its own Q K^T.  `rotated`: the shift
-      the 16-bit query tile holds (INT32_MIN: none yet); returns (S, the
-      shift it holds after)."""
-      cs = cs_smem.at[lax.rem(ring, cs_stages)]
-      k_slot, shape = k_smem.at[slot], (WG_ROWS, block_kv)
-      # Where the shift changes, on the scalar unit: page j starts a run
-      # if it has valid slots and a shift other than the tile's.
-      starts = []
-      for j in range(ppb):
-        shift = rec[layout.shift + j]
-        change = (rec[layout.lim + j] > 0) & (shift != rotated)
-        starts.append(change)
-        rotated = jnp.where(change, shift, rotated)
-      later = functools.reduce(lambda a, b: a | b, starts[1:], False)
-
-      def rotate_to(j):
-        cos_sin = None
-        if cfg.rope_in_kernel:  # chunk rows read here: rotations are rare,
-          # and six rows held in registers through the loop would spill
-          chunk_rows = [ops.cast(chunks_smem[r], col_layout)
-                        for r in range(chunks_smem.shape[0])]
-          cos_sin = shift_cos_sin(rec[layout.shift + j], chunk_rows)
-        rotate_query(ops, q_tile, q16_smem, cs, j, half, dtype, cos_sin)
-
-      def later_runs(s):
-        # S waits in shared memory while the query is rotated: S, the
-        # accumulator and the rotation at once would not fit in the
-        # registers (spills, and serialized wgmmas everywhere).
-        s_smem[...] = s
-        col_page = lax.div(ops.iota((block_kv,), 0, col_layout),
-                           jnp.int32(page_size))
-        for j in range(1, ppb):
-          def run_from(j=j):
-            rotate_to(j)
-            fresh = ops.qk(q16_smem, k_slot, shape)
-            take = lax.broadcast_in_dim(col_page >= j, shape, [1])
-            s_smem[...] = jnp.where(take, fresh, s_smem[...])
-          pl.when(starts[j])(run_from)
-        return s_smem[...]
-
-      pl.when(starts[0])(lambda: rotate_to(0))
-      s = ops.qk(q16_smem, k_slot, shape)
-      if ppb > 1:
-        s = lax.cond(later, later_runs, lambda s: s, s)
-      return s, rotated
-
     if cfg.rope_in_kernel:  # the turn chunks, once per CTA
       plgpu.copy_gmem_to_smem(chunks_ref, chunks_smem, chunks_bar.at[0])
       plgpu.barrier_wait(chunks_bar.at[0])
@@ -236,7 +187,12 @@ def _kernel(
                                    lax.rem(ring, cs_stages), half, dtype))
         acc_factor = None
         if by_block:
-          s, rotated = block_scores(rec, slot, ring, q_tile, *carried)
+          s, rotated = block_scores(
+              ops, rec, k_smem.at[slot], q_tile, *carried, q16_smem=q16_smem,
+              cs_smem=cs_smem.at[lax.rem(ring, cs_stages)],
+              chunks_smem=chunks_smem, s_smem=s_smem, layout=layout,
+              page_size=page_size, rope_in_kernel=cfg.rope_in_kernel,
+              dtype=dtype)
           plgpu.barrier_arrive(k_free.at[slot])
           carried = (rotated,)
         elif quantized:

@@ -1,0 +1,88 @@
+"""Scores of one decode step that is a whole KV block (Mosaic GPU, compute
+warpgroup; `MgpuDecodeBlockSizes.steps_by_block`).
+
+A block's pages may carry several shifts (`gpu_decode_block_plan`).  The
+query tile is rotated once per run of pages of one shift, and each run's
+score columns come from its own Q K^T.  Where the shift changes is found on
+the scalar unit; only blocks with a change inside take the slow branch,
+where S waits in shared memory while the query is rotated again (S, the
+accumulator and a rotation live at once would not fit in the registers:
+spills, and every wgmma serialized).
+
+Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gpu_block_sizes import WG_ROWS
+from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
+from pallas_kernels.gpu_mgpu_parts import Ops, rotate_query, shift_cos_sin
+
+
+def run_starts(rec, layout: BlockRecordLayout, pages_per_block: int,
+               rotated):
+  """Which of the block's pages start a run: page j has valid slots and a
+  shift other than the one the query tile holds when it is reached.
+  `rotated`: the tile's shift before the block (INT32_MIN: none yet).
+  Returns (bool scalars per page, the tile's shift after the block)."""
+  starts = []
+  for j in range(pages_per_block):
+    shift = rec[layout.shift + j]
+    change = (rec[layout.lim + j] > 0) & (shift != rotated)
+    starts.append(change)
+    rotated = jnp.where(change, shift, rotated)
+  return starts, rotated
+
+
+def block_scores(ops: Ops, rec, k_slot, q_tile, rotated, *,
+                 q16_smem,  # [64, H] 16-bit: the rotated query (A operand)
+                 cs_smem,  # f32 [ppb, 2, H/2]: this slot's pages' cos / sin
+                 chunks_smem,  # int32 [6, H/2]: turn chunks (rope_in_kernel)
+                 s_smem,  # f32 [64, block_kv]: S while the query turns
+                 layout: BlockRecordLayout, page_size: int,
+                 rope_in_kernel: bool, dtype):
+  """S (f32 [64, block_kv]) of the block in `k_slot` ([block_kv, H]) for
+  the f32 query tile `q_tile` ([64, H]).  `rotated`: the shift q16_smem
+  holds.  Returns (S, the shift it holds after)."""
+  block_kv, head_dim = k_slot.shape
+  pages_per_block = block_kv // page_size
+  half = head_dim // 2
+  shape = (WG_ROWS, block_kv)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+  starts, rotated = run_starts(rec, layout, pages_per_block, rotated)
+  later = functools.reduce(lambda a, b: a | b, starts[1:], False)
+
+  def rotate_to(j):
+    cos_sin = None
+    if rope_in_kernel:  # chunk rows read here: rotations are rare, and six
+      # rows held in registers through the step loop would spill
+      chunk_rows = [ops.cast(chunks_smem[r], col_layout)
+                    for r in range(chunks_smem.shape[0])]
+      cos_sin = shift_cos_sin(rec[layout.shift + j], chunk_rows)
+    rotate_query(ops, q_tile, q16_smem, cs_smem, j, half, dtype, cos_sin)
+
+  def later_runs(s):
+    s_smem[...] = s
+    col_page = lax.div(ops.iota((block_kv,), 0, col_layout),
+                       jnp.int32(page_size))
+    for j in range(1, pages_per_block):
+      def run_from(j=j):
+        rotate_to(j)
+        fresh = ops.qk(q16_smem, k_slot, shape)
+        take = lax.broadcast_in_dim(col_page >= j, shape, [1])
+        s_smem[...] = jnp.where(take, fresh, s_smem[...])
+      pl.when(starts[j])(run_from)
+    return s_smem[...]
+
+  pl.when(starts[0])(lambda: rotate_to(0))
+  s = ops.qk(q16_smem, k_slot, shape)
+  if pages_per_block > 1:
+    s = lax.cond(later, later_runs, lambda s: s, s)
+  return s, rotated
