@@ -7,9 +7,10 @@ them takes prefix sums and scatters, about 19 XLA launches and 37 us at
 B 64 / 8K context on an H200.  Here a step is a block of `pages_per_block`
 logical pages whatever their shifts: the record carries each page's shift,
 and the kernel rotates the query once per run of one shift.  The records
-are then the page metadata reshaped (`block_records`), and the plan is
-about three fusions: the records, the row lengths and the cos / sin of
-every page's shift.
+are then the page metadata reshaped and concatenated (`block_records`;
+the step's fix-up flag and newest key position the kernel derives itself,
+`block_flags`), and the plan is the records, the row lengths and (unless
+the kernel computes them) the cos / sin of every page's shift.
 
 Design: docs/kernels.md, 'GPU decode, Mosaic GPU'.
 """
@@ -20,23 +21,58 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout, step_flags
+from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN
 from pallas_kernels.sizes import ceil_div, round_up
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockRecordLayout(RecordLayout):
-  """`RecordLayout` with each page's shift after the step fields.  `seg`
-  holds the block's first logical page (the row of its pages' cos / sin);
-  `new_seg` is unused (0)."""
+class BlockRecordLayout:
+  """Field offsets of one int32 block record: per page its physical id,
+  position, valid slots (0 if dead) and shift, nothing else.  The step's
+  fix-up flag and newest key position are the kernel's to derive from the
+  pages' fields (`block_flags`), so the plan is one concatenation with no
+  reduction over the pages of a block."""
+
+  pages_per_block: int
+
+  @property
+  def phys(self):
+    return 0
+
+  @property
+  def pos(self):
+    return self.pages_per_block
+
+  @property
+  def lim(self):
+    return 2 * self.pages_per_block
 
   @property
   def shift(self):
-    return self.max_pos + 1
+    return 3 * self.pages_per_block
 
   @property
   def width(self):
-    return round_up(self.shift + self.pages_per_block, 32)
+    # A multiple of 32 int32 (128 bytes), as RecordLayout's.
+    return round_up(4 * self.pages_per_block, 32)
+
+  def segment(self, rec_ref, batch, row):
+    """The row of step `row`'s cos / sin: its block's first logical page."""
+    del rec_ref, batch
+    return row * self.pages_per_block
+
+
+def block_flags(rec, layout: BlockRecordLayout, page_size: int):
+  """(fix-up flag: some page of the block not fully valid, newest valid
+  key position or INT32_MIN) of a block record, on the scalar unit: the
+  values `step_flags` gives a segment step's record."""
+  fixup, max_pos = False, jnp.int32(INT32_MIN)
+  for j in range(layout.pages_per_block):
+    lim, pos = rec[layout.lim + j], rec[layout.pos + j]
+    fixup = fixup | (lim < page_size)
+    max_pos = jnp.where(lim > 0, jnp.maximum(max_pos, pos + lim - 1),
+                        max_pos)
+  return fixup, max_pos
 
 
 def block_records(page_table, page_pos, page_shift, page_len, live, *,
@@ -48,12 +84,11 @@ def block_records(page_table, page_pos, page_shift, page_len, live, *,
 
   Returns:
     records: int32 [B, ceil(M / ppb), BlockRecordLayout.width]: per page its
-      physical id, position, valid slots (0 if dead) and shift; per block
-      its first logical page, a fix-up flag (a page not fully valid) and
-      its newest valid key position;
+      physical id, position, valid slots (0 if dead) and shift;
     num_steps: int32 [B]: blocks up to the row's last live page;
     shift: int32 [B, ceil(M / ppb) * ppb]: each page's shift (0 past M).
   """
+  del page_size  # the kernel derives the fix-up flag (block_flags)
   ppb = pages_per_block
   layout = BlockRecordLayout(ppb)
   batch, num_logical = page_table.shape
@@ -63,16 +98,9 @@ def block_records(page_table, page_pos, page_shift, page_len, live, *,
   lim = padded(jnp.where(live, page_len, 0))
   shift = padded(page_shift)
   by_block = lambda a: a.reshape(batch, num_blocks, ppb)
-  lim_b, pos_b = by_block(lim), by_block(padded(page_pos))
-  phys_b = by_block(padded(jnp.clip(page_table, 0, num_pages - 1)))
-  fixup, max_pos = step_flags(lim_b, pos_b, page_size)
-  first_page = jnp.broadcast_to(
-      jnp.arange(num_blocks, dtype=jnp.int32) * ppb, (batch, num_blocks))
-  column = lambda a: a.astype(jnp.int32)[..., None]
   records = jnp.concatenate(
-      [phys_b, pos_b, lim_b, column(first_page),
-       jnp.zeros((batch, num_blocks, 1), jnp.int32), column(fixup),
-       column(max_pos), by_block(shift)], axis=-1)
+      [by_block(padded(jnp.clip(page_table, 0, num_pages - 1))),
+       by_block(padded(page_pos)), by_block(lim), by_block(shift)], axis=-1)
   records = jnp.pad(records, ((0, 0), (0, 0),
                               (0, layout.width - records.shape[-1])))
   page = jnp.arange(num_blocks * ppb, dtype=jnp.int32)

@@ -45,7 +45,8 @@ from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
     interpreter_params, key_positions, produce_kv_ring, rotate_query,
     softmax_start, softmax_update, zero_invalid_v_rows)
-from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
+from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
+                                                   block_flags)
 from pallas_kernels.gpu_decode_block_scores import block_scores
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
@@ -207,9 +208,12 @@ def _kernel(
         else:
           s = ops.qk(q16_smem, k_smem.at[slot], (WG_ROWS, block_kv))
           plgpu.barrier_arrive(k_free.at[slot])
-        fixup = rec[layout.fixup] != 0
+        if by_block:
+          fixup, max_pos = block_flags(rec, layout, page_size)
+        else:
+          fixup, max_pos = rec[layout.fixup] != 0, rec[layout.max_pos]
         if cfg.mask_fast_path:
-          needs_mask = fixup | (rec[layout.max_pos] > q_pos)
+          needs_mask = fixup | (max_pos > q_pos)
           s = lax.cond(needs_mask, lambda s: mask_scores(s, rec, q_pos),
                        lambda s: s, s)
         else:

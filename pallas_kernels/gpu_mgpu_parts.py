@@ -237,7 +237,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   that has set it once.  `cs_stages` (stages when None) is the depth of the
   cos/sin ring, deeper where a slot is freed before its cos/sin are used.
   `cs_rows` (None: one) copies that many cos/sin rows from the record's
-  `seg` on (a block's pages, `gpu_decode_block_plan`); 0 copies none.
+  `layout.segment` on (a block's pages, `gpu_decode_block_plan`); 0 copies none.
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
@@ -252,7 +252,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     # Scalar reads first: their latency overlaps the wait for the slot.
     phys = [rec_ref[batch, row, layout.phys + j] + page_offset
             for j in range(pages_per_block)]
-    seg = rec_ref[batch, row, layout.seg]
+    seg = layout.segment(rec_ref, batch, row)
 
     def copy_pages(pages_ref, ring_smem, barrier):
       # One TMA copy per page: the block's pages are not contiguous.

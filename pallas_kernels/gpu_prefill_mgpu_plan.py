@@ -74,6 +74,10 @@ class RecordLayout:
     # split evenly over the 128 threads that arrive on the barrier.
     return round_up(self.seg + 4, 32)
 
+  def segment(self, rec_ref, batch, row):
+    """The row of step `row`'s cos / sin: its segment's index."""
+    return rec_ref[batch, row, self.seg]
+
 
 def step_flags(lim, pos, page_size: int):
   """A step record's fix-up flag (a page of the step not fully valid) and

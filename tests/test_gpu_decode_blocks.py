@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
-from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
+from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
+                                                   block_flags)
 from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
 from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _ragged_case,
                                         _specs, check_export,
@@ -41,9 +42,12 @@ def test_block_records():
   assert field("lim") == [[16, 16, 16, 16], [5, 0, 0, 0]]
   assert field("shift") == [[0, 0, 0, 48], [48, 0, 0, 0]]
   assert field("phys") == [[5, 6, 7, 1], [2, 3, 0, 0]]
-  assert rec[0, :, layout.seg].tolist() == [0, 4]  # first page of a block
-  assert rec[0, :, layout.fixup].tolist() == [0, 1]
-  assert rec[0, :, layout.max_pos].tolist() == [63, 68]
+  assert rec.shape[-1] == 32  # four fields of 4 pages, padded to 128 bytes
+  # The kernel's flags from the record: a page not fully valid, the newest
+  # valid key position.
+  flags = [block_flags(rec[0, b], layout, 16) for b in range(2)]
+  assert [(bool(f), int(m)) for f, m in flags] == [(False, 63), (True, 68)]
+  assert int(layout.segment(None, 0, 1)) == 4  # first page of a block
   cos_sin = np.asarray(plan.cos_sin)  # per page, whole blocks
   assert cos_sin.shape == (2, 8, 2, 32)
   np.testing.assert_allclose(cos_sin[0, 3, 0, 0], np.cos(48.0), atol=1e-6)
