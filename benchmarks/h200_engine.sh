@@ -43,10 +43,11 @@
 #           MIXED_EXTRA=--decode-loops-to-first-finish ends decode loops at
 #           the first request that reaches its output length, in both runs).
 #   wholecall - the Mosaic kernels' whole calls (plan included) against
-#           their per-layer calls: decode at B64 and B32 / ctx 8192 (segment
-#           steps, and one step per block: k128s2-blocks, with the
-#           rope in the kernel: k128s2-blocks-rope; WHOLECALL_VARIANTS
-#           names others), prefill
+#           their per-layer calls: decode at B64 and B32 / ctx 8192 beside
+#           the Triton decode (one step per block with the rope in the
+#           kernel: k128s2-blocks-rope, and with the records read by the
+#           kernel: k128s2-blocks-rope-fields; WHOLECALL_VARIANTS names
+#           others), prefill
 #           at the 512- and 128-token chunks beside cuDNN, after the plans'
 #           device time by op (benchmarks/plan_profile.py) (issue 16, parts
 #           1 and 4 as whole calls; ~200 s).
@@ -184,9 +185,10 @@ for part in $parts; do
     wholecall)
       timeout 120 python3 -m benchmarks.plan_profile --trace-dir /tmp/plan_profile --top 12 2>&1 \
         | grep -v Warning | tee "$out/plan_profile.txt" | tail -28
-      timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.kernels --decode-only --no-triton-decode \
-        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants ${WHOLECALL_VARIANTS:-k128s2,k128s2-blocks,k128s2-blocks-rope} --time-budget 120 \
-        --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | tail -8
+      timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.kernels --decode-only \
+        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants ${WHOLECALL_VARIANTS:-k128s2-blocks-rope,k128s2-blocks-rope-fields} --time-budget 120 \
+        --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | grep -v "^  tune" \
+        | tail -16
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
         --variants k128w2s2-qreg-sched 2>&1 | grep -v Warning | tee "$out/mgpu_prefill_wholecall.txt" \
         | tail -16 ;;

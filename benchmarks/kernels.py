@@ -147,6 +147,10 @@ MOSAIC_DECODE_VARIANTS = {
     # The same with each shift's cos / sin computed in the kernel.
     "k128s2-blocks-rope": MgpuDecodeBlockSizes(steps_by_block=True,
                                                rope_in_kernel=True),
+    # The default with the records read by the kernel from the page
+    # metadata: the plan is the step counts only.
+    "k128s2-blocks-rope-fields": MgpuDecodeBlockSizes(
+        steps_by_block=True, rope_in_kernel=True, fields_in_kernel=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
     # one CTA per item or persistent (128-key persistent steps do not fit).
     "k64s4-blocks-rope": MgpuDecodeBlockSizes(

@@ -2,7 +2,8 @@
 
 The decode plan at B64 / ctx 8192 (segment steps, and one step per block:
 `MgpuDecodeBlockSizes.steps_by_block`, with and without its cos / sin,
-`rope_in_kernel`) and the prefill plan at the
+`rope_in_kernel`, and with the records read by the kernel,
+`fields_in_kernel`) and the prefill plan at the
 512-token chunk (B 4, 8K context), on the kernel benchmark's page layout
 (benchmarks/kernel_cases.py): each is jitted with its outputs summed (so no
 output is dead code), timed chained, then profiled, and its ops listed by
@@ -32,7 +33,7 @@ from pallas_kernels.gpu_prefill_mgpu import plan_prefill
 
 def _summed(plan_fn):
   return lambda *args: sum(jnp.sum(x.astype(jnp.float32))
-                           for x in plan_fn(*args))
+                           for x in jax.tree.leaves(plan_fn(*args)))
 
 
 def _perturb(args, zero):
@@ -81,9 +82,13 @@ def main(argv=None):
   table, pos, shift, length = page_metadata(rng, batch, context, 0)
   q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
   for suffix, sizes in (
-      ("", None), ("_blocks", MgpuDecodeBlockSizes(steps_by_block=True)),
+      ("_segments", MgpuDecodeBlockSizes()),
+      ("_blocks", MgpuDecodeBlockSizes(steps_by_block=True)),
       ("_blocks_rope", MgpuDecodeBlockSizes(steps_by_block=True,
-                                            rope_in_kernel=True))):
+                                            rope_in_kernel=True)),
+      ("_fields", MgpuDecodeBlockSizes(steps_by_block=True,
+                                       rope_in_kernel=True,
+                                       fields_in_kernel=True))):
     rows.append(profile_plan(
         f"decode_B{batch}_ctx{context}{suffix}",
         functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.rope import NUM_TURN_CHUNKS
 from pallas_kernels.sizes import ceil_div
@@ -233,6 +234,11 @@ class MgpuDecodeBlockSizes:
       `rope.cos_sin_from_chunks`, then the GPU's sin / cos), so the plan
       writes and the producer copies none.  The two together are the
       default for 16-bit pools (`gpu_decode_mgpu.default_decode_block_sizes`).
+    fields_in_kernel: with `rope_in_kernel`, the producer copies each step's
+      page fields (id, position, slots, shift) from the caller's page
+      metadata and the kernel applies liveness itself, so the plan is only
+      each row's step count (`gpu_decode_page_fields.py`): one XLA launch
+      before the kernel instead of three on a whole call.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -247,10 +253,13 @@ class MgpuDecodeBlockSizes:
   float8_operand: str = "float16"
   steps_by_block: bool = False
   rope_in_kernel: bool = False
+  fields_in_kernel: bool = False
 
   def __post_init__(self):
     if self.rope_in_kernel and not self.steps_by_block:
       raise ValueError("rope_in_kernel needs steps_by_block=True")
+    if self.fields_in_kernel and not self.rope_in_kernel:
+      raise ValueError("fields_in_kernel needs rope_in_kernel=True")
     if self.float8_operand not in ("float16", "query"):
       raise ValueError(f"float8_operand must be 'float16' or 'query', got "
                        f"{self.float8_operand!r}")
@@ -285,8 +294,12 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
   turn_chunks = NUM_TURN_CHUNKS * head_dim // 2 * 4
   scores = (WG_ROWS * block_sizes.block_kv * 4 if block_sizes.steps_by_block
             else 0)
+  # fields_in_kernel: a record slot holds four 128-byte field chunks, not
+  # one 128-byte record.
+  fields = (2 * block_sizes.num_stages * 3 * 128
+            if block_sizes.fields_in_kernel else 0)
   return (q_store + q_16 + cos_sin_pages + turn_chunks + 2 * WG_ROWS * 4
-          + scores
+          + scores + fields
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 
@@ -326,3 +339,22 @@ def mgpu_decode_num_ctas(block_sizes: MgpuDecodeBlockSizes,
   if not block_sizes.persistent:
     return num_items
   return max(1, min(num_items, block_sizes.num_ctas or gpu_sm_count()))
+
+
+def mgpu_decode_work_item(j, cta, *, num_ctas: int, num_kv_heads: int,
+                          num_splits: int, n_steps_ref):
+  """In the Mosaic decode kernel: (batch, head, split, first step, steps)
+  of this CTA's j-th work item: items w = cta + j * num_ctas, in (batch,
+  kv head, split) order.  A split takes an even share of its row's steps
+  (rows differ in length, so the share is per row); steps are in page
+  order."""
+  w = cta + j * num_ctas
+  per_batch = num_kv_heads * num_splits
+  batch = lax.div(w, jnp.int32(per_batch))
+  rest = w - batch * per_batch
+  head = lax.div(rest, jnp.int32(num_splits))
+  split = rest - head * num_splits
+  total = n_steps_ref[batch]
+  per_split = lax.div(total + (num_splits - 1), jnp.int32(num_splits))
+  first = jnp.minimum(split * per_split, total)
+  return batch, head, split, first, jnp.minimum(per_split, total - first)

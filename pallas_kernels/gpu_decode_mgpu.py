@@ -27,6 +27,7 @@ from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_smem_bytes)
 from pallas_kernels.gpu_decode_block_plan import block_records
 from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
+from pallas_kernels.gpu_decode_page_fields import plan_fields
 from pallas_kernels.gpu_prefill_mgpu import SUPPORTED_DTYPES, tile_refusal
 from pallas_kernels.gpu_prefill_mgpu_plan import (segment_cos_sin,
                                                   step_records)
@@ -100,7 +101,9 @@ class DecodePlan(NamedTuple):
   (made once per decode step by `plan_decode`)."""
 
   n_steps: jax.Array  # int32 [B]: KV steps of each row
-  records: jax.Array  # int32 [B, steps, width]: step records (prefill's)
+  records: jax.Array  # int32 [B, steps, width]: step records (prefill's);
+  #                    fields_in_kernel: a tuple, the page table, positions,
+  #                    slots and shifts, each int32 [B, M'] (M' whole chunks)
   cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin (per
   #                    page, M rounded up to whole blocks, steps_by_block)
   q_pos: jax.Array  # int32 [B]: q_pos, PADDING_ROW for padding rows
@@ -116,11 +119,21 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   step, and the cos / sin of each segment's shift (exact).  With
   `block_sizes.steps_by_block`: one step per block of pages, and the cos /
   sin of each page's shift (`gpu_decode_block_plan.block_records`); none
-  with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder).
+  with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder).  With
+  `block_sizes.fields_in_kernel` the records are the page fields themselves
+  and only the step counts are computed (`gpu_decode_page_fields`).
   block_sizes defaults to `default_decode_block_sizes(kv_dtype)`, the
   pools' dtype."""
   block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
   row = q_pos[:, 0]
+  if block_sizes.fields_in_kernel:  # the kernel reads the fields and
+    # applies liveness: only the step counts here; no cos / sin
+    n_steps, fields = plan_fields(
+        page_table, page_pos, page_shift, page_len, row,
+        pages_per_block=block_sizes.block_kv // page_size)
+    cos_sin = jnp.zeros((row.shape[0], fields[0].shape[1], 2, 0),
+                        jnp.float32)
+    return DecodePlan(n_steps, fields, cos_sin, row)
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
   make = block_records if block_sizes.steps_by_block else step_records
   records, num_steps, *_, shift = make(
@@ -205,9 +218,13 @@ def lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan: DecodePlan,
                      f"has {batch}")
   num_logical = plan.cos_sin.shape[1]
   ppb = block_sizes.block_kv // page_size
-  # A block plan has one record per ppb cos/sin rows, a segment plan more.
-  made = dict(steps_by_block=plan.records.shape[1] * ppb == num_logical,
-              rope_in_kernel=plan.cos_sin.shape[-1] == 0)
+  # A block plan has one record per ppb cos/sin rows, a segment plan more;
+  # a page-fields plan holds the fields themselves.
+  fields = isinstance(plan.records, (tuple, list))
+  made = dict(steps_by_block=fields or (
+                  plan.records.shape[1] * ppb == num_logical),
+              rope_in_kernel=plan.cos_sin.shape[-1] == 0,
+              fields_in_kernel=fields)
   for name, value in made.items():
     if value != getattr(block_sizes, name):
       raise ValueError(f"plan was made with {name}={value}, block_sizes "

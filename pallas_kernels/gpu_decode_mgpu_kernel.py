@@ -36,7 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
-                                            mgpu_decode_num_ctas)
+                                            mgpu_decode_num_ctas,
+                                            mgpu_decode_work_item)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_mgpu_float8 import (
     CONVERTER_REGISTERS, convert_kv_ring, drain_converted, float8_scratch,
@@ -48,6 +49,8 @@ from pallas_kernels.gpu_mgpu_parts import (
 from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                    block_flags)
 from pallas_kernels.gpu_decode_block_scores import block_scores
+from pallas_kernels.gpu_decode_page_fields import (
+    PageFieldsLayout, PageFieldsRecord, check_fields, producer_calls)
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
 from pallas_kernels.sizes import round_up
@@ -59,28 +62,11 @@ def out_rows(group: int) -> int:
   return round_up(group, 8)
 
 
-def _work_item(j, cta, *, num_ctas: int, num_kv_heads: int,
-               num_splits: int, n_steps_ref):
-  """(batch, head, split, first step, steps) of this CTA's j-th work item:
-  items w = cta + j * num_ctas, in (batch, kv head, split) order.  A split
-  takes an even share of its row's steps (rows differ in length, so the
-  share is per row); steps are in page order."""
-  w = cta + j * num_ctas
-  per_batch = num_kv_heads * num_splits
-  batch = lax.div(w, jnp.int32(per_batch))
-  rest = w - batch * per_batch
-  head = lax.div(rest, jnp.int32(num_splits))
-  split = rest - head * num_splits
-  total = n_steps_ref[batch]
-  per_split = lax.div(total + (num_splits - 1), jnp.int32(num_splits))
-  first = jnp.minimum(split * per_split, total)
-  return batch, head, split, first, jnp.minimum(per_split, total - first)
-
-
 def _kernel(
     # Plan (per batch, the same for every layer; see DecodePlan).
     n_steps_ref,  # int32 [B]: steps of each row
-    rec_ref,  # int32 [B, steps, record width]
+    rec_ref,  # int32 [B, steps, record width]; fields_in_kernel: the page
+    #           table [B, M'] (M' whole chunks of FIELD_CHUNK pages)
     cs_ref,  # f32 [B, M, 2, H/2]: cos / sin of each segment's shift
     q_pos_ref,  # int32 [B]: q_pos, PADDING_ROW for padding rows
     page_offset_ref,  # int32 [1]: added to every physical page id
@@ -91,6 +77,8 @@ def _kernel(
     v_ref,  # [K, pages * P, H]
     ks_ref,  # f32 [K, pages]: K scale of each page (float8; else unused)
     vs_ref,  # f32 [K, pages]: V scale of each page
+    # fields_in_kernel: the other page fields, int32 [B, M'] (else unused).
+    pos_ref, len_ref, shift_ref,
     # Outputs (partial states of each split).
     acc_ref,  # f32 [B, S, K, Gp, H]
     ml_ref,  # f32 [B, S, K, 2, 64]: running max m and sum l of each row
@@ -123,9 +111,10 @@ def _kernel(
   # This CTA's work items (one each unless the grid is persistent).
   my_items = lax.div(jnp.int32(num_items - 1 + num_ctas) - cta,
                      jnp.int32(num_ctas))
-  item = functools.partial(_work_item, cta=cta, num_ctas=num_ctas,
+  item = functools.partial(mgpu_decode_work_item, cta=cta, num_ctas=num_ctas,
                            num_kv_heads=q_ref.shape[1],
                            num_splits=num_splits, n_steps_ref=n_steps_ref)
+  fields = cfg.fields_in_kernel  # PageFieldsLayout: records read here
   if quantized:
     k16_smem, v16_smem, k16_ready, v16_ready, k16_free, v16_free = (
         float8_scratch)
@@ -178,6 +167,8 @@ def _kernel(
         # read after the K slot is released (mask, V fix-up); see the
         # prefill.
         rec = rec_smem.at[lax.rem(ring, 2 * stages)]
+        if fields:  # the step's fields in its chunk, liveness applied
+          rec = PageFieldsRecord(rec, first + i, q_pos, layout)
         # float8: the converter waited for the slot (record and cos/sin
         # included) before it widened K.
         plgpu.barrier_wait(k16_ready if quantized else k_bars.at[slot])
@@ -265,6 +256,11 @@ def _kernel(
     if not interpret:
       plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
+    field_calls = producer_calls(
+        (rec_ref, pos_ref, len_ref, shift_ref), layout=layout,
+        page_offset=page_offset, num_pages=k_ref.shape[1] // page_size,
+    ) if fields else {}  # the records come from the page metadata itself
+
     def one_item(j, ring_step):
       batch, head, _, first, n_steps = item(j)
       return produce_kv_ring(
@@ -274,7 +270,8 @@ def _kernel(
           stages=stages, interpret=interpret, first_record=first,
           ring_step=ring_step, drain=False, set_registers=False,
           cs_stages=cs_stages,
-          cs_rows=0 if cfg.rope_in_kernel else ppb if by_block else None)
+          cs_rows=0 if cfg.rope_in_kernel else ppb if by_block else None,
+          **field_calls)
 
     ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
     drain_kv_ring(ring_steps, k_free, v_free, stages=stages)
@@ -308,7 +305,8 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
     q_tile: f32 [B, K, 64, H] from `gpu_decode_mgpu.decode_query_tile`.
     k_pages, v_pages: [K, num_pages, P, H], 16-bit (compute_dtype), or
       float8_e4m3fn with f32 k_scales, v_scales [K, num_pages].
-    n_steps, records, cos_sin, q_pos: the DecodePlan fields.
+    n_steps, records, cos_sin, q_pos: the DecodePlan fields (records: the
+      four page fields with `block_sizes.fields_in_kernel`).
     page_offset: int32 scalar added to every physical page id.
     group: G = N / K (rows of q_tile that are real heads).
     num_splits: S, CTAs per (batch row, kv head).
@@ -326,12 +324,17 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   page_size = k_pages.shape[2]
   stages, block_kv = block_sizes.num_stages, block_sizes.block_kv
   ppb = block_kv // page_size
-  layout = (BlockRecordLayout if block_sizes.steps_by_block
-            else RecordLayout)(ppb)
-  if records.shape[-1] != layout.width:
-    raise ValueError(f"records width {records.shape[-1]} must be "
-                     f"{layout.width} for block_kv {block_kv} and page size "
-                     f"{page_size}")
+  fields = block_sizes.fields_in_kernel
+  layout = (PageFieldsLayout if fields else BlockRecordLayout
+            if block_sizes.steps_by_block else RecordLayout)(ppb)
+  if fields:  # records: the four page fields
+    records, other_fields = check_fields(records)
+  else:
+    other_fields = [jnp.zeros((1, 1), jnp.int32)] * 3  # unused
+    if records.shape[-1] != layout.width:
+      raise ValueError(f"records width {records.shape[-1]} must be "
+                       f"{layout.width} for block_kv {block_kv} and page "
+                       f"size {page_size}")
   rows = out_rows(group)
   num_items = batch * num_kv_heads * num_splits
   num_ctas = mgpu_decode_num_ctas(block_sizes, num_items)
@@ -373,9 +376,10 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       plgpu.SMEM((2, WG_ROWS), jnp.float32),
       plgpu.SMEM(chunks.shape, jnp.int32),
       plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries
-      # K pages, record and (unless rope_in_kernel) cos/sin
-      plgpu.Barrier(num_arrivals=ppb + 1 + (not block_sizes.rope_in_kernel),
-                    num_barriers=stages),
+      # K pages, record (four field chunks) and (unless rope_in_kernel)
+      # cos/sin
+      plgpu.Barrier(num_arrivals=ppb + (4 if fields else 1)
+                    + (not block_sizes.rope_in_kernel), num_barriers=stages),
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot free
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot free
@@ -412,4 +416,4 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
       **extra,
   )(n_steps, records, cos_sin, q_pos, page_offset, chunks, q_tile,
     common.flat_pages(k_pages), common.flat_pages(v_pages), k_scales,
-    v_scales)
+    v_scales, *other_fields)

@@ -223,7 +223,8 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
                     page_size: int, stages: int, interpret: bool,
                     first_record=None, ring_step=None, drain: bool = True,
                     set_registers: bool = True, cs_stages: int | None = None,
-                    cs_rows: int | None = None):
+                    cs_rows: int | None = None, page_ids=None,
+                    copy_record=None):
   """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
   Step i copies, into ring slot (ring_step + i) % stages, the K pages of
@@ -238,6 +239,10 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   cos/sin ring, deeper where a slot is freed before its cos/sin are used.
   `cs_rows` (None: one) copies that many cos/sin rows from the record's
   `layout.segment` on (a block's pages, `gpu_decode_block_plan`); 0 copies none.
+  `page_ids(batch, row)` (the step's physical ids, page_offset added) and
+  `copy_record(batch, row, dst, barrier)` replace the reads and the copy of
+  `rec_ref` where the kernel reads the page metadata itself
+  (`gpu_decode_page_fields`).
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
@@ -250,8 +255,9 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     slot = lax.rem(ring, stages)
     row = i if first_record is None else first_record + i
     # Scalar reads first: their latency overlaps the wait for the slot.
-    phys = [rec_ref[batch, row, layout.phys + j] + page_offset
-            for j in range(pages_per_block)]
+    phys = (page_ids(batch, row) if page_ids is not None else
+            [rec_ref[batch, row, layout.phys + j] + page_offset
+             for j in range(pages_per_block)])
     seg = layout.segment(rec_ref, batch, row)
 
     def copy_pages(pages_ref, ring_smem, barrier):
@@ -265,9 +271,13 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     def _():
       plgpu.barrier_wait(k_free.at[slot])
     copy_pages(k_ref, k_smem, k_bars.at[slot])
-    plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
-                            rec_smem.at[lax.rem(ring, 2 * stages)],
-                            k_bars.at[slot])
+    if copy_record is not None:
+      copy_record(batch, row, rec_smem.at[lax.rem(ring, 2 * stages)],
+                  k_bars.at[slot])
+    else:
+      plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
+                              rec_smem.at[lax.rem(ring, 2 * stages)],
+                              k_bars.at[slot])
     if cs_rows != 0:  # 0: the kernel computes its cos / sin itself
       cs_src = (cs_ref.at[batch, seg] if cs_rows is None
                 else cs_ref.at[batch, pl.ds(seg, cs_rows)])

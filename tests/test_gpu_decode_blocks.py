@@ -127,8 +127,8 @@ def test_persistent_at_128_keys_does_not_fit():
 
 @needs_interpreter
 @pytest.mark.parametrize("persistent,rope_in_kernel", [
-    (False, False), pytest.param(True, False, marks=pytest.mark.slow),
-    pytest.param(False, True, marks=pytest.mark.slow)],
+    pytest.param(False, False, marks=pytest.mark.slow),
+    pytest.param(True, False, marks=pytest.mark.slow), (False, True)],
                          ids=["cta-per-item", "persistent", "rope-in-kernel"])
 def test_parity_interpret_ragged(persistent, rope_in_kernel):
   """Documents shorter than a page, so shifts change inside blocks (and

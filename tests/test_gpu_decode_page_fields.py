@@ -1,0 +1,149 @@
+"""The Mosaic GPU decode's block steps with the records read by the kernel
+from the page metadata (`MgpuDecodeBlockSizes.fields_in_kernel`,
+gpu_decode_page_fields.py): the plan, the record view against the block
+records made in XLA, CUDA lowering, refusals, parity in the Mosaic GPU
+interpreter; on a GPU (`@pytest.mark.gpu`), parity with the reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
+                                                  block_records)
+from pallas_kernels.gpu_decode_mgpu import (lazy_decode_mgpu,
+                                            lazy_decode_mgpu_planned,
+                                            plan_decode)
+from pallas_kernels.gpu_decode_page_fields import (FIELD_CHUNK,
+                                                   PageFieldsLayout,
+                                                   PageFieldsRecord,
+                                                   plan_fields)
+from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _ragged_case,
+                                        _specs, check_export)
+from tests.test_gpu_prefill_mgpu import (_check, _doc_layout_case,
+                                         needs_interpreter)
+
+FIELDS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                              fields_in_kernel=True)
+ROPE_IN_KERNEL = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
+
+
+def _metadata(rng, batch, logical, page_size, num_pages):
+  """Random page metadata with dead pages (empty, or after q_pos), ids out
+  of the pool in dead entries, and a padding row."""
+  table = rng.integers(0, num_pages, (batch, logical)).astype(np.int32)
+  pos = np.sort(rng.integers(0, 4000, (batch, logical)), axis=1)
+  length = rng.integers(0, page_size + 1, (batch, logical)).astype(np.int32)
+  length[:, -3:] = 0  # a dead tail
+  table[:, -1] = num_pages + 7  # dead entries may hold any id
+  shift = rng.integers(-2000, 2000, (batch, logical)).astype(np.int32)
+  q_pos = np.full((batch, 1), 3000, np.int32)
+  q_pos[-1] = -1  # padding row
+  return [jnp.asarray(a, jnp.int32) for a in (table, pos, shift, length,
+                                              q_pos)]
+
+
+@pytest.mark.parametrize("logical,ppb", [(40, 4), (64, 8), (10, 2)])
+def test_the_record_view_reads_the_block_records(logical, ppb):
+  """Through `PageFieldsRecord`, a step's fields in its copied chunk read
+  as the block records that XLA makes (liveness applied), and the plan's
+  step counts are theirs."""
+  rng = np.random.default_rng(logical)
+  page_size, num_pages = 16, 50
+  table, pos, shift, length, q_pos = _metadata(rng, 3, logical, page_size,
+                                               num_pages)
+  row = q_pos[:, 0]
+  live = (length > 0) & (pos <= row[:, None]) & (row[:, None] >= 0)
+  records, n_steps, _ = block_records(table, pos, shift, length, live,
+                                      num_pages=num_pages,
+                                      page_size=page_size,
+                                      pages_per_block=ppb)
+  steps, fields = plan_fields(table, pos, shift, length, row,
+                              pages_per_block=ppb)
+  np.testing.assert_array_equal(steps, n_steps)
+  assert all(f.shape[1] % FIELD_CHUNK == 0 for f in fields)
+  layout, block = PageFieldsLayout(ppb), BlockRecordLayout(ppb)
+  fields = [np.asarray(f) for f in fields]
+  for b in range(3):
+    for step in range(records.shape[1]):
+      # The slot as the producer fills it: each field's chunk of the step.
+      chunk = step // layout.blocks_per_chunk * FIELD_CHUNK
+      slot = np.concatenate([f[b, chunk:chunk + FIELD_CHUNK]
+                             for f in fields])
+      rec = PageFieldsRecord(slot, jnp.int32(step), row[b], layout)
+      for name in ("pos", "lim", "shift"):
+        got = [int(rec[getattr(layout, name) + j]) for j in range(ppb)]
+        want = records[b, step, getattr(block, name):
+                       getattr(block, name) + ppb].tolist()
+        assert got == want, (b, step, name)
+
+
+def test_fields_need_the_rope_in_the_kernel():
+  with pytest.raises(ValueError, match="fields_in_kernel needs rope_in_kernel"):
+    MgpuDecodeBlockSizes(steps_by_block=True, fields_in_kernel=True)
+
+
+@pytest.mark.parametrize("plan_sizes,call_sizes,message", [
+    (FIELDS, ROPE_IN_KERNEL, "plan was made with fields_in_kernel=True"),
+    (ROPE_IN_KERNEL, FIELDS, "plan was made with fields_in_kernel=False"),
+])
+def test_a_plan_of_the_other_form_is_refused(plan_sizes, call_sizes,
+                                             message):
+  args = [jnp.zeros(s.shape, s.dtype)
+          for s in _specs(2, 8, 2, 64, 64, 16, 16)]
+  q, k, v, *metadata, q_pos = args
+  plan = plan_decode(*metadata, q_pos, rope=PLAIN, head_dim=64, num_pages=64,
+                     page_size=16, block_sizes=plan_sizes)
+  with pytest.raises(ValueError, match=message):
+    lazy_decode_mgpu_planned(q, k, v, q_pos, plan, rope=PLAIN, sm_scale=0.1,
+                             block_sizes=call_sizes)
+
+
+@pytest.mark.parametrize("case", [
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, FIELDS),
+    (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
+     MgpuDecodeBlockSizes(block_kv=64, kv_splits=3, steps_by_block=True,
+                          rope_in_kernel=True, fields_in_kernel=True)),
+], ids=["bench", "small_splits3"])
+def test_export_lowers_for_cuda(case):
+  check_export(case)
+
+
+@needs_interpreter
+def test_parity_interpret_ragged():
+  """Documents shorter than a page, so shifts change inside blocks; an
+  empty page; NaN in every unused page and padding slot; a padding row;
+  two KV splits; pages not a whole number of field chunks."""
+  lazy = _ragged_case(0, batch=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_doc_len=150)
+  assert lazy.page_table.shape[1] % FIELD_CHUNK
+  bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True,
+                            rope_in_kernel=True, fields_in_kernel=True)
+  _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
+
+
+@pytest.mark.gpu
+def test_parity_gpu():
+  lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
+                      head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                      docs_per_row=4, max_doc_len=300, base_position=2**20)
+  out = jax.jit(lambda *a: lazy_decode_mgpu(
+      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=FIELDS))(*[jnp.asarray(a) for a in lazy.args()])
+  _check(out, lazy, LLAMA3)
+
+
+@pytest.mark.gpu
+def test_matches_the_default_on_the_benchmark_layout():
+  lazy = _doc_layout_case(np.random.default_rng(3), num_docs=16, doc_len=512,
+                          q_len=1, num_heads=32, num_kv_heads=8,
+                          head_dim=128, page_size=16)
+  args = [jnp.asarray(a) for a in lazy.args()]
+  call = lambda bs: np.asarray(lazy_decode_mgpu(
+      *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=bs).astype(jnp.float32))
+  np.testing.assert_allclose(call(FIELDS), call(ROPE_IN_KERNEL), rtol=2e-2,
+                             atol=2e-2)
