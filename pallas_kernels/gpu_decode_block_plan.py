@@ -21,31 +21,17 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN
+from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, PageFieldOffsets
 from pallas_kernels.sizes import ceil_div, round_up
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockRecordLayout:
+class BlockRecordLayout(PageFieldOffsets):
   """Field offsets of one int32 block record: per page its physical id,
   position, valid slots (0 if dead) and shift, nothing else.  The step's
   fix-up flag and newest key position are the kernel's to derive from the
   pages' fields (`block_flags`), so the plan is one concatenation with no
   reduction over the pages of a block."""
-
-  pages_per_block: int
-
-  @property
-  def phys(self):
-    return 0
-
-  @property
-  def pos(self):
-    return self.pages_per_block
-
-  @property
-  def lim(self):
-    return 2 * self.pages_per_block
 
   @property
   def shift(self):

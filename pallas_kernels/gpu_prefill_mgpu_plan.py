@@ -35,8 +35,9 @@ INT32_MIN = -(2**31)
 
 
 @dataclasses.dataclass(frozen=True)
-class RecordLayout:
-  """Field offsets of one int32 step record."""
+class PageFieldOffsets:
+  """Offsets of the per-page fields that lead every int32 step record:
+  the step's pages' physical ids, positions and valid slots."""
 
   pages_per_block: int
 
@@ -51,6 +52,11 @@ class RecordLayout:
   @property
   def lim(self):
     return 2 * self.pages_per_block
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordLayout(PageFieldOffsets):
+  """Field offsets of one int32 step record."""
 
   @property
   def seg(self):

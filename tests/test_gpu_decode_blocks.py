@@ -25,6 +25,9 @@ from tests.test_gpu_prefill_mgpu import (_check, _doc_layout_case,
 
 BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True)
 ROPE_IN_KERNEL = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
+# The records read by the kernel (tests/test_gpu_decode_page_fields.py).
+FIELDS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                              fields_in_kernel=True)
 
 
 def test_block_records():
@@ -90,6 +93,8 @@ def test_rope_in_kernel_plan_has_no_cos_sin():
      MgpuDecodeBlockSizes(block_kv=64), "made with steps_by_block=True"),
     (BLOCKS, ROPE_IN_KERNEL, "plan was made with rope_in_kernel=False"),
     (ROPE_IN_KERNEL, BLOCKS, "plan was made with rope_in_kernel=True"),
+    (FIELDS, ROPE_IN_KERNEL, "plan was made with fields_in_kernel=True"),
+    (ROPE_IN_KERNEL, FIELDS, "plan was made with fields_in_kernel=False"),
 ])
 def test_a_plan_of_other_block_sizes_is_refused(plan_sizes, call_sizes,
                                                 message):
@@ -128,7 +133,11 @@ def test_persistent_at_128_keys_does_not_fit():
 @needs_interpreter
 @pytest.mark.parametrize("persistent,rope_in_kernel", [
     pytest.param(False, False, marks=pytest.mark.slow),
-    pytest.param(True, False, marks=pytest.mark.slow), (False, True)],
+    pytest.param(True, False, marks=pytest.mark.slow),
+    # The default form's ragged case in the default tier is the one with
+    # the records read by the kernel (test_gpu_decode_page_fields.py): the
+    # same kernel path after the records, which both tests check.
+    pytest.param(False, True, marks=pytest.mark.slow)],
                          ids=["cta-per-item", "persistent", "rope-in-kernel"])
 def test_parity_interpret_ragged(persistent, rope_in_kernel):
   """Documents shorter than a page, so shifts change inside blocks (and
@@ -169,9 +178,9 @@ def test_parity_interpret_documents_across_blocks_llama3(rope_in_kernel):
                                  steps_by_block=True),
     MgpuDecodeBlockSizes(block_kv=64, persistent=True, num_ctas=7,
                          kv_splits=2, steps_by_block=True),
-    ROPE_IN_KERNEL],
+    ROPE_IN_KERNEL, FIELDS],
                          ids=["default", "k64_splits3", "persistent",
-                              "rope_in_kernel"])
+                              "rope_in_kernel", "fields_in_kernel"])
 def test_parity_gpu(block_sizes):
   lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
                       head_dim=128, page_size=16, dtype=jnp.bfloat16,
@@ -194,6 +203,6 @@ def test_matches_the_segment_steps_on_the_benchmark_layout():
       *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=bs).astype(jnp.float32))
   segments = call(MgpuDecodeBlockSizes())
-  for sizes in (BLOCKS, ROPE_IN_KERNEL):
+  for sizes in (BLOCKS, ROPE_IN_KERNEL, FIELDS):
     np.testing.assert_allclose(call(sizes), segments, rtol=2e-2, atol=2e-2)
     _check(call(sizes), lazy, LLAMA3)

@@ -1,12 +1,12 @@
 """The Mosaic GPU decode's block steps with the records read by the kernel
 from the page metadata (`MgpuDecodeBlockSizes.fields_in_kernel`,
 gpu_decode_page_fields.py): the plan, the record view against the block
-records made in XLA, CUDA lowering, refusals, parity in the Mosaic GPU
-interpreter; on a GPU (`@pytest.mark.gpu`), parity with the reference."""
+records made in XLA, CUDA lowering, parity in the Mosaic GPU interpreter.
+Refusals of a plan of another form and the GPU parity cases are in
+tests/test_gpu_decode_blocks.py."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,21 +14,14 @@ import pytest
 from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                   block_records)
-from pallas_kernels.gpu_decode_mgpu import (lazy_decode_mgpu,
-                                            lazy_decode_mgpu_planned,
-                                            plan_decode)
 from pallas_kernels.gpu_decode_page_fields import (FIELD_CHUNK,
                                                    PageFieldsLayout,
                                                    PageFieldsRecord,
                                                    plan_fields)
+from tests.test_gpu_decode_blocks import FIELDS
 from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _ragged_case,
-                                        _specs, check_export)
-from tests.test_gpu_prefill_mgpu import (_check, _doc_layout_case,
-                                         needs_interpreter)
-
-FIELDS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
-                              fields_in_kernel=True)
-ROPE_IN_KERNEL = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
+                                        check_export)
+from tests.test_gpu_prefill_mgpu import _check, needs_interpreter
 
 
 def _metadata(rng, batch, logical, page_size, num_pages):
@@ -86,22 +79,6 @@ def test_fields_need_the_rope_in_the_kernel():
     MgpuDecodeBlockSizes(steps_by_block=True, fields_in_kernel=True)
 
 
-@pytest.mark.parametrize("plan_sizes,call_sizes,message", [
-    (FIELDS, ROPE_IN_KERNEL, "plan was made with fields_in_kernel=True"),
-    (ROPE_IN_KERNEL, FIELDS, "plan was made with fields_in_kernel=False"),
-])
-def test_a_plan_of_the_other_form_is_refused(plan_sizes, call_sizes,
-                                             message):
-  args = [jnp.zeros(s.shape, s.dtype)
-          for s in _specs(2, 8, 2, 64, 64, 16, 16)]
-  q, k, v, *metadata, q_pos = args
-  plan = plan_decode(*metadata, q_pos, rope=PLAIN, head_dim=64, num_pages=64,
-                     page_size=16, block_sizes=plan_sizes)
-  with pytest.raises(ValueError, match=message):
-    lazy_decode_mgpu_planned(q, k, v, q_pos, plan, rope=PLAIN, sm_scale=0.1,
-                             block_sizes=call_sizes)
-
-
 @pytest.mark.parametrize("case", [
     (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, FIELDS),
     (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
@@ -123,27 +100,3 @@ def test_parity_interpret_ragged():
   bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True,
                             rope_in_kernel=True, fields_in_kernel=True)
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
-
-
-@pytest.mark.gpu
-def test_parity_gpu():
-  lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
-                      head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                      docs_per_row=4, max_doc_len=300, base_position=2**20)
-  out = jax.jit(lambda *a: lazy_decode_mgpu(
-      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
-      block_sizes=FIELDS))(*[jnp.asarray(a) for a in lazy.args()])
-  _check(out, lazy, LLAMA3)
-
-
-@pytest.mark.gpu
-def test_matches_the_default_on_the_benchmark_layout():
-  lazy = _doc_layout_case(np.random.default_rng(3), num_docs=16, doc_len=512,
-                          q_len=1, num_heads=32, num_kv_heads=8,
-                          head_dim=128, page_size=16)
-  args = [jnp.asarray(a) for a in lazy.args()]
-  call = lambda bs: np.asarray(lazy_decode_mgpu(
-      *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
-      block_sizes=bs).astype(jnp.float32))
-  np.testing.assert_allclose(call(FIELDS), call(ROPE_IN_KERNEL), rtol=2e-2,
-                             atol=2e-2)
