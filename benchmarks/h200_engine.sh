@@ -186,7 +186,7 @@ for part in $parts; do
       timeout 120 python3 -m benchmarks.plan_profile --trace-dir /tmp/plan_profile --top 12 2>&1 \
         | grep -v Warning | tee "$out/plan_profile.txt" | tail -28
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.kernels --decode-only \
-        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants ${WHOLECALL_VARIANTS:-k128s2-blocks-rope,k128s2-blocks-rope-fields} --time-budget 120 \
+        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants ${WHOLECALL_VARIANTS:-k128s2-blocks-rope,k128s2-blocks-rope-fields} --time-budget 200 \
         --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | grep -v "^  tune" \
         | tail -16
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
