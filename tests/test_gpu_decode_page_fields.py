@@ -100,3 +100,16 @@ def test_parity_interpret_ragged():
   bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True,
                             rope_in_kernel=True, fields_in_kernel=True)
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
+
+
+def test_fields_of_partial_chunks_are_refused():
+  """The kernel copies whole 128-byte chunks of each field: fields not
+  made by `plan_fields` (not whole chunks, or of different shapes) are
+  refused with a message, before any kernel is built."""
+  from pallas_kernels.gpu_decode_page_fields import check_fields
+  table = jnp.zeros((2, 40), jnp.int32)
+  with pytest.raises(ValueError, match="whole chunks of 32"):
+    check_fields((table,) * 4)
+  with pytest.raises(ValueError, match="four arrays of one shape"):
+    check_fields((jnp.zeros((2, 32), jnp.int32),) * 3
+                 + (jnp.zeros((2, 64), jnp.int32),))
