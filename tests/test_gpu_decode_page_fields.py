@@ -113,3 +113,17 @@ def test_fields_of_partial_chunks_are_refused():
   with pytest.raises(ValueError, match="four arrays of one shape"):
     check_fields((jnp.zeros((2, 32), jnp.int32),) * 3
                  + (jnp.zeros((2, 64), jnp.int32),))
+
+
+def test_shared_memory_counts_the_field_chunks():
+  """A record slot holds four 128-byte chunks: 1.5 KB more than the
+  default form at two stages, which still fits at 128-key steps and H 128."""
+  from pallas_kernels.gpu_block_sizes import mgpu_decode_smem_bytes
+  from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
+  from tests.test_gpu_decode_blocks import ROPE_IN_KERNEL
+  extra = (mgpu_decode_smem_bytes(FIELDS, 128, page_size=16)
+           - mgpu_decode_smem_bytes(ROPE_IN_KERNEL, 128, page_size=16))
+  assert extra == 2 * 2 * 3 * 128
+  assert mosaic_decode_unsupported((64, 1, 32, 128), jnp.bfloat16,
+                                   (8, 4096, 16, 128), jnp.bfloat16,
+                                   FIELDS) is None
