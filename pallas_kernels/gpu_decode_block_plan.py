@@ -89,7 +89,13 @@ def block_records(page_table, page_pos, page_shift, page_len, live, *,
        by_block(padded(page_pos)), by_block(lim), by_block(shift)], axis=-1)
   records = jnp.pad(records, ((0, 0), (0, 0),
                               (0, layout.width - records.shape[-1])))
-  page = jnp.arange(num_blocks * ppb, dtype=jnp.int32)
-  last_live = jnp.max(jnp.where(lim > 0, page, -1), axis=1)
-  num_steps = jnp.where(last_live >= 0, last_live // ppb + 1, 0)
-  return records, num_steps.astype(jnp.int32), shift
+  return records, block_step_counts(live, ppb), shift
+
+
+def block_step_counts(live, pages_per_block: int):
+  """int32 [B]: each row's steps of whole blocks, up to the block of its
+  last live page (bool `live` [B, M]); 0 for a row with none."""
+  page = jnp.arange(live.shape[1], dtype=jnp.int32)
+  last_live = jnp.max(jnp.where(live, page, -1), axis=1)
+  return jnp.where(last_live >= 0, last_live // pages_per_block + 1,
+                   0).astype(jnp.int32)

@@ -126,15 +126,15 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   pools' dtype."""
   block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
   row = q_pos[:, 0]
+  live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
   if block_sizes.fields_in_kernel:  # the kernel reads the fields and
     # applies liveness: only the step counts here; no cos / sin
     n_steps, fields = plan_fields(
-        page_table, page_pos, page_shift, page_len, row,
+        page_table, page_pos, page_shift, page_len, live,
         pages_per_block=block_sizes.block_kv // page_size)
     cos_sin = jnp.zeros((row.shape[0], fields[0].shape[1], 2, 0),
                         jnp.float32)
     return DecodePlan(n_steps, fields, cos_sin, row)
-  live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
   make = block_records if block_sizes.steps_by_block else step_records
   records, num_steps, *_, shift = make(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,

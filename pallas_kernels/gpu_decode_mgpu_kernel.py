@@ -167,11 +167,11 @@ def _kernel(
         # read after the K slot is released (mask, V fix-up); see the
         # prefill.
         rec = rec_smem.at[lax.rem(ring, 2 * stages)]
-        if fields:  # the step's fields in its chunk, liveness applied
-          rec = PageFieldsRecord(rec, first + i, q_pos, layout)
         # float8: the converter waited for the slot (record and cos/sin
         # included) before it widened K.
         plgpu.barrier_wait(k16_ready if quantized else k_bars.at[slot])
+        if fields:  # the step's fields in its chunk, liveness applied
+          rec = PageFieldsRecord(rec, first + i, q_pos, layout)
         if not by_block:
           # A split may start inside a segment: rotate at its first step too.
           pl.when((rec[layout.new_seg] != 0) | (i == 0))(

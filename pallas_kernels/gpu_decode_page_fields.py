@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu_decode_block_plan import block_step_counts
 from pallas_kernels.sizes import round_up
 
 # int32 per field copy: 128 bytes, as a record (the copy's bytes must split
@@ -54,24 +55,28 @@ class PageFieldsLayout:
 
 
 class PageFieldsRecord:
-  """A step's record, read from its ring slot: `rec[layout.F + j]` is field
-  F of the step's page j; the slots (F = lim) are 0 for a page that is not
-  live, so the record reads as a `BlockRecordLayout` record made in XLA."""
+  """A step's record, read from its ring slot once its copy has arrived:
+  `rec[layout.F + j]` is field F of the step's page j; the slots (F = lim)
+  are 0 for a page that is not live, so the record reads as a
+  `BlockRecordLayout` record made in XLA."""
 
   def __init__(self, slot_ref, row, q_pos, layout: PageFieldsLayout):
-    self._ref = slot_ref
-    self._layout = layout
-    self._base = lax.rem(row, jnp.int32(layout.blocks_per_chunk)) * (
+    base = lax.rem(row, jnp.int32(layout.blocks_per_chunk)) * (
         layout.pages_per_block)
-    self._q_pos = q_pos
+    # The fields the compute warpgroup reads (positions, slots, shifts),
+    # each loaded and tested once per step here, outside the step's
+    # branches (mask, V fix-up, rotations), which all read them.
+    self._fields = {}
+    for j in range(layout.pages_per_block):
+      pos = slot_ref[base + layout.pos + j]
+      lim = slot_ref[base + layout.lim + j]
+      self._fields[layout.pos + j] = pos
+      self._fields[layout.lim + j] = jnp.where(
+          (lim > 0) & (pos <= q_pos), lim, 0)
+      self._fields[layout.shift + j] = slot_ref[base + layout.shift + j]
 
   def __getitem__(self, index: int):
-    value = self._ref[self._base + index]
-    lim = self._layout.lim
-    if lim <= index < lim + FIELD_CHUNK:
-      pos = self._ref[self._base + index - lim + self._layout.pos]
-      value = jnp.where((value > 0) & (pos <= self._q_pos), value, 0)
-    return value
+    return self._fields[index]
 
 
 def producer_calls(field_refs, *, layout: PageFieldsLayout, page_offset,
@@ -109,23 +114,17 @@ def check_fields(fields):
   return table, others
 
 
-def plan_fields(page_table, page_pos, page_shift, page_len, row, *,
+def plan_fields(page_table, page_pos, page_shift, page_len, live, *,
                 pages_per_block: int):
   """(steps of each row, int32 [B]; the four fields, each int32 [B, M']):
   M' is M rounded up to whole chunks of FIELD_CHUNK pages (dead pages
-  appended; only then are the fields copied).  `row`: each row's q_pos
-  ([B], negative for a padding row, which gets no steps)."""
-  batch, num_logical = page_table.shape
+  appended; only then are the fields copied).  `live`: bool [B, M], the
+  pages the query may see (the kernel applies the same rule itself)."""
+  num_logical = page_table.shape[1]
   width = round_up(num_logical, FIELD_CHUNK)
   fields = [a.astype(jnp.int32)
             for a in (page_table, page_pos, page_len, page_shift)]
   if width != num_logical:
     fields = [jnp.pad(a, ((0, 0), (0, width - num_logical)))
               for a in fields]
-  live = ((page_len > 0) & (page_pos <= row[:, None])
-          & (row[:, None] >= 0))
-  page = jnp.arange(num_logical, dtype=jnp.int32)
-  last_live = jnp.max(jnp.where(live, page, -1), axis=1)
-  n_steps = jnp.where(last_live >= 0, last_live // pages_per_block + 1, 0)
-  del batch
-  return n_steps.astype(jnp.int32), tuple(fields)
+  return block_step_counts(live, pages_per_block), tuple(fields)

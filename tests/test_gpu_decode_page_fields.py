@@ -54,7 +54,7 @@ def test_the_record_view_reads_the_block_records(logical, ppb):
                                       num_pages=num_pages,
                                       page_size=page_size,
                                       pages_per_block=ppb)
-  steps, fields = plan_fields(table, pos, shift, length, row,
+  steps, fields = plan_fields(table, pos, shift, length, live,
                               pages_per_block=ppb)
   np.testing.assert_array_equal(steps, n_steps)
   assert all(f.shape[1] % FIELD_CHUNK == 0 for f in fields)
