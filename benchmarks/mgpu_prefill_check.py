@@ -18,7 +18,10 @@ Run on the GPU machine from the repository root:
     FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
     include everything the lazy API does per call (query rotation, step
     lists, kernel), except the rows marked per-layer, plan only, query
-    rotation only and kernel only, which time those parts alone.  Median
+    rotation only and kernel only, which time those parts alone, and
+    "kernel, 1 rotation": the kernel with a plan that rotates each CTA's
+    query once (wrong results; against kernel only, what the rotations
+    cost).  Median
     over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
     after a warm-up run.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
@@ -49,6 +52,7 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
                                              mgpu_prefill_kernel,
                                              rotated_query_tokens)
+from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 def _tiles(block_kv, wgs, stages, *, sched, f32_query, registers=False):
@@ -224,6 +228,17 @@ def run_timing(variants):
                     mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
                                         out_dtype=DTYPE),
                     (q_rot, lazy_args[1], lazy_args[2], plan),
+                    perturb_query))
+    # Timing only (wrong results): every new-segment flag after a CTA's
+    # first step cleared, so each CTA rotates its query once; against the
+    # row above, what the rotations cost.
+    new_seg = RecordLayout(MgpuBlockSizes().block_kv // PAGE_SIZE).new_seg
+    one_rotation = PrefillPlan(*plan)._replace(
+        records=plan[2].at[:, 1:, new_seg].set(0))
+    methods.append(("mgpu kernel, 1 rotation", lambda q_rot, k, v, plan:
+                    mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
+                                        out_dtype=DTYPE),
+                    (q_rot, lazy_args[1], lazy_args[2], tuple(one_rotation)),
                     perturb_query))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,

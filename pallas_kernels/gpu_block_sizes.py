@@ -141,8 +141,9 @@ class MgpuBlockSizes:
       shared memory: room for block_kv 128 with two warpgroups).
     query_in_registers: keep each segment's rotated query in registers as
       the A operand of Q K^T (two wgmmas over the halves of H) instead of
-      writing it to shared memory and fencing; 1-2% faster on the H200
-      (docs/kernels.md).  Float8 pages keep it in shared memory (their
+      writing it to shared memory and fencing, rotated (like the shared
+      memory tile) while the step before's P V wgmma runs; 1-3% faster on
+      the H200 (docs/kernels.md).  Float8 pages keep it in shared memory (their
       compute warpgroups' registers are spoken for).
   """
 
@@ -238,7 +239,9 @@ class MgpuDecodeBlockSizes:
       page fields (id, position, slots, shift) from the caller's page
       metadata and the kernel applies liveness itself, so the plan is only
       each row's step count (`gpu_decode_page_fields.py`): one XLA launch
-      before the kernel instead of three on a whole call.
+      before the kernel instead of three on a whole call.  Not the default:
+      per layer (the model's call, its plan made once a step) it was
+      slower on the H200 (docs/kernels.md).
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query

@@ -94,6 +94,22 @@ class Ops:
         between()
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
+  def pv_carry(self, acc, p, v_ref, carry, between):
+    """(acc + P V, *between(carry)): `between` maps register values (a
+    tuple) to new ones of the same shapes while the wgmma is in flight."""
+    if self.interpret:
+      out = acc + lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+      return (out, *between(tuple(carry)))
+
+    def body(refs):
+      acc_ref, *carry_refs = refs
+      plgpu.wgmma(acc_ref, p, v_ref)
+      new = between(tuple(r[...] for r in carry_refs))
+      for ref, value in zip(carry_refs, new):
+        ref[...] = value
+    return pl.run_state(body)((plgpu.ACC.init(acc), *carry))
+
   def optimization_barrier(self, xs):
     return xs if self.interpret else lax.optimization_barrier(xs)
 

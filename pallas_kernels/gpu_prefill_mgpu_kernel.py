@@ -3,11 +3,11 @@
 One CTA per (tile of query units, kv head, batch row).  A producer
 warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin into a ring of shared-memory slots; one or two compute warpgroups
-each take 64 query rows of one query head, rotate them by -shift at a
-segment's first step (into registers, the A operand of Q K^T; or into
-shared memory during the step before's P V wgmma, `query_in_registers=
-False` and float8), and run the online softmax (base 2) with wgmma, the
-two warpgroups in ping-pong.
+each take 64 query rows of one query head, rotate them by -shift for a
+segment's first step while the step before's P V wgmma runs (into
+registers, the A operand of Q K^T; or into shared memory with
+`query_in_registers=False` and float8), and run the online softmax (base
+2) with wgmma, the two warpgroups in ping-pong.
 Float8 pages (e4m3): a converter warpgroup widens each step's K and V into
 one 16-bit K and V tile the compute warpgroups share, as in the decode
 (gpu_mgpu_float8.py; per-page scales per score and P column).  The
@@ -82,7 +82,7 @@ def _kernel(
   n_steps = n_steps_ref[batch, tile]
   use_sched = nwg == 2 and cfg.schedule_barrier
   # The rotated query's halves ride in the loop carry (registers) instead
-  # of q16_smem; rotated at a segment's first step, before its Q K^T.
+  # of q16_smem, rotated while the step before's P V wgmma runs.
   regs_query = cfg.query_in_registers and not float8_scratch
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 
@@ -146,7 +146,22 @@ def _kernel(
           pl.when(rec[layout.new_seg] != 0)(
               lambda: rotate(lax.rem(j, cs_stages)))
 
-    next_step_ready(jnp.int32(0))
+    def halves_ready(j, halves):
+      """Waits for step j's K; returns its rotated query halves (regs_query):
+      rotated from q_store where j starts a segment, else `halves`.  Step
+      j - 1 calls this while its P V wgmma runs, the halves leaving that
+      wgmma's scope with the accumulator."""
+      next_step_ready(j)
+      starts = (j < n_steps) & (
+          rec_smem[lax.rem(j, 2 * stages), layout.new_seg] != 0)
+      return lax.cond(
+          starts,
+          lambda: rotated_query_halves(ops, q_store, cs_smem,
+                                       lax.rem(j, cs_stages), half, dtype),
+          lambda: tuple(halves))
+
+    if not regs_query:
+      next_step_ready(jnp.int32(0))
     if use_sched:
       pl.when(wg == 1)(schedule)
 
@@ -170,16 +185,10 @@ def _kernel(
         plgpu.barrier_arrive(k16_free)
         s = s * lax.broadcast_in_dim(k_cols, s.shape, [1])
         carried = (unit, *next_scales)
-      elif regs_query:
-        halves = lax.cond(
-            rec[layout.new_seg] != 0,
-            lambda: rotated_query_halves(ops, q_store, cs_smem,
-                                         lax.rem(i, cs_stages), half, dtype),
-            lambda: tuple(carried))
-        s = ops.qk_halves(*halves, k_smem.at[slot], (WG_ROWS, block_kv),
+      elif regs_query:  # rotated during the step before's P V
+        s = ops.qk_halves(*carried, k_smem.at[slot], (WG_ROWS, block_kv),
                           schedule)
         plgpu.barrier_arrive(k_free.at[slot])
-        carried = halves
       else:
         s = ops.qk(q16, k_smem.at[slot], (WG_ROWS, block_kv), schedule)
         plgpu.barrier_arrive(k_free.at[slot])
@@ -204,8 +213,13 @@ def _kernel(
         pl.when(fixup)(lambda: fixup_v(slot, rec))
       if use_sched:
         plgpu.barrier_wait(sched_bar)  # tensor cores free
-      acc = ops.pv(acc, p16, v16 if quantized else v_smem.at[slot],
-                   lambda: next_step_ready(i + 1))
+      if regs_query:
+        acc, *carried = ops.pv_carry(
+            acc, p16, v_smem.at[slot], carried,
+            lambda halves: halves_ready(i + 1, halves))
+      else:
+        acc = ops.pv(acc, p16, v16 if quantized else v_smem.at[slot],
+                     lambda: next_step_ready(i + 1))
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
       return acc, m_new, l, *carried
 
@@ -213,7 +227,7 @@ def _kernel(
       carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
     elif regs_query:  # every CTA's first step starts a segment
       zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
-      carried = (zero, zero)
+      carried = halves_ready(jnp.int32(0), (zero, zero))
     else:
       carried = ()
     acc, m, l, *carried = lax.fori_loop(0, n_steps, step,
