@@ -18,9 +18,9 @@ Run on the GPU machine from the repository root:
     FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
     include everything the lazy API does per call (query rotation, step
     lists, kernel), except the rows marked per-layer, plan only, query
-    rotation only and kernel only, which time those parts alone, and
-    "kernel, 1 rotation": the kernel with a plan that rotates each CTA's
-    query once (wrong results; against kernel only, what the rotations
+    rotation only and kernel[...], which time those parts alone, and
+    "kernel 1-rot[...]": the kernel with a plan that rotates each CTA's
+    query once (wrong results; against kernel[...], what the rotations
     cost).  Median
     over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
     after a warm-up run.
@@ -30,6 +30,7 @@ Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -221,25 +222,26 @@ def run_timing(variants):
                                          jnp.float32(SM_SCALE), t_pad,
                                          in_f32),
                     (lazy_args[0], lazy_args[7]), perturb_query))
-    q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
-        lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad,
-        in_f32)
-    methods.append(("mgpu kernel only", lambda q_rot, k, v, plan:
-                    mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
-                                        out_dtype=DTYPE),
-                    (q_rot, lazy_args[1], lazy_args[2], plan),
-                    perturb_query))
-    # Timing only (wrong results): every new-segment flag after a CTA's
-    # first step cleared, so each CTA rotates its query once; against the
-    # row above, what the rotations cost.
-    new_seg = RecordLayout(MgpuBlockSizes().block_kv // PAGE_SIZE).new_seg
-    one_rotation = PrefillPlan(*plan)._replace(
-        records=plan[2].at[:, 1:, new_seg].set(0))
-    methods.append(("mgpu kernel, 1 rotation", lambda q_rot, k, v, plan:
-                    mgpu_prefill_kernel(q_rot, k, v, PrefillPlan(*plan),
-                                        out_dtype=DTYPE),
-                    (q_rot, lazy_args[1], lazy_args[2], tuple(one_rotation)),
-                    perturb_query))
+    # The kernel alone on a precomputed plan and rotated query, per
+    # variant; then, timing only (wrong results), with every new-segment
+    # flag after a CTA's first step cleared, so each CTA rotates its query
+    # once: against the row before, what the rotations cost.
+    kernel = lambda q_rot, k, v, plan, sizes: mgpu_prefill_kernel(
+        q_rot, k, v, PrefillPlan(*plan), out_dtype=DTYPE, block_sizes=sizes)
+    for name, sizes in variants.items():
+      plan_v = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
+          *lazy_args, sizes))
+      q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
+          lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE),
+          plan_v.row_pos.shape[1], sizes.query_in_f32)
+      new_seg = RecordLayout(sizes.block_kv // PAGE_SIZE).new_seg
+      one_rotation = plan_v._replace(
+          records=plan_v.records.at[:, 1:, new_seg].set(0))
+      for label, rows_plan in (("kernel", plan_v),
+                               ("kernel 1-rot", one_rotation)):
+        methods.append((f"{label}[{name}]", functools.partial(
+            kernel, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
+                                   tuple(rows_plan)), perturb_query))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
                     perturb_lazy))
