@@ -21,7 +21,8 @@ Run on the GPU machine from the repository root:
     rotation only and kernel[...], which time those parts alone, and
     "kernel 1-rot[...]": the kernel with a plan that rotates each CTA's
     query once (wrong results; against kernel[...], what the rotations
-    cost).  Median
+    cost), and "kernel bare[...]": that, and no step masked or fixed up.
+    Median
     over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
     after a warm-up run.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
@@ -53,7 +54,7 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
                                              mgpu_prefill_kernel,
                                              rotated_query_tokens)
-from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
+from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 def _tiles(block_kv, wgs, stages, *, sched, f32_query, registers=False):
@@ -225,7 +226,9 @@ def run_timing(variants):
     # The kernel alone on a precomputed plan and rotated query, per
     # variant; then, timing only (wrong results), with every new-segment
     # flag after a CTA's first step cleared, so each CTA rotates its query
-    # once: against the row before, what the rotations cost.
+    # once (against the row before, what the rotations cost), and "bare":
+    # also no step masked or fixed up (what the masks cost; what is left is
+    # the paged steps themselves).
     kernel = lambda q_rot, k, v, plan, sizes: mgpu_prefill_kernel(
         q_rot, k, v, PrefillPlan(*plan), out_dtype=DTYPE, block_sizes=sizes)
     for name, sizes in variants.items():
@@ -234,11 +237,16 @@ def run_timing(variants):
       q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
           lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE),
           plan_v.row_pos.shape[1], sizes.query_in_f32)
-      new_seg = RecordLayout(sizes.block_kv // PAGE_SIZE).new_seg
+      layout = RecordLayout(sizes.block_kv // PAGE_SIZE)
       one_rotation = plan_v._replace(
-          records=plan_v.records.at[:, 1:, new_seg].set(0))
+          records=plan_v.records.at[:, 1:, layout.new_seg].set(0))
+      # ... and no step taking the mask or the V fix-up either.
+      bare = one_rotation._replace(
+          records=one_rotation.records.at[:, :, layout.fixup].set(0)
+          .at[:, :, layout.max_pos].set(INT32_MIN))
       for label, rows_plan in (("kernel", plan_v),
-                               ("kernel 1-rot", one_rotation)):
+                               ("kernel 1-rot", one_rotation),
+                               ("kernel bare", bare)):
         methods.append((f"{label}[{name}]", functools.partial(
             kernel, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
                                    tuple(rows_plan)), perturb_query))
