@@ -81,18 +81,11 @@ class Ops:
 
   def pv(self, acc, p, v_ref, between=None):
     """acc + P V; `between()` runs while the wgmma is in flight."""
-    if self.interpret:
-      out = acc + lax.dot_general(p, v_ref[...], (((1,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+    def run(carry):
       if between is not None:
         between()
-      return out
-
-    def body(acc_ref):
-      plgpu.wgmma(acc_ref, p, v_ref)
-      if between is not None:
-        between()
-    return pl.run_state(body)(plgpu.ACC.init(acc))
+      return carry
+    return self.pv_carry(acc, p, v_ref, (), run)[0]
 
   def pv_carry(self, acc, p, v_ref, carry, between):
     """(acc + P V, *between(carry)): `between` maps register values (a
