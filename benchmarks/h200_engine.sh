@@ -47,7 +47,9 @@
 #           the Triton decode (one step per block with the rope in the
 #           kernel: k128s2-blocks-rope, and with the records read by the
 #           kernel: k128s2-blocks-rope-fields; WHOLECALL_VARIANTS names
-#           others), prefill
+#           others), prefill (the default, and with the query's own
+#           rotation in the kernel: k128w2s2-qreg-qrope-sched; each kernel
+#           also with one rotation a CTA and with no masks, timing only)
 #           at the 512- and 128-token chunks beside cuDNN, after the plans'
 #           device time by op (benchmarks/plan_profile.py) (issue 16, parts
 #           1 and 4 as whole calls; ~200 s).
@@ -190,8 +192,8 @@ for part in $parts; do
         --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | grep -v "^  tune" \
         | tail -16
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
-        --variants k128w2s2-qreg-sched 2>&1 | grep -v Warning | tee "$out/mgpu_prefill_wholecall.txt" \
-        | tail -16 ;;
+        --variants k128w2s2-qreg-sched,k128w2s2-qreg-qrope-sched 2>&1 | grep -v Warning \
+        | tee "$out/mgpu_prefill_wholecall.txt" | tail -30 ;;
     mixedstep)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \
         --prefill-tokens ${MIXEDSTEP_TOKENS:-512,1024,2048} --repeats 5 \

@@ -143,8 +143,12 @@ class MgpuBlockSizes:
       the A operand of Q K^T (two wgmmas over the halves of H) instead of
       writing it to shared memory and fencing, rotated (like the shared
       memory tile) while the step before's P V wgmma runs; 1-3% faster on
-      the H200 (docs/kernels.md).  Float8 pages keep it in shared memory (their
-      compute warpgroups' registers are spoken for).
+      the H200 (docs/kernels.md).  Float8 pages keep it in shared memory
+      (their compute warpgroups' registers are spoken for).
+    query_rope_in_kernel: rotate the query by its positions in the kernel
+      (R(q_pos) q * scale from the raw 16-bit query, the RoPE's exact turn
+      chunks) instead of in an XLA pass over q before it; 16-bit pages and
+      query storage only.  Opt-in until timed on a GPU.
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -159,6 +163,7 @@ class MgpuBlockSizes:
   mask_fast_path: bool = True
   query_in_f32: bool = False
   query_in_registers: bool = True
+  query_rope_in_kernel: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -168,6 +173,9 @@ class MgpuBlockSizes:
           f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+    if self.query_rope_in_kernel and self.query_in_f32:
+      raise ValueError("query_rope_in_kernel needs 16-bit query storage "
+                       "(query_in_f32=False)")
 
 
 def _ring_bytes(stages: int, block_kv: int, head_dim: int,
@@ -191,7 +199,9 @@ def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
   wgs = block_sizes.num_compute_wgs
   q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
-  return (q_store + q_16 + wgs * WG_ROWS * 4
+  chunks = (wgs * NUM_TURN_CHUNKS * head_dim // 2 * 4
+            if block_sizes.query_rope_in_kernel else 0)
+  return (q_store + q_16 + wgs * WG_ROWS * 4 + chunks
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 
