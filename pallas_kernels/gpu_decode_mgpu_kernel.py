@@ -40,7 +40,7 @@ from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
                                             mgpu_decode_work_item)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_mgpu_float8 import (
-    CONVERTER_REGISTERS, convert_kv_ring, drain_converted, float8_scratch,
+    CONVERTER_REGISTERS, convert_work_items, float8_scratch,
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
@@ -277,20 +277,12 @@ def _kernel(
     drain_kv_ring(ring_steps, k_free, v_free, stages=stages)
 
   if quantized:
-    @pl.when(wg == 2)
-    def _convert():
-      if not interpret:
-        plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
-
-      def one_item(j, ring_step):
-        return convert_kv_ring(
-            item(j)[4], ring_step, k_smem, v_smem, rec_smem, k16_smem,
-            v16_smem, k_bars, v_bars, k_free, v_free, k16_ready, v16_ready,
-            k16_free, v16_free, ops=ops, layout=layout, pages_per_block=ppb,
-            page_size=page_size, stages=stages, dtype=dtype)
-
-      ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
-      drain_converted(ring_steps, k16_free, v16_free)
+    pl.when(wg == 2)(lambda: convert_work_items(
+        my_items, lambda j: item(j)[4], k_smem, v_smem, rec_smem, k16_smem,
+        v16_smem, k_bars, v_bars, k_free, v_free, k16_ready, v16_ready,
+        k16_free, v16_free, registers=CONVERTER_REGISTERS,
+        interpret=interpret, ops=ops, layout=layout, pages_per_block=ppb,
+        page_size=page_size, stages=stages, dtype=dtype))
 
 
 def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,

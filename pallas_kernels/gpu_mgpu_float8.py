@@ -109,6 +109,26 @@ def convert_kv_ring(n_steps, ring_step, k_smem, v_smem, rec_smem, k16, v16,
   return ring_step + n_steps
 
 
+def convert_work_items(num_items, item_steps, k_smem, v_smem, rec_smem, k16,
+                       v16, k_bars, v_bars, k_free, v_free, k16_ready,
+                       v16_ready, k16_free, v16_free, *, registers: int,
+                       interpret: bool, **ring):
+  """The converter warpgroup of a CTA that runs `num_items` work items
+  through one ring (`item_steps(j)` steps each): its registers, each item's
+  `convert_kv_ring` (with the keyword arguments `ring`), then the drain."""
+  if not interpret:
+    plgpu.set_max_registers(registers, action="decrease")
+
+  def one_item(j, ring_step):
+    return convert_kv_ring(
+        item_steps(j), ring_step, k_smem, v_smem, rec_smem, k16, v16, k_bars,
+        v_bars, k_free, v_free, k16_ready, v16_ready, k16_free, v16_free,
+        **ring)
+
+  ring_steps = lax.fori_loop(0, num_items, one_item, jnp.int32(0))
+  drain_converted(ring_steps, k16_free, v16_free)
+
+
 def drain_converted(ring_steps, k16_free, v16_free):
   """Observe the compute warpgroup's last releases of the 16-bit tiles (the
   interpreter checks that every barrier phase is seen by its waiter)."""
