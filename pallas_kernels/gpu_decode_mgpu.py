@@ -127,6 +127,7 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
   row = q_pos[:, 0]
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
+  kernel_q_pos = jnp.where(row >= 0, row, common.PADDING_ROW)
   if block_sizes.fields_in_kernel:  # the kernel reads the fields and
     # applies liveness: only the step counts here; no cos / sin
     n_steps, fields = plan_fields(
@@ -134,7 +135,7 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
         pages_per_block=block_sizes.block_kv // page_size)
     cos_sin = jnp.zeros((row.shape[0], fields[0].shape[1], 2, 0),
                         jnp.float32)
-    return DecodePlan(n_steps, fields, cos_sin, row)
+    return DecodePlan(n_steps, fields, cos_sin, kernel_q_pos)
   make = block_records if block_sizes.steps_by_block else step_records
   records, num_steps, *_, shift = make(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
@@ -144,7 +145,7 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   else:
     cos_sin = segment_cos_sin(shift, rope, head_dim)
   return DecodePlan(num_steps.astype(jnp.int32), records, cos_sin,
-                    jnp.where(row >= 0, row, common.PADDING_ROW))
+                    kernel_q_pos)
 
 
 def decode_query_tile(q, q_pos, rope: RopeConfig, sm_scale,

@@ -22,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gpu_decode_block_plan import block_step_counts
+from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
+                                                   block_step_counts)
 from pallas_kernels.sizes import round_up
 
 # int32 per field copy: 128 bytes, as a record (the copy's bytes must split
@@ -48,10 +49,7 @@ class PageFieldsLayout:
   def blocks_per_chunk(self):
     return FIELD_CHUNK // self.pages_per_block
 
-  def segment(self, rec_ref, batch, row):
-    """The row of step `row`'s cos / sin: its block's first logical page."""
-    del rec_ref, batch
-    return row * self.pages_per_block
+  segment = BlockRecordLayout.segment  # a step is a block, as there
 
 
 class PageFieldsRecord:

@@ -269,7 +269,8 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   that has set it once.  `cs_stages` (stages when None) is the depth of the
   cos/sin ring, deeper where a slot is freed before its cos/sin are used.
   `cs_rows` (None: one) copies that many cos/sin rows from the record's
-  `layout.segment` on (a block's pages, `gpu_decode_block_plan`); 0 copies none.
+  `layout.segment` on (a block's pages, `gpu_decode_block_plan`); 0 copies
+  none.
   `page_ids(batch, row)` (the step's physical ids, page_offset added) and
   `copy_record(batch, row, dst, barrier)` replace the reads and the copy of
   `rec_ref` where the kernel reads the page metadata itself
