@@ -14,14 +14,20 @@ Run on the GPU machine from the repository root:
       triton      lazy_attention(..., impl="gpu") (the Pallas Triton kernel);
       cudnn       jax.nn.dot_product_attention(implementation="cudnn") on
                   dense pre-rotated K/V of context + chunk, no mask
-                  (benchmarks/kernels.py explains why).
+                  (benchmarks/kernels.py explains why);
+      jax-mgpu    JAX's own Mosaic GPU flash attention
+                  (pallas/ops/gpu/attention_mgpu) on the same dense K/V in
+                  f16: what the Pallas stack reaches without pages,
+                  rotations or masks.
     FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
     include everything the lazy API does per call (query rotation, step
     lists, kernel), except the rows marked per-layer, plan only, query
     rotation only and kernel[...], which time those parts alone, and
     "kernel 1-rot[...]": the kernel with a plan that rotates each CTA's
     query once (wrong results; against kernel[...], what the rotations
-    cost), and "kernel bare[...]": that, and no step masked or fixed up.
+    cost), and "kernel bare[...]": that, and no step masked or fixed up;
+    "kernel bare p128[...]": that on a pool of 128-token pages (one TMA
+    copy per K and V a step).
     Median
     over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
     after a warm-up run.
@@ -196,9 +202,40 @@ def _time(fn, args, perturb):
   return statistics.median(timer.sample() for _ in range(SAMPLES))
 
 
-def run_timing(variants):
+def _coarse_pages(lazy_args, factor):
+  """The lazy arguments on a pool whose pages are `factor` of the pool's
+  pages (the same K/V bytes, each row's pages in shuffled order)."""
+  q, k_pages, v_pages, table, pos, shift, length, q_pos = lazy_args
+  heads, num_pages, page, dim = k_pages.shape
+  batch, pages = table.shape
+  pool = lambda x: x.reshape(heads, num_pages // factor, page * factor, dim)
+  coarse_table = np.random.default_rng(2).permutation(
+      num_pages // factor).reshape(batch, pages // factor)
+  return (q, pool(k_pages), pool(v_pages),
+          jnp.asarray(coarse_table, jnp.int32), pos[:, ::factor],
+          shift[:, ::factor], jnp.sum(length.reshape(batch, -1, factor),
+                                      axis=-1).astype(jnp.int32), q_pos)
+
+
+# (block_q, block_kv, max_concurrent_steps) of JAX's reference kernel.
+JAX_MGPU_CONFIGS = ((64, 128, 2), (64, 128, 4))
+
+
+def _jax_mgpu_dense(q, k, v, *, cfg):
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(block_q=cfg[0], block_kv=cfg[1],
+                                       max_concurrent_steps=cfg[2])
+  # Its kernel does not scale the scores: q comes scaled (timing only).
+  return attention_mgpu.attention(q, k, v, config)
+
+
+def run_timing(variants, only=(), shapes=None):
+  """Times every row, or those whose names contain one of `only` (cuDNN's
+  always, for the ratio), at `shapes` (None: all)."""
   rows = []  # (shape, variant, seconds or None, flops, note)
   for shape, batch, q_len, context in SHAPES:
+    if shapes is not None and shape not in shapes:
+      continue
     print(f"# timing {shape}: B {batch}, T {q_len}, context {context}",
           flush=True)
     inputs = build_inputs(jax.random.PRNGKey(1), np.random.default_rng(1),
@@ -262,6 +299,21 @@ def run_timing(variants):
         methods.append((f"{label}[{name}]", functools.partial(
             kernel, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
                                    tuple(rows_plan)), perturb_query))
+      # "bare" again on a pool of block_kv-token pages: one TMA copy per K
+      # and per V a step instead of one per 16-token page (against the
+      # bare row, what the page copies cost).
+      coarse = _coarse_pages(lazy_args, sizes.block_kv // PAGE_SIZE)
+      plan_c = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
+          *coarse, sizes))
+      layout_c = RecordLayout(1)
+      bare_c = plan_c._replace(
+          records=plan_c.records.at[:, 1:, layout_c.new_seg].set(0)
+          .at[:, :, layout_c.fixup].set(0)
+          .at[:, :, layout_c.max_pos].set(INT32_MIN))
+      methods.append((f"kernel bare p{sizes.block_kv}[{name}]",
+                      functools.partial(kernel, sizes=sizes),
+                      (q_rot, coarse[1], coarse[2], tuple(bare_c)),
+                      perturb_query))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
                     perturb_lazy))
@@ -271,6 +323,19 @@ def run_timing(variants):
     methods.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=SM_SCALE, implementation="cudnn"),
                     (lazy_args[0], k_dense, v_dense), perturb_query))
+    # JAX's own Mosaic GPU flash attention (pallas/ops/gpu/attention_mgpu)
+    # on the same dense K/V, in f16 (its shared memory is f16): what the
+    # Pallas stack reaches with no pages, rotations or masks.
+    for cfg in JAX_MGPU_CONFIGS:
+      methods.append((f"jax-mgpu[q{cfg[0]}k{cfg[1]}s{cfg[2]}]",
+                      functools.partial(_jax_mgpu_dense, cfg=cfg),
+                      ((lazy_args[0] * SM_SCALE).astype(jnp.float16),
+                       k_dense.astype(jnp.float16),
+                       v_dense.astype(jnp.float16)),
+                      perturb_query))
+    if only:
+      methods = [m for m in methods
+                 if m[0] == "cudnn" or any(o in m[0] for o in only)]
     for method, fn, args, perturb in methods:
       start = time.perf_counter()
       try:
@@ -317,6 +382,12 @@ def main(argv=None):
   parser.add_argument("--skip-timing", action="store_true")
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="comma-separated subset of " + ",".join(VARIANTS))
+  parser.add_argument("--rows", default="",
+                      help="comma-separated substrings: time only the rows "
+                      "whose names contain one (and cuDNN's)")
+  parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                      help="comma-separated subset of "
+                      + ",".join(s[0] for s in SHAPES))
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     raise SystemExit("needs a GPU (jax.default_backend() is "
@@ -330,7 +401,13 @@ def main(argv=None):
           f"({time.perf_counter() - start:.0f} s)", flush=True)
   if not args.skip_timing:
     names = [n for n in args.variants.split(",") if n]
-    rows = run_timing({n: VARIANTS[n] for n in names})
+    shapes = [n for n in args.shapes.split(",") if n]
+    unknown = sorted(set(shapes) - {s[0] for s in SHAPES})
+    if unknown:
+      raise SystemExit(f"unknown shapes {unknown}")
+    rows = run_timing({n: VARIANTS[n] for n in names},
+                      only=[r for r in args.rows.split(",") if r],
+                      shapes=shapes)
     print_table(rows)
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 
