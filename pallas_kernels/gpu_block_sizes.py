@@ -148,7 +148,8 @@ class MgpuBlockSizes:
     query_rope_in_kernel: rotate the query by its positions in the kernel
       (R(q_pos) q * scale from the raw 16-bit query, the RoPE's exact turn
       chunks) instead of in an XLA pass over q before it; 16-bit pages and
-      query storage only.  Opt-in until timed on a GPU.
+      query storage only.  Opt-in: on the H200 it costs the kernel more
+      than the XLA pass saves (docs/kernels.md).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
