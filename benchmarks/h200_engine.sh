@@ -47,8 +47,8 @@
 #           the Triton decode (one step per block with the rope in the
 #           kernel: k128s2-blocks-rope, and with the records read by the
 #           kernel: k128s2-blocks-rope-fields; WHOLECALL_VARIANTS names
-#           others), prefill (the default, and with the query's own
-#           rotation in the kernel: k128w2s2-qreg-qrope-sched; each kernel
+#           others), prefill (the default, and with each segment's cos /
+#           sin in the step records: k128w2s2-qreg-csrec-sched; each kernel
 #           also with one rotation a CTA and with no masks, timing only)
 #           at the 512- and 128-token chunks beside cuDNN, after the plans'
 #           device time by op (benchmarks/plan_profile.py) (issue 16, parts
@@ -192,7 +192,7 @@ for part in $parts; do
         --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | grep -v "^  tune" \
         | tail -16
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
-        --variants k128w2s2-qreg-sched,k128w2s2-qreg-qrope-sched 2>&1 | grep -v Warning \
+        --variants k128w2s2-qreg-sched,k128w2s2-qreg-csrec-sched 2>&1 | grep -v Warning \
         | tee "$out/mgpu_prefill_wholecall.txt" | tail -30 ;;
     mixedstep)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \

@@ -63,12 +63,14 @@ from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
+
 def _tiles(block_kv, wgs, stages, *, sched, f32_query, registers=False,
-           rope_in_kernel=False):
+           rope_in_kernel=False, cos_sin_in_records=False):
   return MgpuBlockSizes(block_kv=block_kv, num_compute_wgs=wgs,
                         num_stages=stages, schedule_barrier=sched,
                         query_in_f32=f32_query, query_in_registers=registers,
-                        query_rope_in_kernel=rope_in_kernel)
+                        query_rope_in_kernel=rope_in_kernel,
+                        cos_sin_in_records=cos_sin_in_records)
 
 
 VARIANTS = {
@@ -90,6 +92,11 @@ VARIANTS = {
     "k128w2s2-qreg-qrope-sched": _tiles(128, 2, 2, sched=True,
                                         f32_query=False, registers=True,
                                         rope_in_kernel=True),
+    # ... with each segment's cos / sin in the step records (one copy
+    # fewer a step).
+    "k128w2s2-qreg-csrec-sched": _tiles(128, 2, 2, sched=True,
+                                        f32_query=False, registers=True,
+                                        cos_sin_in_records=True),
 }
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]

@@ -150,6 +150,11 @@ class MgpuBlockSizes:
       chunks) instead of in an XLA pass over q before it; 16-bit pages and
       query storage only.  Opt-in: on the H200 it costs the kernel more
       than the XLA pass saves (docs/kernels.md).
+    cos_sin_in_records: each step record carries its segment's cos / sin
+      (the plan appends them), so the producer makes one copy fewer a step
+      (no separate cos / sin copy).  Opt-in until timed on a GPU: in
+      timing-only probes a step without that copy ran 2-4% faster
+      (docs/kernels.md).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -165,6 +170,7 @@ class MgpuBlockSizes:
   query_in_f32: bool = False
   query_in_registers: bool = True
   query_rope_in_kernel: bool = False
+  cos_sin_in_records: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -202,7 +208,10 @@ def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
   q_16 = wgs * WG_ROWS * head_dim * 2
   chunks = (wgs * NUM_TURN_CHUNKS * head_dim // 2 * 4
             if block_sizes.query_rope_in_kernel else 0)
-  return (q_store + q_16 + wgs * WG_ROWS * 4 + chunks
+  # Records that carry cos / sin: H f32 more in each of 2 * stages slots.
+  records = (2 * block_sizes.num_stages * head_dim * 4
+             if block_sizes.cos_sin_in_records else 0)
+  return (q_store + q_16 + wgs * WG_ROWS * 4 + chunks + records
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 

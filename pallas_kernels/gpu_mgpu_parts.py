@@ -128,6 +128,16 @@ def _cos_sin_at(ops, cs_smem, slot):
           ops.cast(cs_smem[slot, 1], col_layout))
 
 
+def record_cos_sin(ops, rec, offset: int, half: int):
+  """The cos and sin (f32 [H/2] each, per column) a step record carries
+  from `offset` on as int32 bits (RecordLayout.cos_sin); rec: the record's
+  shared-memory slot."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  row = lambda start: lax.bitcast_convert_type(
+      ops.cast(rec[pl.ds(start, half)], col_layout), jnp.float32)
+  return row(offset), row(offset + half)
+
+
 def _rotated_halves(src, cos, sin, half):
   """f32 (lo, hi): the column halves of R(-shift) src [64, H] (f32 or
   16-bit), shift's cos and sin [H/2] given per column."""
@@ -158,11 +168,13 @@ def shift_cos_sin(shift, chunk_rows):
   return cos_sin_from_chunks(shift, chunk_rows, nearest=jnp.round)
 
 
-def rotated_query_halves(ops, src, cs_smem, slot, half, dtype):
+def rotated_query_halves(ops, src, cs_smem, slot, half, dtype, cos_sin=None):
   """(lo, hi): the column halves of R(-shift) src in `dtype`, in registers
   (WGMMA layout: the A operands of `Ops.qk_halves`), with the step's cos /
-  sin in cs_smem[slot]; src f32 or 16-bit."""
-  lo, hi = _rotated_halves(src, *_cos_sin_at(ops, cs_smem, slot), half)
+  sin in cs_smem[slot] (or given: `cos_sin`, per column); src f32 or
+  16-bit."""
+  cos, sin = cos_sin or _cos_sin_at(ops, cs_smem, slot)
+  lo, hi = _rotated_halves(src, cos, sin, half)
   return (ops.cast(lo.astype(dtype), plgpu.Layout.WGMMA),
           ops.cast(hi.astype(dtype), plgpu.Layout.WGMMA))
 
@@ -290,7 +302,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     phys = (page_ids(batch, row) if page_ids is not None else
             [rec_ref[batch, row, layout.phys + j] + page_offset
              for j in range(pages_per_block)])
-    seg = layout.segment(rec_ref, batch, row)
+    seg = layout.segment(rec_ref, batch, row) if cs_rows != 0 else None
 
     def copy_pages(pages_ref, ring_smem, barrier):
       # One TMA copy per page: the block's pages are not contiguous.

@@ -2,7 +2,8 @@
 
 One CTA per (tile of query units, kv head, batch row).  A producer
 warpgroup TMA-copies each step's KV pages, its step record and its segment's
-cos/sin into a ring of shared-memory slots; one or two compute warpgroups
+cos/sin (or a record that carries them: cos_sin_in_records) into a ring of
+shared-memory slots; one or two compute warpgroups
 each take 64 query rows of one query head, rotate them by -shift for a
 segment's first step while the step before's P V wgmma runs (into
 registers, the A operand of Q K^T; or into shared memory with
@@ -34,7 +35,8 @@ from pallas_kernels.gpu_mgpu_float8 import (
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
-    produce_kv_ring, rope_rows_in_place, rotate_query, rotated_query_halves,
+    produce_kv_ring, record_cos_sin, rope_rows_in_place, rotate_query,
+    rotated_query_halves,
     softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
@@ -123,8 +125,17 @@ def _kernel(
           scale_ref[0], half, dtype)
     oldest_row = min_row_ref[batch, token_block]
 
-    def rotate(cs_slot):
-      rotate_query(ops, q_store, q16, cs_smem, cs_slot, half, dtype)
+    def step_cos_sin(j):
+      """Step j's segment cos / sin from its record (cos_sin_in_records;
+      the record ring outlives the cos/sin ring), else None: the ring's."""
+      if not cfg.cos_sin_in_records:
+        return None
+      return record_cos_sin(ops, rec_smem.at[lax.rem(j, 2 * stages)],
+                            layout.cos_sin, half)
+
+    def rotate(j):
+      rotate_query(ops, q_store, q16, cs_smem, lax.rem(j, cs_stages), half,
+                   dtype, step_cos_sin(j))
 
     def load_scales(row):
       # The CTA's steps are the plan rows 0..n_steps - 1 of its batch row.
@@ -157,8 +168,7 @@ def _kernel(
                            else k_bars.at[lax.rem(j, stages)])
         if not regs_query:
           rec = rec_smem.at[lax.rem(j, 2 * stages)]
-          pl.when(rec[layout.new_seg] != 0)(
-              lambda: rotate(lax.rem(j, cs_stages)))
+          pl.when(rec[layout.new_seg] != 0)(lambda: rotate(j))
 
     def halves_ready(j, halves):
       """Waits for step j's K; returns its rotated query halves (regs_query):
@@ -171,7 +181,8 @@ def _kernel(
       return lax.cond(
           starts,
           lambda: rotated_query_halves(ops, q_store, cs_smem,
-                                       lax.rem(j, cs_stages), half, dtype),
+                                       lax.rem(j, cs_stages), half, dtype,
+                                       step_cos_sin(j)),
           lambda: tuple(halves))
 
     if not regs_query:
@@ -270,7 +281,7 @@ def _kernel(
         rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
         layout=layout, pages_per_block=ppb, page_size=page_size,
         stages=stages, interpret=interpret, set_registers=not quantized,
-        cs_stages=cs_stages)
+        cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None)
 
   if quantized:
     @pl.when(wg == nwg + 1)
@@ -324,7 +335,13 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   nwg, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
   block_kv = block_sizes.block_kv
   ppb = block_kv // page_size
-  layout = RecordLayout(ppb)
+  in_records = block_sizes.cos_sin_in_records
+  layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
+  if plan.records.shape[-1] != layout.width:
+    raise ValueError(
+        f"plan records are {plan.records.shape[-1]} wide; these block sizes "
+        f"need {layout.width} (cos_sin_in_records={in_records}): make the "
+        "plan with the kernel's block sizes")
   num_tiles = plan.n_steps.shape[1]
   if num_tiles * nwg != t_pad // WG_ROWS * group:
     raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
@@ -353,15 +370,18 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
                  transforms=ring),
       plgpu.SMEM((2 * stages, layout.width), jnp.int32),
-      plgpu.SMEM(((2 if quantized else 1) * stages, 2, head_dim // 2),
-                 jnp.float32),
+      # The cos/sin ring (one unused slot when the records carry them).
+      plgpu.SMEM((1 if in_records else (2 if quantized else 1) * stages, 2,
+                  head_dim // 2), jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
       plgpu.SMEM((nwg, *chunks.shape) if block_sizes.query_rope_in_kernel
                  else (1, 1, 32), jnp.int32),  # turn chunks, or unused
       # q, row_pos (and the turn chunks)
       plgpu.Barrier(num_arrivals=2 + block_sizes.query_rope_in_kernel,
                     num_barriers=nwg),
-      plgpu.Barrier(num_arrivals=ppb + 2, num_barriers=stages),  # K+rec+cs
+      # K pages, record (and cos/sin)
+      plgpu.Barrier(num_arrivals=ppb + (1 if in_records else 2),
+                    num_barriers=stages),
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
       plgpu.Barrier(num_arrivals=slot_users, num_barriers=stages),  # K free
       plgpu.Barrier(num_arrivals=slot_users, num_barriers=stages),  # V free

@@ -56,7 +56,11 @@ class PageFieldOffsets:
 
 @dataclasses.dataclass(frozen=True)
 class RecordLayout(PageFieldOffsets):
-  """Field offsets of one int32 step record."""
+  """Field offsets of one int32 step record; with `cos_sin_dim` = H, the
+  record ends with its segment's cos and sin (f32 [2, H/2], as int32
+  bits; MgpuBlockSizes.cos_sin_in_records)."""
+
+  cos_sin_dim: int = 0
 
   @property
   def seg(self):
@@ -75,10 +79,15 @@ class RecordLayout(PageFieldOffsets):
     return self.seg + 3
 
   @property
+  def cos_sin(self):
+    # 128-byte aligned; the fields before it are padded to there.
+    return round_up(self.seg + 4, 32)
+
+  @property
   def width(self):
     # A multiple of 32 int32 (128 bytes): the TMA copy's byte count must
     # split evenly over the 128 threads that arrive on the barrier.
-    return round_up(self.seg + 4, 32)
+    return self.cos_sin + round_up(self.cos_sin_dim, 32)
 
   def segment(self, rec_ref, batch, row):
     """The row of step `row`'s cos / sin: its segment's index."""
@@ -198,6 +207,24 @@ def segment_cos_sin(shift, rope: RopeConfig, head_dim: int):
   return jnp.stack([cos, sin], axis=2)
 
 
+def records_with_cos_sin(records, cos_sin, pages_per_block: int):
+  """The records of RecordLayout(ppb, cos_sin_dim=H)
+  (MgpuBlockSizes.cos_sin_in_records): `records` [B, S,
+  RecordLayout(ppb).width] with each step's segment cos and sin (rows of
+  `cos_sin` [B, M, 2, H/2]) appended as int32 bits."""
+  batch, steps, _ = records.shape
+  head_dim = 2 * cos_sin.shape[-1]
+  layout = RecordLayout(pages_per_block, cos_sin_dim=head_dim)
+  # Steps past a row's count hold segment 0: any row will do there.
+  seg = jnp.clip(records[..., layout.seg], 0, cos_sin.shape[1] - 1)
+  rows = jnp.take_along_axis(cos_sin, seg[:, :, None, None], axis=1)
+  bits = jax.lax.bitcast_convert_type(rows, jnp.int32).reshape(
+      batch, steps, head_dim)
+  pad = layout.width - layout.cos_sin - head_dim
+  return jnp.pad(jnp.concatenate([records, bits], axis=-1),
+                 ((0, 0), (0, 0), (0, pad)))
+
+
 class PrefillPlan(NamedTuple):
   """Per-batch metadata of the kernel (XLA), the same for every layer.
 
@@ -210,7 +237,8 @@ class PrefillPlan(NamedTuple):
   n_steps: jax.Array  # int32 [B, tiles]: steps each CTA runs
   min_row: jax.Array  # int32 [B, T_pad / 64]: oldest q_pos of a token block
   records: jax.Array  # int32 [B, steps, width]: step records
-  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin
+  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin (also
+  #                     in the records with cos_sin_in_records)
   row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
 
 
@@ -258,4 +286,6 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
                     axis=-1)
   cos_sin = segment_cos_sin(shift, rope, head_dim)
+  if block_sizes.cos_sin_in_records:
+    records = records_with_cos_sin(records, cos_sin, ppb)
   return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos)

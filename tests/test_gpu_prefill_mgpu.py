@@ -68,8 +68,11 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
     MgpuBlockSizes(schedule_barrier=False),
     MgpuBlockSizes(query_in_registers=False),
     MgpuBlockSizes(query_rope_in_kernel=True),
+    MgpuBlockSizes(cos_sin_in_records=True),
+    MgpuBlockSizes(cos_sin_in_records=True, query_in_registers=False),
 ], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
-        "no_sched", "query_in_smem", "query_rope_in_kernel"])
+        "no_sched", "query_in_smem", "query_rope_in_kernel",
+        "cos_sin_in_records", "cos_sin_in_records_smem"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -270,15 +273,21 @@ def test_parity_interpret_fast_path():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("schedule_barrier,query_in_registers", [
-    pytest.param(False, True, marks=pytest.mark.slow),
-    pytest.param(True, False, marks=pytest.mark.slow), (True, True)])
+@pytest.mark.parametrize(
+    "schedule_barrier,query_in_registers,cos_sin_in_records", [
+        pytest.param(False, True, False, marks=pytest.mark.slow),
+        pytest.param(True, False, False, marks=pytest.mark.slow),
+        (True, True, False), (True, True, True),
+        pytest.param(True, False, True, marks=pytest.mark.slow)])
 def test_parity_interpret_segments_of_several_steps(schedule_barrier,
-                                                    query_in_registers):
+                                                    query_in_registers,
+                                                    cos_sin_in_records):
   """Documents of three 64-key steps (the query is rotated ahead, during
   the P V product of the step before a segment's first); a half-full page
   in the middle of document 1 (NaN in its unused slots); group 1 puts two
-  token blocks in one CTA, one of them with padding rows."""
+  token blocks in one CTA, one of them with padding rows.  With
+  cos_sin_in_records each segment's rotation reads its cos / sin from the
+  step's record."""
   lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
                           q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
                           page_size=16)
@@ -287,7 +296,8 @@ def test_parity_interpret_segments_of_several_steps(schedule_barrier,
   for pages in (lazy.k_pages, lazy.v_pages):
     pages[:, lazy.page_table[0, page], 9:] = np.nan
   sizes = MgpuBlockSizes(block_kv=64, schedule_barrier=schedule_barrier,
-                         query_in_registers=query_in_registers)
+                         query_in_registers=query_in_registers,
+                         cos_sin_in_records=cos_sin_in_records)
   _check(_call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes),
          lazy, LLAMA3)
 
@@ -381,14 +391,16 @@ def test_parity_interpret_mha_and_page_offset():
   _check(out, lazy, PLAIN)
 
 
-@pytest.mark.parametrize("num_compute_wgs", [1, 2])
-def test_float8_export_lowers_for_cuda(num_compute_wgs):
+@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records",
+                         [(1, False), (2, False), (2, True)])
+def test_float8_export_lowers_for_cuda(num_compute_wgs, cos_sin_in_records):
   """float8 pages: a converter warpgroup widens the e4m3 ring (four
   warpgroups with the ping-pong's two compute warpgroups)."""
   specs = list(_specs(**BENCH))
   pages = jax.ShapeDtypeStruct(specs[1].shape, jnp.float8_e4m3fn)
   scales = jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)
-  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs)
+  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
+                         cos_sin_in_records=cos_sin_in_records)
   fn = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=sizes,
       k_scales=a[8], v_scales=a[9]))
@@ -398,17 +410,18 @@ def test_float8_export_lowers_for_cuda(num_compute_wgs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("num_compute_wgs", [
-    1,
+@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records", [
+    (1, False),
+    pytest.param(1, True, marks=pytest.mark.slow),
     # Four warpgroups: the interpreter runs each in a host computation whose
     # barrier waits block a thread of XLA's CPU pool (one per core); with
     # two cores, two blocked waits starve the other two warpgroups and the
     # run hangs.  Runs where there are cores enough (the GPU machine).
-    pytest.param(2, marks=pytest.mark.skipif(
+    pytest.param(2, False, marks=pytest.mark.skipif(
         (os.cpu_count() or 1) < 4,
         reason="the Mosaic GPU interpreter needs >= 4 cores for 4 "
         "warpgroups"))])
-def test_parity_interpret_float8(num_compute_wgs):
+def test_parity_interpret_float8(num_compute_wgs, cos_sin_in_records):
   """float8 pages with NaN in unused slots and NaN scales on unused pages;
   bf16 queries on f16 operands; V values tiny (scales down to 2^-27) and
   2^6 apart between pages, so P times a V scale would leave f16's normal
@@ -429,7 +442,8 @@ def test_parity_interpret_float8(num_compute_wgs):
       *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
       sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
       v_scales=v_scales,
-      block_sizes=MgpuBlockSizes(num_compute_wgs=num_compute_wgs))
+      block_sizes=MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
+                                 cos_sin_in_records=cos_sin_in_records))
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
@@ -479,6 +493,50 @@ def test_plan_units_and_steps():
   assert np.asarray(plan.n_steps).tolist() == [[4, 4, 5, 5]]
 
 
+def test_plan_records_carry_cos_sin():
+  """cos_sin_in_records: each record is the default plan's, then its
+  segment's cos and sin (f32 bits); a kernel given a plan of the other
+  width refuses it; shared memory grows by the wider record ring."""
+  from pallas_kernels.gpu_block_sizes import smem_bytes
+  from pallas_kernels.gpu_prefill_mgpu import (mgpu_prefill_kernel,
+                                               plan_prefill)
+  pages, page_size, head_dim = 12, 16, 64
+  page_pos = jnp.arange(pages, dtype=jnp.int32)[None] * page_size
+  # Three documents of 4 pages at their own shifts.
+  shift = jnp.asarray([[700] * 4 + [90000] * 4 + [0] * 4], jnp.int32)
+  page_len = jnp.full((1, pages), page_size, jnp.int32)
+  q_pos = (pages * page_size + jnp.arange(8, dtype=jnp.int32))[None]
+  make = lambda sizes: plan_prefill(
+      jnp.arange(pages, dtype=jnp.int32)[None], page_pos, shift, page_len,
+      q_pos, rope=LLAMA3, group=1, head_dim=head_dim, num_pages=pages,
+      page_size=page_size, block_sizes=sizes)
+  plain = make(MgpuBlockSizes(block_kv=64))
+  sizes = MgpuBlockSizes(block_kv=64, cos_sin_in_records=True)
+  carried = make(sizes)
+  layout = RecordLayout(4, cos_sin_dim=head_dim)
+  records = np.asarray(carried.records)
+  assert records.shape[-1] == layout.width == 32 + 64
+  np.testing.assert_array_equal(records[..., :layout.cos_sin],
+                                np.asarray(plain.records))
+  cos_sin = records[..., layout.cos_sin:layout.cos_sin + head_dim].view(
+      np.float32).reshape(*records.shape[:2], 2, head_dim // 2)
+  steps = int(np.max(np.asarray(carried.n_steps)))
+  assert steps == 3
+  segs = records[0, :steps, layout.seg]
+  assert segs.tolist() == [0, 1, 2]
+  np.testing.assert_array_equal(
+      cos_sin[0, :steps], np.asarray(carried.cos_sin)[0, segs])
+  assert not np.allclose(cos_sin[0, 0], cos_sin[0, 1])
+  # A plan made for other block sizes: refused before any work.
+  q = jnp.zeros((1, 64, 2, head_dim), jnp.bfloat16)
+  kv = jnp.zeros((2, pages, page_size, head_dim), jnp.bfloat16)
+  with pytest.raises(ValueError, match="make the plan with the kernel's"):
+    mgpu_prefill_kernel(q, kv, kv, plain, out_dtype=jnp.bfloat16,
+                        block_sizes=sizes, interpret=True)
+  wider = smem_bytes(MgpuBlockSizes(cos_sin_in_records=True), 128)
+  assert wider - smem_bytes(MgpuBlockSizes(), 128) == 2 * 2 * 128 * 4
+
+
 GPU_CASES = [
     # (heads, head_dim, page_size, q_len, base_position, rope, block sizes)
     ((32, 8), 128, 16, 64, 0, PLAIN, None),
@@ -502,6 +560,11 @@ GPU_CASES = [
      MgpuBlockSizes(query_rope_in_kernel=True)),
     ((8, 8), 128, 16, 130, 0, LLAMA3,
      MgpuBlockSizes(query_rope_in_kernel=True, query_in_registers=False)),
+    # Each step's record carries its segment's cos / sin.
+    ((32, 8), 128, 16, 200, 2**20, LLAMA3,
+     MgpuBlockSizes(cos_sin_in_records=True)),
+    ((8, 8), 128, 16, 130, 0, LLAMA3,
+     MgpuBlockSizes(cos_sin_in_records=True, query_in_registers=False)),
 ]
 
 
@@ -522,10 +585,12 @@ def test_parity_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_compute_wgs", [1, 2])
-def test_parity_gpu_float8(num_compute_wgs):
+@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records",
+                         [(1, False), (2, False), (2, True)])
+def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records):
   """float8 pages on the GPU: documents at shifts near 2^20, NaN in unused
-  slots and NaN scales on unused pages, one and two compute warpgroups."""
+  slots and NaN scales on unused pages, one and two compute warpgroups
+  (and cos / sin read from the step records)."""
   from pallas_kernels.testing import quantize_case
   from tests.test_gpu_decode_mgpu import _check_float8
   rng = np.random.default_rng(11)
@@ -533,7 +598,8 @@ def test_parity_gpu_float8(num_compute_wgs):
                    head_dim=128, page_size=16, dtype=jnp.bfloat16,
                    docs_per_row=4, max_doc_len=300, base_position=2**20)
   fp8, k_scales, v_scales = quantize_case(lazy)
-  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs)
+  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
+                         cos_sin_in_records=cos_sin_in_records)
   out = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=sizes, k_scales=a[8], v_scales=a[9]))(
