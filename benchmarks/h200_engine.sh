@@ -15,7 +15,9 @@
 #   rates, budget - the TTFT-vs-rate and throughput-vs-budget sweeps;
 #   mgpu  - Mosaic GPU prefill kernel: per-call and per-layer (plan made
 #           once) timing against Triton and cuDNN, and its parts timed
-#           alone (issue 2, ~40 s; MGPU_PARITY=1 adds the parity cases);
+#           alone (issue 2, ~60 s; MGPU_PARITY=1 adds the parity cases;
+#           MGPU_VARIANTS names the tiles, default the default and
+#           k128w2s2-qreg-csrec-sched);
 #   kernels - the kernel table of record, decode and prefill (issue 2;
 #           MOSAIC_VARIANTS names the Mosaic decode tiles timed, default
 #           the default tiles: each adds whole-call and per-layer rows at
@@ -147,7 +149,8 @@ for part in $parts; do
         --no-progress --out "$out/rag_budget.json" --plot-dir "$out" 2>&1 | grep -v Warning | tail -12 ;;
     mgpu)
       parity=--skip-parity; [ "${MGPU_PARITY:-0}" = 1 ] && parity=""
-      timeout ${MGPU_TIMEOUT:-120} python3 -m benchmarks.mgpu_prefill_check $parity 2>&1 \
+      timeout ${MGPU_TIMEOUT:-120} python3 -m benchmarks.mgpu_prefill_check $parity \
+        --variants ${MGPU_VARIANTS:-k128w2s2-qreg-sched,k128w2s2-qreg-csrec-sched} 2>&1 \
         | grep -v Warning | tee "$out/mgpu_prefill.txt" | tail -20 ;;
     tptests)
       timeout 300 python3 -m pytest -q tests/multi_device --engine-impl gpu \
