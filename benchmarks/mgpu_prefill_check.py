@@ -65,11 +65,10 @@ from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 
 def _tiles(block_kv, wgs, stages, *, sched, f32_query, registers=False,
-           rope_in_kernel=False, cos_sin_in_records=False):
+           cos_sin_in_records=False):
   return MgpuBlockSizes(block_kv=block_kv, num_compute_wgs=wgs,
                         num_stages=stages, schedule_barrier=sched,
                         query_in_f32=f32_query, query_in_registers=registers,
-                        query_rope_in_kernel=rope_in_kernel,
                         cos_sin_in_records=cos_sin_in_records)
 
 
@@ -88,10 +87,6 @@ VARIANTS = {
     # The rotated query in registers (MgpuBlockSizes.query_in_registers).
     "k128w2s2-qreg-sched": _tiles(128, 2, 2, sched=True, f32_query=False,
                                   registers=True),  # default
-    # ... with the query's own rotation, R(q_pos), in the kernel.
-    "k128w2s2-qreg-qrope-sched": _tiles(128, 2, 2, sched=True,
-                                        f32_query=False, registers=True,
-                                        rope_in_kernel=True),
     # ... with each segment's cos / sin in the step records (one copy
     # fewer a step).
     "k128w2s2-qreg-csrec-sched": _tiles(128, 2, 2, sched=True,
@@ -280,19 +275,14 @@ def run_timing(variants, only=(), shapes=None):
     # also no step masked or fixed up (what the masks cost; what is left is
     # the paged steps themselves).
     kernel = lambda q_rot, k, v, plan, sizes: mgpu_prefill_kernel(
-        q_rot, k, v, PrefillPlan(*plan), out_dtype=DTYPE, block_sizes=sizes,
-        rope=ROPE, sm_scale=jnp.float32(SM_SCALE))
+        q_rot, k, v, PrefillPlan(*plan), out_dtype=DTYPE, block_sizes=sizes)
     for name, sizes in variants.items():
       plan_v = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
           *lazy_args, sizes))
       t_pad_v = plan_v.row_pos.shape[1]
-      if sizes.query_rope_in_kernel:  # the raw query, rotated in the kernel
-        q_rot = jnp.pad(lazy_args[0], ((0, 0), (0, t_pad_v - q_len), (0, 0),
-                                       (0, 0)))
-      else:
-        q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
-            lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad_v,
-            sizes.query_in_f32)
+      q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
+          lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad_v,
+          sizes.query_in_f32)
       layout = RecordLayout(sizes.block_kv // PAGE_SIZE)
       one_rotation = plan_v._replace(
           records=plan_v.records.at[:, 1:, layout.new_seg].set(0))

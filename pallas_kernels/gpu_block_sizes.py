@@ -145,11 +145,6 @@ class MgpuBlockSizes:
       memory tile) while the step before's P V wgmma runs; 1-3% faster on
       the H200 (docs/kernels.md).  Float8 pages keep it in shared memory
       (their compute warpgroups' registers are spoken for).
-    query_rope_in_kernel: rotate the query by its positions in the kernel
-      (R(q_pos) q * scale from the raw 16-bit query, the RoPE's exact turn
-      chunks) instead of in an XLA pass over q before it; 16-bit pages and
-      query storage only.  Opt-in: on the H200 it costs the kernel more
-      than the XLA pass saves (docs/kernels.md).
     cos_sin_in_records: each step record carries its segment's cos / sin
       (the plan appends them), so the producer makes one copy fewer a step
       (no separate cos / sin copy).  Opt-in until timed on a GPU: in
@@ -169,7 +164,6 @@ class MgpuBlockSizes:
   mask_fast_path: bool = True
   query_in_f32: bool = False
   query_in_registers: bool = True
-  query_rope_in_kernel: bool = False
   cos_sin_in_records: bool = False
 
   def __post_init__(self):
@@ -180,9 +174,6 @@ class MgpuBlockSizes:
           f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
-    if self.query_rope_in_kernel and self.query_in_f32:
-      raise ValueError("query_rope_in_kernel needs 16-bit query storage "
-                       "(query_in_f32=False)")
 
 
 def _ring_bytes(stages: int, block_kv: int, head_dim: int,
@@ -206,12 +197,10 @@ def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
   wgs = block_sizes.num_compute_wgs
   q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
-  chunks = (wgs * NUM_TURN_CHUNKS * head_dim // 2 * 4
-            if block_sizes.query_rope_in_kernel else 0)
   # Records that carry cos / sin: H f32 more in each of 2 * stages slots.
   records = (2 * block_sizes.num_stages * head_dim * 4
              if block_sizes.cos_sin_in_records else 0)
-  return (q_store + q_16 + wgs * WG_ROWS * 4 + chunks + records
+  return (q_store + q_16 + wgs * WG_ROWS * 4 + records
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))
 

@@ -179,28 +179,6 @@ def rotated_query_halves(ops, src, cs_smem, slot, half, dtype, cos_sin=None):
           ops.cast(hi.astype(dtype), plgpu.Layout.WGMMA))
 
 
-def rope_rows_in_place(q_ref, row_pos, chunk_rows, scale, half, dtype):
-  """q_ref [64, H] (16-bit, raw q rows) = R(row_pos) q * scale, rows with
-  row_pos < 0 (padding) zeroed.  row_pos: int32 [64], one value per row;
-  chunk_rows: the RoPE's NUM_TURN_CHUNKS turn-chunk rows, int32 [H/2] each
-  per column; scale: f32 scalar.  The angles are exact
-  (`rope.cos_sin_from_chunks`), as in the XLA rotation."""
-  shape = (WG_ROWS, half)
-  pos = lax.broadcast_in_dim(jnp.maximum(row_pos, 0), shape, [0])
-  cos, sin = cos_sin_from_chunks(
-      pos, [lax.broadcast_in_dim(c, shape, [1]) for c in chunk_rows],
-      nearest=jnp.round)
-  keep = lax.broadcast_in_dim(row_pos >= 0, shape, [0])
-  cos = jnp.where(keep, cos * scale, 0.0)
-  sin = jnp.where(keep, sin * scale, 0.0)
-  lo = q_ref.at[:, pl.ds(0, half)][...].astype(jnp.float32)
-  hi = q_ref.at[:, pl.ds(half, half)][...].astype(jnp.float32)
-  # R(θ) x = x cos + rotate_half(x) sin, rotate_half([x1, x2]) = [-x2, x1].
-  q_ref.at[:, pl.ds(0, half)][...] = (lo * cos - hi * sin).astype(dtype)
-  q_ref.at[:, pl.ds(half, half)][...] = (hi * cos + lo * sin).astype(dtype)
-  plgpu.commit_smem()
-
-
 def key_positions(ops, rec, layout: RecordLayout, pages_per_block: int,
                   page_size: int, block_kv: int):
   """Key position of each of a step's columns (one value per column),

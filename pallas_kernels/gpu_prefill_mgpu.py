@@ -73,9 +73,6 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
   if quantized and block_sizes.query_in_f32:
     return ("lazy_prefill_mgpu on float8 pages needs 16-bit query storage "
             "(MgpuBlockSizes(query_in_f32=False))")
-  if quantized and block_sizes.query_rope_in_kernel:
-    return ("lazy_prefill_mgpu on float8 pages rotates the query outside "
-            "the kernel (MgpuBlockSizes(query_rope_in_kernel=False))")
   reason = tile_refusal("lazy_prefill_mgpu", head_dim, page_size,
                         block_sizes.block_kv)
   if reason is not None:
@@ -167,13 +164,10 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
       q_len, group, block_sizes.num_compute_wgs)):
     raise ValueError(f"plan was made for {plan.row_pos.shape[0]} rows of "
                      f"{t_pad} padded tokens; q has {batch} rows of {q_len}")
-  if block_sizes.query_rope_in_kernel:  # the kernel rotates the raw q
-    q_rot = jnp.pad(q, ((0, 0), (0, t_pad - q_len), (0, 0), (0, 0)))
-  else:
-    q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
-                                 block_sizes.query_in_f32)
+  q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
+                               block_sizes.query_in_f32)
   out = mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan, page_offset,
                             out_dtype=q.dtype, block_sizes=block_sizes,
                             interpret=interpret, k_scales=k_scales,
-                            v_scales=v_scales, rope=rope, sm_scale=sm_scale)
+                            v_scales=v_scales)
   return out[:, :q_len]

@@ -35,11 +35,9 @@ from pallas_kernels.gpu_mgpu_float8 import (
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
-    produce_kv_ring, record_cos_sin, rope_rows_in_place, rotate_query,
-    rotated_query_halves,
+    produce_kv_ring, record_cos_sin, rotate_query, rotated_query_halves,
     softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
-from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig
 
 
 def _kernel(
@@ -50,12 +48,9 @@ def _kernel(
     cs_ref,  # f32 [B, M, 2, H/2]
     row_pos_ref,  # int32 [B, T_pad]
     page_offset_ref,  # int32 [1]: added to every physical page id
-    scale_ref,  # f32 [1]: sm_scale * log2(e) (query_rope_in_kernel)
-    chunks_ref,  # int32 [6, H/2]: RoPE turn chunks (query_rope_in_kernel)
     # Operands.
     q_ref,  # [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), f32 or
-    #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32); the raw q with
-    #        query_rope_in_kernel
+    #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32)
     k_ref,  # [K, pages * P, H] in the pool's dtype (16-bit or float8)
     v_ref,  # [K, pages * P, H]
     ks_ref,  # f32 [K, pages]: K scale of each page (float8; else unused)
@@ -64,9 +59,8 @@ def _kernel(
     o_ref,  # [B, T_pad, N, H]
     # Scratch (float8: the 16-bit K and V tiles and their ready and free
     # barriers at the end).
-    q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem,
-    chunks_smem, q_bars, k_bars, v_bars, k_free, v_free, sched_bar,
-    *float8_scratch,
+    q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
+    k_bars, v_bars, k_free, v_free, sched_bar, *float8_scratch,
     cfg: MgpuBlockSizes, page_size: int, group: int, layout: RecordLayout,
     dtype, interpret: bool):
   ops = Ops(interpret)
@@ -112,17 +106,8 @@ def _kernel(
                             q_bars.at[wg])
     plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
                             q_bars.at[wg])
-    if cfg.query_rope_in_kernel:
-      plgpu.copy_gmem_to_smem(chunks_ref, chunks_smem.at[wg], q_bars.at[wg])
     plgpu.barrier_wait(q_bars.at[wg])
     row_pos = ops.cast(rp_smem[wg], row_layout)
-    if cfg.query_rope_in_kernel:  # R(q_pos) q * scale, in place
-      col_layout = plgpu.Layout.WGMMA.reduce(0)
-      rope_rows_in_place(
-          q_store, row_pos,
-          [ops.cast(chunks_smem[wg, r], col_layout)
-           for r in range(chunks_smem.shape[1])],
-          scale_ref[0], half, dtype)
     oldest_row = min_row_ref[batch, token_block]
 
     def step_cos_sin(j):
@@ -300,31 +285,16 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
                         page_offset=0, *, out_dtype,
                         block_sizes: MgpuBlockSizes | None = None,
                         interpret: bool = False, k_scales=None,
-                        v_scales=None, rope: RopeConfig | None = None,
-                        sm_scale=None):
+                        v_scales=None):
   """The kernel alone: q_rot from `rotated_query_tokens`, plan from
   `plan_prefill`; float8_e4m3fn pages take f32 k_scales, v_scales [K,
-  num_pages] (f16 wgmma operands, 16-bit query storage only).  With
-  `block_sizes.query_rope_in_kernel`, q_rot is the raw query padded to
-  T_pad (16-bit) and `rope`, `sm_scale` (float or f32 scalar) are
-  required.  Returns out_dtype [B, T_pad, N, H]."""
+  num_pages] (f16 wgmma operands, 16-bit query storage only).  Returns
+  out_dtype [B, T_pad, N, H]."""
   block_sizes = block_sizes or MgpuBlockSizes()
   quantized = k_scales is not None
   if quantized and block_sizes.query_in_f32:
     raise ValueError("float8 pages need 16-bit query storage "
                      "(MgpuBlockSizes(query_in_f32=False))")
-  half = q_rot.shape[-1] // 2
-  if block_sizes.query_rope_in_kernel:
-    if quantized:
-      raise ValueError("query_rope_in_kernel needs 16-bit pages")
-    if rope is None or sm_scale is None:
-      raise ValueError("query_rope_in_kernel needs the rope and sm_scale")
-    chunks = jnp.asarray(rope.turn_chunks(q_rot.shape[-1])[:, :half])
-    scale = jnp.reshape(jnp.asarray(sm_scale, jnp.float32)
-                        * jnp.float32(common.LOG2_E), (1,))
-  else:  # unused
-    chunks = jnp.zeros((NUM_TURN_CHUNKS, half), jnp.int32)
-    scale = jnp.zeros((1,), jnp.float32)
   want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
   if q_rot.dtype != jnp.dtype(want):
     raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "
@@ -374,11 +344,7 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       plgpu.SMEM((1 if in_records else (2 if quantized else 1) * stages, 2,
                   head_dim // 2), jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
-      plgpu.SMEM((nwg, *chunks.shape) if block_sizes.query_rope_in_kernel
-                 else (1, 1, 32), jnp.int32),  # turn chunks, or unused
-      # q, row_pos (and the turn chunks)
-      plgpu.Barrier(num_arrivals=2 + block_sizes.query_rope_in_kernel,
-                    num_barriers=nwg),
+      plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
       # K pages, record (and cos/sin)
       plgpu.Barrier(num_arrivals=ppb + (1 if in_records else 2),
                     num_barriers=stages),
@@ -407,5 +373,5 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **extra,
   )(plan.n_steps, plan.min_row, plan.records, plan.cos_sin, plan.row_pos,
-    page_offset, scale, chunks, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages),
+    page_offset, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages),
     k_scales, v_scales)

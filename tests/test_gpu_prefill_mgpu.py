@@ -67,12 +67,11 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
                    mask_fast_path=False),
     MgpuBlockSizes(schedule_barrier=False),
     MgpuBlockSizes(query_in_registers=False),
-    MgpuBlockSizes(query_rope_in_kernel=True),
     MgpuBlockSizes(cos_sin_in_records=True),
     MgpuBlockSizes(cos_sin_in_records=True, query_in_registers=False),
 ], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
-        "no_sched", "query_in_smem", "query_rope_in_kernel",
-        "cos_sin_in_records", "cos_sin_in_records_smem"])
+        "no_sched", "query_in_smem", "cos_sin_in_records",
+        "cos_sin_in_records_smem"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -302,41 +301,6 @@ def test_parity_interpret_segments_of_several_steps(schedule_barrier,
          lazy, LLAMA3)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("query_in_registers", [
-    True, pytest.param(False, marks=pytest.mark.slow)])
-def test_parity_interpret_query_rope_in_kernel(query_in_registers):
-  """The kernel rotates the raw query by its positions (near 2^20, Llama-3
-  scaling): padding rows (q_pos -1) come out zero; T = 70 is padded to
-  whole token blocks."""
-  rng = np.random.default_rng(7)
-  lazy = make_case(rng, batch=1, q_len=70, num_heads=4, num_kv_heads=2,
-                   head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                   docs_per_row=2, max_doc_len=60, base_position=2**20)
-  assert (lazy.q_pos < 0).any()
-  sizes = MgpuBlockSizes(block_kv=64, query_rope_in_kernel=True,
-                         query_in_registers=query_in_registers)
-  out = _call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes)
-  _check(out, lazy, LLAMA3)
-
-
-def test_query_rope_in_kernel_refusals():
-  with pytest.raises(ValueError, match="16-bit query storage"):
-    MgpuBlockSizes(query_rope_in_kernel=True, query_in_f32=True)
-  args = _specs(batch=1, q_len=4, heads=2, kv_heads=1, head_dim=128,
-                pages=4, page_size=16, logical=2)
-  fp8 = [jnp.zeros(a.shape, jnp.float8_e4m3fn if i in (1, 2) else a.dtype)
-         for i, a in enumerate(args)]
-  scales = jnp.ones((1, 4), jnp.float32)
-  with pytest.raises(ValueError, match="rotates the query outside"):
-    lazy_prefill_mgpu(*fp8, rope=PLAIN, sm_scale=jnp.float32(0.1),
-                      block_sizes=MgpuBlockSizes(query_rope_in_kernel=True),
-                      k_scales=scales, v_scales=scales)
-  from pallas_kernels.gpu_block_sizes import smem_bytes
-  with_chunks = smem_bytes(MgpuBlockSizes(query_rope_in_kernel=True), 128)
-  assert with_chunks - smem_bytes(MgpuBlockSizes(), 128) == 2 * 6 * 64 * 4
-
-
 @pytest.mark.slow
 @needs_interpreter
 def test_parity_interpret_one_warpgroup_page8():
@@ -554,12 +518,6 @@ GPU_CASES = [
     ((32, 8), 128, 16, 200, 2**20, LLAMA3,
      MgpuBlockSizes(schedule_barrier=False)),
     ((8, 8), 128, 16, 130, 0, LLAMA3, MgpuBlockSizes(schedule_barrier=False)),
-    # The query's own rotation in the kernel (padding rows, T not whole
-    # token blocks, positions near 2^20).
-    ((32, 8), 128, 16, 200, 2**20, LLAMA3,
-     MgpuBlockSizes(query_rope_in_kernel=True)),
-    ((8, 8), 128, 16, 130, 0, LLAMA3,
-     MgpuBlockSizes(query_rope_in_kernel=True, query_in_registers=False)),
     # Each step's record carries its segment's cos / sin.
     ((32, 8), 128, 16, 200, 2**20, LLAMA3,
      MgpuBlockSizes(cos_sin_in_records=True)),
