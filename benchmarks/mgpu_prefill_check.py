@@ -204,6 +204,19 @@ def _time(fn, args, perturb):
   return statistics.median(timer.sample() for _ in range(SAMPLES))
 
 
+def _timing_plans(plan, pages_per_block):
+  """Timing-only forms of `plan` (wrong results): (every new-segment flag
+  after a CTA's first step cleared, so each CTA rotates its query once;
+  that, and no step masked or fixed up either)."""
+  layout = RecordLayout(pages_per_block)
+  one_rotation = plan._replace(
+      records=plan.records.at[:, 1:, layout.new_seg].set(0))
+  bare = one_rotation._replace(
+      records=one_rotation.records.at[:, :, layout.fixup].set(0)
+      .at[:, :, layout.max_pos].set(INT32_MIN))
+  return one_rotation, bare
+
+
 def _coarse_pages(lazy_args, factor):
   """The lazy arguments on a pool whose pages are `factor` of the pool's
   pages (the same K/V bytes, each row's pages in shuffled order)."""
@@ -283,13 +296,8 @@ def run_timing(variants, only=(), shapes=None):
       q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
           lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad_v,
           sizes.query_in_f32)
-      layout = RecordLayout(sizes.block_kv // PAGE_SIZE)
-      one_rotation = plan_v._replace(
-          records=plan_v.records.at[:, 1:, layout.new_seg].set(0))
-      # ... and no step taking the mask or the V fix-up either.
-      bare = one_rotation._replace(
-          records=one_rotation.records.at[:, :, layout.fixup].set(0)
-          .at[:, :, layout.max_pos].set(INT32_MIN))
+      one_rotation, bare = _timing_plans(plan_v,
+                                         sizes.block_kv // PAGE_SIZE)
       for label, rows_plan in (("kernel", plan_v),
                                ("kernel 1-rot", one_rotation),
                                ("kernel bare", bare)):
@@ -302,11 +310,7 @@ def run_timing(variants, only=(), shapes=None):
       coarse = _coarse_pages(lazy_args, sizes.block_kv // PAGE_SIZE)
       plan_c = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
           *coarse, sizes))
-      layout_c = RecordLayout(1)
-      bare_c = plan_c._replace(
-          records=plan_c.records.at[:, 1:, layout_c.new_seg].set(0)
-          .at[:, :, layout_c.fixup].set(0)
-          .at[:, :, layout_c.max_pos].set(INT32_MIN))
+      _, bare_c = _timing_plans(plan_c, 1)
       methods.append((f"kernel bare p{sizes.block_kv}[{name}]",
                       functools.partial(kernel, sizes=sizes),
                       (q_rot, coarse[1], coarse[2], tuple(bare_c)),
