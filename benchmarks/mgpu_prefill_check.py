@@ -86,12 +86,12 @@ VARIANTS = {
     "k128w2s2-q16-sched": _tiles(128, 2, 2, sched=True, f32_query=False),
     # The rotated query in registers (MgpuBlockSizes.query_in_registers).
     "k128w2s2-qreg-sched": _tiles(128, 2, 2, sched=True, f32_query=False,
-                                  registers=True),  # default
+                                  registers=True),
     # ... with each segment's cos / sin in the step records (one copy
-    # fewer a step).
+    # fewer a step): the default.
     "k128w2s2-qreg-csrec-sched": _tiles(128, 2, 2, sched=True,
                                         f32_query=False, registers=True,
-                                        cos_sin_in_records=True),
+                                        cos_sin_in_records=True),  # default
 }
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]

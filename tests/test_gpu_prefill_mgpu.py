@@ -67,11 +67,11 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
                    mask_fast_path=False),
     MgpuBlockSizes(schedule_barrier=False),
     MgpuBlockSizes(query_in_registers=False),
-    MgpuBlockSizes(cos_sin_in_records=True),
-    MgpuBlockSizes(cos_sin_in_records=True, query_in_registers=False),
+    MgpuBlockSizes(cos_sin_in_records=False),
+    MgpuBlockSizes(cos_sin_in_records=False, query_in_registers=False),
 ], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
-        "no_sched", "query_in_smem", "cos_sin_in_records",
-        "cos_sin_in_records_smem"])
+        "no_sched", "query_in_smem", "cos_sin_copied",
+        "cos_sin_copied_smem"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -474,7 +474,7 @@ def test_plan_records_carry_cos_sin():
       jnp.arange(pages, dtype=jnp.int32)[None], page_pos, shift, page_len,
       q_pos, rope=LLAMA3, group=1, head_dim=head_dim, num_pages=pages,
       page_size=page_size, block_sizes=sizes)
-  plain = make(MgpuBlockSizes(block_kv=64))
+  plain = make(MgpuBlockSizes(block_kv=64, cos_sin_in_records=False))
   sizes = MgpuBlockSizes(block_kv=64, cos_sin_in_records=True)
   carried = make(sizes)
   layout = RecordLayout(4, cos_sin_dim=head_dim)
@@ -498,7 +498,8 @@ def test_plan_records_carry_cos_sin():
     mgpu_prefill_kernel(q, kv, kv, plain, out_dtype=jnp.bfloat16,
                         block_sizes=sizes, interpret=True)
   wider = smem_bytes(MgpuBlockSizes(cos_sin_in_records=True), 128)
-  assert wider - smem_bytes(MgpuBlockSizes(), 128) == 2 * 2 * 128 * 4
+  narrower = smem_bytes(MgpuBlockSizes(cos_sin_in_records=False), 128)
+  assert wider - narrower == 2 * 2 * 128 * 4
 
 
 GPU_CASES = [
@@ -518,11 +519,12 @@ GPU_CASES = [
     ((32, 8), 128, 16, 200, 2**20, LLAMA3,
      MgpuBlockSizes(schedule_barrier=False)),
     ((8, 8), 128, 16, 130, 0, LLAMA3, MgpuBlockSizes(schedule_barrier=False)),
-    # Each step's record carries its segment's cos / sin.
+    # The producer copies each step's cos / sin apart from its record (the
+    # default carries them in the record).
     ((32, 8), 128, 16, 200, 2**20, LLAMA3,
-     MgpuBlockSizes(cos_sin_in_records=True)),
+     MgpuBlockSizes(cos_sin_in_records=False)),
     ((8, 8), 128, 16, 130, 0, LLAMA3,
-     MgpuBlockSizes(cos_sin_in_records=True, query_in_registers=False)),
+     MgpuBlockSizes(cos_sin_in_records=False, query_in_registers=False)),
 ]
 
 
