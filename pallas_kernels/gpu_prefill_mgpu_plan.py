@@ -8,7 +8,9 @@ counts (0 for a page outside the segment, dead, or past M), the segment
 index, a new-segment flag, a fix-up flag (some page not fully valid) and the
 newest valid key position.  Per CTA the plan counts the steps that hold a
 page its rows can see (steps are in page order, so that is a prefix), and
-per segment it holds the cos/sin of the shift.  The plan depends only on
+each record carries its segment's cos/sin (or, with
+MgpuBlockSizes(cos_sin_in_records=False), the plan holds them per segment
+beside the records).  The plan depends only on
 the page metadata and q_pos: a model makes it once per forward pass and
 every layer reuses it.
 
@@ -18,6 +20,7 @@ Design: docs/kernels.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -113,8 +116,14 @@ def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
 
 
 def step_records(page_table, page_pos, page_shift, page_len, live, *,
-                 num_pages, page_size, pages_per_block):
+                 num_pages, page_size, pages_per_block, cos_sin_of=None):
   """Flattens each batch row's work into KV steps (see the module docstring).
+
+  `cos_sin_of` (optional): int32 shifts [...] -> f32 cos / sin [..., 2,
+  H/2] (`segment_cos_sin`); given, each record ends with its segment's
+  cos and sin as int32 bits (RecordLayout(ppb, cos_sin_dim=H);
+  MgpuBlockSizes.cos_sin_in_records), computed per step, so they join the
+  records' one scatter.
 
   Returns:
     records: int32 [B, S_max, RecordLayout.width];
@@ -133,7 +142,6 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   """
   batch, num_logical = page_table.shape
   ppb = pages_per_block
-  layout = RecordLayout(ppb)
   num_blocks = ceil_div(num_logical, ppb)
   s_max = max_steps(num_logical, ppb)
   pad = num_blocks * ppb - num_logical
@@ -180,6 +188,20 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   i32 = lambda x: x.astype(jnp.int32)
   fields = [phys, pos, lim, i32(seg)[..., None], i32(new_seg)[..., None],
             i32(fixup)[..., None], max_pos[..., None]]
+  layout = RecordLayout(ppb)
+  if cos_sin_of is not None:
+    # A step's segment shift: that of its piece's live pages (all one
+    # segment's); a piece with none is never a new segment, so never
+    # rotates, and takes shift 0.
+    piece_shift = jnp.max(
+        jnp.where(in_piece & expand(live_b), expand(shift_b), INT32_MIN),
+        axis=-1)
+    cos_sin = cos_sin_of(jnp.where(piece_shift == INT32_MIN, 0, piece_shift))
+    bits = jax.lax.bitcast_convert_type(cos_sin, jnp.int32)
+    layout = RecordLayout(ppb, cos_sin_dim=2 * cos_sin.shape[-1])
+    fields = [*fields, jnp.zeros((batch, num_blocks, ppb, layout.cos_sin
+                                  - layout.seg - 4), jnp.int32),
+              bits.reshape(batch, num_blocks, ppb, layout.cos_sin_dim)]
   candidates = jnp.concatenate(fields, axis=-1)  # [B, NB, j, fields]
   candidates = jnp.pad(candidates, ((0, 0), (0, 0), (0, 0),
                                     (0, layout.width - candidates.shape[-1])))
@@ -200,29 +222,12 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
 
 
 def segment_cos_sin(shift, rope: RopeConfig, head_dim: int):
-  """f32 [B, M, 2, H/2]: cos and sin of each segment's shift (exact)."""
+  """f32 [..., 2, H/2]: cos and sin of each shift [...] (exact); of each
+  segment's shift [B, M] in the plans."""
   half = head_dim // 2
   chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :half])
   cos, sin = cos_sin_from_chunks(shift[..., None], chunks)
-  return jnp.stack([cos, sin], axis=2)
-
-
-def records_with_cos_sin(records, cos_sin, pages_per_block: int):
-  """The records of RecordLayout(ppb, cos_sin_dim=H)
-  (MgpuBlockSizes.cos_sin_in_records): `records` [B, S,
-  RecordLayout(ppb).width] with each step's segment cos and sin (rows of
-  `cos_sin` [B, M, 2, H/2]) appended as int32 bits."""
-  batch, steps, _ = records.shape
-  head_dim = 2 * cos_sin.shape[-1]
-  layout = RecordLayout(pages_per_block, cos_sin_dim=head_dim)
-  # Steps past a row's count hold segment 0: any row will do there.
-  seg = jnp.clip(records[..., layout.seg], 0, cos_sin.shape[1] - 1)
-  rows = jnp.take_along_axis(cos_sin, seg[:, :, None, None], axis=1)
-  bits = jax.lax.bitcast_convert_type(rows, jnp.int32).reshape(
-      batch, steps, head_dim)
-  pad = layout.width - layout.cos_sin - head_dim
-  return jnp.pad(jnp.concatenate([records, bits], axis=-1),
-                 ((0, 0), (0, 0), (0, pad)))
+  return jnp.stack([cos, sin], axis=-2)
 
 
 class PrefillPlan(NamedTuple):
@@ -237,8 +242,8 @@ class PrefillPlan(NamedTuple):
   n_steps: jax.Array  # int32 [B, tiles]: steps each CTA runs
   min_row: jax.Array  # int32 [B, T_pad / 64]: oldest q_pos of a token block
   records: jax.Array  # int32 [B, steps, width]: step records
-  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin (also
-  #                     in the records with cos_sin_in_records)
+  cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin; with
+  #                     cos_sin_in_records (in the records) [B, M, 2, 0]
   row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
 
 
@@ -270,9 +275,13 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   newest = jnp.max(q_pos, axis=1)
   live = ((page_len > 0) & (page_pos <= newest[:, None])
           & (newest[:, None] >= 0))
+  in_records = block_sizes.cos_sin_in_records
+  cos_sin_of = functools.partial(segment_cos_sin, rope=rope,
+                                 head_dim=head_dim)
   records, num_steps, step_first, shift = step_records(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
-      page_size=page_size, pages_per_block=ppb)
+      page_size=page_size, pages_per_block=ppb,
+      cos_sin_of=cos_sin_of if in_records else None)
   # Steps are in page order: a token block's steps are those starting before
   # the last page it can see.
   block_end = tile_page_ends(row_pos, page_pos, live, WG_ROWS)  # [B, TB]
@@ -285,7 +294,8 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
   min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
                     axis=-1)
-  cos_sin = segment_cos_sin(shift, rope, head_dim)
-  if block_sizes.cos_sin_in_records:
-    records = records_with_cos_sin(records, cos_sin, ppb)
+  if in_records:  # the kernel reads none: a placeholder, as decode's
+    cos_sin = jnp.zeros((*shift.shape, 2, 0), jnp.float32)
+  else:
+    cos_sin = cos_sin_of(shift)
   return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos)

@@ -458,9 +458,10 @@ def test_plan_units_and_steps():
 
 
 def test_plan_records_carry_cos_sin():
-  """cos_sin_in_records: each record is the default plan's, then its
-  segment's cos and sin (f32 bits); a kernel given a plan of the other
-  width refuses it; shared memory grows by the wider record ring."""
+  """cos_sin_in_records: each record is the copied form's, then its
+  segment's cos and sin (f32 bits, those the copied form's plan holds per
+  segment); a kernel given a plan of the other width refuses it; shared
+  memory grows by the wider record ring."""
   from pallas_kernels.gpu_block_sizes import smem_bytes
   from pallas_kernels.gpu_prefill_mgpu import (mgpu_prefill_kernel,
                                                plan_prefill)
@@ -489,7 +490,8 @@ def test_plan_records_carry_cos_sin():
   segs = records[0, :steps, layout.seg]
   assert segs.tolist() == [0, 1, 2]
   np.testing.assert_array_equal(
-      cos_sin[0, :steps], np.asarray(carried.cos_sin)[0, segs])
+      cos_sin[0, :steps], np.asarray(plain.cos_sin)[0, segs])
+  assert carried.cos_sin.shape == (1, pages, 2, 0)  # none beside them
   assert not np.allclose(cos_sin[0, 0], cos_sin[0, 1])
   # A plan made for other block sizes: refused before any work.
   q = jnp.zeros((1, 64, 2, head_dim), jnp.bfloat16)
