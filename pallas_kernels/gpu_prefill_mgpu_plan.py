@@ -8,11 +8,11 @@ counts (0 for a page outside the segment, dead, or past M), the segment
 index, a new-segment flag, a fix-up flag (some page not fully valid) and the
 newest valid key position.  Per CTA the plan counts the steps that hold a
 page its rows can see (steps are in page order, so that is a prefix), and
-each record carries its segment's cos/sin (or, with
-MgpuBlockSizes(cos_sin_in_records=False), the plan holds them per segment
-beside the records).  The plan depends only on
-the page metadata and q_pos: a model makes it once per forward pass and
-every layer reuses it.
+each record ends with its segment's cos/sin (with
+MgpuBlockSizes(cos_sin_in_records=False) the plan holds them per segment
+beside the records instead).  The plan depends only on the page metadata
+and q_pos: a model makes it once per forward pass and every layer reuses
+it.
 
 Design: docs/kernels.md.
 """
