@@ -16,8 +16,8 @@
 #   mgpu  - Mosaic GPU prefill kernel: per-call and per-layer (plan made
 #           once) timing against Triton and cuDNN, and its parts timed
 #           alone (issue 2, ~60 s; MGPU_PARITY=1 adds the parity cases;
-#           MGPU_VARIANTS names the tiles, default the default and
-#           k128w2s2-qreg-csrec-sched);
+#           MGPU_VARIANTS names the tiles, default the default tiles
+#           (k128w2s2-qreg-csrec-sched) and its copied-cos/sin form);
 #   kernels - the kernel table of record, decode and prefill (issue 2;
 #           MOSAIC_VARIANTS names the Mosaic decode tiles timed, default
 #           the default tiles: each adds whole-call and per-layer rows at
