@@ -295,7 +295,7 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
                     axis=-1)
   if in_records:  # the kernel reads none: a placeholder, as decode's
-    cos_sin = jnp.zeros((*shift.shape, 2, 0), jnp.float32)
+    cos_sin = jnp.zeros((*page_table.shape, 2, 0), jnp.float32)
   else:
     cos_sin = cos_sin_of(shift)
   return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos)
