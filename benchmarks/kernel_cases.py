@@ -32,10 +32,20 @@ L2_BYTES = 60e6
 MIN_CYCLE_BYTES = 4 * L2_BYTES
 
 
-def page_metadata(rng, batch, doc_tokens, own_tokens):
+# Where a row's pages lie in the pool: "pages" shuffles every page (no two
+# of a block adjacent); "documents" keeps each document's pages (and the
+# row's own pages) consecutive, as `cache_state.allocate_pages` hands them
+# out, and shuffles the documents.
+PAGE_LAYOUTS = ("pages", "documents")
+
+
+def page_metadata(rng, batch, doc_tokens, own_tokens, layout="pages"):
   """Logical pages of each row: documents of DOC_LEN (shift = their start),
   then `own_tokens` written in place (shift 0).  Every row reads its own
-  physical pages, in shuffled order, so bytes read are real HBM traffic."""
+  physical pages, placed by `layout` (PAGE_LAYOUTS), so bytes read are
+  real HBM traffic."""
+  if layout not in PAGE_LAYOUTS:
+    raise ValueError(f"layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
   doc_pages = doc_tokens // PAGE_SIZE
   pages = doc_pages + own_tokens // PAGE_SIZE
   page = np.arange(pages)
@@ -44,7 +54,20 @@ def page_metadata(rng, batch, doc_tokens, own_tokens):
   page_shift = np.broadcast_to(np.where(page < doc_pages, doc_start, 0),
                                (batch, pages))
   page_len = np.full((batch, pages), PAGE_SIZE)
-  page_table = rng.permutation(batch * pages).reshape(batch, pages)
+  if layout == "pages":
+    page_table = rng.permutation(batch * pages).reshape(batch, pages)
+  else:
+    # Units of consecutive pages: each document, then the row's own pages.
+    unit_of_page = np.where(page < doc_pages, page // (DOC_LEN // PAGE_SIZE),
+                            -(-doc_pages // (DOC_LEN // PAGE_SIZE)))
+    units = [(b, u) for b in range(batch) for u in np.unique(unit_of_page)]
+    page_table = np.zeros((batch, pages), np.int64)
+    next_id = 0
+    for i in rng.permutation(len(units)):
+      b, u = units[i]
+      members = np.nonzero(unit_of_page == u)[0]
+      page_table[b, members] = next_id + np.arange(len(members))
+      next_id += len(members)
   as_i32 = lambda a: jnp.asarray(np.ascontiguousarray(a), jnp.int32)
   return (as_i32(page_table), as_i32(page_pos), as_i32(page_shift),
           as_i32(page_len))
@@ -69,9 +92,9 @@ def decode_shape_name(batch, context):
   return f"B{batch}/ctx{context}"
 
 
-def decode_inputs(key, rng, batch, context):
+def decode_inputs(key, rng, batch, context, layout="pages"):
   """Input sets for one decode shape (enough sets to outgrow the L2)."""
-  table, pos, shift, length = page_metadata(rng, batch, context, 0)
+  table, pos, shift, length = page_metadata(rng, batch, context, 0, layout)
   num_pages = batch * (context // PAGE_SIZE)
   kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2
   pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)

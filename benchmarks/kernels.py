@@ -77,7 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.kernel_cases import (
-    HEAD_DIM, JAX_PAGED_SETTINGS, NUM_HEADS, NUM_KV_HEADS, PAGE_SIZE,
+    HEAD_DIM, JAX_PAGED_SETTINGS, NUM_HEADS, NUM_KV_HEADS, PAGE_LAYOUTS,
+    PAGE_SIZE,
     SM_SCALE, decode_inputs, decode_planned, decode_planned_sets,
     decode_shape_name, dense_decode, dense_from_pages, fp8_sets, jax_paged,
     lazy_fn, page_metadata, prefill_plan, prefill_planned, random_array,
@@ -149,6 +150,11 @@ MOSAIC_DECODE_VARIANTS = {
                                                rope_in_kernel=True),
     # The default with the records read by the kernel from the page
     # metadata: the plan is the step counts only.
+    # The default with one TMA copy per page even where a block's pages are
+    # consecutive in the pool (--page-layout documents).
+    "k128s2-blocks-rope-pagecopy": MgpuDecodeBlockSizes(
+        steps_by_block=True, rope_in_kernel=True,
+        copy_contiguous_blocks=False),
     "k128s2-blocks-rope-fields": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, fields_in_kernel=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
@@ -167,6 +173,8 @@ MOSAIC_CANDIDATES = {
     "k64w2s2-f32": MgpuBlockSizes(block_kv=64, num_compute_wgs=2,
                                   num_stages=2, query_in_f32=True),
     "k128w2s2-nosched": MgpuBlockSizes(schedule_barrier=False),
+    # One TMA copy per page even where a block's pages are consecutive.
+    "k128w2s2-pagecopy": MgpuBlockSizes(copy_contiguous_blocks=False),
 }
 
 
@@ -298,7 +306,8 @@ def _geomean_best(results, section, names, shapes, prefix="lazy"):
 
 
 def run_decode(results, variants, shapes, tuning_shapes, budget,
-               mosaic_variants=None, fp8=False, baselines=True):
+               mosaic_variants=None, fp8=False, baselines=True,
+               layout="pages"):
   """Measures every decode row; returns the chosen variant name (or None).
 
   Pass 1, at the tuning shapes: every variant ("tune:" rows).  The variant
@@ -307,7 +316,8 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   alternation (the 1.05x bar compares these two), then each Mosaic GPU
   decode variant the same way, with `fp8` both kernels on float8 pools
   (TB/s of the float8 bytes), then (with `baselines`) JAX's paged attention
-  and dense XLA.  An empty `variants` skips the Triton rows.
+  and dense XLA.  An empty `variants` skips the Triton rows.  `layout`
+  places the pages in the pool (kernel_cases.PAGE_LAYOUTS).
   """
   mosaic_variants = mosaic_variants or {}
   print("# decode", flush=True)
@@ -317,7 +327,7 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   for batch, context in tuning:
     shape = decode_shape_name(batch, context)
     key, kv_bytes, _, _, lazy_sets, _ = decode_inputs(key, rng, batch,
-                                                       context)
+                                                       context, layout)
     for name, sizes in variants.items():
       _measure(results, "decode", shape, f"tune:lazy[{name}]",
                lazy_fn(lazy_decode_gpu, sizes), lazy_sets, perturb_lazy,
@@ -330,7 +340,7 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   for batch, context in shapes:
     shape = decode_shape_name(batch, context)
     key, kv_bytes, sets, table, lazy_sets, shift0_sets = decode_inputs(
-        key, rng, batch, context)
+        key, rng, batch, context, layout)
     if chosen:
       _time_lazy_pair(results, shape, kv_bytes, lazy_decode_gpu,
                       variants[chosen], lazy_sets, shift0_sets,
@@ -373,13 +383,15 @@ def run_decode(results, variants, shapes, tuning_shapes, budget,
   return chosen
 
 
-def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False):
+def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False,
+                layout="pages"):
   """Measures every prefill row; returns the chosen variant name (or None).
 
   The tuning shape runs first with every variant ("tune:" rows); the fastest
   there is chosen and runs at every shape, beside cuDNN.  With `fp8`, the
   Triton and Mosaic GPU kernels on float8 pools too (whole call; the Mosaic
-  one with two and one compute warpgroups).
+  one with two and one compute warpgroups).  `layout` places the pages in
+  the pool (kernel_cases.PAGE_LAYOUTS).
   """
   print("# prefill", flush=True)
   key = jax.random.PRNGKey(1)
@@ -388,7 +400,8 @@ def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False):
              + [s for s in shapes if s[0] != tuning_shape])
   chosen = None
   for shape, batch, q_len, context in ordered:
-    table, pos, shift, length = page_metadata(rng, batch, context, q_len)
+    table, pos, shift, length = page_metadata(rng, batch, context, q_len,
+                                              layout)
     num_pages = table.size
     pool_shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
     key, kq, kk, kv = jax.random.split(key, 4)
@@ -509,6 +522,11 @@ def main(argv=None):
   parser.add_argument("--no-triton-prefill", action="store_true",
                       help="skip the Triton prefill tuning and rows (its "
                       "float8 row then takes the default tiles)")
+  parser.add_argument("--page-layout", choices=PAGE_LAYOUTS,
+                      default="pages",
+                      help="where each row's pages lie in the pool: every "
+                      "page shuffled (default), or each document's pages "
+                      "consecutive and the documents shuffled")
   parser.add_argument("--compile-once", action="store_true",
                       help="only run lazy decode (B8/ctx4096) and prefill "
                       "(chunk512) once with the default block sizes, e.g. "
@@ -524,8 +542,8 @@ def main(argv=None):
     prefill_shapes = [s for s in PREFILL_SHAPES if s[0] == PREFILL_TUNING_SHAPE]
     decode_variants = dict(list(DECODE_VARIANTS.items())[:2])
     prefill_variants = dict(list(PREFILL_VARIANTS.items())[:2])
-  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}",
-        flush=True)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"page layout: {args.page_layout}", flush=True)
   if args.compile_once:
     compile_once()
     return
@@ -566,12 +584,14 @@ def main(argv=None):
     decode_variant = run_decode(results, decode_variants, decode_shapes,
                                 DECODE_TUNING_SHAPES, budget, mosaic_decode,
                                 fp8=args.fp8,
-                                baselines=not args.no_baselines)
+                                baselines=not args.no_baselines,
+                                layout=args.page_layout)
   if args.decode_only:
     prefill_shapes = []
   else:
     prefill_variant = run_prefill(results, prefill_variants, prefill_shapes,
-                                  PREFILL_TUNING_SHAPE, budget, fp8=args.fp8)
+                                  PREFILL_TUNING_SHAPE, budget, fp8=args.fp8,
+                                  layout=args.page_layout)
   report(results, decode_shapes, prefill_shapes, decode_variant,
          prefill_variant, mosaic_candidates=tuple(MOSAIC_CANDIDATES))
   if args.json:
@@ -579,6 +599,7 @@ def main(argv=None):
       json.dump({
           "device": jax.devices()[0].device_kind,
           "jax": jax.__version__,
+          "page_layout": args.page_layout,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
           "decode_variant": decode_variant,
           "decode_block_sizes": (dataclasses.asdict(

@@ -37,6 +37,7 @@ Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -48,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
-                                     NUM_KV_HEADS, PAGE_SIZE, ROPE, SM_SCALE,
+                                     NUM_KV_HEADS, PAGE_LAYOUTS, PAGE_SIZE,
+                                     ROPE, SM_SCALE,
                                      dense_from_pages, page_metadata,
                                      prefill_plan, prefill_plan_only,
                                      prefill_planned, random_array,
@@ -93,14 +95,20 @@ VARIANTS = {
                                         f32_query=False, registers=True,
                                         cos_sin_in_records=True),  # default
 }
+# The default with one TMA copy per page even where a block's pages are
+# consecutive (timed against it with --page-layout documents).
+VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
+    VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
 SAMPLES = 21
 
 
-def build_inputs(key, rng, *, batch, q_len, context):
-  """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]."""
-  table, pos, shift, length = page_metadata(rng, batch, context, q_len)
+def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
+  """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]; `layout`
+  places the pages in the pool (kernel_cases.PAGE_LAYOUTS)."""
+  table, pos, shift, length = page_metadata(rng, batch, context, q_len,
+                                            layout)
   pool_shape = (NUM_KV_HEADS, table.size, PAGE_SIZE, HEAD_DIM)
   kq, kk, kv = jax.random.split(key, 3)
   q = random_array(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
@@ -192,6 +200,21 @@ def run_parity():
       print(f"  bench-layout [{vname}] FAILED: {type(e).__name__}: {e}",
             flush=True)
       traceback.print_exc(file=sys.stdout)
+  # Each document's pages consecutive: the default copies whole blocks.
+  try:
+    args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
+                        batch=2, q_len=256, context=2048,
+                        layout="documents")[:8]
+    reference = lazy_attention_reference(*args, rope=ROPE, sm_scale=SM_SCALE)
+    out = jax.jit(lambda *a: lazy_prefill_mgpu(
+        *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)))(*args)
+    ok &= report("bench-layout documents [default]", out, reference, None,
+                 None)
+  except Exception as e:
+    ok = False
+    print(f"  bench-layout documents FAILED: {type(e).__name__}: {e}",
+          flush=True)
+    traceback.print_exc(file=sys.stdout)
   return ok
 
 
@@ -244,9 +267,10 @@ def _jax_mgpu_dense(q, k, v, *, cfg):
   return attention_mgpu.attention(q, k, v, config)
 
 
-def run_timing(variants, only=(), shapes=None):
+def run_timing(variants, only=(), shapes=None, layout="pages"):
   """Times every row, or those whose names contain one of `only` (cuDNN's
-  always, for the ratio), at `shapes` (None: all)."""
+  always, for the ratio), at `shapes` (None: all), the pages placed by
+  `layout`."""
   rows = []  # (shape, variant, seconds or None, flops, note)
   for shape, batch, q_len, context in SHAPES:
     if shapes is not None and shape not in shapes:
@@ -254,7 +278,8 @@ def run_timing(variants, only=(), shapes=None):
     print(f"# timing {shape}: B {batch}, T {q_len}, context {context}",
           flush=True)
     inputs = build_inputs(jax.random.PRNGKey(1), np.random.default_rng(1),
-                          batch=batch, q_len=q_len, context=context)
+                          batch=batch, q_len=q_len, context=context,
+                          layout=layout)
     lazy_args, (k_dense, v_dense) = inputs[:8], inputs[8:]
     flops = 4.0 * HEAD_DIM * NUM_HEADS * visible_pairs(
         lazy_args[7], lazy_args[4], lazy_args[6])
@@ -389,12 +414,15 @@ def main(argv=None):
   parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
                       help="comma-separated subset of "
                       + ",".join(s[0] for s in SHAPES))
+  parser.add_argument("--page-layout", choices=PAGE_LAYOUTS, default="pages",
+                      help="timing: every page shuffled (default), or each "
+                      "document's pages consecutive")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     raise SystemExit("needs a GPU (jax.default_backend() is "
                      f"{jax.default_backend()!r})")
-  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}",
-        flush=True)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"page layout: {args.page_layout}", flush=True)
   start = time.perf_counter()
   if not args.skip_parity:
     ok = run_parity()
@@ -408,7 +436,7 @@ def main(argv=None):
       raise SystemExit(f"unknown shapes {unknown}")
     rows = run_timing({n: VARIANTS[n] for n in names},
                       only=[r for r in args.rows.split(",") if r],
-                      shapes=shapes)
+                      shapes=shapes, layout=args.page_layout)
     print_table(rows)
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 

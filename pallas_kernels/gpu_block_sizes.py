@@ -149,6 +149,9 @@ class MgpuBlockSizes:
       (the plan appends them), so the producer makes one copy fewer a step
       (no separate cos / sin copy); 1-4% faster kernel, 1-2% faster whole
       call on the H200 (docs/kernels.md).
+    copy_contiguous_blocks: a step whose pages are consecutive in the pool
+      (a document's pages as the cache allocates them) is one TMA copy per
+      K and V block instead of one per page (`gpu_mgpu_parts.produce_kv_ring`).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -164,6 +167,7 @@ class MgpuBlockSizes:
   query_in_f32: bool = False
   query_in_registers: bool = True
   cos_sin_in_records: bool = True
+  copy_contiguous_blocks: bool = True
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -250,6 +254,7 @@ class MgpuDecodeBlockSizes:
       before the kernel instead of three on a whole call.  Not the default:
       per layer (the model's call, its plan made once a step) it was
       slower on the H200 (docs/kernels.md).
+    copy_contiguous_blocks: as `MgpuBlockSizes.copy_contiguous_blocks`.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -265,6 +270,7 @@ class MgpuDecodeBlockSizes:
   steps_by_block: bool = False
   rope_in_kernel: bool = False
   fields_in_kernel: bool = False
+  copy_contiguous_blocks: bool = True
 
   def __post_init__(self):
     if self.rope_in_kernel and not self.steps_by_block:

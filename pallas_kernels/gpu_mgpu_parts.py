@@ -245,7 +245,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
                     first_record=None, ring_step=None, drain: bool = True,
                     set_registers: bool = True, cs_stages: int | None = None,
                     cs_rows: int | None = None, page_ids=None,
-                    copy_record=None):
+                    copy_record=None, copy_contiguous_blocks: bool = False):
   """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
   Step i copies, into ring slot (ring_step + i) % stages, the K pages of
@@ -265,6 +265,10 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   `copy_record(batch, row, dst, barrier)` replace the reads and the copy of
   `rec_ref` where the kernel reads the page metadata itself
   (`gpu_decode_page_fields`).
+  `copy_contiguous_blocks`: a step whose pages have consecutive physical
+  ids (a document's pages as `cache_state.allocate_pages` hands them out)
+  moves its K (and V) block in one TMA copy instead of one per page, plus
+  plain arrivals for the barrier's other page counts.
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
@@ -282,12 +286,37 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
              for j in range(pages_per_block)])
     seg = layout.segment(rec_ref, batch, row) if cs_rows != 0 else None
 
-    def copy_pages(pages_ref, ring_smem, barrier):
-      # One TMA copy per page: the block's pages are not contiguous.
+    merge = copy_contiguous_blocks and pages_per_block > 1
+    if merge:
+      contiguous = phys[1] == phys[0] + 1
+      for j in range(2, pages_per_block):
+        contiguous = jnp.logical_and(contiguous, phys[j] == phys[0] + j)
+
+    def copy_page_by_page(pages_ref, ring_smem, barrier):
       for j in range(pages_per_block):
         plgpu.copy_gmem_to_smem(
             pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
             ring_smem.at[slot, pl.ds(j * page_size, page_size)], barrier)
+
+    def copy_pages(pages_ref, ring_smem, barrier):
+      if not merge:
+        copy_page_by_page(pages_ref, ring_smem, barrier)
+        return
+
+      @pl.when(contiguous)
+      def _():
+        # The barrier counts one arrival per page: the copy makes one (with
+        # the block's bytes), plain arrivals the rest, after it.
+        plgpu.copy_gmem_to_smem(
+            pages_ref.at[head, pl.ds(phys[0] * page_size,
+                                     pages_per_block * page_size)],
+            ring_smem.at[slot], barrier)
+        for _ in range(pages_per_block - 1):
+          plgpu.barrier_arrive(barrier)
+
+      @pl.when(jnp.logical_not(contiguous))
+      def _():
+        copy_page_by_page(pages_ref, ring_smem, barrier)
 
     @pl.when(ring >= stages)
     def _():

@@ -266,7 +266,8 @@ def _kernel(
         rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
         layout=layout, pages_per_block=ppb, page_size=page_size,
         stages=stages, interpret=interpret, set_registers=not quantized,
-        cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None)
+        cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None,
+        copy_contiguous_blocks=cfg.copy_contiguous_blocks)
 
   if quantized:
     @pl.when(wg == nwg + 1)

@@ -57,7 +57,7 @@ def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
               docs_per_row=3, max_doc_len=40, base_position=0,
               empty_page=True, shared_doc=True, padding_rows=True,
               extra_logical_pages=1, extra_physical_pages=3,
-              nan_fill=True) -> LazyCase:
+              nan_fill=True, shuffle_pages=True) -> LazyCase:
   """Builds one lazy request batch: [doc 0]...[doc n-1][query rows].
 
   Each row gets `docs_per_row` documents of ragged length (1..max_doc_len),
@@ -66,7 +66,9 @@ def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
   first document is also read by every other row at a different position
   (hence a different shift) from the same physical pages.  `base_position`
   offsets every logical position (a long prior context), so shifts and
-  q_pos reach that size.  Physical pages are handed out in shuffled order.
+  q_pos reach that size.  Physical pages are handed out in shuffled order,
+  or with `shuffle_pages=False` in allocation order (each document's pages
+  consecutive, as `cache_state.allocate_pages` gives them to a fresh pool).
   """
   lazy_rows = []  # per row: list of (length, physical pages or None, shift, pos)
   doc_store = []  # physical documents: (length, page ids)
@@ -124,7 +126,8 @@ def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
   page_shift = np.zeros((batch, num_logical), np.int32)
   page_len = np.zeros((batch, num_logical), np.int32)
   # Shuffle physical ids; ids 0..extra_physical_pages-1 are never written.
-  perm = rng.permutation(num_physical).astype(np.int32)
+  perm = (rng.permutation(num_physical) if shuffle_pages
+          else np.arange(num_physical)).astype(np.int32)
   unused_ids = perm[:extra_physical_pages]
   for b, pages in enumerate(rows_pages):
     for m in range(num_logical):
@@ -222,3 +225,21 @@ def quantize_case(case: LazyCase):
   (k_fp8, k_scales), (v_fp8, v_scales) = quantized
   return (dataclasses.replace(case, k_pages=k_fp8, v_pages=v_fp8), k_scales,
           v_scales)
+
+
+def contiguous_block_count(page_table: np.ndarray,
+                           pages_per_block: int) -> tuple[int, int]:
+  """(blocks whose page ids are consecutive, all blocks) of a [B, M] table
+  cut into blocks of `pages_per_block` logical pages (the last one of a row
+  padded with -1): the steps the Mosaic GPU kernels copy in one TMA copy
+  (`MgpuBlockSizes.copy_contiguous_blocks`)."""
+  table = np.asarray(page_table)
+  batch, pages = table.shape
+  padded = -(-pages // pages_per_block) * pages_per_block
+  blocks = np.full((batch, padded), -1, np.int64)
+  blocks[:, :pages] = table
+  blocks = blocks.reshape(batch, -1, pages_per_block)
+  steps = blocks - blocks[..., :1]
+  consecutive = np.all(steps == np.arange(pages_per_block), axis=-1)
+  consecutive &= np.all(blocks >= 0, axis=-1)
+  return int(consecutive.sum()), int(consecutive.size)

@@ -28,8 +28,8 @@ from pallas_kernels.gpu_block_sizes import (MgpuDecodeBlockSizes,
 from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
                                             plan_decode)
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
-from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
-                                    relative_error)
+from pallas_kernels.testing import (contract_specs, contiguous_block_count,
+                                    make_case, numpy_truth, relative_error)
 from tests.test_gpu_prefill_mgpu import (  # the same checks as prefill
     _check, _doc_layout_case, needs_interpreter)
 
@@ -156,6 +156,27 @@ def test_parity_interpret_ragged(persistent):
   bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, persistent=persistent,
                             num_ctas=3)
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_sizes", [
+    MgpuDecodeBlockSizes(block_kv=64, kv_splits=2),
+    pytest.param(MgpuDecodeBlockSizes(
+        block_kv=64, steps_by_block=True, rope_in_kernel=True,
+        fields_in_kernel=True), marks=pytest.mark.slow)],
+    ids=["segment-steps", "block-steps-fields"])
+def test_parity_interpret_contiguous_pages(block_sizes):
+  """Pages in allocation order: most 4-page steps have consecutive ids (one
+  TMA copy per block), the others copy page by page; with the page fields
+  read in the kernel too."""
+  lazy = _ragged_case(0, batch=3, num_heads=8, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_doc_len=150,
+                      shuffle_pages=False)
+  merged, blocks = contiguous_block_count(lazy.page_table, 4)
+  assert 0 < merged < blocks, (merged, blocks)
+  assert block_sizes.copy_contiguous_blocks
+  _check(_call(lazy, rope=PLAIN, block_sizes=block_sizes, interpret=True),
+         lazy, PLAIN)
 
 
 @needs_interpreter
@@ -514,6 +535,34 @@ def test_parity_gpu_float8(dtype, persistent):
         *a[:8], rope=LLAMA3, impl="gpu", k_scales=a[8], v_scales=a[9])
   out = jax.jit(call)(*[jnp.asarray(a) for a in fp8.args()], k_scales,
                       v_scales)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_sizes,float8", [
+    (None, False),
+    (MgpuDecodeBlockSizes(kv_splits=3), False),
+    (MgpuDecodeBlockSizes(persistent=True, kv_splits=2), True)],
+    ids=["default", "segment-steps", "float8-persistent"])
+def test_parity_gpu_contiguous_pages(block_sizes, float8):
+  """Pages in allocation order: whole-block TMA copies (8 pages of 16)
+  beside page-by-page ones in one call."""
+  from pallas_kernels.testing import quantize_case
+  lazy = _ragged_case(17, batch=5, num_heads=32, num_kv_heads=8,
+                      head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                      docs_per_row=4, max_doc_len=300, base_position=2**20,
+                      shuffle_pages=False)
+  merged, blocks = contiguous_block_count(lazy.page_table, 8)
+  assert 0 < merged < blocks, (merged, blocks)
+  call = jax.jit(lambda *a: lazy_decode_mgpu(
+      *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=block_sizes, k_scales=a[8] if float8 else None,
+      v_scales=a[9] if float8 else None))
+  if not float8:
+    _check(call(*[jnp.asarray(a) for a in lazy.args()]), lazy, LLAMA3)
+    return
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  out = call(*[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
   _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 

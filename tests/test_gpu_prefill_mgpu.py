@@ -29,8 +29,8 @@ from jax import export
 from pallas_kernels import RopeConfig, lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
                                              lazy_prefill_mgpu, step_records)
-from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
-                                    relative_error)
+from pallas_kernels.testing import (contract_specs, contiguous_block_count,
+                                    make_case, numpy_truth, relative_error)
 
 PLAIN = RopeConfig(theta=10000.0)
 LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -226,6 +226,23 @@ def test_parity_interpret():
   lazy = make_case(rng, batch=2, q_len=7, num_heads=8, num_kv_heads=2,
                    head_dim=64, page_size=16, dtype=jnp.bfloat16)
   _check(_call(lazy.args(), interpret=True), lazy, PLAIN)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_compute_wgs", [
+    1, pytest.param(2, marks=pytest.mark.slow)])
+def test_parity_interpret_contiguous_pages(num_compute_wgs):
+  """Pages in allocation order: most 4-page steps have consecutive ids and
+  take one TMA copy per block; the steps across the empty page and at the
+  rows' ends do not and copy page by page, in the same call."""
+  lazy = make_case(np.random.default_rng(5), batch=2, q_len=20, num_heads=2,
+                   num_kv_heads=1, head_dim=64, page_size=16,
+                   dtype=jnp.bfloat16, max_doc_len=150, shuffle_pages=False)
+  merged, blocks = contiguous_block_count(lazy.page_table, 4)
+  assert 0 < merged < blocks, (merged, blocks)
+  sizes = MgpuBlockSizes(block_kv=64, num_compute_wgs=num_compute_wgs)
+  assert sizes.copy_contiguous_blocks
+  _check(_call(lazy.args(), interpret=True, block_sizes=sizes), lazy, PLAIN)
 
 
 def _doc_layout_case(rng, *, num_docs, doc_len, q_len, num_heads, num_kv_heads,
@@ -570,6 +587,30 @@ def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("float8", [False, True], ids=["bf16", "float8"])
+def test_parity_gpu_contiguous_pages(float8):
+  """Pages in allocation order: whole-block TMA copies (into the swizzled
+  ring slot) beside page-by-page ones in one call; 16-bit and float8."""
+  from pallas_kernels.testing import quantize_case
+  from tests.test_gpu_decode_mgpu import _check_float8
+  lazy = make_case(np.random.default_rng(13), batch=3, q_len=200,
+                   num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                   dtype=jnp.bfloat16, docs_per_row=4, max_doc_len=300,
+                   base_position=2**20, shuffle_pages=False)
+  merged, blocks = contiguous_block_count(lazy.page_table, 8)
+  assert 0 < merged < blocks, (merged, blocks)
+  call = jax.jit(lambda *a: lazy_prefill_mgpu(
+      *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      k_scales=a[8] if float8 else None, v_scales=a[9] if float8 else None))
+  if not float8:
+    _check(call(*[jnp.asarray(a) for a in lazy.args()]), lazy, LLAMA3)
+    return
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  out = call(*[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
+@pytest.mark.gpu
 def test_lazy_attention_float8_prefill_runs_mosaic_with_a_plan_gpu():
   """The model's path on float8 pages: `plan_lazy_attention` once, then
   `lazy_attention` with the plan (the Mosaic kernel on Hopper)."""
@@ -596,12 +637,14 @@ def test_lazy_attention_float8_prefill_runs_mosaic_with_a_plan_gpu():
 
 
 @pytest.mark.gpu
-def test_benchmark_layout_gpu():
+@pytest.mark.parametrize("layout", ["pages", "documents"])
+def test_benchmark_layout_gpu(layout):
   """Documents of 512 at their own shifts + the chunk's own pages, like the
-  benchmark (smaller batch and context)."""
+  benchmark (smaller batch and context), each page shuffled and each
+  document's pages consecutive."""
   from benchmarks.mgpu_prefill_check import build_inputs
   args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
-                      batch=2, q_len=256, context=2048)
+                      batch=2, q_len=256, context=2048, layout=layout)
   lazy_args = args[:8]
   out = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5)))(*lazy_args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import kernel_cases as cases
 from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
@@ -28,6 +29,33 @@ def test_page_metadata_shifts_documents_and_keeps_own_pages_in_place():
   assert np.asarray(pos[0]).tolist() == [
       p * cases.PAGE_SIZE for p in range(pages)]
   assert np.all(np.asarray(length) == cases.PAGE_SIZE)
+
+
+def test_page_metadata_documents_layout_keeps_each_document_consecutive():
+  from pallas_kernels.testing import contiguous_block_count
+  rng = np.random.default_rng(0)
+  doc_tokens, own = 3 * cases.DOC_LEN, 2 * cases.PAGE_SIZE
+  per_doc = cases.DOC_LEN // cases.PAGE_SIZE
+  shuffled = cases.page_metadata(rng, 4, doc_tokens, own)
+  table, pos, shift, length = cases.page_metadata(rng, 4, doc_tokens, own,
+                                                  layout="documents")
+  for other, mine in zip(shuffled[1:], (pos, shift, length)):
+    np.testing.assert_array_equal(np.asarray(other), np.asarray(mine))
+  table = np.asarray(table)
+  pages = 3 * per_doc + 2
+  assert sorted(table.ravel().tolist()) == list(range(4 * pages))
+  for row in table:
+    for first in range(0, 3 * per_doc, per_doc):  # each document
+      assert np.all(np.diff(row[first:first + per_doc]) == 1)
+    assert row[-1] == row[-2] + 1  # the row's own pages
+  # The documents themselves are shuffled: not one run across the pool.
+  assert not np.all(np.diff(table.ravel()) == 1)
+  # 8-page blocks: every one inside a document is one copy; the last
+  # block of a row is padded, and the shuffled layout has none.
+  assert contiguous_block_count(table, 8) == (4 * 3 * per_doc // 8, 4 * 13)
+  assert contiguous_block_count(np.asarray(shuffled[0]), 8)[0] == 0
+  with pytest.raises(ValueError, match="layout"):
+    cases.page_metadata(rng, 1, doc_tokens, own, layout="docs")
 
 
 def test_visible_pairs_counts_the_causal_mask():
