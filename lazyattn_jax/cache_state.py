@@ -4,7 +4,8 @@
 table.  Every transition here is a pure, jit-compatible function: state in, new
 state out (`state.replace(...)`), no hidden mutation, no host sync, and no
 per-page Python or `fori_loop` iteration: allocation, release, sharing and
-eviction are a handful of vectorized scans, sorts and scatters.
+eviction are a handful of vectorized scans, sorts and scatters (the one
+loop is `allocate_document_pages`'s scan over an admission's documents).
 
 Ownership model (the invariant every transition keeps):
 - `page_refcount[p]` is the number of holders of page `p`.  A cached document
@@ -35,6 +36,7 @@ import numpy as np
 
 from lazyattn_jax.cache_config import (EVICTION_POLICIES,
                                        FREQUENCY_WINDOW_PER_SLOT, CacheConfig)
+from lazyattn_jax.page_allocation import choose_page_rows, choose_pages
 from models.quantized_pool import QuantizedPool, zeros_pool
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "init_cache_state",
     "lookup_documents",
     "allocate_pages",
+    "allocate_document_pages",
     "release_pages",
     "insert_documents",
     "acquire_documents",
@@ -206,7 +209,9 @@ def free_doc_slot_count(state: CacheState) -> jax.Array:
 
 def allocate_pages(state: CacheState, count: jax.Array, max_count: int
                    ) -> tuple[CacheState, jax.Array, jax.Array]:
-  """Takes the `count` lowest-numbered free pages and sets their refcount to 1.
+  """Takes `count` free pages and sets their refcount to 1: the lowest run
+  of `count` consecutive free pages, else the lowest-numbered free pages
+  (`page_allocation.choose_pages`).
 
   Args:
     state: the cache.
@@ -222,11 +227,35 @@ def allocate_pages(state: CacheState, count: jax.Array, max_count: int
   count = jnp.asarray(count, jnp.int32)
   free = state.page_refcount == 0
   ok = (count >= 0) & (count <= max_count) & (jnp.sum(free) >= count)
-  (lowest_free,) = jnp.nonzero(free, size=max_count, fill_value=-1)
-  wanted = (jnp.arange(max_count) < count) & ok
-  pages = jnp.where(wanted, lowest_free, -1).astype(jnp.int32)
+  pages = choose_pages(free, jnp.where(ok, count, 0), max_count)
   refcount = state.page_refcount + _histogram(pages, state.num_pages)
   return state.replace(page_refcount=refcount), pages, ok
+
+
+def allocate_document_pages(state: CacheState, counts: jax.Array,
+                            max_pages: int
+                            ) -> tuple[CacheState, jax.Array, jax.Array]:
+  """Pages for several documents, each allocated alone (so each lands in
+  one run of consecutive free pages where there is one,
+  `page_allocation.choose_page_rows`), refcounts set to 1.
+
+  Args:
+    counts: int32[R] pages of each document (traced; 0 for padding rows).
+    max_pages: static width of the returned rows.
+
+  Returns:
+    (state, rows int32[R, max_pages] with each document's page ids first
+    and -1 after them, ok).  All or nothing: if a count is outside
+    [0, max_pages] or fewer pages are free than the counts add up to, `ok`
+    is False, every row is -1 and the state is returned unchanged.
+  """
+  counts = jnp.asarray(counts, jnp.int32)
+  free = state.page_refcount == 0
+  ok = (jnp.all((counts >= 0) & (counts <= max_pages))
+        & (jnp.sum(free) >= jnp.sum(counts)))
+  rows = choose_page_rows(free, jnp.where(ok, counts, 0), max_pages)
+  refcount = state.page_refcount + _histogram(rows, state.num_pages)
+  return state.replace(page_refcount=refcount), rows, ok
 
 
 def release_pages(state: CacheState, pages: jax.Array) -> CacheState:

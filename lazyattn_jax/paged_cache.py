@@ -131,17 +131,10 @@ def _commit_admission(tables: CacheState, hit_slots, miss_keys, miss_lengths,
   tables = cs.evict_documents(tables, missing_pages + private_count,
                               jnp.sum(miss_lengths >= 1, dtype=jnp.int32),
                               policy=eviction)
-  # One allocation for all missing documents, then cut into per-doc rows.
-  # The capacity check bounds the total by the pool size.
-  max_count = min(mb * M, tables.num_pages)
-  tables, flat, ok_docs = cs.allocate_pages(tables, missing_pages,
-                                            max_count=max_count)
-  offsets = jnp.cumsum(miss_num_pages) - miss_num_pages
-  column = jnp.arange(M, dtype=jnp.int32)
-  in_doc = column[None, :] < miss_num_pages[:, None]
-  flat_index = jnp.clip(offsets[:, None] + column[None, :], 0,
-                        max_count - 1)
-  rows = jnp.where(in_doc, flat[flat_index], -1)
+  # Each missing document in its own run of consecutive pages where one
+  # is free (the kernels copy such blocks whole).
+  tables, rows, ok_docs = cs.allocate_document_pages(tables, miss_num_pages,
+                                                     max_pages=M)
   tables, new_slots, ok_insert = cs.insert_documents(tables, miss_keys,
                                                      miss_lengths, rows)
   tables, private_pages, ok_private = cs.allocate_pages(

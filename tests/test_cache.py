@@ -153,15 +153,50 @@ def test_allocate_release_round_trip():
   assert int(CACHE.free_page_count(state)) == 8
   state = cs.release_pages(state, jnp.array([1, 3, -1, 6], jnp.int32))
   assert int(CACHE.free_page_count(state)) == 11
-  # Lowest-numbered free pages come first.
+  # First fit: the lowest run of 4 consecutive free pages (free: 1, 3, 6,
+  # 8-15), not the holes before it.
   state, pages, ok = cs.allocate_pages(state, 4, max_count=8)
-  np.testing.assert_array_equal(pages[:4], [1, 3, 6, 8])
+  np.testing.assert_array_equal(pages, [8, 9, 10, 11, -1, -1, -1, -1])
+  # No run of 5 is left (free: 1, 3, 6, 12-15): the lowest free pages.
+  state, pages, ok = cs.allocate_pages(state, 5, max_count=8)
+  assert bool(ok)
+  np.testing.assert_array_equal(pages[:5], [1, 3, 6, 12, 13])
   refcount = np.asarray(state.page_refcount)
-  np.testing.assert_array_equal(refcount[:9], 1)
-  np.testing.assert_array_equal(refcount[9:], 0)
-  state = cs.release_pages(state, jnp.arange(9, dtype=jnp.int32))
+  np.testing.assert_array_equal(refcount[:14], 1)
+  np.testing.assert_array_equal(refcount[14:], 0)
+  state = cs.release_pages(state, jnp.arange(14, dtype=jnp.int32))
   assert int(CACHE.free_page_count(state)) == 16
   assert np.all(np.asarray(state.page_refcount) == 0)
+
+
+def test_allocate_document_pages_gives_each_document_a_run():
+  state = cs.init_cache_state(CONFIG)  # 16 pages
+  state, _, _ = cs.allocate_pages(state, 8, max_count=8)
+  state = cs.release_pages(state, jnp.array([1, 3, 6], jnp.int32))
+  # Free: 1, 3, 6, 8-15.  Each document takes the lowest run that fits it,
+  # in row order; a padding row (0 pages) takes none.
+  state, rows, ok = cs.allocate_document_pages(
+      state, jnp.array([2, 3, 0, 1], jnp.int32), max_pages=4)
+  assert bool(ok)
+  np.testing.assert_array_equal(rows, [[8, 9, -1, -1], [10, 11, 12, -1],
+                                       [-1, -1, -1, -1], [1, -1, -1, -1]])
+  # Free: 3, 6, 13-15.  No run of 4: the lowest free pages.
+  state, rows, ok = cs.allocate_document_pages(
+      state, jnp.array([4], jnp.int32), max_pages=4)
+  np.testing.assert_array_equal(rows, [[3, 6, 13, 14]])
+  refcount = np.asarray(state.page_refcount)
+  np.testing.assert_array_equal(refcount, [1] * 15 + [0])
+
+
+def test_allocate_document_pages_refuses_without_changing_state():
+  state = cs.init_cache_state(CONFIG)
+  state, _, _ = cs.allocate_pages(state, 10, max_count=16)
+  for counts, max_pages in [([3, 4], 4), ([5], 4), ([-1, 1], 4)]:
+    new, rows, ok = cs.allocate_document_pages(
+        state, jnp.array(counts, jnp.int32), max_pages=max_pages)
+    assert not bool(ok)
+    assert np.all(np.asarray(rows) == -1)
+    assert_same_state(new, state)
 
 
 def test_allocate_refuses_without_changing_state():
