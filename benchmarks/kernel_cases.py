@@ -34,8 +34,8 @@ MIN_CYCLE_BYTES = 4 * L2_BYTES
 
 # Where a row's pages lie in the pool: "pages" shuffles every page (no two
 # of a block adjacent); "documents" keeps each document's pages (and the
-# row's own pages) consecutive, as `cache_state.allocate_pages` hands them
-# out, and shuffles the documents.
+# row's own pages) consecutive, as the cache allocates them
+# (lazyattn_jax/page_allocation.py), and shuffles the documents.
 PAGE_LAYOUTS = ("pages", "documents")
 
 

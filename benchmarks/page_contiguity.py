@@ -1,25 +1,26 @@
 """How many of a serving run's KV blocks the Mosaic GPU kernels copy whole.
 
 A kernel step reads a block of 128 keys' logical pages (8 pages of 16
-tokens).  Where the block's physical page ids are consecutive
-the producer copies it in one TMA copy per K and V
+tokens).  Where the block's physical page ids are consecutive the producer
+copies it in one TMA copy per K and V
 (`MgpuBlockSizes.copy_contiguous_blocks`), else page by page.  Whether they
 are depends on the request's layout (documents that do not fill whole
-blocks share blocks), on the cache's allocator (`page_allocation.py`) and on
-how fragmented the pool has become.
+blocks share blocks), on the cache's allocator (`page_allocation.py`) and
+on how fragmented the pool has become.
 
 This drives the engine, in one mode, through rag_serving's trace (its
 options: model, corpus, pool, concurrency, warm cache), closed loop, and
 reads the page rows of every decode call's requests (each call is
 `--decode-steps` steps).  It prints the share of their blocks whose pages
-are consecutive, over the measured trace, and the share of cached documents
-whose pages are consecutive at the end.  The layout does not depend on the device or
-the model's size, so the tiny model on a CPU measures the paper-like load.
+are consecutive, over the measured trace, and the share of cached
+documents whose pages are consecutive at the end.  The layout depends on
+neither the device nor the model's size, so the tiny model on a CPU
+measures the paper-like load.
 
-Example (the paper-like load's cache, 20% pool, on CPU):
+Example (the paper-like load's cache, 20% pool, on CPU, about a minute):
   python -m benchmarks.page_contiguity --model tiny --num-docs 2000 \\
       --doc-len 512 --docs-per-request 8 --query-len 64 --output-len 64 \\
-      --concurrency 32 --max-batch 32 --num-requests 64 \\
+      --concurrency 32 --max-batch 32 --num-requests 64 --decode-steps 16 \\
       --warm-cache-requests 192 --cache-fraction 0.2 --modes lazy
 """
 

@@ -266,7 +266,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   `rec_ref` where the kernel reads the page metadata itself
   (`gpu_decode_page_fields`).
   `copy_contiguous_blocks`: a step whose pages have consecutive physical
-  ids (a document's pages as `cache_state.allocate_pages` hands them out)
+  ids (a document's pages as the cache allocates them, first fit)
   moves its K (and V) block in one TMA copy instead of one per page, plus
   plain arrivals for the barrier's other page counts.
   Returns ring_step + n_steps.

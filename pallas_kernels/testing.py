@@ -68,7 +68,7 @@ def make_case(rng: np.random.Generator, *, batch=2, q_len=7, num_heads=9,
   offsets every logical position (a long prior context), so shifts and
   q_pos reach that size.  Physical pages are handed out in shuffled order,
   or with `shuffle_pages=False` in allocation order (each document's pages
-  consecutive, as `cache_state.allocate_pages` gives them to a fresh pool).
+  consecutive, as the cache allocates them in a fresh pool).
   """
   lazy_rows = []  # per row: list of (length, physical pages or None, shift, pos)
   doc_store = []  # physical documents: (length, page ids)

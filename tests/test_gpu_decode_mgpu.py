@@ -231,6 +231,19 @@ def _check_float8(out, lazy, fp8, k_scales, v_scales, rope):
   assert np.all(out[lazy.q_pos < 0] == 0.0), "padding rows must be zero"
 
 
+def check_call_on_pages(call, lazy, rope, *, float8: bool):
+  """Runs call(*lazy.args()) (16-bit pages) and checks it, or with `float8`
+  call(*args of lazy's pages quantized, k_scales, v_scales), checked as
+  `_check_float8`."""
+  from pallas_kernels.testing import quantize_case
+  if not float8:
+    _check(call(*[jnp.asarray(a) for a in lazy.args()]), lazy, rope)
+    return
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  out = call(*[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, rope)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("persistent", [
     pytest.param(False, marks=pytest.mark.slow), True],
@@ -547,7 +560,6 @@ def test_parity_gpu_float8(dtype, persistent):
 def test_parity_gpu_contiguous_pages(block_sizes, float8):
   """Pages in allocation order: whole-block TMA copies (8 pages of 16)
   beside page-by-page ones in one call."""
-  from pallas_kernels.testing import quantize_case
   lazy = _ragged_case(17, batch=5, num_heads=32, num_kv_heads=8,
                       head_dim=128, page_size=16, dtype=jnp.bfloat16,
                       docs_per_row=4, max_doc_len=300, base_position=2**20,
@@ -558,12 +570,7 @@ def test_parity_gpu_contiguous_pages(block_sizes, float8):
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=block_sizes, k_scales=a[8] if float8 else None,
       v_scales=a[9] if float8 else None))
-  if not float8:
-    _check(call(*[jnp.asarray(a) for a in lazy.args()]), lazy, LLAMA3)
-    return
-  fp8, k_scales, v_scales = quantize_case(lazy)
-  out = call(*[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
-  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+  check_call_on_pages(call, lazy, LLAMA3, float8=float8)
 
 
 @pytest.mark.gpu

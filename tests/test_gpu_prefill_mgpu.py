@@ -591,8 +591,7 @@ def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records):
 def test_parity_gpu_contiguous_pages(float8):
   """Pages in allocation order: whole-block TMA copies (into the swizzled
   ring slot) beside page-by-page ones in one call; 16-bit and float8."""
-  from pallas_kernels.testing import quantize_case
-  from tests.test_gpu_decode_mgpu import _check_float8
+  from tests.test_gpu_decode_mgpu import check_call_on_pages
   lazy = make_case(np.random.default_rng(13), batch=3, q_len=200,
                    num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                    dtype=jnp.bfloat16, docs_per_row=4, max_doc_len=300,
@@ -602,12 +601,7 @@ def test_parity_gpu_contiguous_pages(float8):
   call = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       k_scales=a[8] if float8 else None, v_scales=a[9] if float8 else None))
-  if not float8:
-    _check(call(*[jnp.asarray(a) for a in lazy.args()]), lazy, LLAMA3)
-    return
-  fp8, k_scales, v_scales = quantize_case(lazy)
-  out = call(*[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
-  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+  check_call_on_pages(call, lazy, LLAMA3, float8=float8)
 
 
 @pytest.mark.gpu
