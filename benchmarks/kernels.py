@@ -148,13 +148,13 @@ MOSAIC_DECODE_VARIANTS = {
     # The same with each shift's cos / sin computed in the kernel.
     "k128s2-blocks-rope": MgpuDecodeBlockSizes(steps_by_block=True,
                                                rope_in_kernel=True),
-    # The default with the records read by the kernel from the page
-    # metadata: the plan is the step counts only.
     # The default with one TMA copy per page even where a block's pages are
     # consecutive in the pool (--page-layout documents).
     "k128s2-blocks-rope-pagecopy": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True,
         copy_contiguous_blocks=False),
+    # The default with the records read by the kernel from the page
+    # metadata: the plan is the step counts only.
     "k128s2-blocks-rope-fields": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, fields_in_kernel=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
