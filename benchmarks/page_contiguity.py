@@ -9,7 +9,7 @@ blocks share blocks), on the cache's allocator (`page_allocation.py`) and
 on how fragmented the pool has become.
 
 This drives the engine, in one mode, through rag_serving's trace (its
-options: model, corpus, pool, concurrency, warm cache), closed loop, and
+options: model, corpus, pool, concurrency, warm cache; `run_trace`), and
 reads the page rows of every decode call's requests (each call is
 `--decode-steps` steps).  It prints the share of their blocks whose pages
 are consecutive, over the measured trace, and the share of cached
@@ -88,29 +88,6 @@ def count_decoded_rows(engine, tally: BlockTally):
   runner.decode, runner.decode_riders = counted_decode, counted_riders
 
 
-def serve(engine, trace, args):
-  """rag_serving.run_trace's closed loop; returns the engine steps."""
-  from lazyattn_jax.sampling import SamplingParams
-  sampling = SamplingParams(max_new_tokens=args.output_len, temperature=0.0,
-                            stop_token_ids=())
-  pending = list(range(len(trace.requests)))
-
-  def submit(i):
-    query, docs = trace.requests[i]
-    engine.submit(query, [trace.corpus[d] for d in docs], sampling)
-
-  for i in pending[:args.concurrency]:
-    submit(i)
-  pending = pending[args.concurrency:]
-  steps = 0
-  while engine.has_work():
-    for _ in engine.step():
-      if pending:
-        submit(pending.pop(0))
-    steps += 1
-  return steps
-
-
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv, description=__doc__)
@@ -127,17 +104,17 @@ def main(argv=None):
   engine = rag_serving.make_engine(args, config, model, dtype,
                                    args.mode_list[0], pages)
   try:
-    serve(engine, warmer, args)
+    rag_serving.run_trace(engine, warmer, args)
     tally = BlockTally(block_pages)
     count_decoded_rows(engine, tally)
-    steps = serve(engine, measured, args)
+    rag_serving.run_trace(engine, measured, args)
     docs = cached_documents_consecutive(engine.state)
   finally:
     engine.close()
   report = dict(
       mode=args.mode_list[0], cache_pages=pages, block_pages=block_pages,
       warm_cache_requests=args.warm_cache_requests,
-      measured_requests=args.num_requests, engine_steps=steps,
+      measured_requests=args.num_requests,
       blocks_seen=tally.blocks, consecutive_blocks=tally.consecutive,
       consecutive_block_share=round(tally.share, 4),
       cached_documents=docs[1], consecutive_documents=docs[0],

@@ -6,9 +6,8 @@ they are not (`MgpuBlockSizes.copy_contiguous_blocks`).  So an allocation
 takes the lowest run of consecutive free pages long enough for it (first
 fit) where there is one, and otherwise the lowest-numbered free pages.  A
 document allocated alone (`choose_page_rows`) then lands in one run unless
-the pool is too fragmented, which lowest-free allocation made common: it
-filled a request's freed private pages with the first pages of the next
-document.
+the pool is too fragmented, rather than filling the holes a finished
+request's private pages left (docs/design.md, "The cache").
 
 Both functions are pure jnp on a free mask, jit-compatible, and never fail:
 the caller checks that enough pages are free (`cache_state.allocate_pages`,
@@ -27,14 +26,14 @@ def free_run_lengths(free: jax.Array, cap: int) -> jax.Array:
   (0 where it is taken), counted up to at least `cap`.
 
   By doubling: with run[i] = min(length at i, k), run[i] + run[i + k] where
-  run[i] == k is min(length at i, 2k).  log2(cap) elementwise steps; a
-  cumulative min over the pool cost several times more on the host CPU.
+  run[i] == k is min(length at i, 2k).  log2(cap) elementwise steps, which
+  the host CPU runs faster than a cumulative min over the pool.
   """
   run = free.astype(jnp.int32)
   k = 1
   while k < cap:
-    ahead = jnp.concatenate([run[k:], jnp.zeros((min(k, run.shape[0]),),
-                                                jnp.int32)])[:run.shape[0]]
+    ahead = jnp.concatenate([run[k:], jnp.zeros((k,), jnp.int32)])[
+        :run.shape[0]]
     run = run + jnp.where(run == k, ahead, 0)
     k *= 2
   return run
