@@ -367,8 +367,10 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       out_type=jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim),
                                     out_dtype),
       scratch_types=scratch,
-      grid=(num_tiles, num_kv_heads, batch),
-      grid_names=("tile", "head", "batch"),
+      # The last axis is CUDA's x, launched fastest: a (batch row, kv head)'s
+      # CTAs run side by side and share its K/V in L2.
+      grid=(batch, num_kv_heads, num_tiles),
+      grid_names=("batch", "head", "tile"),
       num_threads=nwg + (2 if quantized else 1),
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
