@@ -35,6 +35,9 @@ from pallas_kernels.sizes import ceil_div, round_up
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
+# Prefix sums over a row's KV blocks take one quadratic reduction up to
+# this many blocks (gpu_common.prefix_sum).
+BLOCKS_IN_ONE_SUM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +164,18 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   # Starts in each block, at or before each page of it, and before it.
   rank = common.prefix_sum(start_b.astype(jnp.int32))  # [B, NB, ppb]
   starts_in = rank[..., -1]
-  starts_before = common.prefix_sum(starts_in) - starts_in  # [B, NB]
+  # Over blocks, one [B, NB, NB] reduction each up to BLOCKS_IN_ONE_SUM
+  # blocks (a 16K-token row of 8-page blocks) instead of two dependent
+  # launches; the count's total is its prefix sum's last entry.
+  blocks_sum = functools.partial(common.prefix_sum, block=BLOCKS_IN_ONE_SUM)
+  starts_before = blocks_sum(starts_in) - starts_in  # [B, NB]
   block_first = jnp.arange(num_blocks, dtype=jnp.int32) * ppb
   carried = ((starts_before > 0) & (block_first[None] <= last_live[:, None])
              & ~start_b[..., 0]).astype(jnp.int32)  # [B, NB]
   count = starts_in + carried
-  step_base = common.prefix_sum(count) - count
-  num_steps = jnp.sum(count, axis=1)
+  steps_through = blocks_sum(count)
+  step_base = steps_through - count
+  num_steps = steps_through[:, -1]
   # Piece j of a block: its pages with piece == j (-1: before any segment).
   piece = rank + carried[..., None] - 1  # [B, NB, ppb]
   j = jnp.arange(ppb, dtype=jnp.int32)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gpu_common import prefix_sum
-from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
+from pallas_kernels.gpu_prefill_mgpu_plan import (BLOCKS_IN_ONE_SUM,
+                                                  INT32_MAX, INT32_MIN,
                                                   RecordLayout, max_steps,
                                                   step_records)
 
@@ -77,13 +78,18 @@ def random_metadata(rng, batch, num_logical):
   return as_i32(table), as_i32(pos), as_i32(shift), as_i32(length), live
 
 
-@pytest.mark.parametrize("num_logical,ppb", [(5, 1), (33, 2), (70, 8)])
+# (258, 2): 129 blocks, one past BLOCKS_IN_ONE_SUM: the prefix sums over
+# blocks in two levels.
+@pytest.mark.parametrize("num_logical,ppb",
+                         [(5, 1), (33, 2), (70, 8), (258, 2)])
 def test_step_records_match_a_loop(num_logical, ppb):
   batch = 3
   num_pages = batch * num_logical
   plan = jax.jit(functools.partial(
       step_records, num_pages=num_pages, page_size=PAGE_SIZE,
       pages_per_block=ppb))
+  if num_logical == 258:
+    assert -(-num_logical // ppb) == BLOCKS_IN_ONE_SUM + 1
   rng = np.random.default_rng(num_logical)
   for _ in range(12):
     table, pos, shift, length, live = random_metadata(rng, batch,
