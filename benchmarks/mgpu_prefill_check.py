@@ -248,12 +248,31 @@ def _coarse_pages(lazy_args, factor):
 JAX_MGPU_CONFIGS = ((64, 128, 2), (64, 128, 4))
 
 
-def _jax_mgpu_dense(q, k, v, *, cfg):
+def jax_mgpu_dense(q, k, v, *, cfg):
+  """JAX's Mosaic GPU flash attention with tuning `cfg` (a
+  JAX_MGPU_CONFIGS entry), on `jax_mgpu_dense_inputs`."""
   from jax.experimental.pallas.ops.gpu import attention_mgpu
   config = attention_mgpu.TuningConfig(block_q=cfg[0], block_kv=cfg[1],
                                        max_concurrent_steps=cfg[2])
-  # Its kernel does not scale the scores: q comes scaled (timing only).
   return attention_mgpu.attention(q, k, v, config)
+
+
+def jax_mgpu_dense_inputs(q, k_dense, v_dense):
+  """f16 q, K, V for `jax_mgpu_dense` (its shared memory is f16); its
+  kernel does not scale the scores, so q comes scaled (timing only)."""
+  return ((q * SM_SCALE).astype(jnp.float16), k_dense.astype(jnp.float16),
+          v_dense.astype(jnp.float16))
+
+
+def kernel_inputs(lazy_args, sizes):
+  """(rotated query, plan) that `mgpu_prefill_kernel` alone takes for the
+  lazy arguments and block sizes `sizes`."""
+  plan = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(*lazy_args,
+                                                              sizes))
+  q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
+      lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE),
+      plan.row_pos.shape[1], sizes.query_in_f32)
+  return q_rot, plan
 
 
 def run_timing(variants, only=(), shapes=None, layout="pages"):
@@ -304,12 +323,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
     kernel = lambda q_rot, k, v, plan, sizes: mgpu_prefill_kernel(
         q_rot, k, v, PrefillPlan(*plan), out_dtype=DTYPE, block_sizes=sizes)
     for name, sizes in variants.items():
-      plan_v = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
-          *lazy_args, sizes))
-      t_pad_v = plan_v.row_pos.shape[1]
-      q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
-          lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad_v,
-          sizes.query_in_f32)
+      q_rot, plan_v = kernel_inputs(lazy_args, sizes)
       one_rotation, bare = _timing_plans(plan_v,
                                          sizes.block_kv // PAGE_SIZE)
       for label, rows_plan in (("kernel", plan_v),
@@ -343,10 +357,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
     # Pallas stack reaches with no pages, rotations or masks.
     for cfg in JAX_MGPU_CONFIGS:
       methods.append((f"jax-mgpu[q{cfg[0]}k{cfg[1]}s{cfg[2]}]",
-                      functools.partial(_jax_mgpu_dense, cfg=cfg),
-                      ((lazy_args[0] * SM_SCALE).astype(jnp.float16),
-                       k_dense.astype(jnp.float16),
-                       v_dense.astype(jnp.float16)),
+                      functools.partial(jax_mgpu_dense, cfg=cfg),
+                      jax_mgpu_dense_inputs(lazy_args[0], k_dense, v_dense),
                       perturb_query))
     if only:
       methods = [m for m in methods

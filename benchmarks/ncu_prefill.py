@@ -18,15 +18,14 @@ import argparse
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernel_cases import (DTYPE, PAGE_LAYOUTS, ROPE, SM_SCALE,
-                                     prefill_plan)
-from benchmarks.mgpu_prefill_check import _jax_mgpu_dense, build_inputs
+from benchmarks.kernel_cases import DTYPE, PAGE_LAYOUTS
+from benchmarks.mgpu_prefill_check import (build_inputs, jax_mgpu_dense,
+                                           jax_mgpu_dense_inputs,
+                                           kernel_inputs)
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
-                                             mgpu_prefill_kernel,
-                                             rotated_query_tokens)
+                                             mgpu_prefill_kernel)
 
 
 def main(argv=None):
@@ -39,17 +38,12 @@ def main(argv=None):
                         layout=args.page_layout)
   lazy_args, (k_dense, v_dense) = inputs[:8], inputs[8:]
   sizes = MgpuBlockSizes()
-  plan = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(*lazy_args,
-                                                              sizes))
-  q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
-      lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE),
-      plan.row_pos.shape[1], sizes.query_in_f32)
+  q_rot, plan = kernel_inputs(lazy_args, sizes)
   lazy = jax.jit(lambda q, k, v, p: mgpu_prefill_kernel(
       q, k, v, PrefillPlan(*p), out_dtype=DTYPE, block_sizes=sizes))
-  dense = jax.jit(functools.partial(_jax_mgpu_dense, cfg=(64, 128, 2)))
+  dense = jax.jit(functools.partial(jax_mgpu_dense, cfg=(64, 128, 2)))
   lazy_in = (q_rot, lazy_args[1], lazy_args[2], tuple(plan))
-  dense_in = ((lazy_args[0] * SM_SCALE).astype(jnp.float16),
-              k_dense.astype(jnp.float16), v_dense.astype(jnp.float16))
+  dense_in = jax_mgpu_dense_inputs(lazy_args[0], k_dense, v_dense)
   for _ in range(2):
     jax.block_until_ready(lazy(*lazy_in))
     jax.block_until_ready(dense(*dense_in))
