@@ -1,0 +1,90 @@
+"""Where the 512-token chunk's chained time goes, op by op on the device.
+
+`mgpu_prefill_check` times each row as a chain of calls
+(`kernel_timing.ChainTimer`); every call in the chain also pays the
+harness's own ops (the perturbed input, the sum of the output).  This
+traces one such chain under the profiler for cuDNN, the lazy whole call
+and the lazy kernel alone, and prints per call: the chained time, the
+device's busy time and span, the op count, and the busiest ops.  So the
+kernels compare by their own device time, and the whole call's XLA work
+(plan, rotated query) shows op by op.
+
+  python -m benchmarks.prefill_device_split [--page-layout documents]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.comm_profile import op_breakdown
+from benchmarks.kernel_cases import DTYPE, PAGE_LAYOUTS, ROPE, SM_SCALE
+from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
+from benchmarks.mgpu_prefill_check import build_inputs, kernel_inputs
+from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
+                                             lazy_prefill_mgpu,
+                                             mgpu_prefill_kernel)
+
+
+def methods(layout: str):
+  """(name, fn, args, perturb) of cuDNN, the whole call and the kernel."""
+  inputs = build_inputs(jax.random.PRNGKey(1), np.random.default_rng(1),
+                        batch=4, q_len=512, context=8192, layout=layout)
+  lazy_args, (k_dense, v_dense) = tuple(inputs[:8]), inputs[8:]
+  sizes = MgpuBlockSizes()
+  q_rot, plan = kernel_inputs(lazy_args, sizes)
+  return [
+      ("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, scale=SM_SCALE, implementation="cudnn"),
+       (lazy_args[0], k_dense, v_dense), perturb_query),
+      ("whole call", lambda *a: lazy_prefill_mgpu(
+          *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)),
+       lazy_args, perturb_lazy),
+      ("kernel alone", lambda q, k, v, p: mgpu_prefill_kernel(
+          q, k, v, PrefillPlan(*p), out_dtype=DTYPE, block_sizes=sizes),
+       (q_rot, lazy_args[1], lazy_args[2], tuple(plan)), perturb_query),
+  ]
+
+
+def split(name, fn, args, perturb, trace_dir: str, top: int,
+          samples: int = 5) -> dict:
+  """Chained seconds per call (median of `samples`), then one traced chain:
+  busy and span per call, ops per call and the `top` busiest ops."""
+  timer = ChainTimer(fn, [args], perturb)
+  chained = statistics.median(timer.sample() for _ in range(samples))
+  directory = f"{trace_dir}/{name.replace(' ', '_')}"
+  with jax.profiler.trace(directory):
+    timer.sample()
+  ops = op_breakdown(directory, top=top)
+  calls = timer.steps
+  return dict(name=name, chained_us=chained * 1e6,
+              busy_us=ops["busy_s"] * 1e6 / calls,
+              span_us=ops["span_s"] * 1e6 / calls,
+              ops_per_call=ops["ops"] / calls,
+              top_ops=[[op, s * 1e6 / calls, c / calls]
+                       for op, s, c in ops["by_op"]])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--page-layout", default="documents",
+                      choices=PAGE_LAYOUTS)
+  parser.add_argument("--trace-dir", default="/tmp/prefill_device_split")
+  parser.add_argument("--top", type=int, default=8)
+  args = parser.parse_args(argv)
+  for name, fn, fn_args, perturb in methods(args.page_layout):
+    row = split(name, fn, fn_args, perturb, args.trace_dir, args.top)
+    print(f"== {args.page_layout} {name}: chained {row['chained_us']:.1f} "
+          f"us a call; device busy {row['busy_us']:.1f} us, span "
+          f"{row['span_us']:.1f} us, {row['ops_per_call']:.1f} ops a call",
+          flush=True)
+    for op, us, count in row["top_ops"]:
+      print(f"    {us:8.2f} us x{count:.0f} {op}")
+
+
+if __name__ == "__main__":
+  main()
