@@ -30,7 +30,10 @@ Run on the GPU machine from the repository root:
     copy per K and V a step).
     Median
     over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
-    after a warm-up run.
+    after a warm-up run; every row is compiled first, then sampled
+    round-robin (one sample of each row a round, the order reversed every
+    other round), so a slow drift over the run does not favour the rows
+    timed first.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 """
 
@@ -211,9 +214,23 @@ def run_parity():
 # (b) timing
 
 
-def _time(fn, args, perturb):
-  timer = ChainTimer(fn, [args], perturb, target_total_s=0.04)
-  return statistics.median(timer.sample() for _ in range(SAMPLES))
+def _timer(fn, args, perturb):
+  return ChainTimer(fn, [args], perturb, target_total_s=0.04)
+
+
+def _sample_round_robin(timers):
+  """(method, median seconds or None, note) of each timer (or failure
+  note) in `timers`: SAMPLES rounds, each sampling every timer once, in
+  reverse order every other round, so slow drifts of clock or temperature
+  over the run, and a row's place in a round, hit every row alike."""
+  live = {m: t for m, t in timers.items() if not isinstance(t, str)}
+  samples = {m: [] for m in live}
+  for round_index in range(SAMPLES):
+    order = list(live) if round_index % 2 == 0 else list(live)[::-1]
+    for method in order:
+      samples[method].append(live[method].sample())
+  return [(m, statistics.median(samples[m]), "") if m in live
+          else (m, None, t) for m, t in timers.items()]
 
 
 def _timing_plans(plan, pages_per_block):
@@ -363,20 +380,22 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
     if only:
       methods = [m for m in methods
                  if m[0] == "cudnn" or any(o in m[0] for o in only)]
+    timers = {}  # method -> ChainTimer, or the note of its failure
     for method, fn, args, perturb in methods:
       start = time.perf_counter()
       try:
-        seconds = _time(fn, args, perturb)
-        note = ""
-        print(f"  {method:24s} {seconds * 1e3:8.3f} ms "
-              f"{flops / seconds / 1e12:6.1f} TFLOP/s "
-              f"({time.perf_counter() - start:.0f} s incl. compile)",
+        timers[method] = _timer(fn, args, perturb)
+        print(f"  {method:24s} compiled ({time.perf_counter() - start:.0f} s)",
               flush=True)
       except Exception as e:  # keep going
-        seconds = None
-        note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        print(f"  {method:24s} {note}", flush=True)
+        timers[method] = (f"failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}")
+        print(f"  {method:24s} {timers[method]}", flush=True)
         traceback.print_exc(file=sys.stdout)
+    for method, seconds, note in _sample_round_robin(timers):
+      if seconds is not None:
+        print(f"  {method:24s} {seconds * 1e3:8.3f} ms "
+              f"{flops / seconds / 1e12:6.1f} TFLOP/s", flush=True)
       rows.append((shape, method, seconds, flops, note))
     del inputs, lazy_args, k_dense, v_dense
   return rows
