@@ -292,6 +292,26 @@ def kernel_inputs(lazy_args, sizes):
   return q_rot, plan
 
 
+def whole_call(*lazy_args, sizes=None):
+  """`lazy_prefill_mgpu` at the benchmark's RoPE and scale: everything a
+  call does (plan, rotated query, kernel)."""
+  return lazy_prefill_mgpu(*lazy_args, rope=ROPE,
+                           sm_scale=jnp.float32(SM_SCALE), block_sizes=sizes)
+
+
+def kernel_alone(q_rot, k_pages, v_pages, plan, *, sizes):
+  """`mgpu_prefill_kernel` alone on `kernel_inputs`' rotated query and plan
+  (the plan as a tuple)."""
+  return mgpu_prefill_kernel(q_rot, k_pages, v_pages, PrefillPlan(*plan),
+                             out_dtype=DTYPE, block_sizes=sizes)
+
+
+def cudnn_dense(q, k_dense, v_dense):
+  """cuDNN's flash attention on the dense pre-rotated K/V, no mask."""
+  return jax.nn.dot_product_attention(q, k_dense, v_dense, scale=SM_SCALE,
+                                      implementation="cudnn")
+
+
 def run_timing(variants, only=(), shapes=None, layout="pages"):
   """Times every row, or those whose names contain one of `only` (cuDNN's
   always, for the ratio), at `shapes` (None: all), the pages placed by
@@ -310,10 +330,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
         lazy_args[7], lazy_args[4], lazy_args[6])
     methods = []
     for name, sizes in variants.items():
-      methods.append((f"mgpu[{name}]", lambda *a, sizes=sizes:
-                      lazy_prefill_mgpu(*a, rope=ROPE,
-                                        sm_scale=jnp.float32(SM_SCALE),
-                                        block_sizes=sizes), lazy_args,
+      methods.append((f"mgpu[{name}]",
+                      functools.partial(whole_call, sizes=sizes), lazy_args,
                       perturb_lazy))
     plan = tuple(jax.jit(prefill_plan)(*lazy_args))
     planned_args = (lazy_args[0], lazy_args[1], lazy_args[2], lazy_args[7],
@@ -337,8 +355,6 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
     # once (against the row before, what the rotations cost), and "bare":
     # also no step masked or fixed up (what the masks cost; what is left is
     # the paged steps themselves).
-    kernel = lambda q_rot, k, v, plan, sizes: mgpu_prefill_kernel(
-        q_rot, k, v, PrefillPlan(*plan), out_dtype=DTYPE, block_sizes=sizes)
     for name, sizes in variants.items():
       q_rot, plan_v = kernel_inputs(lazy_args, sizes)
       one_rotation, bare = _timing_plans(plan_v,
@@ -347,7 +363,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
                                ("kernel 1-rot", one_rotation),
                                ("kernel bare", bare)):
         methods.append((f"{label}[{name}]", functools.partial(
-            kernel, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
+            kernel_alone, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
                                    tuple(rows_plan)), perturb_query))
       # "bare" again on a pool of block_kv-token pages: one TMA copy per K
       # and per V a step instead of one per 16-token page (against the
@@ -357,7 +373,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
           *coarse, sizes))
       _, bare_c = _timing_plans(plan_c, 1)
       methods.append((f"kernel bare p{sizes.block_kv}[{name}]",
-                      functools.partial(kernel, sizes=sizes),
+                      functools.partial(kernel_alone, sizes=sizes),
                       (q_rot, coarse[1], coarse[2], tuple(bare_c)),
                       perturb_query))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
@@ -366,9 +382,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
     methods.append(("triton", lambda *a: lazy_prefill_gpu(
         *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)), lazy_args,
                     perturb_lazy))
-    methods.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, scale=SM_SCALE, implementation="cudnn"),
-                    (lazy_args[0], k_dense, v_dense), perturb_query))
+    methods.append(("cudnn", cudnn_dense, (lazy_args[0], k_dense, v_dense),
+                    perturb_query))
     # JAX's own Mosaic GPU flash attention (pallas/ops/gpu/attention_mgpu)
     # on the same dense K/V, in f16 (its shared memory is f16): what the
     # Pallas stack reaches with no pages, rotations or masks.

@@ -20,12 +20,11 @@ import functools
 import jax
 import numpy as np
 
-from benchmarks.kernel_cases import DTYPE, PAGE_LAYOUTS
+from benchmarks.kernel_cases import PAGE_LAYOUTS
 from benchmarks.mgpu_prefill_check import (build_inputs, jax_mgpu_dense,
                                            jax_mgpu_dense_inputs,
-                                           kernel_inputs)
-from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
-                                             mgpu_prefill_kernel)
+                                           kernel_alone, kernel_inputs)
+from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes
 
 
 def main(argv=None):
@@ -39,8 +38,7 @@ def main(argv=None):
   lazy_args, (k_dense, v_dense) = inputs[:8], inputs[8:]
   sizes = MgpuBlockSizes()
   q_rot, plan = kernel_inputs(lazy_args, sizes)
-  lazy = jax.jit(lambda q, k, v, p: mgpu_prefill_kernel(
-      q, k, v, PrefillPlan(*p), out_dtype=DTYPE, block_sizes=sizes))
+  lazy = jax.jit(functools.partial(kernel_alone, sizes=sizes))
   dense = jax.jit(functools.partial(jax_mgpu_dense, cfg=(64, 128, 2)))
   lazy_in = (q_rot, lazy_args[1], lazy_args[2], tuple(plan))
   dense_in = jax_mgpu_dense_inputs(lazy_args[0], k_dense, v_dense)

@@ -15,19 +15,19 @@ kernels compare by their own device time, and the whole call's XLA work
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.comm_profile import op_breakdown
-from benchmarks.kernel_cases import DTYPE, PAGE_LAYOUTS, ROPE, SM_SCALE
+from benchmarks.kernel_cases import PAGE_LAYOUTS
 from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
-from benchmarks.mgpu_prefill_check import build_inputs, kernel_inputs
-from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
-                                             lazy_prefill_mgpu,
-                                             mgpu_prefill_kernel)
+from benchmarks.mgpu_prefill_check import (build_inputs, cudnn_dense,
+                                           kernel_alone, kernel_inputs,
+                                           whole_call)
+from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes
 
 
 def methods(layout: str):
@@ -38,14 +38,11 @@ def methods(layout: str):
   sizes = MgpuBlockSizes()
   q_rot, plan = kernel_inputs(lazy_args, sizes)
   return [
-      ("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, scale=SM_SCALE, implementation="cudnn"),
-       (lazy_args[0], k_dense, v_dense), perturb_query),
-      ("whole call", lambda *a: lazy_prefill_mgpu(
-          *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)),
-       lazy_args, perturb_lazy),
-      ("kernel alone", lambda q, k, v, p: mgpu_prefill_kernel(
-          q, k, v, PrefillPlan(*p), out_dtype=DTYPE, block_sizes=sizes),
+      ("cudnn", cudnn_dense, (lazy_args[0], k_dense, v_dense),
+       perturb_query),
+      ("whole call", functools.partial(whole_call, sizes=sizes), lazy_args,
+       perturb_lazy),
+      ("kernel alone", functools.partial(kernel_alone, sizes=sizes),
        (q_rot, lazy_args[1], lazy_args[2], tuple(plan)), perturb_query),
   ]
 
