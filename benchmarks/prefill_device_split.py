@@ -24,27 +24,32 @@ import numpy as np
 from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import PAGE_LAYOUTS
 from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
-from benchmarks.mgpu_prefill_check import (build_inputs, cudnn_dense,
-                                           kernel_alone, kernel_inputs,
-                                           whole_call)
+from benchmarks.mgpu_prefill_check import (VARIANTS, build_inputs,
+                                           cudnn_dense, kernel_alone,
+                                           kernel_inputs, whole_call)
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes
 
 
-def methods(layout: str):
-  """(name, fn, args, perturb) of cuDNN, the whole call and the kernel."""
+def methods(layout: str, variants=(None,)):
+  """(name, fn, args, perturb) of cuDNN, then the whole call and the kernel
+  of each `mgpu_prefill_check.VARIANTS` name in `variants` (None: the
+  default block sizes)."""
   inputs = build_inputs(jax.random.PRNGKey(1), np.random.default_rng(1),
                         batch=4, q_len=512, context=8192, layout=layout)
   lazy_args, (k_dense, v_dense) = tuple(inputs[:8]), inputs[8:]
-  sizes = MgpuBlockSizes()
-  q_rot, plan = kernel_inputs(lazy_args, sizes)
-  return [
-      ("cudnn", cudnn_dense, (lazy_args[0], k_dense, v_dense),
-       perturb_query),
-      ("whole call", functools.partial(whole_call, sizes=sizes), lazy_args,
-       perturb_lazy),
-      ("kernel alone", functools.partial(kernel_alone, sizes=sizes),
-       (q_rot, lazy_args[1], lazy_args[2], tuple(plan)), perturb_query),
-  ]
+  rows = [("cudnn", cudnn_dense, (lazy_args[0], k_dense, v_dense),
+           perturb_query)]
+  for variant in variants:
+    sizes = MgpuBlockSizes() if variant is None else VARIANTS[variant]
+    tag = "" if variant is None else f" [{variant}]"
+    q_rot, plan = kernel_inputs(lazy_args, sizes)
+    rows += [
+        (f"whole call{tag}", functools.partial(whole_call, sizes=sizes),
+         lazy_args, perturb_lazy),
+        (f"kernel alone{tag}", functools.partial(kernel_alone, sizes=sizes),
+         (q_rot, lazy_args[1], lazy_args[2], tuple(plan)), perturb_query),
+    ]
+  return rows
 
 
 def split(name, fn, args, perturb, trace_dir: str, top: int,
@@ -53,7 +58,7 @@ def split(name, fn, args, perturb, trace_dir: str, top: int,
   busy and span per call, ops per call and the `top` busiest ops."""
   timer = ChainTimer(fn, [args], perturb)
   chained = statistics.median(timer.sample() for _ in range(samples))
-  directory = f"{trace_dir}/{name.replace(' ', '_')}"
+  directory = f"{trace_dir}/{''.join(c if c.isalnum() else '_' for c in name)}"
   with jax.profiler.trace(directory):
     timer.sample()
   ops = op_breakdown(directory, top=top)
@@ -72,8 +77,12 @@ def main(argv=None):
                       choices=PAGE_LAYOUTS)
   parser.add_argument("--trace-dir", default="/tmp/prefill_device_split")
   parser.add_argument("--top", type=int, default=8)
+  parser.add_argument("--variants", default="",
+                      help="comma-separated mgpu_prefill_check variants to "
+                           "split instead of the default block sizes")
   args = parser.parse_args(argv)
-  for name, fn, fn_args, perturb in methods(args.page_layout):
+  variants = [v for v in args.variants.split(",") if v] or [None]
+  for name, fn, fn_args, perturb in methods(args.page_layout, variants):
     row = split(name, fn, fn_args, perturb, args.trace_dir, args.top)
     print(f"== {args.page_layout} {name}: chained {row['chained_us']:.1f} "
           f"us a call; device busy {row['busy_us']:.1f} us, span "

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
+from pallas_kernels import gpu_prefill_mgpu_blocks as blocks
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
 from pallas_kernels.gpu_mgpu_float8 import (
     convert_kv_ring, drain_converted, float8_registers, float8_scratch,
@@ -37,7 +38,9 @@ from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
     produce_kv_ring, record_cos_sin, rotate_query, rotated_query_halves,
     softmax_start, softmax_update, zero_invalid_v_rows)
-from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
+from pallas_kernels.gpu_prefill_block_records import PrefillBlockLayout
+from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MIN, PrefillPlan,
+                                                  RecordLayout)
 
 
 def _kernel(
@@ -45,7 +48,8 @@ def _kernel(
     n_steps_ref,  # int32 [B, tiles]
     min_row_ref,  # int32 [B, token blocks]
     rec_ref,  # int32 [B, steps, record width]
-    cs_ref,  # f32 [B, M, 2, H/2]
+    cs_ref,  # f32 [B, M, 2, H/2]; steps_by_block: int32 [6, H/2], the
+    #          RoPE turn chunks
     row_pos_ref,  # int32 [B, T_pad]
     page_offset_ref,  # int32 [1]: added to every physical page id
     # Operands.
@@ -57,18 +61,20 @@ def _kernel(
     vs_ref,  # f32 [K, pages]: V scale of each page
     # Output.
     o_ref,  # [B, T_pad, N, H]
-    # Scratch (float8: the 16-bit K and V tiles and their ready and free
-    # barriers at the end).
+    # Scratch (at the end, float8: the 16-bit K and V tiles and their ready
+    # and free barriers; steps_by_block: the turn chunks of each warpgroup).
     q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
-    k_bars, v_bars, k_free, v_free, sched_bar, *float8_scratch,
+    k_bars, v_bars, k_free, v_free, sched_bar, *tail_scratch,
     cfg: MgpuBlockSizes, page_size: int, group: int, layout: RecordLayout,
-    dtype, interpret: bool):
+    dtype, quantized: bool, interpret: bool):
   ops = Ops(interpret)
   nwg, stages, block_kv = cfg.num_compute_wgs, cfg.num_stages, cfg.block_kv
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
-  quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
+  # dtype: the 16-bit wgmma operand dtype
+  by_block = cfg.steps_by_block  # one step per KV block (PrefillBlockLayout)
+  float8_scratch = tail_scratch if quantized else ()
   if quantized:
     k16, v16, k16_ready, v16_ready, k16_free, v16_free = float8_scratch
     compute_regs, producer_regs, converter_regs = float8_registers(nwg)
@@ -106,6 +112,9 @@ def _kernel(
                             q_bars.at[wg])
     plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
                             q_bars.at[wg])
+    if by_block:
+      chunks_smem = tail_scratch[0].at[wg]
+      plgpu.copy_gmem_to_smem(cs_ref, chunks_smem, q_bars.at[wg])
     plgpu.barrier_wait(q_bars.at[wg])
     row_pos = ops.cast(rp_smem[wg], row_layout)
     oldest_row = min_row_ref[batch, token_block]
@@ -233,14 +242,87 @@ def _kernel(
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
       return acc, m_new, l, *carried
 
-    if quantized:
+    def block_halves_ready(j, halves, rotated, stays):
+      """Waits for block j's K; returns its query halves: rotated to the
+      shift of its last live page unless `rotated` is that shift already
+      or `stays` (the step is mixed: its other-shift passes rotate again
+      after, and then rotate for block j; None: not mixed)."""
+      next_step_ready(j)
+      target = rec_smem[lax.rem(j, 2 * stages), layout.last_shift]
+      turns = (j < n_steps) & (target != rotated)
+      if stays is not None:
+        turns = turns & ~stays
+      return lax.cond(
+          turns,
+          lambda: blocks.query_halves_at(ops, q_store, target, chunks_smem,
+                                         dtype),
+          lambda: tuple(halves))
+
+    def block_step(i, carry):
+      acc, m, l, q_lo, q_hi, rotated = carry
+      slot = lax.rem(i, stages)
+      rec = rec_smem.at[lax.rem(i, 2 * stages)]
+      s = ops.qk_halves(q_lo, q_hi, k_smem.at[slot], (WG_ROWS, block_kv),
+                        schedule)
+      mixed = rec[layout.mixed] != 0
+      # A mixed block's other-shift passes read K after this one.
+      pl.when(~mixed)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+      fixup = rec[layout.fixup] != 0
+      needs_mask = fixup | mixed | (rec[layout.max_pos] > oldest_row)
+      s = lax.cond(needs_mask,
+                   lambda s: blocks.masked_scores(
+                       ops, s, rec, layout, rec[layout.last_shift], row_pos,
+                       page_size=page_size),
+                   lambda s: s, s)
+      acc, m_new, l, p = softmax_update(acc, m, l, s)
+      p16 = p.astype(dtype)
+      acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
+      if use_sched:
+        plgpu.barrier_arrive(sched_bar)  # softmax done
+      plgpu.barrier_wait(v_bars.at[slot])
+      pl.when(fixup)(lambda: fixup_v(slot, rec))
+      if use_sched:
+        plgpu.barrier_wait(sched_bar)  # tensor cores free
+      acc, q_lo, q_hi = ops.pv_carry(
+          acc, p16, v_smem.at[slot], (q_lo, q_hi),
+          lambda halves: block_halves_ready(i + 1, halves, rotated, mixed))
+      next_shift = rec_smem[lax.rem(i + 1, 2 * stages), layout.last_shift]
+
+      def other_shifts(acc, m, l, q_lo, q_hi):
+        del q_lo, q_hi  # rotated again below
+        acc, m, l = blocks.other_shift_passes(
+            ops, acc, m, l, rec=rec, layout=layout, k_slot=k_smem.at[slot],
+            v_slot=v_smem.at[slot], q_store=q_store, chunks_smem=chunks_smem,
+            row_pos=row_pos, page_size=page_size, dtype=dtype)
+        plgpu.barrier_arrive(k_free.at[slot])
+        # Past the last step the shift read is stale; the halves unused.
+        return (acc, m, l, *blocks.query_halves_at(
+            ops, q_store, next_shift, chunks_smem, dtype))
+
+      acc, m_new, l, q_lo, q_hi = lax.cond(
+          mixed, other_shifts, lambda *c: c, acc, m_new, l, q_lo, q_hi)
+      plgpu.barrier_arrive(v_free.at[slot])
+      rotated = jnp.where(i + 1 < n_steps, next_shift, rotated)
+      return acc, m_new, l, q_lo, q_hi, rotated
+
+    if by_block:  # no rotation yet: block 0's rotates
+      zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
+      no_shift = jnp.int32(INT32_MIN)
+      halves = block_halves_ready(jnp.int32(0), (zero, zero), no_shift,
+                                  None)
+      first_shift = rec_smem[0, layout.last_shift]
+      carried = (*halves, jnp.where(n_steps > 0, first_shift, no_shift))
+      step_fn = block_step
+    elif quantized:
       carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
     elif regs_query:  # every CTA's first step starts a segment
       zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
       carried = halves_ready(jnp.int32(0), (zero, zero))
     else:
       carried = ()
-    acc, m, l, *carried = lax.fori_loop(0, n_steps, step,
+    if not by_block:
+      step_fn = step
+    acc, m, l, *carried = lax.fori_loop(0, n_steps, step_fn,
                                         (acc, m, l, *carried))
     if use_sched:
       pl.when(wg == 0)(schedule)
@@ -266,7 +348,8 @@ def _kernel(
         rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
         layout=layout, pages_per_block=ppb, page_size=page_size,
         stages=stages, interpret=interpret, set_registers=not quantized,
-        cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None,
+        cs_stages=cs_stages,
+        cs_rows=0 if cfg.cos_sin_in_records or by_block else None,
         copy_contiguous_blocks=cfg.copy_contiguous_blocks)
 
   if quantized:
@@ -306,13 +389,23 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   nwg, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
   block_kv = block_sizes.block_kv
   ppb = block_kv // page_size
-  in_records = block_sizes.cos_sin_in_records
-  layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
+  by_block = block_sizes.steps_by_block
+  if by_block and quantized:
+    raise ValueError("steps_by_block takes 16-bit pages only; float8 pages "
+                     "need MgpuBlockSizes(steps_by_block=False)")
+  # The producer copies no cos / sin: the records carry them, or the kernel
+  # computes them (block steps).
+  in_records = block_sizes.cos_sin_in_records or by_block
+  if by_block:
+    layout = PrefillBlockLayout(ppb)
+  else:
+    layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
   if plan.records.shape[-1] != layout.width:
     raise ValueError(
         f"plan records are {plan.records.shape[-1]} wide; these block sizes "
-        f"need {layout.width} (cos_sin_in_records={in_records}): make the "
-        "plan with the kernel's block sizes")
+        f"need {layout.width} (cos_sin_in_records="
+        f"{block_sizes.cos_sin_in_records}, steps_by_block={by_block}): make "
+        "the plan with the kernel's block sizes")
   num_tiles = plan.n_steps.shape[1]
   if num_tiles * nwg != t_pad // WG_ROWS * group:
     raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
@@ -345,7 +438,8 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       plgpu.SMEM((1 if in_records else (2 if quantized else 1) * stages, 2,
                   head_dim // 2), jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
-      plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
+      # q + row_pos (+ the turn chunks)
+      plgpu.Barrier(num_arrivals=3 if by_block else 2, num_barriers=nwg),
       # K pages, record (and cos/sin)
       plgpu.Barrier(num_arrivals=ppb + (1 if in_records else 2),
                     num_barriers=stages),
@@ -356,9 +450,11 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   ]
   if quantized:  # 16-bit K and V tiles; ready (1) and free (nwg) barriers
     scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, nwg)
+  if by_block:  # each warpgroup's copy of the turn chunks
+    scratch.append(plgpu.SMEM((nwg, *plan.cos_sin.shape), jnp.int32))
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              group=group, layout=layout, dtype=dtype,
-                             interpret=interpret)
+                             quantized=quantized, interpret=interpret)
   extra = {}
   if interpret:
     extra["interpret"] = interpreter_params()
