@@ -179,7 +179,7 @@ def _kernel(
                                        step_cos_sin(j)),
           lambda: tuple(halves))
 
-    if not regs_query:
+    if not regs_query and not by_block:
       next_step_ready(jnp.int32(0))
     if use_sched:
       pl.when(wg == 1)(schedule)
@@ -242,88 +242,25 @@ def _kernel(
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
       return acc, m_new, l, *carried
 
-    def block_halves_ready(j, halves, rotated, stays):
-      """Waits for block j's K; returns its query halves: rotated to the
-      shift of its last live page unless `rotated` is that shift already
-      or `stays` (the step is mixed: its other-shift passes rotate again
-      after, and then rotate for block j; None: not mixed)."""
-      next_step_ready(j)
-      target = rec_smem[lax.rem(j, 2 * stages), layout.last_shift]
-      turns = (j < n_steps) & (target != rotated)
-      if stays is not None:
-        turns = turns & ~stays
-      return lax.cond(
-          turns,
-          lambda: blocks.query_halves_at(ops, q_store, target, chunks_smem,
-                                         dtype),
-          lambda: tuple(halves))
-
-    def block_step(i, carry):
-      acc, m, l, q_lo, q_hi, rotated = carry
-      slot = lax.rem(i, stages)
-      rec = rec_smem.at[lax.rem(i, 2 * stages)]
-      s = ops.qk_halves(q_lo, q_hi, k_smem.at[slot], (WG_ROWS, block_kv),
-                        schedule)
-      mixed = rec[layout.mixed] != 0
-      # A mixed block's other-shift passes read K after this one.
-      pl.when(~mixed)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-      fixup = rec[layout.fixup] != 0
-      needs_mask = fixup | mixed | (rec[layout.max_pos] > oldest_row)
-      s = lax.cond(needs_mask,
-                   lambda s: blocks.masked_scores(
-                       ops, s, rec, layout, rec[layout.last_shift], row_pos,
-                       page_size=page_size),
-                   lambda s: s, s)
-      acc, m_new, l, p = softmax_update(acc, m, l, s)
-      p16 = p.astype(dtype)
-      acc, l, m_new, p16 = ops.optimization_barrier((acc, l, m_new, p16))
-      if use_sched:
-        plgpu.barrier_arrive(sched_bar)  # softmax done
-      plgpu.barrier_wait(v_bars.at[slot])
-      pl.when(fixup)(lambda: fixup_v(slot, rec))
-      if use_sched:
-        plgpu.barrier_wait(sched_bar)  # tensor cores free
-      acc, q_lo, q_hi = ops.pv_carry(
-          acc, p16, v_smem.at[slot], (q_lo, q_hi),
-          lambda halves: block_halves_ready(i + 1, halves, rotated, mixed))
-      next_shift = rec_smem[lax.rem(i + 1, 2 * stages), layout.last_shift]
-
-      def other_shifts(acc, m, l, q_lo, q_hi):
-        del q_lo, q_hi  # rotated again below
-        acc, m, l = blocks.other_shift_passes(
-            ops, acc, m, l, rec=rec, layout=layout, k_slot=k_smem.at[slot],
-            v_slot=v_smem.at[slot], q_store=q_store, chunks_smem=chunks_smem,
-            row_pos=row_pos, page_size=page_size, dtype=dtype)
-        plgpu.barrier_arrive(k_free.at[slot])
-        # Past the last step the shift read is stale; the halves unused.
-        return (acc, m, l, *blocks.query_halves_at(
-            ops, q_store, next_shift, chunks_smem, dtype))
-
-      acc, m_new, l, q_lo, q_hi = lax.cond(
-          mixed, other_shifts, lambda *c: c, acc, m_new, l, q_lo, q_hi)
-      plgpu.barrier_arrive(v_free.at[slot])
-      rotated = jnp.where(i + 1 < n_steps, next_shift, rotated)
-      return acc, m_new, l, q_lo, q_hi, rotated
-
-    if by_block:  # no rotation yet: block 0's rotates
-      zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
-      no_shift = jnp.int32(INT32_MIN)
-      halves = block_halves_ready(jnp.int32(0), (zero, zero), no_shift,
-                                  None)
-      first_shift = rec_smem[0, layout.last_shift]
-      carried = (*halves, jnp.where(n_steps > 0, first_shift, no_shift))
-      step_fn = block_step
-    elif quantized:
-      carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
-    elif regs_query:  # every CTA's first step starts a segment
-      zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
-      carried = halves_ready(jnp.int32(0), (zero, zero))
+    if by_block:
+      acc, m, l = blocks.block_pass_loop(
+          ops, acc, m, l, n_steps=n_steps,
+          rings=(k_smem, v_smem, rec_smem, k_bars, v_bars, k_free, v_free),
+          q_store=q_store, chunks_smem=chunks_smem, row_pos=row_pos,
+          oldest_row=oldest_row, layout=layout, page_size=page_size,
+          dtype=dtype, schedule=schedule, use_sched=use_sched,
+          sched_bar=sched_bar, fixup_v=fixup_v)
     else:
-      carried = ()
-    if not by_block:
-      step_fn = step
-    acc, m, l, *carried = lax.fori_loop(0, n_steps, step_fn,
-                                        (acc, m, l, *carried))
+      if quantized:
+        carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
+      elif regs_query:  # every CTA's first step starts a segment
+        zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype),
+                        plgpu.Layout.WGMMA)
+        carried = halves_ready(jnp.int32(0), (zero, zero))
+      else:
+        carried = ()
+      acc, m, l, *carried = lax.fori_loop(0, n_steps, step,
+                                          (acc, m, l, *carried))
     if use_sched:
       pl.when(wg == 0)(schedule)
     seen = l > 0
@@ -397,7 +334,7 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   # computes them (block steps).
   in_records = block_sizes.cos_sin_in_records or by_block
   if by_block:
-    layout = PrefillBlockLayout(ppb)
+    layout = PrefillBlockLayout(ppb, cos_sin_dim=head_dim)
   else:
     layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
   if plan.records.shape[-1] != layout.width:

@@ -253,7 +253,7 @@ class PrefillPlan(NamedTuple):
   cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin; with
   #                     cos_sin_in_records (in the records) [B, M, 2, 0];
   #                     with steps_by_block int32 [6, H / 2]: RoPE's turn
-  #                     chunks, from which the kernel computes them
+  #                     chunks, for the shifts the records do not carry
   row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
 
 
@@ -296,11 +296,14 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
         block_steps_of_tiles, prefill_block_records)
     records = prefill_block_records(
         page_table, page_pos, page_shift, page_len, live,
-        num_pages=num_pages, page_size=page_size, pages_per_block=ppb)
+        num_pages=num_pages, page_size=page_size, pages_per_block=ppb,
+        cos_sin_of=functools.partial(segment_cos_sin, rope=rope,
+                                     head_dim=head_dim))
     block_end = tile_page_ends(row_pos, page_pos, live, WG_ROWS)
     block_steps = block_steps_of_tiles(block_end, ppb)
     n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
-    # The kernel computes each shift's cos / sin from RoPE's turn chunks.
+    # The records carry the cos / sin of each block's last live shift; the
+    # kernel computes the rarer others from RoPE's turn chunks.
     chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :head_dim // 2])
     return PrefillPlan(n_steps, min_row, records, chunks, row_pos)
   in_records = block_sizes.cos_sin_in_records

@@ -12,6 +12,8 @@ parity at the shapes of the segment-step kernel's GPU cases.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from pallas_kernels.gpu_prefill_block_records import (PrefillBlockLayout,
                                                       prefill_block_records)
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, lazy_prefill_mgpu,
                                              plan_prefill)
+from pallas_kernels.gpu_prefill_mgpu_plan import segment_cos_sin
 from pallas_kernels.testing import make_case
 from tests.test_gpu_prefill_mgpu import (BENCH, LLAMA3, PLAIN, _call,
                                          _check, _doc_layout_case, _export,
@@ -59,7 +62,13 @@ def _numpy_block_records(table, pos, shift, length, live, *, num_pages,
                               for j in range(ppb))
       rec[layout.max_pos] = newest
       rec[layout.last_shift] = last_shift
-      rec[layout.mixed] = any(k != last_shift for k in keys)
+      # One pass per distinct live shift: the others in page order, the
+      # last live page's last.
+      others = [k for i, k in enumerate(keys)
+                if k != last_shift and k not in keys[:i]]
+      rec[layout.passes] = len(others) + 1
+      for j, k in enumerate(others + [last_shift]):
+        rec[layout.pass_shift + j] = k
   return out
 
 
@@ -81,9 +90,24 @@ def test_block_records_match_the_page_metadata(ppb):
                               ppb=ppb)
   np.testing.assert_array_equal(np.asarray(records), want)
   layout = PrefillBlockLayout(ppb)
-  # The case has blocks of several shifts and blocks of one.
-  mixed = want[..., layout.mixed]
-  assert mixed.any() and not mixed.all()
+  # The case has blocks of several shifts (three, at 8 pages) and of one.
+  passes = want[..., layout.passes]
+  assert (passes == 1).any() and (passes > 1).any()
+  assert passes.max() >= (3 if ppb == 8 else 2)
+  # With cos / sin: the same fields, then those of the last live shift.
+  cos_sin_of = functools.partial(segment_cos_sin, rope=LLAMA3, head_dim=64)
+  with_cs = np.asarray(prefill_block_records(
+      jnp.asarray(table), jnp.asarray(pos), jnp.asarray(shift),
+      jnp.asarray(length), jnp.asarray(live),
+      num_pages=lazy.k_pages.shape[1], page_size=16, pages_per_block=ppb,
+      cos_sin_of=cos_sin_of))
+  layout = PrefillBlockLayout(ppb, cos_sin_dim=64)
+  assert with_cs.shape[-1] == layout.width
+  np.testing.assert_array_equal(with_cs[..., :want.shape[-1]], want)
+  cs = np.asarray(cos_sin_of(jnp.asarray(want[..., layout.last_shift])))
+  np.testing.assert_array_equal(
+      with_cs[..., layout.cos_sin:layout.cos_sin + 64],
+      cs.view(np.int32).reshape(*cs.shape[:-2], 64))
 
 
 def test_plan_steps_are_the_blocks_each_cta_sees():
@@ -103,7 +127,7 @@ def test_plan_steps_are_the_blocks_each_cta_sees():
   want = [max(-(-ends[2 * c] // 4), -(-ends[2 * c + 1] // 4))
           for c in range(2)]
   np.testing.assert_array_equal(np.asarray(plan.n_steps), [want])
-  assert plan.records.shape == (1, 10, PrefillBlockLayout(4).width)
+  assert plan.records.shape == (1, 10, PrefillBlockLayout(4, 64).width)
   np.testing.assert_array_equal(np.asarray(plan.cos_sin),
                                 PLAIN.turn_chunks(64)[:, :32])
 
@@ -154,8 +178,8 @@ def test_parity_interpret_documents_ending_inside_blocks():
                       group=4, head_dim=64, num_pages=lazy.k_pages.shape[1],
                       page_size=16, block_sizes=BLOCKS64)
   run = np.arange(plan.records.shape[1]) < np.asarray(plan.n_steps).max()
-  mixed = np.asarray(plan.records[..., PrefillBlockLayout(4).mixed])
-  assert mixed[:, run].any()
+  passes = np.asarray(plan.records[..., PrefillBlockLayout(4).passes])
+  assert (passes[:, run] > 1).any()
   _check(_call(lazy.args(), interpret=True, block_sizes=BLOCKS64), lazy,
          PLAIN)
 
@@ -163,8 +187,8 @@ def test_parity_interpret_documents_ending_inside_blocks():
 @needs_interpreter
 def test_parity_interpret_a_shift_that_comes_back():
   """One block holds pages of shifts A B A (a document's pages around
-  another's): one main pass for A (its last live page) and one more for
-  B; a half-full page (NaN in its unused slots) and padding rows."""
+  another's): a pass for B, then one for A (its last live page); a
+  half-full page (NaN in its unused slots) and padding rows."""
   lazy = _doc_layout_case(np.random.default_rng(3), num_docs=3, doc_len=64,
                           q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
                           page_size=16)
@@ -180,8 +204,10 @@ def test_parity_interpret_a_shift_that_comes_back():
       jnp.asarray(lazy.page_len > 0), num_pages=lazy.k_pages.shape[1],
       page_size=16, pages_per_block=4)
   layout = PrefillBlockLayout(4)
-  assert int(records[0, 1, layout.mixed]) == 1
+  assert int(records[0, 1, layout.passes]) == 2
   assert int(records[0, 1, layout.last_shift]) == 64
+  np.testing.assert_array_equal(
+      records[0, 1, layout.pass_shift:layout.pass_shift + 2], [128, 64])
   _check(_call(lazy.args(), rope=LLAMA3, interpret=True,
                block_sizes=BLOCKS64), lazy, LLAMA3)
 
