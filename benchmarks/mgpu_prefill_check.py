@@ -102,10 +102,6 @@ VARIANTS = {
 # consecutive (timed against it with --page-layout documents).
 VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
-# One step per KV block, the cos / sin computed in the kernel
-# (MgpuBlockSizes.steps_by_block).
-VARIANTS["k128w2s2-qreg-blocks-sched"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], steps_by_block=True)
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
 SAMPLES = 21
@@ -361,15 +357,6 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
     # the paged steps themselves).
     for name, sizes in variants.items():
       q_rot, plan_v = kernel_inputs(lazy_args, sizes)
-      if sizes.steps_by_block:  # no segment flags to clear: per layer
-        methods.append((f"per-layer[{name}]", functools.partial(
-            prefill_planned, block_sizes=sizes), (*planned_args[:4],
-                                                  tuple(plan_v)),
-                        perturb_query))
-        methods.append((f"kernel[{name}]", functools.partial(
-            kernel_alone, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
-                                         tuple(plan_v)), perturb_query))
-        continue
       one_rotation, bare = _timing_plans(plan_v,
                                          sizes.block_kv // PAGE_SIZE)
       for label, rows_plan in (("kernel", plan_v),

@@ -152,13 +152,6 @@ class MgpuBlockSizes:
     copy_contiguous_blocks: a step whose pages are consecutive in the pool
       (a document's pages as the cache allocates them) is one TMA copy per
       K and V block instead of one per page (`gpu_mgpu_parts.produce_kv_ring`).
-    steps_by_block: one step per KV block whatever shifts its pages carry,
-      as the decode's (`gpu_prefill_block_records`): the plan is the page
-      metadata reshaped with four per-block flags instead of segment steps
-      flattened by prefix sums and scatters, and the kernel computes each
-      shift's cos / sin from RoPE's turn chunks; a block with pages of
-      several shifts takes one more pass per other shift.  16-bit pools,
-      with the query in registers, only.
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -175,15 +168,10 @@ class MgpuBlockSizes:
   query_in_registers: bool = True
   cos_sin_in_records: bool = True
   copy_contiguous_blocks: bool = True
-  steps_by_block: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
       raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
-    if self.steps_by_block and (self.query_in_f32
-                                or not self.query_in_registers):
-      raise ValueError("steps_by_block needs query_in_registers=True and "
-                       "query_in_f32=False")
     if self.num_compute_wgs not in (1, 2):
       raise ValueError(
           f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
@@ -212,15 +200,9 @@ def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
   wgs = block_sizes.num_compute_wgs
   q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
-  # Records that carry cos / sin: H f32 more in each of 2 * stages slots;
-  # block records fit the ring's 256 bytes a slot, beside the turn chunks
-  # (int32 [6, H/2]) of each warpgroup.
-  if block_sizes.steps_by_block:
-    records = wgs * 6 * head_dim * 2
-  elif block_sizes.cos_sin_in_records:
-    records = 2 * block_sizes.num_stages * head_dim * 4
-  else:
-    records = 0
+  # Records that carry cos / sin: H f32 more in each of 2 * stages slots.
+  records = (2 * block_sizes.num_stages * head_dim * 4
+             if block_sizes.cos_sin_in_records else 0)
   return (q_store + q_16 + wgs * WG_ROWS * 4 + records
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))

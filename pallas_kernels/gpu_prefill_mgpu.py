@@ -70,9 +70,6 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
   if not quantized and jnp.dtype(k_dtype) != jnp.dtype(q_dtype):
     return (f"k_pages dtype {k_dtype} must equal q dtype {q_dtype} or be "
             f"float8_e4m3fn")
-  if quantized and block_sizes.steps_by_block:
-    return ("lazy_prefill_mgpu on float8 pages needs segment steps "
-            "(MgpuBlockSizes(steps_by_block=False))")
   if quantized and block_sizes.query_in_f32:
     return ("lazy_prefill_mgpu on float8 pages needs 16-bit query storage "
             "(MgpuBlockSizes(query_in_f32=False))")

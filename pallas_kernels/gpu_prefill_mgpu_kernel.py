@@ -29,7 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels import gpu_prefill_mgpu_blocks as blocks
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
 from pallas_kernels.gpu_mgpu_float8 import (
     convert_kv_ring, drain_converted, float8_registers, float8_scratch,
@@ -38,9 +37,7 @@ from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
     produce_kv_ring, record_cos_sin, rotate_query, rotated_query_halves,
     softmax_start, softmax_update, zero_invalid_v_rows)
-from pallas_kernels.gpu_prefill_block_records import PrefillBlockLayout
-from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MIN, PrefillPlan,
-                                                  RecordLayout)
+from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
 
 
 def _kernel(
@@ -48,8 +45,7 @@ def _kernel(
     n_steps_ref,  # int32 [B, tiles]
     min_row_ref,  # int32 [B, token blocks]
     rec_ref,  # int32 [B, steps, record width]
-    cs_ref,  # f32 [B, M, 2, H/2]; steps_by_block: int32 [6, H/2], the
-    #          RoPE turn chunks
+    cs_ref,  # f32 [B, M, 2, H/2]
     row_pos_ref,  # int32 [B, T_pad]
     page_offset_ref,  # int32 [1]: added to every physical page id
     # Operands.
@@ -61,20 +57,18 @@ def _kernel(
     vs_ref,  # f32 [K, pages]: V scale of each page
     # Output.
     o_ref,  # [B, T_pad, N, H]
-    # Scratch (at the end, float8: the 16-bit K and V tiles and their ready
-    # and free barriers; steps_by_block: the turn chunks of each warpgroup).
+    # Scratch (float8: the 16-bit K and V tiles and their ready and free
+    # barriers at the end).
     q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
-    k_bars, v_bars, k_free, v_free, sched_bar, *tail_scratch,
+    k_bars, v_bars, k_free, v_free, sched_bar, *float8_scratch,
     cfg: MgpuBlockSizes, page_size: int, group: int, layout: RecordLayout,
-    dtype, quantized: bool, interpret: bool):
+    dtype, interpret: bool):
   ops = Ops(interpret)
   nwg, stages, block_kv = cfg.num_compute_wgs, cfg.num_stages, cfg.block_kv
   ppb = block_kv // page_size
   head_dim = q_ref.shape[-1]
   half = head_dim // 2
-  # dtype: the 16-bit wgmma operand dtype
-  by_block = cfg.steps_by_block  # one step per KV block (PrefillBlockLayout)
-  float8_scratch = tail_scratch if quantized else ()
+  quantized = bool(float8_scratch)  # dtype: the 16-bit wgmma operand dtype
   if quantized:
     k16, v16, k16_ready, v16_ready, k16_free, v16_free = float8_scratch
     compute_regs, producer_regs, converter_regs = float8_registers(nwg)
@@ -112,9 +106,6 @@ def _kernel(
                             q_bars.at[wg])
     plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
                             q_bars.at[wg])
-    if by_block:
-      chunks_smem = tail_scratch[0].at[wg]
-      plgpu.copy_gmem_to_smem(cs_ref, chunks_smem, q_bars.at[wg])
     plgpu.barrier_wait(q_bars.at[wg])
     row_pos = ops.cast(rp_smem[wg], row_layout)
     oldest_row = min_row_ref[batch, token_block]
@@ -179,7 +170,7 @@ def _kernel(
                                        step_cos_sin(j)),
           lambda: tuple(halves))
 
-    if not regs_query and not by_block:
+    if not regs_query:
       next_step_ready(jnp.int32(0))
     if use_sched:
       pl.when(wg == 1)(schedule)
@@ -242,25 +233,15 @@ def _kernel(
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
       return acc, m_new, l, *carried
 
-    if by_block:
-      acc, m, l = blocks.block_pass_loop(
-          ops, acc, m, l, n_steps=n_steps,
-          rings=(k_smem, v_smem, rec_smem, k_bars, v_bars, k_free, v_free),
-          q_store=q_store, chunks_smem=chunks_smem, row_pos=row_pos,
-          oldest_row=oldest_row, layout=layout, page_size=page_size,
-          dtype=dtype, schedule=schedule, use_sched=use_sched,
-          sched_bar=sched_bar, fixup_v=fixup_v)
+    if quantized:
+      carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
+    elif regs_query:  # every CTA's first step starts a segment
+      zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype), plgpu.Layout.WGMMA)
+      carried = halves_ready(jnp.int32(0), (zero, zero))
     else:
-      if quantized:
-        carried = (jnp.float32(0.0), *load_scales(jnp.int32(0)))
-      elif regs_query:  # every CTA's first step starts a segment
-        zero = ops.cast(jnp.zeros((WG_ROWS, half), dtype),
-                        plgpu.Layout.WGMMA)
-        carried = halves_ready(jnp.int32(0), (zero, zero))
-      else:
-        carried = ()
-      acc, m, l, *carried = lax.fori_loop(0, n_steps, step,
-                                          (acc, m, l, *carried))
+      carried = ()
+    acc, m, l, *carried = lax.fori_loop(0, n_steps, step,
+                                        (acc, m, l, *carried))
     if use_sched:
       pl.when(wg == 0)(schedule)
     seen = l > 0
@@ -285,8 +266,7 @@ def _kernel(
         rec_smem, k_smem, v_smem, cs_smem, k_bars, v_bars, k_free, v_free,
         layout=layout, pages_per_block=ppb, page_size=page_size,
         stages=stages, interpret=interpret, set_registers=not quantized,
-        cs_stages=cs_stages,
-        cs_rows=0 if cfg.cos_sin_in_records or by_block else None,
+        cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None,
         copy_contiguous_blocks=cfg.copy_contiguous_blocks)
 
   if quantized:
@@ -326,23 +306,13 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   nwg, stages = block_sizes.num_compute_wgs, block_sizes.num_stages
   block_kv = block_sizes.block_kv
   ppb = block_kv // page_size
-  by_block = block_sizes.steps_by_block
-  if by_block and quantized:
-    raise ValueError("steps_by_block takes 16-bit pages only; float8 pages "
-                     "need MgpuBlockSizes(steps_by_block=False)")
-  # The producer copies no cos / sin: the records carry them, or the kernel
-  # computes them (block steps).
-  in_records = block_sizes.cos_sin_in_records or by_block
-  if by_block:
-    layout = PrefillBlockLayout(ppb, cos_sin_dim=head_dim)
-  else:
-    layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
+  in_records = block_sizes.cos_sin_in_records
+  layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
   if plan.records.shape[-1] != layout.width:
     raise ValueError(
         f"plan records are {plan.records.shape[-1]} wide; these block sizes "
-        f"need {layout.width} (cos_sin_in_records="
-        f"{block_sizes.cos_sin_in_records}, steps_by_block={by_block}): make "
-        "the plan with the kernel's block sizes")
+        f"need {layout.width} (cos_sin_in_records={in_records}): make the "
+        "plan with the kernel's block sizes")
   num_tiles = plan.n_steps.shape[1]
   if num_tiles * nwg != t_pad // WG_ROWS * group:
     raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
@@ -375,8 +345,7 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       plgpu.SMEM((1 if in_records else (2 if quantized else 1) * stages, 2,
                   head_dim // 2), jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
-      # q + row_pos (+ the turn chunks)
-      plgpu.Barrier(num_arrivals=3 if by_block else 2, num_barriers=nwg),
+      plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
       # K pages, record (and cos/sin)
       plgpu.Barrier(num_arrivals=ppb + (1 if in_records else 2),
                     num_barriers=stages),
@@ -387,11 +356,9 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   ]
   if quantized:  # 16-bit K and V tiles; ready (1) and free (nwg) barriers
     scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, nwg)
-  if by_block:  # each warpgroup's copy of the turn chunks
-    scratch.append(plgpu.SMEM((nwg, *plan.cos_sin.shape), jnp.int32))
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              group=group, layout=layout, dtype=dtype,
-                             quantized=quantized, interpret=interpret)
+                             interpret=interpret)
   extra = {}
   if interpret:
     extra["interpret"] = interpreter_params()

@@ -251,9 +251,7 @@ class PrefillPlan(NamedTuple):
   min_row: jax.Array  # int32 [B, T_pad / 64]: oldest q_pos of a token block
   records: jax.Array  # int32 [B, steps, width]: step records
   cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin; with
-  #                     cos_sin_in_records (in the records) [B, M, 2, 0];
-  #                     with steps_by_block int32 [6, H / 2]: RoPE's turn
-  #                     chunks, for the shifts the records do not carry
+  #                     cos_sin_in_records (in the records) [B, M, 2, 0]
   row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
 
 
@@ -285,27 +283,6 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   newest = jnp.max(q_pos, axis=1)
   live = ((page_len > 0) & (page_pos <= newest[:, None])
           & (newest[:, None] >= 0))
-  num_tiles = t_pad // WG_ROWS * group // nwg
-  unit_block = (np.arange(num_tiles * nwg) // group).reshape(num_tiles, nwg)
-  min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
-                    axis=-1)
-  if block_sizes.steps_by_block:
-    # Imported here: the block records build on the decode's block layout,
-    # which imports this module.
-    from pallas_kernels.gpu_prefill_block_records import (
-        block_steps_of_tiles, prefill_block_records)
-    records = prefill_block_records(
-        page_table, page_pos, page_shift, page_len, live,
-        num_pages=num_pages, page_size=page_size, pages_per_block=ppb,
-        cos_sin_of=functools.partial(segment_cos_sin, rope=rope,
-                                     head_dim=head_dim))
-    block_end = tile_page_ends(row_pos, page_pos, live, WG_ROWS)
-    block_steps = block_steps_of_tiles(block_end, ppb)
-    n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
-    # The records carry the cos / sin of each block's last live shift; the
-    # kernel computes the rarer others from RoPE's turn chunks.
-    chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :head_dim // 2])
-    return PrefillPlan(n_steps, min_row, records, chunks, row_pos)
   in_records = block_sizes.cos_sin_in_records
   cos_sin_of = functools.partial(segment_cos_sin, rope=rope,
                                  head_dim=head_dim)
@@ -320,7 +297,11 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
                         axis=-1).astype(jnp.int32)
   block_steps = jnp.minimum(block_steps, num_steps[:, None])
   # A CTA runs the steps of the newest token block among its units.
+  num_tiles = t_pad // WG_ROWS * group // nwg
+  unit_block = (np.arange(num_tiles * nwg) // group).reshape(num_tiles, nwg)
   n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
+  min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
+                    axis=-1)
   if in_records:  # the kernel reads none: a placeholder, as decode's
     cos_sin = jnp.zeros((*page_table.shape, 2, 0), jnp.float32)
   else:

@@ -21,3 +21,19 @@ def test_split_counts_one_chain_per_call(tmp_path):
   assert 1 <= len(row["top_ops"]) <= 2
   busiest = row["top_ops"][0]
   assert busiest[1] <= row["busy_us"] and busiest[2] >= 1
+
+
+def test_variant_rows_are_named_after_their_variant():
+  from benchmarks.prefill_device_split import methods
+  names = [row[0] for row in methods(
+      "documents", [None, "k128w2s2-qreg-csrec-sched-pagecopy"])]
+  assert names == ["cudnn", "whole call", "kernel alone",
+                   "whole call [k128w2s2-qreg-csrec-sched-pagecopy]",
+                   "kernel alone [k128w2s2-qreg-csrec-sched-pagecopy]"]
+
+
+def test_a_bracketed_name_traces_to_a_plain_directory(tmp_path):
+  x = jnp.ones((8, 8), jnp.float32)
+  split("kernel alone [k128-x]", lambda a: a @ a, (x,), perturb_query,
+        str(tmp_path), top=1, samples=1)
+  assert [p.name for p in tmp_path.iterdir()] == ["kernel_alone__k128_x_"]
