@@ -82,6 +82,9 @@ def main(argv=None):
                            "split instead of the default block sizes")
   args = parser.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v] or [None]
+  unknown = sorted(set(variants) - set(VARIANTS) - {None})
+  if unknown:  # before the inputs are built on the device
+    parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
   for name, fn, fn_args, perturb in methods(args.page_layout, variants):
     row = split(name, fn, fn_args, perturb, args.trace_dir, args.top)
     print(f"== {args.page_layout} {name}: chained {row['chained_us']:.1f} "

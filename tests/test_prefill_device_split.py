@@ -4,6 +4,7 @@ of a small jitted function, counted per call."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import pytest
 
 from benchmarks.kernel_timing import perturb_query
 from benchmarks.prefill_device_split import split
@@ -37,3 +38,10 @@ def test_a_bracketed_name_traces_to_a_plain_directory(tmp_path):
   split("kernel alone [k128-x]", lambda a: a @ a, (x,), perturb_query,
         str(tmp_path), top=1, samples=1)
   assert [p.name for p in tmp_path.iterdir()] == ["kernel_alone__k128_x_"]
+
+
+def test_an_unknown_variant_is_refused_by_name(capsys):
+  from benchmarks.prefill_device_split import main
+  with pytest.raises(SystemExit):
+    main(["--variants", "k128w2s2-qreg-csrec-sched,no-such-tiles"])
+  assert "unknown variants ['no-such-tiles']" in capsys.readouterr().err
