@@ -12,7 +12,8 @@ each record ends with its segment's cos/sin (with
 MgpuBlockSizes(cos_sin_in_records=False) the plan holds them per segment
 beside the records instead).  The plan depends only on the page metadata
 and q_pos: a model makes it once per forward pass and every layer reuses
-it.
+it.  Every step's index and count is elementwise in a few per-row counts of
+segment starts that one XLA reduction makes (`gpu_segment_counts`).
 
 Design: docs/kernels.md.
 """
@@ -29,15 +30,17 @@ import numpy as np
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
-from pallas_kernels.gpu_prefill import tile_page_ends
+from pallas_kernels import gpu_segment_counts
+from pallas_kernels.gpu_segment_counts import (SegmentCounts,
+                                               carried_blocks,
+                                               carried_through,
+                                               segment_counts,
+                                               steps_before_pages)
 from pallas_kernels.rope import RopeConfig, cos_sin_from_chunks
 from pallas_kernels.sizes import ceil_div, round_up
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
-# Prefix sums over a row's KV blocks take one quadratic reduction up to
-# this many blocks (gpu_common.prefix_sum).
-BLOCKS_IN_ONE_SUM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +122,16 @@ def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
 
 
 def step_records(page_table, page_pos, page_shift, page_len, live, *,
-                 num_pages, page_size, pages_per_block, cos_sin_of=None):
+                 num_pages, page_size, pages_per_block, cos_sin_of=None,
+                 counts: SegmentCounts | None = None):
   """Flattens each batch row's work into KV steps (see the module docstring).
 
   `cos_sin_of` (optional): int32 shifts [...] -> f32 cos / sin [..., 2,
   H/2] (`segment_cos_sin`); given, each record ends with its segment's
   cos and sin as int32 bits (RecordLayout(ppb, cos_sin_dim=H);
   MgpuBlockSizes.cos_sin_in_records), computed per step, so they join the
-  records' one scatter.
+  records' one scatter.  `counts`: `segment_counts` of the same pages, if
+  the caller made them (`plan_prefill`, with its token blocks' ends).
 
   Returns:
     records: int32 [B, S_max, RecordLayout.width];
@@ -138,44 +143,34 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   Built block by block: a block of `pages_per_block` logical pages holds
   one step per segment piece in it (a segment carried over from the block
   before, then one per segment starting in the block), and a step's index
-  is a prefix sum of the per-block counts.  Steps in block order are steps
-  in segment order, since segments are runs of pages.  Every array is
-  [B, M] or [B, blocks, ppb, ppb] elementwise work and a few short prefix
-  sums, so XLA makes the plan in a handful of kernels (docs/kernels.md).
+  is the steps of the blocks before it plus its piece's index.  Steps in
+  block order are steps in segment order, since segments are runs of
+  pages.  Past `segment_counts`' one reduction every array is [B, NB, ppb]
+  or [B, NB, ppb, ppb] elementwise work, gathers of the counts and one
+  scatter (docs/kernels.md).
   """
   batch, num_logical = page_table.shape
   ppb = pages_per_block
   num_blocks = ceil_div(num_logical, ppb)
   s_max = max_steps(num_logical, ppb)
-  pad = num_blocks * ppb - num_logical
-  # Pages past M are dead and read the last page's id and position, as a
-  # clipped page index would.
-  by_block = lambda a, mode="edge": jnp.pad(a, ((0, 0), (0, pad)),
-                                            mode=mode).reshape(
-                                                batch, num_blocks, ppb)
-  live_b = by_block(live, "constant")
+  if counts is None:
+    counts = segment_counts(page_pos, page_shift, live, pages_per_block=ppb)
+  by_block = functools.partial(gpu_segment_counts.by_block,
+                               pages_per_block=ppb)
+  live_b = by_block(live, mode="constant")
   shift_b = by_block(page_shift)
-  prev_live = jnp.pad(live, ((0, 0), (1, 0)))[:, :num_logical]
-  prev_shift = jnp.pad(page_shift, ((0, 0), (1, 0)))[:, :num_logical]
-  starts = live & ~(prev_live & (prev_shift == page_shift))
-  start_b = by_block(starts, "constant")
-  page = jnp.arange(num_logical, dtype=jnp.int32)
-  last_live = jnp.max(jnp.where(live, page, -1), axis=1)  # [B]
-  # Starts in each block, at or before each page of it, and before it.
-  rank = common.prefix_sum(start_b.astype(jnp.int32))  # [B, NB, ppb]
+  blocks = jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32),
+                            (batch, num_blocks))
+  carried = carried_blocks(counts, blocks, ppb).astype(jnp.int32)  # [B, NB]
+  rank = counts.rank
   starts_in = rank[..., -1]
-  # Over blocks, one [B, NB, NB] reduction each up to BLOCKS_IN_ONE_SUM
-  # blocks (a 16K-token row of 8-page blocks) instead of two dependent
-  # launches; the count's total is its prefix sum's last entry.
-  blocks_sum = functools.partial(common.prefix_sum, block=BLOCKS_IN_ONE_SUM)
-  starts_before = blocks_sum(starts_in) - starts_in  # [B, NB]
-  block_first = jnp.arange(num_blocks, dtype=jnp.int32) * ppb
-  carried = ((starts_before > 0) & (block_first[None] <= last_live[:, None])
-             & ~start_b[..., 0]).astype(jnp.int32)  # [B, NB]
+  starts_before = counts.starts_before[:, :num_blocks]
   count = starts_in + carried
-  steps_through = blocks_sum(count)
+  steps_through = (counts.starts_before[:, 1:]
+                   + carried_through(counts, blocks, ppb))
   step_base = steps_through - count
   num_steps = steps_through[:, -1]
+  block_first = jnp.arange(num_blocks, dtype=jnp.int32) * ppb
   # Piece j of a block: its pages with piece == j (-1: before any segment).
   piece = rank + carried[..., None] - 1  # [B, NB, ppb]
   j = jnp.arange(ppb, dtype=jnp.int32)
@@ -222,6 +217,7 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   step_first = jnp.full((batch, s_max), INT32_MAX, jnp.int32).at[
       rows, target].set(step_first.reshape(batch, -1), mode="drop")
   # Segment j's shift, scattered from its first page.
+  start_b = (rank - jnp.pad(rank, ((0, 0), (0, 0), (1, 0)))[..., :ppb]) > 0
   seg_of_start = (starts_before[..., None] + rank - 1).reshape(batch, -1)
   dest = jnp.where(start_b.reshape(batch, -1), seg_of_start, num_logical)
   shift = jnp.zeros((batch, num_logical), jnp.int32).at[rows, dest].set(
@@ -280,28 +276,38 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   row_pos = jnp.where(q_pos >= 0, q_pos, common.PADDING_ROW)
   row_pos = jnp.pad(row_pos, ((0, 0), (0, t_pad - q_len)),
                     constant_values=common.PADDING_ROW)
-  newest = jnp.max(q_pos, axis=1)
+  # Each 64-token block's newest and oldest q_pos, in one reduction.
+  by_rows = row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS)
+  tile_newest, min_row = jax.lax.reduce(
+      (by_rows, by_rows), (jnp.int32(INT32_MIN), jnp.int32(INT32_MAX)),
+      lambda x, y: (jnp.maximum(x[0], y[0]), jnp.minimum(x[1], y[1])), (2,))
+  if tile_newest.shape[1] <= 16:  # unrolled: fuses into its users
+    newest = tile_newest[:, 0]
+    for block in range(1, tile_newest.shape[1]):
+      newest = jnp.maximum(newest, tile_newest[:, block])
+  else:
+    newest = jnp.max(tile_newest, axis=1)
   live = ((page_len > 0) & (page_pos <= newest[:, None])
           & (newest[:, None] >= 0))
+  counts = segment_counts(page_pos, page_shift, live, pages_per_block=ppb,
+                          tile_newest=tile_newest)
   in_records = block_sizes.cos_sin_in_records
   cos_sin_of = functools.partial(segment_cos_sin, rope=rope,
                                  head_dim=head_dim)
-  records, num_steps, step_first, shift = step_records(
+  records, num_steps, _, shift = step_records(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
       page_size=page_size, pages_per_block=ppb,
-      cos_sin_of=cos_sin_of if in_records else None)
+      cos_sin_of=cos_sin_of if in_records else None, counts=counts)
   # Steps are in page order: a token block's steps are those starting before
   # the last page it can see.
-  block_end = tile_page_ends(row_pos, page_pos, live, WG_ROWS)  # [B, TB]
-  block_steps = jnp.sum(step_first[:, None, :] < block_end[:, :, None],
-                        axis=-1).astype(jnp.int32)
-  block_steps = jnp.minimum(block_steps, num_steps[:, None])
+  block_steps = jnp.minimum(steps_before_pages(counts, counts.tile_ends, ppb),
+                            num_steps[:, None])  # [B, TB]
   # A CTA runs the steps of the newest token block among its units.
   num_tiles = t_pad // WG_ROWS * group // nwg
   unit_block = (np.arange(num_tiles * nwg) // group).reshape(num_tiles, nwg)
-  n_steps = jnp.max(block_steps[:, unit_block], axis=-1)
-  min_row = jnp.min(row_pos.reshape(batch, t_pad // WG_ROWS, WG_ROWS),
-                    axis=-1)
+  n_steps = block_steps[:, unit_block[:, 0]]
+  for unit in range(1, nwg):
+    n_steps = jnp.maximum(n_steps, block_steps[:, unit_block[:, unit]])
   if in_records:  # the kernel reads none: a placeholder, as decode's
     cos_sin = jnp.zeros((*page_table.shape, 2, 0), jnp.float32)
   else:

@@ -1,5 +1,6 @@
 """The Mosaic kernels' step records (gpu_prefill_mgpu_plan.step_records)
-against a plain loop over segments and blocks, on random page metadata:
+and the counts they come from (gpu_segment_counts) against a plain loop
+over segments and blocks, on random page metadata:
 dead pages, partial pages, shifts that change inside a block, rows of
 more than one prefix-sum block (gpu_common.prefix_sum)."""
 
@@ -13,10 +14,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gpu_common import prefix_sum
-from pallas_kernels.gpu_prefill_mgpu_plan import (BLOCKS_IN_ONE_SUM,
-                                                  INT32_MAX, INT32_MIN,
+from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
                                                   RecordLayout, max_steps,
                                                   step_records)
+from pallas_kernels.gpu_segment_counts import (BLOCKS_IN_ONE_SUM,
+                                               segment_counts,
+                                               steps_before_pages)
 
 PAGE_SIZE = 4
 
@@ -118,3 +121,50 @@ def test_prefix_sum_matches_cumsum_across_blocks(length):
   got = jax.jit(prefix_sum)(jnp.asarray(x, jnp.int32))
   assert got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, axis=-1))
+
+
+@pytest.mark.parametrize("num_logical,ppb", [(5, 1), (33, 2), (70, 8),
+                                             (258, 2)])
+def test_steps_before_every_page_end_count_the_step_records(num_logical,
+                                                            ppb):
+  """steps_before_pages (closed form from segment_counts) against counting
+  the records' first pages, at every page end 0..M; segment_counts'
+  extents and token blocks' ends against NumPy."""
+  batch, num_tiles = 3, 4
+  rng = np.random.default_rng(num_logical + 7)
+  ends = jnp.arange(num_logical + 1, dtype=jnp.int32)
+
+  @jax.jit
+  def closed_form(table, pos, shift, length, live, tile_newest):
+    counts = segment_counts(pos, shift, live, pages_per_block=ppb,
+                            tile_newest=tile_newest)
+    every_end = steps_before_pages(
+        counts, jnp.broadcast_to(ends, (batch, ends.size)), ppb)
+    _, num_steps, step_first, _ = step_records(
+        table, pos, shift, length, live, num_pages=batch * num_logical,
+        page_size=PAGE_SIZE, pages_per_block=ppb)
+    return counts, every_end, num_steps, step_first
+
+  for _ in range(8):
+    table, pos, shift, length, live = random_metadata(rng, batch,
+                                                      num_logical)
+    tile_newest = rng.integers(-3, num_logical * PAGE_SIZE + 3,
+                               (batch, num_tiles)).astype(np.int32)
+    tile_newest[0, 0] = INT32_MIN  # a token block of padding rows only
+    counts, every_end, num_steps, step_first = closed_form(
+        table, pos, shift, length, live, tile_newest)
+    step_first = np.asarray(step_first)
+    for b in range(batch):
+      want = [(step_first[b] < e).sum() for e in range(num_logical + 1)]
+      assert np.asarray(every_end)[b].tolist() == want
+      assert want[-1] == int(num_steps[b])
+      live_pages = np.flatnonzero(live[b])
+      padded = -(-num_logical // ppb) * ppb
+      assert int(counts.first_live[b]) == (live_pages[0] if live_pages.size
+                                           else padded)
+      assert int(counts.last_live[b]) == (live_pages[-1] if live_pages.size
+                                          else -1)
+      for t in range(num_tiles):
+        seen = np.flatnonzero(live[b] & (pos[b] <= tile_newest[b, t]))
+        assert int(counts.tile_ends[b, t]) == (seen[-1] + 1 if seen.size
+                                               else 0)
