@@ -33,7 +33,8 @@ Run on the GPU machine from the repository root:
     after a warm-up run; every row is compiled first, then sampled
     round-robin (one sample of each row a round, the order reversed every
     other round), so a slow drift over the run does not favour the rows
-    timed first.
+    timed first; each sample first runs its row untimed for SETTLE_S, so
+    that under the GPU's power cap each row is timed at its own clock.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
 """
 
@@ -105,6 +106,8 @@ VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
 SAMPLES = 21
+# Seconds each row runs untimed before each sample (_sample_round_robin).
+SETTLE_S = 0.3
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
@@ -222,13 +225,18 @@ def _sample_round_robin(timers):
   """(method, median seconds or None, note) of each timer (or failure
   note) in `timers`: SAMPLES rounds, each sampling every timer once, in
   reverse order every other round, so slow drifts of clock or temperature
-  over the run, and a row's place in a round, hit every row alike."""
+  over the run, and a row's place in a round, hit every row alike.  Each
+  sample first settles for SETTLE_S: the H200 runs these kernels at its
+  700 W power cap, where cuDNN's call holds the clock near 1.62 GHz and
+  the lazy kernel's near 1.76-1.80 GHz, and a sample taken right after
+  another row's would run at that row's clock (benchmarks/RESULTS.md,
+  'The power cap and the order of samples')."""
   live = {m: t for m, t in timers.items() if not isinstance(t, str)}
   samples = {m: [] for m in live}
   for round_index in range(SAMPLES):
     order = list(live) if round_index % 2 == 0 else list(live)[::-1]
     for method in order:
-      samples[method].append(live[method].sample())
+      samples[method].append(live[method].sample(settle_s=SETTLE_S))
   return [(m, statistics.median(samples[m]), "") if m in live
           else (m, None, t) for m, t in timers.items()]
 

@@ -86,6 +86,27 @@ def test_chain_timer_times_a_chain_and_perturbs_every_call():
   np.testing.assert_array_equal(out[7], lazy_args[7])
 
 
+def test_chain_timer_settles_before_a_sample():
+  """sample(settle_s) first runs about settle_s of untimed steps, then its
+  `steps` timed ones; sample() runs only the timed ones."""
+  q = jnp.ones((4, 8), jnp.float32)
+  timer = ChainTimer(lambda q: q * 2.0, [(q,)], perturb_query,
+                     target_total_s=0.001)
+  step, calls = timer.step, []
+
+  def counted(*args):
+    calls.append(1)
+    return step(*args)
+
+  timer.step = counted
+  timer.sample()
+  assert len(calls) == timer.steps
+  calls.clear()
+  timer.per_step_s = 0.01
+  timer.sample(settle_s=0.05)
+  assert len(calls) == timer.steps + 5
+
+
 def test_report_judges_the_prefill_bar_at_the_whole_call(capsys):
   results = [
       Result("prefill", "chunk512", "cudnn", 1.0, flops=1e12),
