@@ -38,20 +38,20 @@ class ChainTimer:
     jax.block_until_ready(self.step(self.zero, arg_sets))
     per_step = time.perf_counter() - start
     self.steps = max(3, math.ceil(target_total_s / per_step))
-    self.per_step_s = per_step
 
   def sample(self, settle_s: float = 0.0):
     """Seconds per call, from one synchronised run of `steps` steps.
 
-    `settle_s` > 0 first runs the calls untimed for about that long.  Under
+    `settle_s` > 0 first runs whole chains untimed until that long has
+    passed.  Under
     a power cap the GPU's clock follows the power the recent work drew, so
     a sample taken right after another kernel's runs at that kernel's clock
     for tens of milliseconds; settling times each call at its own.
     """
-    if settle_s > 0:
+    start = time.perf_counter()
+    while time.perf_counter() - start < settle_s:  # whole chains, synced
       zero = self.zero
-      per_step = self.per_step_s or 1e-3
-      for _ in range(max(1, math.ceil(settle_s / per_step))):
+      for _ in range(self.steps):
         zero = self.step(zero, self.arg_sets)
       jax.block_until_ready(zero)
     zero = self.zero
