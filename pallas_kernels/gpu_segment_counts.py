@@ -76,7 +76,7 @@ def segment_counts(page_pos, page_shift, live, *, pages_per_block,
   prev_live = jnp.pad(live, ((0, 0), (1, 0)))[:, :num_logical]
   prev_shift = jnp.pad(page_shift, ((0, 0), (1, 0)))[:, :num_logical]
   starts = by_block(live & ~(prev_live & (prev_shift == page_shift)), ppb,
-                     "constant")
+                    "constant")
   live_b = by_block(live, ppb, "constant")
   rank = [starts[..., 0].astype(jnp.int32)]
   for i in range(1, ppb):
