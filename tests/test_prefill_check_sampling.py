@@ -1,10 +1,12 @@
 """benchmarks/mgpu_prefill_check.py samples its rows round-robin: every
-round takes one sample of each row, in reverse order every other round;
-failed rows pass their note through."""
+round takes one sample of each row, in reverse order every other round,
+each settled first (SETTLE_S: under the GPU's power cap a row is timed at
+its own clock); failed rows pass their note through."""
 
 from __future__ import annotations
 
-from benchmarks.mgpu_prefill_check import SAMPLES, _sample_round_robin
+from benchmarks.mgpu_prefill_check import (SAMPLES, SETTLE_S,
+                                           _sample_round_robin)
 
 
 class _FakeTimer:
@@ -12,8 +14,9 @@ class _FakeTimer:
   def __init__(self, name, log, seconds):
     self.name, self.log, self.seconds = name, log, list(seconds)
 
-  def sample(self):
+  def sample(self, settle_s=0.0):
     self.log.append(self.name)
+    self.settled = getattr(self, "settled", []) + [settle_s]
     return self.seconds.pop(0)
 
 
@@ -26,6 +29,8 @@ def test_rows_are_sampled_round_robin():
   }
   rows = _sample_round_robin(timers)
   assert log[:6] == ["a", "b", "b", "a", "a", "b"]
+  assert SETTLE_S > 0
+  assert timers["a"].settled == timers["b"].settled == [SETTLE_S] * SAMPLES
   assert log.count("a") == log.count("b") == SAMPLES
   assert rows == [("a", 1.0 + SAMPLES // 2, ""),
                   ("broken", None, "failed: ValueError: too big"),
