@@ -24,7 +24,7 @@ import numpy as np
 from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import PAGE_LAYOUTS
 from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
-from benchmarks.mgpu_prefill_check import (VARIANTS, build_inputs,
+from benchmarks.mgpu_prefill_check import (SETTLE_S, VARIANTS, build_inputs,
                                            cudnn_dense, kernel_alone,
                                            kernel_inputs, whole_call)
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes
@@ -53,11 +53,14 @@ def methods(layout: str, variants=(None,)):
 
 
 def split(name, fn, args, perturb, trace_dir: str, top: int,
-          samples: int = 5) -> dict:
-  """Chained seconds per call (median of `samples`), then one traced chain:
-  busy and span per call, ops per call and the `top` busiest ops."""
+          samples: int = 5, settle_s: float = SETTLE_S) -> dict:
+  """Chained seconds per call (median of `samples`, each settled for
+  `settle_s` so the row runs at its own clock under the GPU's power cap,
+  as in mgpu_prefill_check), then one traced chain: busy and span per
+  call, ops per call and the `top` busiest ops."""
   timer = ChainTimer(fn, [args], perturb)
-  chained = statistics.median(timer.sample() for _ in range(samples))
+  chained = statistics.median(timer.sample(settle_s=settle_s)
+                              for _ in range(samples))
   directory = f"{trace_dir}/{''.join(c if c.isalnum() else '_' for c in name)}"
   with jax.profiler.trace(directory):
     timer.sample()

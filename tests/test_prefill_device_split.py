@@ -24,6 +24,24 @@ def test_split_counts_one_chain_per_call(tmp_path):
   assert busiest[1] <= row["busy_us"] and busiest[2] >= 1
 
 
+def test_every_chained_sample_settles_first(tmp_path, monkeypatch):
+  """The chained samples run at the row's own clock: each is settled for
+  SETTLE_S, as mgpu_prefill_check's; the traced one follows them."""
+  from benchmarks.kernel_timing import ChainTimer
+  from benchmarks.mgpu_prefill_check import SETTLE_S
+  settles, sample = [], ChainTimer.sample
+
+  def recorded(self, settle_s=0.0):
+    settles.append(settle_s)
+    return sample(self, settle_s=0.0)  # the CPU test needs no settling
+
+  monkeypatch.setattr(ChainTimer, "sample", recorded)
+  x = jnp.ones((8, 8), jnp.float32)
+  split("m", lambda a: a @ a, (x,), perturb_query, str(tmp_path), top=1,
+        samples=3)
+  assert SETTLE_S > 0 and settles == [SETTLE_S] * 3 + [0.0]
+
+
 def test_variant_rows_are_named_after_their_variant():
   from benchmarks.prefill_device_split import methods
   names = [row[0] for row in methods(
