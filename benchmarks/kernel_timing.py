@@ -12,6 +12,13 @@ import jax
 import jax.numpy as jnp
 
 
+# Seconds each sample first runs its own calls untimed (ChainTimer.sample):
+# the H200 runs the attention kernels at its power cap, where the clock
+# follows the power of the last tens of milliseconds of work
+# (benchmarks/RESULTS.md, "The power cap and the order of samples").
+SETTLE_S = 0.3
+
+
 class ChainTimer:
   """Times fn(*args) per call, cycling over arg_sets; compiles once.
 
@@ -62,21 +69,25 @@ class ChainTimer:
     return (time.perf_counter() - start) / (self.steps * len(self.arg_sets))
 
 
-def time_per_call(fn, arg_sets, perturb, *, repeats=5):
-  """Median seconds per call of fn over repeats (see ChainTimer)."""
+def time_per_call(fn, arg_sets, perturb, *, repeats=5, settle_s=SETTLE_S):
+  """Median seconds per call of fn over repeats, each sample settled first
+  (see ChainTimer)."""
   timer = ChainTimer(fn, arg_sets, perturb)
-  return statistics.median(timer.sample() for _ in range(repeats))
+  return statistics.median(timer.sample(settle_s=settle_s)
+                           for _ in range(repeats))
 
 
-def time_pair(fn_a, sets_a, fn_b, sets_b, perturb, *, rounds=7):
+def time_pair(fn_a, sets_a, fn_b, sets_b, perturb, *, rounds=7,
+              settle_s=SETTLE_S):
   """Medians for two functions timed in alternation (A B A B ...), so slow
-  drifts of clock or temperature hit both alike."""
+  drifts of clock or temperature hit both alike; each sample settled
+  first, so each runs at its own clock."""
   timer_a = ChainTimer(fn_a, sets_a, perturb)
   timer_b = ChainTimer(fn_b, sets_b, perturb)
   samples_a, samples_b = [], []
   for _ in range(rounds):
-    samples_a.append(timer_a.sample())
-    samples_b.append(timer_b.sample())
+    samples_a.append(timer_a.sample(settle_s=settle_s))
+    samples_b.append(timer_b.sample(settle_s=settle_s))
   return statistics.median(samples_a), statistics.median(samples_b)
 
 

@@ -59,7 +59,8 @@ from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      prefill_plan, prefill_plan_only,
                                      prefill_planned, random_array,
                                      visible_pairs)
-from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
+from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
+                                      perturb_query)
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
@@ -106,8 +107,6 @@ VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
 SAMPLES = 21
-# Seconds each row runs untimed before each sample (_sample_round_robin).
-SETTLE_S = 0.3
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

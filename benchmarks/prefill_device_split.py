@@ -23,8 +23,9 @@ import numpy as np
 
 from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import PAGE_LAYOUTS
-from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
-from benchmarks.mgpu_prefill_check import (SETTLE_S, VARIANTS, build_inputs,
+from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
+                                      perturb_query)
+from benchmarks.mgpu_prefill_check import (VARIANTS, build_inputs,
                                            cudnn_dense, kernel_alone,
                                            kernel_inputs, whole_call)
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from benchmarks import kernel_cases as cases
-from benchmarks.kernel_timing import ChainTimer, perturb_lazy, perturb_query
+from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
+                                      perturb_query, time_pair, time_per_call)
 from benchmarks.kernels import Result
 from benchmarks.kernels_report import report
 
@@ -109,6 +110,26 @@ def test_chain_timer_settles_before_a_sample():
   timer.sample(settle_s=0.05)
   assert time.perf_counter() - start >= 0.05
   assert len(calls) >= 2 * timer.steps and len(calls) % timer.steps == 0
+
+
+def test_per_call_and_paired_timings_settle_every_sample(monkeypatch):
+  """time_per_call and time_pair settle each sample for SETTLE_S (each
+  call timed at its own clock under a power cap)."""
+  settles, sample = [], ChainTimer.sample
+
+  def recorded(self, settle_s=0.0):
+    settles.append(settle_s)
+    return sample(self, settle_s=0.0)  # the CPU test needs no settling
+
+  monkeypatch.setattr(ChainTimer, "sample", recorded)
+  q = jnp.ones((4, 8), jnp.float32)
+  assert time_per_call(lambda q: q * 2.0, [(q,)], perturb_query,
+                       repeats=3) > 0
+  assert settles == [SETTLE_S] * 3
+  settles.clear()
+  a, b = time_pair(lambda q: q * 2.0, [(q,)], lambda q: q + 1.0, [(q,)],
+                   perturb_query, rounds=2)
+  assert a > 0 and b > 0 and settles == [SETTLE_S] * 4
 
 
 def test_report_judges_the_prefill_bar_at_the_whole_call(capsys):

@@ -27,8 +27,7 @@ def test_split_counts_one_chain_per_call(tmp_path):
 def test_every_chained_sample_settles_first(tmp_path, monkeypatch):
   """The chained samples run at the row's own clock: each is settled for
   SETTLE_S, as mgpu_prefill_check's; the traced one follows them."""
-  from benchmarks.kernel_timing import ChainTimer
-  from benchmarks.mgpu_prefill_check import SETTLE_S
+  from benchmarks.kernel_timing import SETTLE_S, ChainTimer
   settles, sample = [], ChainTimer.sample
 
   def recorded(self, settle_s=0.0):
