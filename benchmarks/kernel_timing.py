@@ -50,10 +50,10 @@ class ChainTimer:
     """Seconds per call, from one synchronised run of `steps` steps.
 
     `settle_s` > 0 first runs whole chains untimed until that long has
-    passed.  Under
-    a power cap the GPU's clock follows the power the recent work drew, so
-    a sample taken right after another kernel's runs at that kernel's clock
-    for tens of milliseconds; settling times each call at its own.
+    passed.  Under a power cap the GPU's clock follows the power the recent
+    work drew, so a sample taken right after another kernel's runs at that
+    kernel's clock for tens of milliseconds; settling times each call at
+    its own.
     """
     start = time.perf_counter()
     while time.perf_counter() - start < settle_s:  # whole chains, synced
