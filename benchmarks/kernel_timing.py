@@ -45,6 +45,7 @@ class ChainTimer:
     jax.block_until_ready(self.step(self.zero, arg_sets))
     per_step = time.perf_counter() - start
     self.steps = max(3, math.ceil(target_total_s / per_step))
+    self.timed_window = None
 
   def sample(self, settle_s: float = 0.0):
     """Seconds per call, from one synchronised run of `steps` steps.
@@ -62,11 +63,14 @@ class ChainTimer:
         zero = self.step(zero, self.arg_sets)
       jax.block_until_ready(zero)
     zero = self.zero
-    start = time.perf_counter()
+    start, window_start = time.perf_counter(), time.monotonic()
     for _ in range(self.steps):
       zero = self.step(zero, self.arg_sets)
     jax.block_until_ready(zero)
-    return (time.perf_counter() - start) / (self.steps * len(self.arg_sets))
+    seconds = time.perf_counter() - start
+    # The timed stretch, in time.monotonic() seconds (gpu_clock_log).
+    self.timed_window = (window_start, time.monotonic())
+    return seconds / (self.steps * len(self.arg_sets))
 
 
 def time_per_call(fn, arg_sets, perturb, *, repeats=5, settle_s=SETTLE_S):

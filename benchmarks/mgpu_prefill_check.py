@@ -35,7 +35,9 @@ Run on the GPU machine from the repository root:
     other round), so a slow drift over the run does not favour the rows
     timed first; each sample first runs its row untimed for SETTLE_S, so
     that under the GPU's power cap each row is timed at its own clock.
-Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN.
+Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
+median SM clock and board power while the row was timed (nvidia-smi,
+benchmarks/gpu_clock_log.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      prefill_plan, prefill_plan_only,
                                      prefill_planned, random_array,
                                      visible_pairs)
+from benchmarks.gpu_clock_log import ClockLog
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
                                       perturb_query)
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
@@ -220,7 +223,7 @@ def _timer(fn, args, perturb):
   return ChainTimer(fn, [args], perturb, target_total_s=0.04)
 
 
-def _sample_round_robin(timers):
+def _sample_round_robin(timers, windows=None):
   """(method, median seconds or None, note) of each timer (or failure
   note) in `timers`: SAMPLES rounds, each sampling every timer once, in
   reverse order every other round, so slow drifts of clock or temperature
@@ -229,13 +232,17 @@ def _sample_round_robin(timers):
   700 W power cap, where cuDNN's call holds the clock near 1.62 GHz and
   the lazy kernel's near 1.76-1.80 GHz, and a sample taken right after
   another row's would run at that row's clock (benchmarks/RESULTS.md,
-  'The power cap and the order of samples')."""
+  'The power cap and the order of samples').  `windows` (a dict), if
+  given, gets each row's timed stretches as [(start, end)] in
+  time.monotonic() seconds (for gpu_clock_log.ClockLog.during)."""
   live = {m: t for m, t in timers.items() if not isinstance(t, str)}
   samples = {m: [] for m in live}
   for round_index in range(SAMPLES):
     order = list(live) if round_index % 2 == 0 else list(live)[::-1]
     for method in order:
       samples[method].append(live[method].sample(settle_s=SETTLE_S))
+      if windows is not None:
+        windows.setdefault(method, []).append(live[method].timed_window)
   return [(m, statistics.median(samples[m]), "") if m in live
           else (m, None, t) for m, t in timers.items()]
 
@@ -415,10 +422,15 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
                           f"{str(e).splitlines()[0][:120]}")
         print(f"  {method:24s} {timers[method]}", flush=True)
         traceback.print_exc(file=sys.stdout)
-    for method, seconds, note in _sample_round_robin(timers):
+    windows = {}
+    with ClockLog() as clocks:
+      sampled = _sample_round_robin(timers, windows)
+    for method, seconds, note in sampled:
       if seconds is not None:
+        seen = clocks.during(windows[method])
+        note = f"{seen[0]:.0f} MHz, {seen[1]:.0f} W" if seen else ""
         print(f"  {method:24s} {seconds * 1e3:8.3f} ms "
-              f"{flops / seconds / 1e12:6.1f} TFLOP/s", flush=True)
+              f"{flops / seconds / 1e12:6.1f} TFLOP/s  {note}", flush=True)
       rows.append((shape, method, seconds, flops, note))
     del inputs, lazy_args, k_dense, v_dense
   return rows
@@ -428,16 +440,17 @@ def print_table(rows):
   print("\n" + "=" * 72)
   print(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}")
   print(f"{'shape':10s} {'variant':24s} {'ms':>9s} {'TFLOP/s':>9s} "
-        f"{'x cuDNN':>8s}")
+        f"{'x cuDNN':>8s}  SM clock, power while timed")
   for shape in dict.fromkeys(r[0] for r in rows):
     cudnn = [r for r in rows if r[0] == shape and r[1] == "cudnn" and r[2]]
     cudnn_rate = cudnn[0][3] / cudnn[0][2] if cudnn else None
     for _, method, seconds, flops, note in (r for r in rows if r[0] == shape):
       if seconds:
         rate = flops / seconds
-        ratio = f"{rate / cudnn_rate:8.2f}" if cudnn_rate else f"{'-':>8s}"
+        # Three decimals: the bar is 0.9, and 0.896 must not print 0.90.
+        ratio = f"{rate / cudnn_rate:8.3f}" if cudnn_rate else f"{'-':>8s}"
         print(f"{shape:10s} {method:24s} {seconds * 1e3:9.3f} "
-              f"{rate / 1e12:9.1f} {ratio}")
+              f"{rate / 1e12:9.1f} {ratio}  {note}")
       else:
         print(f"{shape:10s} {method:24s} {'-':>9s} {'-':>9s} {'-':>8s}  "
               f"{note}")

@@ -17,6 +17,7 @@ class _FakeTimer:
   def sample(self, settle_s=0.0):
     self.log.append(self.name)
     self.settled = getattr(self, "settled", []) + [settle_s]
+    self.timed_window = (len(self.log), len(self.log) + 0.5)
     return self.seconds.pop(0)
 
 
@@ -27,12 +28,25 @@ def test_rows_are_sampled_round_robin():
       "broken": "failed: ValueError: too big",
       "b": _FakeTimer("b", log, [2.0] * SAMPLES),
   }
-  rows = _sample_round_robin(timers)
+  windows = {}
+  rows = _sample_round_robin(timers, windows)
   assert log[:6] == ["a", "b", "b", "a", "a", "b"]
   assert SETTLE_S > 0
   assert timers["a"].settled == timers["b"].settled == [SETTLE_S] * SAMPLES
   assert log.count("a") == log.count("b") == SAMPLES
+  # Each row's timed windows, one a sample, in its order (for the clock).
+  assert windows["a"][:3] == [(1, 1.5), (4, 4.5), (5, 5.5)]
+  assert len(windows["b"]) == SAMPLES and "broken" not in windows
   assert rows == [("a", 1.0 + SAMPLES // 2, ""),
                   ("broken", None, "failed: ValueError: too big"),
                   ("b", 2.0, "")]
 
+
+
+def test_the_table_prints_the_ratio_to_three_decimals(capsys):
+  """0.896x must not print as 0.90 beside a 0.9 bar."""
+  from benchmarks.mgpu_prefill_check import print_table
+  print_table([("chunk512", "cudnn", 1.0, 1.0, "1620 MHz, 690 W"),
+               ("chunk512", "mgpu[x]", 1.0 / 0.896, 1.0, "1760 MHz, 689 W")])
+  out = capsys.readouterr().out
+  assert " 0.896  1760 MHz, 689 W" in out and "0.90 " not in out
