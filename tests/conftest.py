@@ -40,6 +40,21 @@ def engine_impl(request):
   return request.config.getoption("--engine-impl")
 
 
+@pytest.fixture
+def sample_settles(monkeypatch):
+  """The settle_s of every ChainTimer.sample call while the test runs; the
+  samples themselves run unsettled (CPU tests need no settling)."""
+  from benchmarks.kernel_timing import ChainTimer
+  settles, sample = [], ChainTimer.sample
+
+  def recorded(self, settle_s=0.0):
+    settles.append(settle_s)
+    return sample(self, settle_s=0.0)
+
+  monkeypatch.setattr(ChainTimer, "sample", recorded)
+  return settles
+
+
 # Tests of 15 s or more under `pytest -n 2` on a 2-core machine, with their
 # seconds there (--durations, 2026-12-01 23:36 UTC).  The slow tier is left
 # out: it does not run by default, and skipped tests are not counted.  A

@@ -112,16 +112,10 @@ def test_chain_timer_settles_before_a_sample():
   assert len(calls) >= 2 * timer.steps and len(calls) % timer.steps == 0
 
 
-def test_per_call_and_paired_timings_settle_every_sample(monkeypatch):
+def test_per_call_and_paired_timings_settle_every_sample(sample_settles):
   """time_per_call and time_pair settle each sample for SETTLE_S (each
   call timed at its own clock under a power cap)."""
-  settles, sample = [], ChainTimer.sample
-
-  def recorded(self, settle_s=0.0):
-    settles.append(settle_s)
-    return sample(self, settle_s=0.0)  # the CPU test needs no settling
-
-  monkeypatch.setattr(ChainTimer, "sample", recorded)
+  settles = sample_settles
   q = jnp.ones((4, 8), jnp.float32)
   assert time_per_call(lambda q: q * 2.0, [(q,)], perturb_query,
                        repeats=3) > 0

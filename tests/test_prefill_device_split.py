@@ -24,17 +24,11 @@ def test_split_counts_one_chain_per_call(tmp_path):
   assert busiest[1] <= row["busy_us"] and busiest[2] >= 1
 
 
-def test_every_chained_sample_settles_first(tmp_path, monkeypatch):
+def test_every_chained_sample_settles_first(tmp_path, sample_settles):
   """The chained samples run at the row's own clock: each is settled for
   SETTLE_S, as mgpu_prefill_check's; the traced one follows them."""
-  from benchmarks.kernel_timing import SETTLE_S, ChainTimer
-  settles, sample = [], ChainTimer.sample
-
-  def recorded(self, settle_s=0.0):
-    settles.append(settle_s)
-    return sample(self, settle_s=0.0)  # the CPU test needs no settling
-
-  monkeypatch.setattr(ChainTimer, "sample", recorded)
+  from benchmarks.kernel_timing import SETTLE_S
+  settles = sample_settles
   x = jnp.ones((8, 8), jnp.float32)
   split("m", lambda a: a @ a, (x,), perturb_query, str(tmp_path), top=1,
         samples=3)
