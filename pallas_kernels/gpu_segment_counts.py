@@ -132,29 +132,32 @@ def _gather_rows(a, index):
                              axis=1).reshape(index.shape)
 
 
+def _carried_range(counts: SegmentCounts, block, pages_per_block):
+  """(first, last) block whose first page lies after the first live page
+  and at or before the last, each [B, 1, ...] to broadcast with `block`."""
+  expand = lambda x: x.reshape(x.shape + (1,) * (block.ndim - 1))
+  return (expand(counts.first_live // pages_per_block + 1),
+          expand(counts.last_live // pages_per_block))
+
+
 def carried_blocks(counts: SegmentCounts, block, pages_per_block):
   """Whether block `block` (int32 [B, ...]) begins inside a segment that
   started in a block before it (its first step is that segment's piece):
   its first page is at or before the last live page, after the first, and
   does not start a segment itself.  So carried blocks are a range of
   blocks less those whose first page starts a segment."""
-  lo = counts.first_live // pages_per_block + 1
-  hi = counts.last_live // pages_per_block
-  expand = lambda x: x.reshape(x.shape + (1,) * (block.ndim - 1))
+  lo, hi = _carried_range(counts, block, pages_per_block)
   num_blocks = counts.rank.shape[1]
   first_starts = _gather_rows(counts.rank[..., 0],
                               jnp.clip(block, 0, num_blocks - 1))
-  return ((expand(lo) <= block) & (block <= expand(hi))
-          & (first_starts == 0))
+  return (lo <= block) & (block <= hi) & (first_starts == 0)
 
 
 def carried_through(counts: SegmentCounts, block, pages_per_block):
   """Carried blocks among blocks 0..block (int32 [B, ...], may be -1), in
   closed form from the range of `carried_blocks` and `aligned_before`."""
-  lo = counts.first_live // pages_per_block + 1
-  hi = counts.last_live // pages_per_block
-  expand = lambda x: x.reshape(x.shape + (1,) * (block.ndim - 1))
-  lo, last = expand(lo), jnp.minimum(block, expand(hi))
+  lo, hi = _carried_range(counts, block, pages_per_block)
+  last = jnp.minimum(block, hi)
   num_blocks = counts.rank.shape[1]
   at = lambda j: _gather_rows(counts.aligned_before,
                               jnp.clip(j, 0, num_blocks))
