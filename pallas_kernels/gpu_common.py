@@ -268,6 +268,17 @@ def grouped_row_positions(q_pos, group, rows_multiple):
                  constant_values=PADDING_ROW)
 
 
+def fold_last_axis(op, x):
+  """op (pairwise, e.g. jnp.maximum) folded over the short last axis of x
+  (a KV block's pages), unrolled into elementwise ops: XLA fuses them into
+  their users, where a reduction would be a launch of its own, and the
+  plans are launch bound (docs/kernels.md)."""
+  out = x[..., 0]
+  for i in range(1, x.shape[-1]):
+    out = op(out, x[..., i])
+  return out
+
+
 def prefix_sum(x, block: int = 32):
   """Inclusive prefix sum over the last axis of an integer [..., M] array.
 

@@ -107,8 +107,9 @@ def step_flags(lim, pos, page_size: int):
   """A step record's fix-up flag (a page of the step not fully valid) and
   newest valid key position (INT32_MIN if none), from its pages' valid
   slots and positions ([..., ppb] each)."""
-  fixup = jnp.any(lim < page_size, axis=-1)
-  max_pos = jnp.max(jnp.where(lim > 0, pos + lim - 1, INT32_MIN), axis=-1)
+  fixup = common.fold_last_axis(jnp.logical_or, lim < page_size)
+  max_pos = common.fold_last_axis(
+      jnp.maximum, jnp.where(lim > 0, pos + lim - 1, INT32_MIN))
   return fixup, max_pos
 
 
@@ -185,8 +186,8 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   new_seg = (j > 0) | (carried[..., None] == 0)
   fixup, max_pos = step_flags(lim, pos, page_size)
   slot = j  # a page's index in its block, on the last axis of in_piece
-  first_in_piece = jnp.min(
-      jnp.where(in_piece, slot[None, None, None, :], ppb), axis=-1)
+  first_in_piece = common.fold_last_axis(
+      jnp.minimum, jnp.where(in_piece, slot[None, None, None, :], ppb))
   step_first = block_first[None, :, None] + first_in_piece
   i32 = lambda x: x.astype(jnp.int32)
   fields = [phys, pos, lim, i32(seg)[..., None], i32(new_seg)[..., None],
@@ -196,9 +197,9 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
     # A step's segment shift: that of its piece's live pages (all one
     # segment's); a piece with none is never a new segment, so never
     # rotates, and takes shift 0.
-    piece_shift = jnp.max(
-        jnp.where(in_piece & expand(live_b), expand(shift_b), INT32_MIN),
-        axis=-1)
+    piece_shift = common.fold_last_axis(
+        jnp.maximum,
+        jnp.where(in_piece & expand(live_b), expand(shift_b), INT32_MIN))
     cos_sin = cos_sin_of(jnp.where(piece_shift == INT32_MIN, 0, piece_shift))
     bits = jax.lax.bitcast_convert_type(cos_sin, jnp.int32)
     layout = RecordLayout(ppb, cos_sin_dim=2 * cos_sin.shape[-1])
@@ -282,9 +283,7 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
       (by_rows, by_rows), (jnp.int32(INT32_MIN), jnp.int32(INT32_MAX)),
       lambda x, y: (jnp.maximum(x[0], y[0]), jnp.minimum(x[1], y[1])), (2,))
   if tile_newest.shape[1] <= 16:  # unrolled: fuses into its users
-    newest = tile_newest[:, 0]
-    for block in range(1, tile_newest.shape[1]):
-      newest = jnp.maximum(newest, tile_newest[:, block])
+    newest = common.fold_last_axis(jnp.maximum, tile_newest)
   else:
     newest = jnp.max(tile_newest, axis=1)
   live = ((page_len > 0) & (page_pos <= newest[:, None])

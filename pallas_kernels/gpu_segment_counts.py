@@ -88,7 +88,7 @@ def segment_counts(page_pos, page_shift, live, *, pages_per_block,
   padded = num_blocks * ppb
 
   def block_max(select, value):  # over a block's pages: [..., ppb] -> [...]
-    return jnp.max(jnp.where(select, value, -1), axis=-1)
+    return common.fold_last_axis(jnp.maximum, jnp.where(select, value, -1))
 
   # Maxes over blocks: the last live page, the first (as padded - 1 - page)
   # and each token block's last visible page.

@@ -23,7 +23,7 @@ from jax import export
 
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes, block_sizes_for
-from pallas_kernels.gpu_common import prefix_sum
+from pallas_kernels.gpu_common import fold_last_axis, prefix_sum
 from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu, prefill_segments
 from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
@@ -164,6 +164,16 @@ def test_prefix_sum_matches_cumsum(shape):
   got = jax.jit(prefix_sum)(jnp.asarray(x))
   assert got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, axis=-1))
+
+
+@pytest.mark.parametrize("shape", [(1,), (4, 8), (2, 3, 16)])
+def test_fold_last_axis_matches_reductions(shape):
+  x = np.random.default_rng(4).integers(-9, 9, size=shape).astype(np.int32)
+  for op, reduce in ((jnp.maximum, np.max), (jnp.minimum, np.min)):
+    got = jax.jit(lambda a, op=op: fold_last_axis(op, a))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), reduce(x, axis=-1))
+  got = fold_last_axis(jnp.logical_or, jnp.asarray(x > 5))
+  np.testing.assert_array_equal(np.asarray(got), np.any(x > 5, axis=-1))
 
 
 def test_block_sizes_validation_and_lookup():
