@@ -37,7 +37,8 @@ Run on the GPU machine from the repository root:
     that under the GPU's power cap each row is timed at its own clock.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
 median SM clock and board power while the row was timed (nvidia-smi,
-benchmarks/gpu_clock_log.py).
+benchmarks/gpu_clock_log.py; its power trails the load by most of a
+second, so it mostly shows the row's settling and the rows before).
 """
 
 from __future__ import annotations
