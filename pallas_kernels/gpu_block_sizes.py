@@ -290,7 +290,6 @@ class MgpuDecodeBlockSizes:
   rope_in_kernel: bool = False
   fields_in_kernel: bool = False
   copy_contiguous_blocks: bool = True
-  records_per_copy: int = 1
 
   def __post_init__(self):
     if self.rope_in_kernel and not self.steps_by_block:
