@@ -685,17 +685,20 @@ def test_lazy_attention_float8_prefill_runs_mosaic_with_a_plan_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["pages", "documents"])
-def test_benchmark_layout_gpu(layout):
+@pytest.mark.parametrize("layout,records_per_copy", [
+    ("pages", 1), ("documents", 1), ("pages", 8), ("documents", 8)])
+def test_benchmark_layout_gpu(layout, records_per_copy):
   """Documents of 512 at their own shifts + the chunk's own pages, like the
   benchmark (smaller batch and context), each page shuffled and each
-  document's pages consecutive."""
+  document's pages consecutive; step records one a copy or 8 at a time."""
   from benchmarks.mgpu_prefill_check import build_inputs
   args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
                       batch=2, q_len=256, context=2048, layout=layout)
   lazy_args = args[:8]
+  sizes = MgpuBlockSizes(records_per_copy=records_per_copy)
   out = jax.jit(lambda *a: lazy_prefill_mgpu(
-      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5)))(*lazy_args)
+      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
+      block_sizes=sizes))(*lazy_args)
   reference = lazy_attention_reference(*lazy_args, rope=LLAMA3,
                                        sm_scale=128 ** -0.5)
   out = np.asarray(out.astype(jnp.float32))
