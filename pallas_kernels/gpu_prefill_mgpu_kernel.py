@@ -89,12 +89,15 @@ def _kernel(
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
   per_copy = cfg.records_per_copy
 
+  def chunk_slot(j):  # the half of the record ring step j's chunk is in
+    return lax.rem(lax.div(j, per_copy), 2)
+
   def record(j):
     """Step j's record in shared memory: ring slot j % (2 * stages), or
     row j % R of chunk (j // R) % 2 where R records come in one copy."""
     if per_copy == 1:
       return rec_smem.at[lax.rem(j, 2 * stages)]
-    return rec_smem.at[lax.rem(lax.div(j, per_copy), 2), lax.rem(j, per_copy)]
+    return rec_smem.at[chunk_slot(j), lax.rem(j, per_copy)]
 
   def schedule():
     if use_sched:
@@ -160,8 +163,8 @@ def _kernel(
         plgpu.barrier_wait(k16_ready if quantized
                            else k_bars.at[lax.rem(j, stages)])
         if per_copy > 1:  # a chunk's first step: wait for the chunk
-          pl.when(lax.rem(j, per_copy) == 0)(lambda: plgpu.barrier_wait(
-              rec_bars.at[lax.rem(lax.div(j, per_copy), 2)]))
+          pl.when(lax.rem(j, per_copy) == 0)(
+              lambda: plgpu.barrier_wait(rec_bars.at[chunk_slot(j)]))
         if not regs_query:
           pl.when(record(j)[layout.new_seg] != 0)(lambda: rotate(j))
 
@@ -242,8 +245,7 @@ def _kernel(
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
       if per_copy > 1:  # done with the chunk's records
         pl.when((lax.rem(i, per_copy) == per_copy - 1) | (i == n_steps - 1))(
-            lambda: plgpu.barrier_arrive(
-                rec_free.at[lax.rem(lax.div(i, per_copy), 2)]))
+            lambda: plgpu.barrier_arrive(rec_free.at[chunk_slot(i)]))
       return acc, m_new, l, *carried
 
     if quantized:
