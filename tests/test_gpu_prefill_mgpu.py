@@ -320,6 +320,19 @@ def test_parity_interpret_fast_path():
                block_sizes=f32_query), lazy, LLAMA3)
 
 
+def _several_steps_case():
+  """Documents of three 64-key steps and a 70-token query; a half-full page
+  in the middle of document 1, NaN in its unused slots."""
+  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
+                          q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
+                          page_size=16)
+  page = 12 + 5  # a page in the middle of document 1
+  lazy.page_len[0, page] = 9
+  for pages in (lazy.k_pages, lazy.v_pages):
+    pages[:, lazy.page_table[0, page], 9:] = np.nan
+  return lazy
+
+
 @needs_interpreter
 @pytest.mark.parametrize(
     "schedule_barrier,query_in_registers,cos_sin_in_records", [
@@ -336,13 +349,7 @@ def test_parity_interpret_segments_of_several_steps(schedule_barrier,
   token blocks in one CTA, one of them with padding rows.  With
   cos_sin_in_records each segment's rotation reads its cos / sin from the
   step's record."""
-  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
-                          q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
-                          page_size=16)
-  page = 12 + 5  # a page in the middle of document 1
-  lazy.page_len[0, page] = 9
-  for pages in (lazy.k_pages, lazy.v_pages):
-    pages[:, lazy.page_table[0, page], 9:] = np.nan
+  lazy = _several_steps_case()
   sizes = MgpuBlockSizes(block_kv=64, schedule_barrier=schedule_barrier,
                          query_in_registers=query_in_registers,
                          cos_sin_in_records=cos_sin_in_records)
@@ -357,13 +364,7 @@ def test_parity_interpret_records_per_copy(records_per_copy):
   """Step records copied several at a time into a two-chunk ring: the
   several-step segments case (a half-full page, padding rows), with chunks
   that straddle segments and a CTA's last chunk part full."""
-  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
-                          q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
-                          page_size=16)
-  page = 12 + 5
-  lazy.page_len[0, page] = 9
-  for pages in (lazy.k_pages, lazy.v_pages):
-    pages[:, lazy.page_table[0, page], 9:] = np.nan
+  lazy = _several_steps_case()
   sizes = MgpuBlockSizes(block_kv=64, records_per_copy=records_per_copy)
   _check(_call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes),
          lazy, LLAMA3)
