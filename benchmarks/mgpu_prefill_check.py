@@ -33,8 +33,9 @@ Run on the GPU machine from the repository root:
     after a warm-up run; every row is compiled first, then sampled
     round-robin (one sample of each row a round, the order reversed every
     other round), so a slow drift over the run does not favour the rows
-    timed first; each sample first runs its row untimed for SETTLE_S, so
-    that under the GPU's power cap each row is timed at its own clock.
+    timed first; each sample first runs its row untimed for SETTLE_S
+    (--settle-s), so that under the GPU's power cap each row is timed at
+    its own clock.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
 median SM clock and board power while the row was timed (nvidia-smi,
 benchmarks/gpu_clock_log.py; its power trails the load by most of a
@@ -228,12 +229,12 @@ def _timer(fn, args, perturb):
   return ChainTimer(fn, [args], perturb, target_total_s=0.04)
 
 
-def _sample_round_robin(timers, windows=None):
+def _sample_round_robin(timers, windows=None, settle_s=SETTLE_S):
   """(method, median seconds or None, note) of each timer (or failure
   note) in `timers`: SAMPLES rounds, each sampling every timer once, in
   reverse order every other round, so slow drifts of clock or temperature
   over the run, and a row's place in a round, hit every row alike.  Each
-  sample first settles for SETTLE_S: the H200 runs these kernels at its
+  sample first settles for `settle_s` seconds: the H200 runs these kernels at its
   700 W power cap, where cuDNN's call holds the clock near 1.62 GHz and
   the lazy kernel's near 1.76-1.80 GHz, and a sample taken right after
   another row's would run at that row's clock (benchmarks/RESULTS.md,
@@ -245,7 +246,7 @@ def _sample_round_robin(timers, windows=None):
   for round_index in range(SAMPLES):
     order = list(live) if round_index % 2 == 0 else list(live)[::-1]
     for method in order:
-      samples[method].append(live[method].sample(settle_s=SETTLE_S))
+      samples[method].append(live[method].sample(settle_s=settle_s))
       if windows is not None:
         windows.setdefault(method, []).append(live[method].timed_window)
   return [(m, statistics.median(samples[m]), "") if m in live
@@ -332,10 +333,11 @@ def cudnn_dense(q, k_dense, v_dense):
                                       implementation="cudnn")
 
 
-def run_timing(variants, only=(), shapes=None, layout="pages"):
+def run_timing(variants, only=(), shapes=None, layout="pages",
+               settle_s=SETTLE_S):
   """Times every row, or those whose names contain one of `only` (cuDNN's
   always, for the ratio), at `shapes` (None: all), the pages placed by
-  `layout`."""
+  `layout`, each sample settled for `settle_s` seconds first."""
   rows = []  # (shape, variant, seconds or None, flops, note)
   for shape, batch, q_len, context in SHAPES:
     if shapes is not None and shape not in shapes:
@@ -429,7 +431,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages"):
         traceback.print_exc(file=sys.stdout)
     windows = {}
     with ClockLog() as clocks:
-      sampled = _sample_round_robin(timers, windows)
+      sampled = _sample_round_robin(timers, windows, settle_s)
     for method, seconds, note in sampled:
       if seconds is not None:
         seen = clocks.during(windows[method])
@@ -478,12 +480,18 @@ def main(argv=None):
   parser.add_argument("--page-layout", choices=PAGE_LAYOUTS, default="pages",
                       help="timing: every page shuffled (default), or each "
                       "document's pages consecutive")
+  parser.add_argument("--settle-s", type=float, default=SETTLE_S,
+                      help="seconds each sample first runs its row untimed "
+                      f"(default {SETTLE_S})")
   args = parser.parse_args(argv)
+  if args.settle_s < 0:
+    parser.error(f"--settle-s must be >= 0, got {args.settle_s}")
   if jax.default_backend() != "gpu":
     raise SystemExit("needs a GPU (jax.default_backend() is "
                      f"{jax.default_backend()!r})")
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"page layout: {args.page_layout}", flush=True)
+        f"page layout: {args.page_layout}, settle {args.settle_s} s",
+        flush=True)
   start = time.perf_counter()
   if not args.skip_parity:
     ok = run_parity()
@@ -497,7 +505,8 @@ def main(argv=None):
       raise SystemExit(f"unknown shapes {unknown}")
     rows = run_timing({n: VARIANTS[n] for n in names},
                       only=[r for r in args.rows.split(",") if r],
-                      shapes=shapes, layout=args.page_layout)
+                      shapes=shapes, layout=args.page_layout,
+                      settle_s=args.settle_s)
     print_table(rows)
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 

@@ -50,3 +50,18 @@ def test_the_table_prints_the_ratio_to_three_decimals(capsys):
                ("chunk512", "mgpu[x]", 1.0 / 0.896, 1.0, "1760 MHz, 689 W")])
   out = capsys.readouterr().out
   assert " 0.896  1760 MHz, 689 W" in out and "0.90 " not in out
+
+
+def test_a_given_settle_reaches_every_sample():
+  log = []
+  timers = {"a": _FakeTimer("a", log, [1.0] * SAMPLES)}
+  _sample_round_robin(timers, settle_s=1.25)
+  assert timers["a"].settled == [1.25] * SAMPLES
+
+
+def test_a_negative_settle_is_refused(capsys):
+  import pytest
+  from benchmarks.mgpu_prefill_check import main
+  with pytest.raises(SystemExit):
+    main(["--settle-s", "-1"])
+  assert "--settle-s must be >= 0, got -1.0" in capsys.readouterr().err
