@@ -109,10 +109,6 @@ VARIANTS = {
 # consecutive (timed against it with --page-layout documents).
 VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
-# The default with 4 or 8 step records a copy (records_per_copy).
-for _per_copy in (4, 8):
-  VARIANTS[f"k128w2s2-qreg-csrec-sched-rec{_per_copy}"] = dataclasses.replace(
-      VARIANTS["k128w2s2-qreg-csrec-sched"], records_per_copy=_per_copy)
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
 SAMPLES = 21

@@ -152,10 +152,6 @@ class MgpuBlockSizes:
     copy_contiguous_blocks: a step whose pages are consecutive in the pool
       (a document's pages as the cache allocates them) is one TMA copy per
       K and V block instead of one per page (`gpu_mgpu_parts.produce_kv_ring`).
-    records_per_copy: step records the producer copies in one TMA copy, on
-      a barrier of their own, into a ring of two such chunks; 1 copies each
-      step's record with its K.  16-bit pools only (float8's converter
-      reads the per-step ring).  Not yet timed on a GPU (docs/kernels.md).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -172,7 +168,6 @@ class MgpuBlockSizes:
   query_in_registers: bool = True
   cos_sin_in_records: bool = True
   copy_contiguous_blocks: bool = True
-  records_per_copy: int = 1
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -182,17 +177,6 @@ class MgpuBlockSizes:
           f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
-    if not 1 <= self.records_per_copy <= 32:
-      raise ValueError(f"records_per_copy must be in 1..32, got "
-                       f"{self.records_per_copy}")
-
-  @property
-  def record_slots(self) -> int:
-    """Step records the shared-memory record ring holds: two chunks of
-    `records_per_copy`, or (one per copy) twice the K/V ring's depth."""
-    if self.records_per_copy > 1:
-      return 2 * self.records_per_copy
-    return 2 * self.num_stages
 
 
 def _ring_bytes(stages: int, block_kv: int, head_dim: int,
@@ -216,12 +200,9 @@ def smem_bytes(block_sizes: MgpuBlockSizes, head_dim: int,
   wgs = block_sizes.num_compute_wgs
   q_store = wgs * WG_ROWS * head_dim * (4 if block_sizes.query_in_f32 else 2)
   q_16 = wgs * WG_ROWS * head_dim * 2
-  # Records that carry cos / sin: H f32 more in each slot; chunked copies
-  # (records_per_copy) hold more slots than the 2 * stages of _ring_bytes.
-  slots = block_sizes.record_slots
-  records = ((slots - 2 * block_sizes.num_stages) * 256
-             + (slots * head_dim * 4 if block_sizes.cos_sin_in_records
-                else 0))
+  # Records that carry cos / sin: H f32 more in each of 2 * stages slots.
+  records = (2 * block_sizes.num_stages * head_dim * 4
+             if block_sizes.cos_sin_in_records else 0)
   return (q_store + q_16 + wgs * WG_ROWS * 4 + records
           + _ring_bytes(block_sizes.num_stages, block_sizes.block_kv,
                         head_dim, quantized))

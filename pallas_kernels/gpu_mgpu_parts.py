@@ -245,8 +245,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
                     first_record=None, ring_step=None, drain: bool = True,
                     set_registers: bool = True, cs_stages: int | None = None,
                     cs_rows: int | None = None, page_ids=None,
-                    copy_record=None, copy_contiguous_blocks: bool = False,
-                    records_per_copy: int = 1, rec_bars=None, rec_free=None):
+                    copy_record=None, copy_contiguous_blocks: bool = False):
   """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
   Step i copies, into ring slot (ring_step + i) % stages, the K pages of
@@ -270,30 +269,12 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   ids (a document's pages as the cache allocates them, first fit)
   moves its K (and V) block in one TMA copy instead of one per page, plus
   plain arrivals for the barrier's other page counts.
-  `records_per_copy` > 1 (the prefill, one work item): every that many
-  steps, one copy of the next that many records into chunk (c % 2) of
-  rec_smem [2, R, width] on rec_bars[c % 2], after the consumers freed the
-  chunk (rec_free) from chunk c - 2; no record rides on k_bars.
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
   page_offset = page_offset_ref[0]
   base = jnp.int32(0) if ring_step is None else ring_step
-  chunked = records_per_copy > 1
-  if chunked and (ring_step is not None or first_record is not None
-                  or copy_record is not None):
-    raise ValueError("records_per_copy > 1 copies one work item's records")
-
-  def copy_records(i):
-    chunk = lax.div(i, records_per_copy)
-    half = lax.rem(chunk, 2)
-
-    @pl.when(chunk >= 2)
-    def _():
-      plgpu.barrier_wait(rec_free.at[half])
-    plgpu.copy_gmem_to_smem(rec_ref.at[batch, pl.ds(i, records_per_copy)],
-                            rec_smem.at[half], rec_bars.at[half])
 
   def step(i, _):
     ring = base + i
@@ -337,9 +318,6 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
       def _():
         copy_page_by_page(pages_ref, ring_smem, barrier)
 
-    if chunked:  # this step's record comes in its chunk
-      pl.when(lax.rem(i, records_per_copy) == 0)(lambda: copy_records(i))
-
     @pl.when(ring >= stages)
     def _():
       plgpu.barrier_wait(k_free.at[slot])
@@ -347,7 +325,7 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
     if copy_record is not None:
       copy_record(batch, row, rec_smem.at[lax.rem(ring, 2 * stages)],
                   k_bars.at[slot])
-    elif not chunked:
+    else:
       plgpu.copy_gmem_to_smem(rec_ref.at[batch, row],
                               rec_smem.at[lax.rem(ring, 2 * stages)],
                               k_bars.at[slot])
@@ -368,13 +346,6 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   end = base + n_steps
   if drain:
     drain_kv_ring(end, k_free, v_free, stages=stages)
-    if chunked:  # the last two chunks' releases (earlier ones were waited)
-      chunks = lax.div(n_steps + records_per_copy - 1, records_per_copy)
-
-      def drain_records(c, _):
-        plgpu.barrier_wait(rec_free.at[lax.rem(c, 2)])
-        return ()
-      lax.fori_loop(jnp.maximum(chunks - 2, 0), chunks, drain_records, ())
   return end
 
 

@@ -73,9 +73,6 @@ def _unsupported(q_dtype, k_dtype, head_dim: int, page_size: int,
   if quantized and block_sizes.query_in_f32:
     return ("lazy_prefill_mgpu on float8 pages needs 16-bit query storage "
             "(MgpuBlockSizes(query_in_f32=False))")
-  if quantized and block_sizes.records_per_copy > 1:
-    return ("lazy_prefill_mgpu on float8 pages copies one record a step "
-            "(MgpuBlockSizes(records_per_copy=1))")
   reason = tile_refusal("lazy_prefill_mgpu", head_dim, page_size,
                         block_sizes.block_kv)
   if reason is not None:

@@ -60,8 +60,7 @@ def _kernel(
     # Scratch (float8: the 16-bit K and V tiles and their ready and free
     # barriers at the end).
     q_store_smem, q16_smem, k_smem, v_smem, rec_smem, cs_smem, rp_smem, q_bars,
-    k_bars, v_bars, k_free, v_free, sched_bar, rec_bars, rec_free,
-    *float8_scratch,
+    k_bars, v_bars, k_free, v_free, sched_bar, *float8_scratch,
     cfg: MgpuBlockSizes, page_size: int, group: int, layout: RecordLayout,
     dtype, interpret: bool):
   ops = Ops(interpret)
@@ -87,17 +86,6 @@ def _kernel(
   # of q16_smem, rotated while the step before's P V wgmma runs.
   regs_query = cfg.query_in_registers and not float8_scratch
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row
-  per_copy = cfg.records_per_copy
-
-  def chunk_slot(j):  # the half of the record ring step j's chunk is in
-    return lax.rem(lax.div(j, per_copy), 2)
-
-  def record(j):
-    """Step j's record in shared memory: ring slot j % (2 * stages), or
-    row j % R of chunk (j // R) % 2 where R records come in one copy."""
-    if per_copy == 1:
-      return rec_smem.at[lax.rem(j, 2 * stages)]
-    return rec_smem.at[chunk_slot(j), lax.rem(j, per_copy)]
 
   def schedule():
     if use_sched:
@@ -127,7 +115,8 @@ def _kernel(
       the record ring outlives the cos/sin ring), else None: the ring's."""
       if not cfg.cos_sin_in_records:
         return None
-      return record_cos_sin(ops, record(j), layout.cos_sin, half)
+      return record_cos_sin(ops, rec_smem.at[lax.rem(j, 2 * stages)],
+                            layout.cos_sin, half)
 
     def rotate(j):
       rotate_query(ops, q_store, q16, cs_smem, lax.rem(j, cs_stages), half,
@@ -162,11 +151,9 @@ def _kernel(
         # included) before it widened K.
         plgpu.barrier_wait(k16_ready if quantized
                            else k_bars.at[lax.rem(j, stages)])
-        if per_copy > 1:  # a chunk's first step: wait for the chunk
-          pl.when(lax.rem(j, per_copy) == 0)(
-              lambda: plgpu.barrier_wait(rec_bars.at[chunk_slot(j)]))
         if not regs_query:
-          pl.when(record(j)[layout.new_seg] != 0)(lambda: rotate(j))
+          rec = rec_smem.at[lax.rem(j, 2 * stages)]
+          pl.when(rec[layout.new_seg] != 0)(lambda: rotate(j))
 
     def halves_ready(j, halves):
       """Waits for step j's K; returns its rotated query halves (regs_query):
@@ -174,7 +161,8 @@ def _kernel(
       j - 1 calls this while its P V wgmma runs, the halves leaving that
       wgmma's scope with the accumulator."""
       next_step_ready(j)
-      starts = (j < n_steps) & (record(j)[layout.new_seg] != 0)
+      starts = (j < n_steps) & (
+          rec_smem[lax.rem(j, 2 * stages), layout.new_seg] != 0)
       return lax.cond(
           starts,
           lambda: rotated_query_halves(ops, q_store, cs_smem,
@@ -196,7 +184,7 @@ def _kernel(
       # after the K slot is released (masks, V fix-up), and the producer
       # rewrites record slot r only after both warpgroups released the K of
       # step i - stages, i.e. after they finished step i - 2 * stages.
-      rec = record(i)
+      rec = rec_smem.at[lax.rem(i, 2 * stages)]
       acc_factor = None
       if quantized:
         next_scales = load_scales(i + 1)
@@ -243,9 +231,6 @@ def _kernel(
         acc = ops.pv(acc, p16, v16 if quantized else v_smem.at[slot],
                      lambda: next_step_ready(i + 1))
       plgpu.barrier_arrive(v16_free if quantized else v_free.at[slot])
-      if per_copy > 1:  # done with the chunk's records
-        pl.when((lax.rem(i, per_copy) == per_copy - 1) | (i == n_steps - 1))(
-            lambda: plgpu.barrier_arrive(rec_free.at[chunk_slot(i)]))
       return acc, m_new, l, *carried
 
     if quantized:
@@ -282,8 +267,7 @@ def _kernel(
         layout=layout, pages_per_block=ppb, page_size=page_size,
         stages=stages, interpret=interpret, set_registers=not quantized,
         cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None,
-        copy_contiguous_blocks=cfg.copy_contiguous_blocks,
-        records_per_copy=per_copy, rec_bars=rec_bars, rec_free=rec_free)
+        copy_contiguous_blocks=cfg.copy_contiguous_blocks)
 
   if quantized:
     @pl.when(wg == nwg + 1)
@@ -312,10 +296,6 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   if quantized and block_sizes.query_in_f32:
     raise ValueError("float8 pages need 16-bit query storage "
                      "(MgpuBlockSizes(query_in_f32=False))")
-  per_copy = block_sizes.records_per_copy
-  if quantized and per_copy > 1:
-    raise ValueError("float8 pages copy one record a step "
-                     "(MgpuBlockSizes(records_per_copy=1))")
   want = jnp.float32 if block_sizes.query_in_f32 else out_dtype
   if q_rot.dtype != jnp.dtype(want):
     raise ValueError(f"q_rot dtype {q_rot.dtype} must be {jnp.dtype(want)} "
@@ -328,11 +308,6 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   ppb = block_kv // page_size
   in_records = block_sizes.cos_sin_in_records
   layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
-  if plan.records.shape[1] % per_copy:
-    raise ValueError(
-        f"plan has {plan.records.shape[1]} record rows, not a multiple of "
-        f"records_per_copy={per_copy}: make the plan with the kernel's "
-        "block sizes")
   if plan.records.shape[-1] != layout.width:
     raise ValueError(
         f"plan records are {plan.records.shape[-1]} wide; these block sizes "
@@ -365,22 +340,19 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
                  transforms=ring),
       plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
                  transforms=ring),
-      plgpu.SMEM((2 * stages, layout.width) if per_copy == 1
-                 else (2, per_copy, layout.width), jnp.int32),
+      plgpu.SMEM((2 * stages, layout.width), jnp.int32),
       # The cos/sin ring (one unused slot when the records carry them).
       plgpu.SMEM((1 if in_records else (2 if quantized else 1) * stages, 2,
                   head_dim // 2), jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
       plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
-      # K pages, record (unless chunked) and cos/sin (unless in records)
-      plgpu.Barrier(num_arrivals=ppb + (per_copy == 1) + (not in_records),
+      # K pages, record (and cos/sin)
+      plgpu.Barrier(num_arrivals=ppb + (1 if in_records else 2),
                     num_barriers=stages),
       plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
       plgpu.Barrier(num_arrivals=slot_users, num_barriers=stages),  # K free
       plgpu.Barrier(num_arrivals=slot_users, num_barriers=stages),  # V free
       plgpu.Barrier(num_arrivals=nwg),  # schedule (ping-pong)
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # record chunk copied
-      plgpu.Barrier(num_arrivals=nwg, num_barriers=2),  # record chunk free
   ]
   if quantized:  # 16-bit K and V tiles; ready (1) and free (nwg) barriers
     scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, nwg)

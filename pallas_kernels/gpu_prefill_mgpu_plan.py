@@ -124,7 +124,7 @@ def max_steps(num_logical_pages: int, pages_per_block: int) -> int:
 
 def step_records(page_table, page_pos, page_shift, page_len, live, *,
                  num_pages, page_size, pages_per_block, cos_sin_of=None,
-                 counts: SegmentCounts | None = None, rows_multiple: int = 1):
+                 counts: SegmentCounts | None = None):
   """Flattens each batch row's work into KV steps (see the module docstring).
 
   `cos_sin_of` (optional): int32 shifts [...] -> f32 cos / sin [..., 2,
@@ -133,9 +133,6 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   MgpuBlockSizes.cos_sin_in_records), computed per step, so they join the
   records' one scatter.  `counts`: `segment_counts` of the same pages, if
   the caller made them (`plan_prefill`, with its token blocks' ends).
-  `rows_multiple`: S_max is rounded up to it (zero records past the steps),
-  so copies of that many records stay inside the array
-  (MgpuBlockSizes.records_per_copy).
 
   Returns:
     records: int32 [B, S_max, RecordLayout.width];
@@ -156,7 +153,7 @@ def step_records(page_table, page_pos, page_shift, page_len, live, *,
   batch, num_logical = page_table.shape
   ppb = pages_per_block
   num_blocks = ceil_div(num_logical, ppb)
-  s_max = round_up(max_steps(num_logical, ppb), rows_multiple)
+  s_max = max_steps(num_logical, ppb)
   if counts is None:
     counts = segment_counts(page_pos, page_shift, live, pages_per_block=ppb)
   by_block = functools.partial(gpu_segment_counts.by_block,
@@ -299,8 +296,7 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
   records, num_steps, _, shift = step_records(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
       page_size=page_size, pages_per_block=ppb,
-      cos_sin_of=cos_sin_of if in_records else None, counts=counts,
-      rows_multiple=block_sizes.records_per_copy)
+      cos_sin_of=cos_sin_of if in_records else None, counts=counts)
   # Steps are in page order: a token block's steps are those starting before
   # the last page it can see.
   block_steps = jnp.minimum(steps_before_pages(counts, counts.tile_ends, ppb),

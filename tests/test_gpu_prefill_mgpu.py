@@ -28,11 +28,7 @@ from jax import export
 
 from pallas_kernels import RopeConfig, lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
-                                             lazy_prefill_mgpu,
-                                             mgpu_prefill_kernel,
-                                             plan_prefill,
-                                             rotated_query_tokens,
-                                             step_records)
+                                             lazy_prefill_mgpu, step_records)
 from pallas_kernels.testing import (contract_specs, contiguous_block_count,
                                     make_case, numpy_truth, relative_error)
 
@@ -73,10 +69,9 @@ BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
     MgpuBlockSizes(query_in_registers=False),
     MgpuBlockSizes(cos_sin_in_records=False),
     MgpuBlockSizes(cos_sin_in_records=False, query_in_registers=False),
-    MgpuBlockSizes(records_per_copy=8),
 ], ids=["default", "k64w2s2_f32", "k128w1s2", "k64w1s4_nofast",
         "no_sched", "query_in_smem", "cos_sin_copied",
-        "cos_sin_copied_smem", "records_per_copy_8"])
+        "cos_sin_copied_smem"])
 def test_export_lowers_for_cuda_benchmark_shape(block_sizes):
   exported = _export(_specs(**BENCH), block_sizes)
   assert "mosaic_gpu" in exported.mlir_module()
@@ -172,33 +167,6 @@ def test_argument_errors():
     MgpuBlockSizes(num_compute_wgs=3)
   with pytest.raises(ValueError, match="num_stages"):
     MgpuBlockSizes(num_stages=1)
-  with pytest.raises(ValueError, match="records_per_copy"):
-    MgpuBlockSizes(records_per_copy=0)
-
-
-def test_plan_rows_must_match_records_per_copy():
-  """A plan made for one record a copy (S_max not a multiple of 8) is
-  refused by a kernel that copies 8 at a time; the plan made with the
-  kernel's block sizes pads its rows with zero records."""
-  lazy = make_case(np.random.default_rng(6), batch=1, q_len=5, num_heads=2,
-                   num_kv_heads=1, head_dim=64, page_size=16,
-                   dtype=jnp.bfloat16)
-  q, k, v, table, pos, shift, length, q_pos = [jnp.asarray(a)
-                                                for a in lazy.args()]
-  plan_for = lambda sizes: plan_prefill(
-      table, pos, shift, length, q_pos, rope=PLAIN, group=2, head_dim=64,
-      num_pages=k.shape[1], page_size=16, block_sizes=sizes)
-  one, eight = MgpuBlockSizes(), MgpuBlockSizes(records_per_copy=8)
-  plain, padded = plan_for(one), plan_for(eight)
-  rows = plain.records.shape[1]
-  assert rows % 8 and padded.records.shape[1] == -(-rows // 8) * 8
-  np.testing.assert_array_equal(padded.records[:, :rows], plain.records)
-  assert not np.any(np.asarray(padded.records[:, rows:]))
-  q_rot = rotated_query_tokens(q, q_pos, PLAIN, 0.125,
-                               plain.row_pos.shape[1], False)
-  with pytest.raises(ValueError, match="records_per_copy=8"):
-    mgpu_prefill_kernel(q_rot, k, v, plain, out_dtype=q.dtype,
-                        block_sizes=eight, interpret=True)
 
 
 def test_step_records():
@@ -320,19 +288,6 @@ def test_parity_interpret_fast_path():
                block_sizes=f32_query), lazy, LLAMA3)
 
 
-def _several_steps_case():
-  """Documents of three 64-key steps and a 70-token query; a half-full page
-  in the middle of document 1, NaN in its unused slots."""
-  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
-                          q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
-                          page_size=16)
-  page = 12 + 5  # a page in the middle of document 1
-  lazy.page_len[0, page] = 9
-  for pages in (lazy.k_pages, lazy.v_pages):
-    pages[:, lazy.page_table[0, page], 9:] = np.nan
-  return lazy
-
-
 @needs_interpreter
 @pytest.mark.parametrize(
     "schedule_barrier,query_in_registers,cos_sin_in_records", [
@@ -349,23 +304,16 @@ def test_parity_interpret_segments_of_several_steps(schedule_barrier,
   token blocks in one CTA, one of them with padding rows.  With
   cos_sin_in_records each segment's rotation reads its cos / sin from the
   step's record."""
-  lazy = _several_steps_case()
+  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=2, doc_len=192,
+                          q_len=70, num_heads=2, num_kv_heads=2, head_dim=64,
+                          page_size=16)
+  page = 12 + 5  # a page in the middle of document 1
+  lazy.page_len[0, page] = 9
+  for pages in (lazy.k_pages, lazy.v_pages):
+    pages[:, lazy.page_table[0, page], 9:] = np.nan
   sizes = MgpuBlockSizes(block_kv=64, schedule_barrier=schedule_barrier,
                          query_in_registers=query_in_registers,
                          cos_sin_in_records=cos_sin_in_records)
-  _check(_call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes),
-         lazy, LLAMA3)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("records_per_copy", [
-    2, pytest.param(3, marks=pytest.mark.slow)])
-def test_parity_interpret_records_per_copy(records_per_copy):
-  """Step records copied several at a time into a two-chunk ring: the
-  several-step segments case (a half-full page, padding rows), with chunks
-  that straddle segments and a CTA's last chunk part full."""
-  lazy = _several_steps_case()
-  sizes = MgpuBlockSizes(block_kv=64, records_per_copy=records_per_copy)
   _check(_call(lazy.args(), rope=LLAMA3, interpret=True, block_sizes=sizes),
          lazy, LLAMA3)
 
@@ -496,9 +444,6 @@ def test_float8_argument_errors():
   with pytest.raises(ValueError, match="16-bit query storage"):
     call(*args, k_scales=k_scales, v_scales=v_scales,
          block_sizes=MgpuBlockSizes(query_in_f32=True))
-  with pytest.raises(ValueError, match="one record a step"):
-    call(*args, k_scales=k_scales, v_scales=v_scales,
-         block_sizes=MgpuBlockSizes(records_per_copy=4))
   plain = [jnp.asarray(a) for a in lazy.args()]
   with pytest.raises(ValueError, match="k_scales"):
     call(*plain, k_scales=k_scales, v_scales=v_scales)
@@ -686,20 +631,17 @@ def test_lazy_attention_float8_prefill_runs_mosaic_with_a_plan_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,records_per_copy", [
-    ("pages", 1), ("documents", 1), ("pages", 8), ("documents", 8)])
-def test_benchmark_layout_gpu(layout, records_per_copy):
+@pytest.mark.parametrize("layout", ["pages", "documents"])
+def test_benchmark_layout_gpu(layout):
   """Documents of 512 at their own shifts + the chunk's own pages, like the
   benchmark (smaller batch and context), each page shuffled and each
-  document's pages consecutive; step records one a copy or 8 at a time."""
+  document's pages consecutive."""
   from benchmarks.mgpu_prefill_check import build_inputs
   args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
                       batch=2, q_len=256, context=2048, layout=layout)
   lazy_args = args[:8]
-  sizes = MgpuBlockSizes(records_per_copy=records_per_copy)
   out = jax.jit(lambda *a: lazy_prefill_mgpu(
-      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
-      block_sizes=sizes))(*lazy_args)
+      *a, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5)))(*lazy_args)
   reference = lazy_attention_reference(*lazy_args, rope=LLAMA3,
                                        sm_scale=128 ** -0.5)
   out = np.asarray(out.astype(jnp.float32))
