@@ -100,6 +100,16 @@ def perturb_query(args, zero):
   return (q + zero.astype(q.dtype), *rest)
 
 
+def perturb_none(args, zero):
+  """Leaves args as they are, for calls that start in a custom call
+  (cuDNN's attention, a Pallas kernel): XLA cannot fuse `q + zero` into
+  one, so perturb_query would add a separate pass over q to the time
+  timed (about 11 us at the prefill check's 8 MB query).  The chain stays
+  ordered: each step's zero still depends on the step before."""
+  del zero
+  return args
+
+
 def perturb_lazy(args, zero):
   q, k, v, table, pos, shift, length, q_pos, *scales = args
   bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA

@@ -35,7 +35,10 @@ Run on the GPU machine from the repository root:
     other round), so a slow drift over the run does not favour the rows
     timed first; each sample first runs its row untimed for SETTLE_S
     (--settle-s), so that under the GPU's power cap each row is timed at
-    its own clock.
+    its own clock.  Each sample is a chain: the lazy rows' query is
+    perturbed by a run-time zero (fused into their query rotation); the
+    rows that start in a custom call (cuDNN, JAX's Mosaic kernel, the
+    kernel alone) are not, which would time a pass over q of its own.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
 median SM clock and board power while the row was timed (nvidia-smi,
 benchmarks/gpu_clock_log.py; its power trails the load by most of a
@@ -65,7 +68,7 @@ from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      visible_pairs)
 from benchmarks.gpu_clock_log import ClockLog
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
-                                      perturb_query)
+                                      perturb_none, perturb_query)
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
@@ -382,7 +385,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
                                ("kernel bare", bare)):
         methods.append((f"{label}[{name}]", functools.partial(
             kernel_alone, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
-                                   tuple(rows_plan)), perturb_query))
+                                   tuple(rows_plan)), perturb_none))
       # "bare" again on a pool of block_kv-token pages: one TMA copy per K
       # and per V a step instead of one per 16-token page (against the
       # bare row, what the page copies cost).
@@ -393,15 +396,18 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
       methods.append((f"kernel bare p{sizes.block_kv}[{name}]",
                       functools.partial(kernel_alone, sizes=sizes),
                       (q_rot, coarse[1], coarse[2], tuple(bare_c)),
-                      perturb_query))
+                      perturb_none))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
                     perturb_lazy))
     methods.append(("triton", lambda *a: lazy_prefill_gpu(
         *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)), lazy_args,
                     perturb_lazy))
+    # The rows that start in a custom call (cuDNN, the kernels alone) are
+    # not perturbed: `q + 0` would be a pass over q of its own, timed as
+    # theirs, where the lazy calls fuse it into their query rotation.
     methods.append(("cudnn", cudnn_dense, (lazy_args[0], k_dense, v_dense),
-                    perturb_query))
+                    perturb_none))
     # JAX's own Mosaic GPU flash attention (pallas/ops/gpu/attention_mgpu)
     # on the same dense K/V, in f16 (its shared memory is f16): what the
     # Pallas stack reaches with no pages, rotations or masks.
@@ -409,7 +415,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
       methods.append((f"jax-mgpu[q{cfg[0]}k{cfg[1]}s{cfg[2]}]",
                       functools.partial(jax_mgpu_dense, cfg=cfg),
                       jax_mgpu_dense_inputs(lazy_args[0], k_dense, v_dense),
-                      perturb_query))
+                      perturb_none))
     if only:
       methods = [m for m in methods
                  if m[0] == "cudnn" or any(o in m[0] for o in only)]

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import kernel_cases as cases
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
-                                      perturb_query, time_pair, time_per_call)
+                                      perturb_none, perturb_query, time_pair,
+                                      time_per_call)
 from benchmarks.kernels import Result
 from benchmarks.kernels_report import report
 
@@ -87,6 +89,24 @@ def test_chain_timer_times_a_chain_and_perturbs_every_call():
   out = perturb_lazy(lazy_args, jnp.float32(0))
   np.testing.assert_array_equal(out[0], q)
   np.testing.assert_array_equal(out[7], lazy_args[7])
+
+
+def test_perturb_none_adds_no_pass_over_the_query():
+  """perturb_query's step adds zero to all of q (a pass of its own before
+  a custom call); perturb_none's does not, and its chain still times."""
+  q = jnp.ones((4, 8), jnp.float32)
+
+  def adds_on_q(perturb):
+    timer = ChainTimer(lambda q: q * 2.0, [(q,)], perturb,
+                       target_total_s=0.001)
+    assert timer.sample() > 0
+    hlo = timer.step.lower(timer.zero, timer.arg_sets).as_text()
+    return sum("stablehlo.add" in line and line.endswith(": tensor<4x8xf32>")
+               for line in hlo.splitlines())
+
+  assert perturb_none((q,), jnp.float32(0))[0] is q
+  assert adds_on_q(perturb_query) == 1
+  assert adds_on_q(perturb_none) == 0
 
 
 def test_chain_timer_settles_before_a_sample():
