@@ -101,11 +101,10 @@ def perturb_query(args, zero):
 
 
 def perturb_none(args, zero):
-  """Leaves args as they are, for calls that start in a custom call
-  (cuDNN's attention, a Pallas kernel): XLA cannot fuse `q + zero` into
-  one, so perturb_query would add a separate pass over q to the time
-  timed (about 11 us at the prefill check's 8 MB query).  The chain stays
-  ordered: each step's zero still depends on the step before."""
+  """Leaves args as they are, to time a custom call (a Pallas kernel)
+  alone: XLA cannot fuse `q + zero` into one, so perturb_query would add a
+  separate pass over q to the time timed.  The chain stays ordered: each
+  step's zero still depends on the step before."""
   del zero
   return args
 

@@ -35,10 +35,13 @@ Run on the GPU machine from the repository root:
     other round), so a slow drift over the run does not favour the rows
     timed first; each sample first runs its row untimed for SETTLE_S
     (--settle-s), so that under the GPU's power cap each row is timed at
-    its own clock.  Each sample is a chain: the lazy rows' query is
-    perturbed by a run-time zero (fused into their query rotation); the
-    rows that start in a custom call (cuDNN, JAX's Mosaic kernel, the
-    kernel alone) are not, which would time a pass over q of its own.
+    its own clock.  Each sample is a chain, each call's query
+    perturbed by a run-time zero: the lazy rows fuse it into their query
+    rotation; for cuDNN and JAX's dense kernel it is a pass over q of its
+    own (about 11 us, standing in for the RoPE pass a dense path makes
+    over q; without it cuDNN measured 1.5-1.8% slower, not faster:
+    benchmarks/RESULTS.md).  The kernel-alone rows are not perturbed, so
+    they time the kernel only.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
 median SM clock and board power while the row was timed (nvidia-smi,
 benchmarks/gpu_clock_log.py; its power trails the load by most of a
@@ -376,6 +379,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
     # once (against the row before, what the rotations cost), and "bare":
     # also no step masked or fixed up (what the masks cost; what is left is
     # the paged steps themselves).
+    # Unperturbed (perturb_none): q + 0 would be a pass over q of its own,
+    # not the kernel's.
     for name, sizes in variants.items():
       q_rot, plan_v = kernel_inputs(lazy_args, sizes)
       one_rotation, bare = _timing_plans(plan_v,
@@ -403,11 +408,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
     methods.append(("triton", lambda *a: lazy_prefill_gpu(
         *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)), lazy_args,
                     perturb_lazy))
-    # The rows that start in a custom call (cuDNN, the kernels alone) are
-    # not perturbed: `q + 0` would be a pass over q of its own, timed as
-    # theirs, where the lazy calls fuse it into their query rotation.
     methods.append(("cudnn", cudnn_dense, (lazy_args[0], k_dense, v_dense),
-                    perturb_none))
+                    perturb_query))
     # JAX's own Mosaic GPU flash attention (pallas/ops/gpu/attention_mgpu)
     # on the same dense K/V, in f16 (its shared memory is f16): what the
     # Pallas stack reaches with no pages, rotations or masks.
@@ -415,7 +417,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
       methods.append((f"jax-mgpu[q{cfg[0]}k{cfg[1]}s{cfg[2]}]",
                       functools.partial(jax_mgpu_dense, cfg=cfg),
                       jax_mgpu_dense_inputs(lazy_args[0], k_dense, v_dense),
-                      perturb_none))
+                      perturb_query))
     if only:
       methods = [m for m in methods
                  if m[0] == "cudnn" or any(o in m[0] for o in only)]
