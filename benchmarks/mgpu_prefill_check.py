@@ -51,7 +51,6 @@ second, so it mostly shows the row's settling and the rows before).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import statistics
 import sys
@@ -63,168 +62,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
-                                     NUM_KV_HEADS, PAGE_LAYOUTS, PAGE_SIZE,
-                                     ROPE, SM_SCALE,
-                                     dense_from_pages, page_metadata,
+                                     PAGE_LAYOUTS, PAGE_SIZE, ROPE, SM_SCALE,
                                      prefill_plan, prefill_plan_only,
-                                     prefill_planned, random_array,
-                                     visible_pairs)
+                                     prefill_planned, visible_pairs)
 from benchmarks.gpu_clock_log import ClockLog
+from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
+from benchmarks.mgpu_prefill_parity import run_parity
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
                                       perturb_none, perturb_query)
-from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
+from pallas_kernels import lazy_attention
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
                                              mgpu_prefill_kernel,
                                              rotated_query_tokens)
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
-from pallas_kernels.testing import make_case, numpy_truth, relative_error
 
 
-def _tiles(block_kv, wgs, stages, *, sched, f32_query, registers=False,
-           cos_sin_in_records=False):
-  return MgpuBlockSizes(block_kv=block_kv, num_compute_wgs=wgs,
-                        num_stages=stages, schedule_barrier=sched,
-                        query_in_f32=f32_query, query_in_registers=registers,
-                        cos_sin_in_records=cos_sin_in_records)
-
-
-VARIANTS = {
-    # f32 query storage (the previous default used k64w2s2).
-    "k64w2s3-sched": _tiles(64, 2, 3, sched=True, f32_query=True),
-    "k64w2s2-sched": _tiles(64, 2, 2, sched=True, f32_query=True),
-    "k64w2s2-nosched": _tiles(64, 2, 2, sched=False, f32_query=True),
-    "k64w2s3-nosched": _tiles(64, 2, 3, sched=False, f32_query=True),
-    "k128w1s2": _tiles(128, 1, 2, sched=False, f32_query=True),
-    # 16-bit query storage: half the query's shared memory, which makes room
-    # for 128-key steps with two compute warpgroups.
-    "k64w2s2-q16": _tiles(64, 2, 2, sched=False, f32_query=False),
-    "k128w2s2-q16": _tiles(128, 2, 2, sched=False, f32_query=False),
-    "k128w2s2-q16-sched": _tiles(128, 2, 2, sched=True, f32_query=False),
-    # The rotated query in registers (MgpuBlockSizes.query_in_registers).
-    "k128w2s2-qreg-sched": _tiles(128, 2, 2, sched=True, f32_query=False,
-                                  registers=True),
-    # ... with each segment's cos / sin in the step records (one copy
-    # fewer a step): the default.
-    "k128w2s2-qreg-csrec-sched": _tiles(128, 2, 2, sched=True,
-                                        f32_query=False, registers=True,
-                                        cos_sin_in_records=True),  # default
-}
-# The default with one TMA copy per page even where a block's pages are
-# consecutive (timed against it with --page-layout documents).
-VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
 SAMPLES = 21
 
 
-def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
-  """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]; `layout`
-  places the pages in the pool (kernel_cases.PAGE_LAYOUTS)."""
-  table, pos, shift, length = page_metadata(rng, batch, context, q_len,
-                                            layout)
-  pool_shape = (NUM_KV_HEADS, table.size, PAGE_SIZE, HEAD_DIM)
-  kq, kk, kv = jax.random.split(key, 3)
-  q = random_array(kq, (batch, q_len, NUM_HEADS, HEAD_DIM))
-  k_pages, v_pages = random_array(kk, pool_shape), random_array(kv, pool_shape)
-  q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
-                           (batch, q_len))
-  return (q, k_pages, v_pages, table, pos, shift, length, q_pos,
-          dense_from_pages(k_pages, table), dense_from_pages(v_pages, table))
-
-
 # --------------------------------------------------------------------------
-# (a) parity
-
-
-def _parity_cases():
-  plain = RopeConfig(theta=10000.0)
-  cases = []
-  for name, kwargs, rope, sizes in [
-      ("32-8_H128_p16_T64", dict(num_heads=32, num_kv_heads=8, head_dim=128,
-                                 page_size=16, q_len=64), plain, None),
-      ("32-8_H128_p16_T200_base2^20_llama3",
-       dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-            q_len=200, base_position=2**20), ROPE, None),
-      ("9-3_H64_p8_T37", dict(num_heads=9, num_kv_heads=3, head_dim=64,
-                              page_size=8, q_len=37), plain, None),
-      ("8-8_H128_p16_T130_k128w1s2",
-       dict(num_heads=8, num_kv_heads=8, head_dim=128, page_size=16,
-            q_len=130, base_position=60000), ROPE, VARIANTS["k128w1s2"]),
-  ]:
-    cases.append((name, lambda kwargs=kwargs: make_case(
-        np.random.default_rng(len(name)), batch=3, dtype=jnp.bfloat16,
-        docs_per_row=4, max_doc_len=300, **kwargs), rope, sizes))
-  return cases
-
-
-def run_parity():
-  print("# parity (relative L2 error, bf16 tolerance 2e-2)", flush=True)
-  ok = True
-
-  def report(name, out, reference, truth_fn, padding):
-    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
-    reference = np.asarray(jnp.asarray(reference).astype(jnp.float32))
-    nan = bool(np.isnan(out).any())
-    err = relative_error(out, reference.astype(np.float64))
-    max_abs = float(np.nanmax(np.abs(out - reference)))
-    line = (f"  {name:42s} max|err| {max_abs:.3e}  rel {err:.3e} (vs ref)")
-    if truth_fn is not None:
-      line += f"  rel {relative_error(out, truth_fn()):.3e} (vs f64 truth)"
-    pad_ok = padding is None or not padding.any() or bool(
-        np.all(out[padding] == 0.0))
-    good = (not nan) and err <= 2e-2 and pad_ok
-    line += f"  nan={nan} padding_zero={pad_ok}  {'OK' if good else 'FAIL'}"
-    print(line, flush=True)
-    return good
-
-  for name, make, rope, sizes in _parity_cases():
-    try:
-      lazy = make()
-      args = [jnp.asarray(a) for a in lazy.args()]
-      out = jax.jit(lambda *a: lazy_prefill_mgpu(
-          *a, rope=rope, sm_scale=jnp.float32(a[0].shape[-1] ** -0.5),
-          block_sizes=sizes))(*args)
-      reference = lazy_attention_reference(*args, rope=rope)
-      # The float64 truth is a Python loop: only for small cases.
-      rows = lazy.q.shape[0] * lazy.q.shape[1] * lazy.q.shape[2]
-      truth = (lambda: numpy_truth(lazy, rope)) if rows <= 1000 else None
-      ok &= report(name, out, reference, truth, lazy.q_pos < 0)
-    except Exception as e:  # keep going
-      ok = False
-      print(f"  {name:42s} FAILED: {type(e).__name__}: {e}", flush=True)
-      traceback.print_exc(file=sys.stdout)
-  # Benchmark layout (smaller): every variant on shuffled pages; the
-  # default with each document's pages consecutive (whole-block copies).
-  for layout, variants in (("pages", VARIANTS.items()),
-                           ("documents", [("default", None)])):
-    try:
-      args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
-                          batch=2, q_len=256, context=2048,
-                          layout=layout)[:8]
-      reference = lazy_attention_reference(*args, rope=ROPE,
-                                           sm_scale=SM_SCALE)
-    except Exception as e:
-      print(f"  benchmark-layout inputs ({layout}) FAILED: {e}", flush=True)
-      return False
-    for vname, sizes in variants:
-      name = f"bench-layout {layout} B2 T256 ctx2048 [{vname}]"
-      try:
-        out = jax.jit(lambda *a, sizes=sizes: lazy_prefill_mgpu(
-            *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE),
-            block_sizes=sizes))(*args)
-        ok &= report(name, out, reference, None, None)
-      except Exception as e:
-        ok = False
-        print(f"  {name} FAILED: {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc(file=sys.stdout)
-  return ok
-
-
-# --------------------------------------------------------------------------
-# (b) timing
+# (b) timing; (a), parity, is benchmarks/mgpu_prefill_parity.py
 
 
 def _timer(fn, args, perturb):

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from benchmarks.kernel_cases import PAGE_LAYOUTS
-from benchmarks.mgpu_prefill_check import (build_inputs, jax_mgpu_dense,
+from benchmarks.mgpu_prefill_cases import build_inputs
+from benchmarks.mgpu_prefill_check import (jax_mgpu_dense,
                                            jax_mgpu_dense_inputs,
                                            kernel_alone, kernel_inputs)
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes

@@ -636,7 +636,7 @@ def test_benchmark_layout_gpu(layout):
   """Documents of 512 at their own shifts + the chunk's own pages, like the
   benchmark (smaller batch and context), each page shuffled and each
   document's pages consecutive."""
-  from benchmarks.mgpu_prefill_check import build_inputs
+  from benchmarks.mgpu_prefill_cases import build_inputs
   args = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
                       batch=2, q_len=256, context=2048, layout=layout)
   lazy_args = args[:8]
