@@ -5,7 +5,8 @@ Run on the GPU machine from the repository root:
 
 (a) Parity of lazy_prefill_mgpu against the jnp reference (and the float64
     truth where small) on a few cases; each case is wrapped so that one
-    failure is printed and the others still run.
+    failure is printed and the others still run (mgpu_prefill_parity.py;
+    the variants and inputs: mgpu_prefill_cases.py).
 (b) Timing, bf16, Hq/Hkv 32/8, H 128, page 16, context 8192 tokens in 16
     documents of 512 (each at its own shift) plus the chunk's own pages
     (benchmarks/kernels.py inputs): a 512-token chunk at B 4 and a 128-token
@@ -66,10 +67,10 @@ from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      prefill_plan, prefill_plan_only,
                                      prefill_planned, visible_pairs)
 from benchmarks.gpu_clock_log import ClockLog
-from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
-from benchmarks.mgpu_prefill_parity import run_parity
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
                                       perturb_none, perturb_query)
+from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
+from benchmarks.mgpu_prefill_parity import run_parity
 from pallas_kernels import lazy_attention
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
