@@ -63,4 +63,3 @@ def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
                            (batch, q_len))
   return (q, k_pages, v_pages, table, pos, shift, length, q_pos,
           dense_from_pages(k_pages, table), dense_from_pages(v_pages, table))
-

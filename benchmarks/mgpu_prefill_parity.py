@@ -101,5 +101,3 @@ def run_parity():
         print(f"  {name} FAILED: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc(file=sys.stdout)
   return ok
-
-

@@ -12,7 +12,6 @@ import pytest
 from benchmarks.gpu_clock_log import QUERY, ClockLog
 
 
-
 def fake_smi(lag_s=0.0, stamp=True):
   """A stand-in nvidia-smi: a header and an "[N/A]" line, then "timestamp,
   MHz, W" every 10 ms, each stamped `lag_s` before it is printed (or with

@@ -5,8 +5,11 @@ its own clock); failed rows pass their note through."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.mgpu_prefill_check import (SAMPLES, SETTLE_S,
-                                           _sample_round_robin)
+                                           _sample_round_robin, main,
+                                           print_table)
 
 
 class _FakeTimer:
@@ -42,10 +45,8 @@ def test_rows_are_sampled_round_robin():
                   ("b", 2.0, "")]
 
 
-
 def test_the_table_prints_the_ratio_to_three_decimals(capsys):
   """0.896x must not print as 0.90 beside a 0.9 bar."""
-  from benchmarks.mgpu_prefill_check import print_table
   print_table([("chunk512", "cudnn", 1.0, 1.0, "1620 MHz, 690 W"),
                ("chunk512", "mgpu[x]", 1.0 / 0.896, 1.0, "1760 MHz, 689 W")])
   out = capsys.readouterr().out
@@ -60,8 +61,6 @@ def test_a_given_settle_reaches_every_sample():
 
 
 def test_a_negative_settle_is_refused(capsys):
-  import pytest
-  from benchmarks.mgpu_prefill_check import main
   with pytest.raises(SystemExit):
     main(["--settle-s", "-1"])
   assert "--settle-s must be >= 0, got -1.0" in capsys.readouterr().err
