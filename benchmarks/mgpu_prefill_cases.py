@@ -48,6 +48,10 @@ VARIANTS = {
 # consecutive (timed against it with --page-layout documents).
 VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
+# The default with the query rotated by an XLA pass before the kernel (the
+# default rotates it in the kernel: MgpuBlockSizes.rotates_query_in_kernel).
+VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = dataclasses.replace(
+    VARIANTS["k128w2s2-qreg-csrec-sched"], query_rope_in_kernel=False)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

@@ -171,9 +171,11 @@ def kernel_inputs(lazy_args, sizes):
   lazy arguments and block sizes `sizes`."""
   plan = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(*lazy_args,
                                                               sizes))
+  q, t_pad = lazy_args[0], plan.row_pos.shape[1]
+  if sizes.rotates_query_in_kernel:  # the raw query: the kernel rotates it
+    return jnp.pad(q, ((0, 0), (0, t_pad - q.shape[1]), (0, 0), (0, 0))), plan
   q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
-      lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE),
-      plan.row_pos.shape[1], sizes.query_in_f32)
+      q, lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad, sizes.query_in_f32)
   return q_rot, plan
 
 
@@ -188,7 +190,8 @@ def kernel_alone(q_rot, k_pages, v_pages, plan, *, sizes):
   """`mgpu_prefill_kernel` alone on `kernel_inputs`' rotated query and plan
   (the plan as a tuple)."""
   return mgpu_prefill_kernel(q_rot, k_pages, v_pages, PrefillPlan(*plan),
-                             out_dtype=DTYPE, block_sizes=sizes)
+                             out_dtype=DTYPE, block_sizes=sizes,
+                             sm_scale=jnp.float32(SM_SCALE))
 
 
 def cudnn_dense(q, k_dense, v_dense):

@@ -152,6 +152,15 @@ class MgpuBlockSizes:
     copy_contiguous_blocks: a step whose pages are consecutive in the pool
       (a document's pages as the cache allocates them) is one TMA copy per
       K and V block instead of one per page (`gpu_mgpu_parts.produce_kv_ring`).
+    query_rope_in_kernel: each compute warpgroup rotates its raw query rows
+      by their positions, R(q_pos) q * scale, once at its start, from a
+      table of their cos | sin the plan makes (`PrefillPlan.query_cos_sin`),
+      instead of an XLA pass over q before the kernel
+      (`rotated_query_tokens`).  On the H200 the call per layer is about
+      2% faster, the whole call up to 1.6% on a document's consecutive
+      pages and level on shuffled ones (docs/kernels.md).  None (the
+      default): in the kernel wherever the query is stored in 16 bits
+      (`rotates_query_in_kernel`); True needs 16-bit query storage.
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -168,6 +177,7 @@ class MgpuBlockSizes:
   query_in_registers: bool = True
   cos_sin_in_records: bool = True
   copy_contiguous_blocks: bool = True
+  query_rope_in_kernel: bool | None = None
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -177,6 +187,17 @@ class MgpuBlockSizes:
           f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+    if self.query_rope_in_kernel and self.query_in_f32:
+      raise ValueError("query_rope_in_kernel needs 16-bit query storage "
+                       "(query_in_f32=False)")
+
+  @property
+  def rotates_query_in_kernel(self) -> bool:
+    """Whether the kernel rotates the raw query (query_rope_in_kernel, or
+    by default wherever the query is stored in 16 bits)."""
+    if self.query_rope_in_kernel is None:
+      return not self.query_in_f32
+    return self.query_rope_in_kernel
 
 
 def _ring_bytes(stages: int, block_kv: int, head_dim: int,

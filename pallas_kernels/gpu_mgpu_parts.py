@@ -18,7 +18,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS
-from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MAX, RecordLayout
+from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, Q15_ONE,
+                                                  RecordLayout)
 from pallas_kernels.rope import cos_sin_from_chunks
 
 # Registers per thread (setmaxnreg) of compute / producer warpgroups.
@@ -157,6 +158,25 @@ def rotate_query(ops, src, dst, cs_smem, slot, half, dtype, cos_sin=None):
   dst.at[:, pl.ds(0, half)][...] = lo.astype(dtype)
   dst.at[:, pl.ds(half, half)][...] = hi.astype(dtype)
   plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+
+
+def rope_rows_from_table(q_ref, table_ref, scale, half):
+  """q_ref [64, H] (16-bit: the raw query rows) = R(q_pos) q * scale, in
+  place.  table_ref [64, H], 16-bit, holds int16 bits: each row's cos | sin
+  in Q15 (`gpu_prefill_mgpu_plan.query_cos_sin_table`; zero on padding
+  rows, which so come out zero).  scale: f32 scalar."""
+  unit = scale * jnp.float32(1.0 / Q15_ONE)
+  q15 = lambda x: lax.bitcast_convert_type(x, jnp.int16).astype(
+      jnp.float32) * unit
+  cos = q15(table_ref.at[:, pl.ds(0, half)][...])
+  sin = q15(table_ref.at[:, pl.ds(half, half)][...])
+  lo = q_ref.at[:, pl.ds(0, half)][...].astype(jnp.float32)
+  hi = q_ref.at[:, pl.ds(half, half)][...].astype(jnp.float32)
+  # R(a) [x1, x2] = [x1 cos a - x2 sin a, x2 cos a + x1 sin a].
+  q_ref.at[:, pl.ds(0, half)][...] = (lo * cos - hi * sin).astype(q_ref.dtype)
+  q_ref.at[:, pl.ds(half, half)][...] = (hi * cos + lo * sin).astype(
+      q_ref.dtype)
+  plgpu.commit_smem()
 
 
 def shift_cos_sin(shift, chunk_rows):

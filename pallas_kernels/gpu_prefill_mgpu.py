@@ -5,9 +5,10 @@ kernel), for 16-bit queries with pools in their dtype or float8 (e4m3, with
 per-page scales) on H100/H200: TMA copies of whole KV pages into a
 shared-memory ring and wgmma for both matmuls, FlashAttention-3 style.  This
 module is the entry point: it checks the inputs, makes the per-batch plan
-(`gpu_prefill_mgpu_plan`) and the rotated query, and runs the kernel
-(`gpu_prefill_mgpu_kernel`).  `interpret=True` runs the kernel in jax's
-Mosaic GPU interpreter on CPU.
+(`gpu_prefill_mgpu_plan`), leaves the query's rotation to the kernel (the
+default for a 16-bit query: MgpuBlockSizes.rotates_query_in_kernel) or
+makes the rotated query, and runs the kernel (`gpu_prefill_mgpu_kernel`).
+`interpret=True` runs the kernel in jax's Mosaic GPU interpreter on CPU.
 
 Design: docs/kernels.md.
 """
@@ -147,7 +148,9 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
                               block_sizes: MgpuBlockSizes | None = None,
                               interpret: bool = False, k_scales=None,
                               v_scales=None):
-  """The per-layer part of `lazy_prefill_mgpu`: query rotation + kernel.
+  """The per-layer part of `lazy_prefill_mgpu`: query rotation + kernel
+  (where `block_sizes.rotates_query_in_kernel`, the kernel alone: it
+  rotates the query from the plan's table).
 
   `plan` must come from `plan_prefill` with the same metadata, q_pos, shapes
   and block_sizes.  `page_offset` (int or int32 scalar array) is added to
@@ -164,10 +167,13 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
       q_len, group, block_sizes.num_compute_wgs)):
     raise ValueError(f"plan was made for {plan.row_pos.shape[0]} rows of "
                      f"{t_pad} padded tokens; q has {batch} rows of {q_len}")
-  q_rot = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
-                               block_sizes.query_in_f32)
-  out = mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan, page_offset,
+  if block_sizes.rotates_query_in_kernel:  # the kernel rotates the raw q
+    q_in = jnp.pad(q, ((0, 0), (0, t_pad - q_len), (0, 0), (0, 0)))
+  else:
+    q_in = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
+                                block_sizes.query_in_f32)
+  out = mgpu_prefill_kernel(q_in, k_pages, v_pages, plan, page_offset,
                             out_dtype=q.dtype, block_sizes=block_sizes,
                             interpret=interpret, k_scales=k_scales,
-                            v_scales=v_scales)
+                            v_scales=v_scales, sm_scale=sm_scale)
   return out[:, :q_len]

@@ -4,16 +4,19 @@ One CTA per (tile of query units, kv head, batch row).  A producer
 warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin (or a record that carries them: cos_sin_in_records) into a ring of
 shared-memory slots; one or two compute warpgroups
-each take 64 query rows of one query head, rotate them by -shift for a
-segment's first step while the step before's P V wgmma runs (into
+each take 64 query rows of one query head (with a 16-bit query, the raw
+rows, which each rotates first by their positions from the plan's Q15 cos /
+sin table: MgpuBlockSizes.rotates_query_in_kernel), rotate them by -shift
+for a segment's first step while the step before's P V wgmma runs (into
 registers, the A operand of Q K^T; or into shared memory with
 `query_in_registers=False` and float8), and run the online softmax (base
 2) with wgmma, the two warpgroups in ping-pong.
 Float8 pages (e4m3): a converter warpgroup widens each step's K and V into
 one 16-bit K and V tile the compute warpgroups share, as in the decode
 (gpu_mgpu_float8.py; per-page scales per score and P column).  The
-inputs come from `gpu_prefill_mgpu_plan.plan_prefill` and
-`gpu_prefill_mgpu.rotated_query_tokens`.
+inputs come from `gpu_prefill_mgpu_plan.plan_prefill` (and, where the
+kernel does not rotate the query itself,
+`gpu_prefill_mgpu.rotated_query_tokens`).
 
 Design: docs/kernels.md.
 """
@@ -35,8 +38,8 @@ from pallas_kernels.gpu_mgpu_float8 import (
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
-    produce_kv_ring, record_cos_sin, rotate_query, rotated_query_halves,
-    softmax_start, softmax_update, zero_invalid_v_rows)
+    produce_kv_ring, record_cos_sin, rope_rows_from_table, rotate_query,
+    rotated_query_halves, softmax_start, softmax_update, zero_invalid_v_rows)
 from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
 
 
@@ -48,9 +51,13 @@ def _kernel(
     cs_ref,  # f32 [B, M, 2, H/2]
     row_pos_ref,  # int32 [B, T_pad]
     page_offset_ref,  # int32 [1]: added to every physical page id
+    table_ref,  # [B, T_pad, H] 16-bit: each row's Q15 cos | sin as int16
+    #            bits (rotates_query_in_kernel; else unused)
+    scale_ref,  # f32 [1]: sm_scale * log2(e) (rotates_query_in_kernel)
     # Operands.
     q_ref,  # [B, T_pad, N, H]: R(q_pos) q * sm_scale * log2(e), f32 or
-    #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32)
+    #        q's 16-bit dtype (MgpuBlockSizes.query_in_f32); with
+    #        rotates_query_in_kernel the raw 16-bit query
     k_ref,  # [K, pages * P, H] in the pool's dtype (16-bit or float8)
     v_ref,  # [K, pages * P, H]
     ks_ref,  # f32 [K, pages]: K scale of each page (float8; else unused)
@@ -106,7 +113,11 @@ def _kernel(
                             q_bars.at[wg])
     plgpu.copy_gmem_to_smem(row_pos_ref.at[batch, tokens], rp_smem.at[wg],
                             q_bars.at[wg])
+    if cfg.rotates_query_in_kernel:  # the table into q16, free until step 0
+      plgpu.copy_gmem_to_smem(table_ref.at[batch, tokens], q16, q_bars.at[wg])
     plgpu.barrier_wait(q_bars.at[wg])
+    if cfg.rotates_query_in_kernel:  # R(q_pos) q * scale, in place
+      rope_rows_from_table(q_store, q16, scale_ref[0], half)
     row_pos = ops.cast(rp_smem[wg], row_layout)
     oldest_row = min_row_ref[batch, token_block]
 
@@ -286,10 +297,13 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
                         page_offset=0, *, out_dtype,
                         block_sizes: MgpuBlockSizes | None = None,
                         interpret: bool = False, k_scales=None,
-                        v_scales=None):
+                        v_scales=None, sm_scale=None):
   """The kernel alone: q_rot from `rotated_query_tokens`, plan from
   `plan_prefill`; float8_e4m3fn pages take f32 k_scales, v_scales [K,
-  num_pages] (f16 wgmma operands, 16-bit query storage only).  Returns
+  num_pages] (f16 wgmma operands, 16-bit query storage only).  With
+  `block_sizes.rotates_query_in_kernel`, q_rot is the raw 16-bit query padded
+  to T_pad, the plan must be made with those block sizes (its query cos /
+  sin table) and `sm_scale` (float or f32 scalar) is required.  Returns
   out_dtype [B, T_pad, N, H]."""
   block_sizes = block_sizes or MgpuBlockSizes()
   quantized = k_scales is not None
@@ -318,10 +332,26 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
     raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
                      f"and group {group} needs {t_pad // WG_ROWS * group} "
                      f"units over {nwg} warpgroups")
+  if block_sizes.rotates_query_in_kernel:
+    if plan.query_cos_sin.shape[-1] != head_dim:
+      raise ValueError(
+          "the kernel rotates the query from the plan's table of its cos / "
+          f"sin, which is [..., {plan.query_cos_sin.shape[-1]}], not [..., "
+          f"{head_dim}]: make the plan with the kernel's block sizes")
+    if sm_scale is None:
+      raise ValueError("a kernel that rotates the query needs sm_scale")
+    scale = jnp.reshape(jnp.asarray(sm_scale, jnp.float32)
+                        * jnp.float32(common.LOG2_E), (1,))
+  else:  # unused operands
+    scale = jnp.zeros((1,), jnp.float32)
   page_offset = jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,))
 
   # The wgmma operands: the pool's 16-bit dtype, f16 for float8 pages.
   dtype = jnp.dtype(jnp.float16) if quantized else k_pages.dtype
+  # The query table is copied into q16: its int16 bits in q16's dtype.
+  table = (lax.bitcast_convert_type(plan.query_cos_sin, dtype)
+           if block_sizes.rotates_query_in_kernel
+           else jnp.zeros((1, 1, 1), dtype))
   if not quantized:  # unused operands, one f32 each
     k_scales = v_scales = jnp.zeros((1, 1), jnp.float32)
   swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
@@ -345,7 +375,9 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       plgpu.SMEM((1 if in_records else (2 if quantized else 1) * stages, 2,
                   head_dim // 2), jnp.float32),
       plgpu.SMEM((nwg, WG_ROWS), jnp.int32),
-      plgpu.Barrier(num_arrivals=2, num_barriers=nwg),  # q + row_pos
+      # q, row_pos (and the query's cos / sin table)
+      plgpu.Barrier(num_arrivals=2 + block_sizes.rotates_query_in_kernel,
+                    num_barriers=nwg),
       # K pages, record (and cos/sin)
       plgpu.Barrier(num_arrivals=ppb + (1 if in_records else 2),
                     num_barriers=stages),
@@ -376,5 +408,5 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **extra,
   )(plan.n_steps, plan.min_row, plan.records, plan.cos_sin, plan.row_pos,
-    page_offset, q_rot, common.flat_pages(k_pages), common.flat_pages(v_pages),
-    k_scales, v_scales)
+    page_offset, table, scale, q_rot, common.flat_pages(k_pages),
+    common.flat_pages(v_pages), k_scales, v_scales)

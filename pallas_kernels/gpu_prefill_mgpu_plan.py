@@ -10,10 +10,13 @@ newest valid key position.  Per CTA the plan counts the steps that hold a
 page its rows can see (steps are in page order, so that is a prefix), and
 each record ends with its segment's cos/sin (with
 MgpuBlockSizes(cos_sin_in_records=False) the plan holds them per segment
-beside the records instead).  The plan depends only on the page metadata
-and q_pos: a model makes it once per forward pass and every layer reuses
-it.  Every step's index and count is elementwise in a few per-row counts of
-segment starts that one XLA reduction makes (`gpu_segment_counts`).
+beside the records instead); where the kernel rotates the query itself
+(MgpuBlockSizes.rotates_query_in_kernel, the 16-bit default) the plan also
+holds each query row's cos / sin, from which the kernel rotates the raw
+query.  The plan depends only on the page metadata and q_pos: a model makes
+it once per forward pass and every layer reuses it.  Every step's index and
+count is elementwise in a few per-row counts of segment starts that one XLA
+reduction makes (`gpu_segment_counts`).
 
 Design: docs/kernels.md.
 """
@@ -250,6 +253,24 @@ class PrefillPlan(NamedTuple):
   cos_sin: jax.Array  # f32 [B, M, 2, H / 2]: per-segment cos / sin; with
   #                     cos_sin_in_records (in the records) [B, M, 2, 0]
   row_pos: jax.Array  # int32 [B, T_pad]: q_pos, PADDING_ROW for padding
+  # int16 [B, T_pad, H]: each row's cos | sin of R(q_pos) in Q15, zero on
+  # padding rows (MgpuBlockSizes.rotates_query_in_kernel), else [B, T_pad, 0]
+  query_cos_sin: jax.Array
+
+
+# The query table's cos / sin are int16 multiples of 1 / Q15_ONE.
+Q15_ONE = 32767
+
+
+def query_cos_sin_table(row_pos, rope: RopeConfig, head_dim: int):
+  """int16 [B, T_pad, H]: each row's cos | sin of R(q_pos) in Q15 (error
+  under 2e-5, far below the 16-bit query's rounding), zero on padding rows
+  (row_pos < 0), so those rows rotate to zero: the table from which the
+  kernel rotates the raw query (MgpuBlockSizes.rotates_query_in_kernel)."""
+  cos_sin = segment_cos_sin(jnp.maximum(row_pos, 0), rope, head_dim)
+  q15 = jnp.round(cos_sin * jnp.float32(Q15_ONE)).astype(jnp.int16)
+  q15 = jnp.where((row_pos >= 0)[..., None, None], q15, jnp.int16(0))
+  return q15.reshape(*row_pos.shape, head_dim)
 
 
 def padded_query_len(q_len: int, group: int, num_compute_wgs: int) -> int:
@@ -311,4 +332,9 @@ def plan_prefill(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
     cos_sin = jnp.zeros((*page_table.shape, 2, 0), jnp.float32)
   else:
     cos_sin = cos_sin_of(shift)
-  return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos)
+  if block_sizes.rotates_query_in_kernel:
+    query_cos_sin = query_cos_sin_table(row_pos, rope, head_dim)
+  else:  # the query is rotated before the kernel: a placeholder
+    query_cos_sin = jnp.zeros((batch, t_pad, 0), jnp.int16)
+  return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos,
+                     query_cos_sin)
