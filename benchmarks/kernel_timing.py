@@ -116,6 +116,18 @@ def perturb_lazy(args, zero):
           q_pos + bump, *scales)
 
 
+def perturb_positions(args, zero):
+  """perturb_lazy without the query: only q_pos takes the run-time zero.
+  Every lazy call reads q_pos before its kernel (the query rotation, or the
+  plan whose table the kernel rotates the query from), so the chain stays
+  ordered, and a call that rotates the query inside its kernel is not
+  charged a pass over q it does not make (q + 0 fuses into an XLA
+  rotation, but stands alone before a custom call)."""
+  q, k, v, table, pos, shift, length, q_pos, *scales = args
+  bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA
+  return (q, k, v, table, pos, shift, length, q_pos + bump, *scales)
+
+
 def perturb_paged(args, zero):
   q, k, v, table, lengths = args
   bump = (zero > 1e30).astype(jnp.int32)

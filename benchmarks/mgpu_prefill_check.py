@@ -36,13 +36,14 @@ Run on the GPU machine from the repository root:
     other round), so a slow drift over the run does not favour the rows
     timed first; each sample first runs its row untimed for SETTLE_S
     (--settle-s), so that under the GPU's power cap each row is timed at
-    its own clock.  Each sample is a chain, each call's query
-    perturbed by a run-time zero: the lazy rows fuse it into their query
-    rotation; for cuDNN and JAX's dense kernel it is a pass over q of its
-    own (about 11 us, standing in for the RoPE pass a dense path makes
-    over q; without it cuDNN measured 1.5-1.8% slower, not faster:
-    benchmarks/RESULTS.md).  The kernel-alone rows are not perturbed, so
-    they time the kernel only.
+    its own clock.  Each sample is a chain, each call's input perturbed by
+    a run-time zero: for the lazy whole calls, q_pos (which the query
+    rotation or the plan reads; so a kernel that rotates the query itself
+    pays no pass over q it does not make); for cuDNN and JAX's dense kernel
+    the query, a pass over q of its own (about 11 us, standing in for the
+    RoPE pass a dense path makes over q; without it cuDNN measured 1.5-1.8%
+    slower, not faster: benchmarks/RESULTS.md).  The kernel-alone rows are
+    not perturbed, so they time the kernel only.
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
 median SM clock and board power while the row was timed (nvidia-smi,
 benchmarks/gpu_clock_log.py; its power trails the load by most of a
@@ -68,7 +69,8 @@ from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      prefill_planned, visible_pairs)
 from benchmarks.gpu_clock_log import ClockLog
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
-                                      perturb_none, perturb_query)
+                                      perturb_none, perturb_positions,
+                                      perturb_query)
 from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
 from benchmarks.mgpu_prefill_parity import run_parity
 from pallas_kernels import lazy_attention
@@ -221,12 +223,15 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
     for name, sizes in variants.items():
       methods.append((f"mgpu[{name}]",
                       functools.partial(whole_call, sizes=sizes), lazy_args,
-                      perturb_lazy))
+                      perturb_positions))
     plan = tuple(jax.jit(prefill_plan)(*lazy_args))
     planned_args = (lazy_args[0], lazy_args[1], lazy_args[2], lazy_args[7],
                     plan)
+    # Per layer the query is the call's only input that changes; a kernel
+    # that rotates it itself is timed unperturbed, as the kernel alone.
     methods.append(("mgpu per-layer (plan once)", prefill_planned, planned_args,
-                    perturb_query))
+                    perturb_none if MgpuBlockSizes().rotates_query_in_kernel
+                    else perturb_query))
     methods.append(("mgpu plan only (per batch)", prefill_plan_only, lazy_args,
                     perturb_lazy))
     # The per-layer call split in two: the XLA query rotation, and the

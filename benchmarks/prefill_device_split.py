@@ -23,8 +23,8 @@ import numpy as np
 
 from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import PAGE_LAYOUTS
-from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
-                                      perturb_none, perturb_query)
+from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_none,
+                                      perturb_positions, perturb_query)
 from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
 from benchmarks.mgpu_prefill_check import (cudnn_dense, kernel_alone,
                                            kernel_inputs, whole_call)
@@ -47,7 +47,7 @@ def methods(layout: str, variants=(None,)):
     q_rot, plan = kernel_inputs(lazy_args, sizes)
     rows += [
         (f"whole call{tag}", functools.partial(whole_call, sizes=sizes),
-         lazy_args, perturb_lazy),
+         lazy_args, perturb_positions),
         (f"kernel alone{tag}", functools.partial(kernel_alone, sizes=sizes),
          (q_rot, lazy_args[1], lazy_args[2], tuple(plan)), perturb_none),
     ]

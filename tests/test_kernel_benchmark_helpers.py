@@ -14,8 +14,8 @@ import pytest
 
 from benchmarks import kernel_cases as cases
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
-                                      perturb_none, perturb_query, time_pair,
-                                      time_per_call)
+                                      perturb_none, perturb_positions,
+                                      perturb_query, time_pair, time_per_call)
 from benchmarks.kernels import Result
 from benchmarks.kernels_report import report
 
@@ -107,6 +107,23 @@ def test_perturb_none_adds_no_pass_over_the_query():
   assert perturb_none((q,), jnp.float32(0))[0] is q
   assert adds_on_q(perturb_query) == 1
   assert adds_on_q(perturb_none) == 0
+
+
+def test_perturb_positions_orders_the_chain_through_q_pos_alone():
+  """perturb_positions leaves q as it is (no pass over it before a kernel
+  that rotates q itself) and makes q_pos depend on the run-time zero."""
+  q = jnp.ones((4, 8), jnp.float32)
+  q_pos = jnp.arange(4, dtype=jnp.int32)[:, None]
+  lazy_args = (q, None, None, None, None, None, None, q_pos)
+  out = perturb_positions(lazy_args, jnp.float32(0))
+  assert out[0] is q and out[1:7] == lazy_args[1:7]
+  np.testing.assert_array_equal(out[7], q_pos)
+  jaxpr = jax.make_jaxpr(lambda z: perturb_positions(lazy_args, z)[7])(
+      jnp.float32(0))
+  assert any(e.primitive.name == "add" for e in jaxpr.jaxpr.eqns)
+  # A zero above 1e30 (never at run time) would move every position.
+  moved = perturb_positions(lazy_args, jnp.float32(2e30))[7]
+  np.testing.assert_array_equal(moved, q_pos + 1)
 
 
 def test_chain_timer_settles_before_a_sample():
