@@ -547,16 +547,24 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
-    f"{c[0][0]}-{c[0][1]}_H{c[1]}_p{c[2]}_T{c[3]}_base{c[4]}_{c[6]}"))
-def test_parity_gpu(case):
-  heads, head_dim, page_size, q_len, base, rope, block_sizes = case
+def gpu_case(case):
+  """(lazy case, rope) of a GPU_CASES-shaped entry: three rows of four
+  documents each, bf16."""
+  heads, head_dim, page_size, q_len, base, rope, _ = case
   rng = np.random.default_rng(q_len + head_dim)
   lazy = make_case(rng, batch=3, q_len=q_len, num_heads=heads[0],
                    num_kv_heads=heads[1], head_dim=head_dim,
                    page_size=page_size, dtype=jnp.bfloat16,
                    docs_per_row=4, max_doc_len=300, base_position=base)
+  return lazy, rope
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
+    f"{c[0][0]}-{c[0][1]}_H{c[1]}_p{c[2]}_T{c[3]}_base{c[4]}_{c[6]}"))
+def test_parity_gpu(case):
+  lazy, rope = gpu_case(case)
+  head_dim, block_sizes = case[1], case[-1]
   out = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a, rope=rope, sm_scale=jnp.float32(head_dim ** -0.5),
       block_sizes=block_sizes))(*[jnp.asarray(a) for a in lazy.args()])

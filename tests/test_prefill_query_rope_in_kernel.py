@@ -23,7 +23,7 @@ from pallas_kernels.gpu_prefill_mgpu_plan import (Q15_ONE,
                                                   segment_cos_sin)
 from pallas_kernels.testing import make_case, quantize_case, relative_error
 from tests.test_gpu_prefill_mgpu import (BENCH, LLAMA3, PLAIN, _call, _check,
-                                         _specs, needs_interpreter)
+                                         _specs, gpu_case, needs_interpreter)
 
 IN_KERNEL = MgpuBlockSizes(query_rope_in_kernel=True)
 WRONG_PLAN = "make the plan with the kernel's block sizes"
@@ -170,13 +170,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
     f"{c[0][0]}-{c[0][1]}_H{c[1]}_p{c[2]}_T{c[3]}_base{c[4]}"))
 def test_parity_gpu(case):
-  heads, head_dim, page_size, q_len, base, rope, block_sizes = case
-  rng = np.random.default_rng(q_len + head_dim)
-  lazy = make_case(rng, batch=3, q_len=q_len, num_heads=heads[0],
-                   num_kv_heads=heads[1], head_dim=head_dim,
-                   page_size=page_size, dtype=jnp.bfloat16,
-                   docs_per_row=4, max_doc_len=300, base_position=base)
-  _against_the_xla_rotation(lazy, rope, block_sizes, interpret=False)
+  lazy, rope = gpu_case(case)
+  _against_the_xla_rotation(lazy, rope, case[-1], interpret=False)
 
 
 @pytest.mark.gpu
