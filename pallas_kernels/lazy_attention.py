@@ -275,8 +275,9 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
 
   A model calls this once per forward pass and passes the result as `plan=`
   to every layer's `lazy_attention` (FlashInfer's plan/run split): the
-  kernel's step lists, causal tile bounds and per-segment cos/sin depend only
-  on the page metadata and q_pos, not on the layer.  Layers whose pages sit
+  kernel's step lists, causal tile bounds, per-segment cos/sin and (Mosaic
+  prefill) the query rows' cos/sin depend only on the page metadata and
+  q_pos, not on the layer.  Layers whose pages sit
   at different offsets of one page array pass `page_offset=` there.
 
   Args:
