@@ -52,7 +52,9 @@ percent between them.
 Timing: each measured function runs in a jitted step that calls it several
 times in a chain (every call's query, and the lazy path's q_pos, depend on the
 previous output through a zero-valued scalar, so XLA can neither merge calls
-nor hoist the lazy path's per-call metadata work out of the chain), cycling
+nor hoist the lazy path's per-call metadata work out of the chain; the Mosaic
+prefill's q_pos alone, since it rotates the raw query in its kernel and q + 0
+would be a pass of its own before it), cycling
 over enough independent input sets that one cycle reads several times the
 60 MB L2.  Steps are dispatched back to back, then synchronised; the reported
 time is the median over repeats of (elapsed / calls).  The lazy times include
@@ -83,7 +85,8 @@ from benchmarks.kernel_cases import (
     decode_shape_name, dense_decode, dense_from_pages, fp8_sets, jax_paged,
     lazy_fn, page_metadata, prefill_plan, prefill_planned, random_array,
     visible_pairs)
-from benchmarks.kernel_timing import (perturb_lazy, perturb_paged,
+from benchmarks.kernel_timing import (perturb_lazy, perturb_none,
+                                      perturb_paged, perturb_positions,
                                       perturb_query, time_pair, time_per_call)
 from benchmarks.kernels_report import report
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
@@ -428,15 +431,20 @@ def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False,
     # once (as a model's layers share it).
     for suffix, sizes in [("", None)] + [
         (f"[{name}]", sizes) for name, sizes in MOSAIC_CANDIDATES.items()]:
+      # q_pos perturbed, not q: the kernel rotates the raw query itself
+      # (kernel_timing.perturb_positions).
       _measure(results, "prefill", shape, "lazy-mosaic" + suffix,
-               lazy_fn(lazy_prefill_mgpu, sizes), lazy_sets, perturb_lazy,
-               flops=flops)
+               lazy_fn(lazy_prefill_mgpu, sizes), lazy_sets,
+               perturb_positions, flops=flops)
       plan = tuple(jax.jit(functools.partial(prefill_plan, block_sizes=sizes))(
           *lazy_sets[0]))
       _measure(results, "prefill", shape, "lazy-mosaic per-layer" + suffix,
                functools.partial(prefill_planned, block_sizes=sizes),
-               [(q, k_pages, v_pages, q_pos, plan)], perturb_query,
-               flops=flops, note="plan made once per batch")
+               [(q, k_pages, v_pages, q_pos, plan)],
+               perturb_none
+               if (sizes or MgpuBlockSizes()).rotates_query_in_kernel
+               else perturb_query, flops=flops,
+               note="plan made once per batch")
     if fp8:  # float8 pools: the Triton kernel (non-Hopper GPUs) against
       # the Mosaic kernel (lazy_attention's on Hopper), whole call
       fp8_lazy = fp8_sets(lazy_sets)
@@ -447,7 +455,8 @@ def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False,
           ("lazy-mosaic-fp8[one-wg]", lazy_prefill_mgpu,
            MgpuBlockSizes(num_compute_wgs=1))):
         _measure(results, "prefill", shape, method, lazy_fn(kernel, sizes),
-                 fp8_lazy, perturb_lazy, flops=flops)
+                 fp8_lazy, perturb_positions if kernel is lazy_prefill_mgpu
+                 else perturb_lazy, flops=flops)
       del fp8_lazy
     k_dense = dense_from_pages(k_pages, table)
     v_dense = dense_from_pages(v_pages, table)
