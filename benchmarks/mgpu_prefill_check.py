@@ -274,7 +274,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
                       perturb_none))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
-                    perturb_lazy))
+                    perturb_positions))
     methods.append(("triton", lambda *a: lazy_prefill_gpu(
         *a, rope=ROPE, sm_scale=jnp.float32(SM_SCALE)), lazy_args,
                     perturb_lazy))
