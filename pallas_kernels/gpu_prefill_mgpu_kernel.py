@@ -40,7 +40,8 @@ from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
     produce_kv_ring, record_cos_sin, rope_rows_from_table, rotate_query,
     rotated_query_halves, softmax_start, softmax_update, zero_invalid_v_rows)
-from pallas_kernels.gpu_prefill_mgpu_plan import PrefillPlan, RecordLayout
+from pallas_kernels.gpu_prefill_mgpu_plan import (PrefillPlan, RecordLayout,
+                                                  check_plan_fits)
 
 
 def _kernel(
@@ -322,22 +323,9 @@ def mgpu_prefill_kernel(q_rot, k_pages, v_pages, plan: PrefillPlan,
   ppb = block_kv // page_size
   in_records = block_sizes.cos_sin_in_records
   layout = RecordLayout(ppb, cos_sin_dim=head_dim if in_records else 0)
-  if plan.records.shape[-1] != layout.width:
-    raise ValueError(
-        f"plan records are {plan.records.shape[-1]} wide; these block sizes "
-        f"need {layout.width} (cos_sin_in_records={in_records}): make the "
-        "plan with the kernel's block sizes")
-  num_tiles = plan.n_steps.shape[1]
-  if num_tiles * nwg != t_pad // WG_ROWS * group:
-    raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
-                     f"and group {group} needs {t_pad // WG_ROWS * group} "
-                     f"units over {nwg} warpgroups")
+  num_tiles = check_plan_fits(plan, layout, block_sizes, t_pad=t_pad,
+                              group=group, head_dim=head_dim)
   if block_sizes.rotates_query_in_kernel:
-    if plan.query_cos_sin.shape[-1] != head_dim:
-      raise ValueError(
-          "the kernel rotates the query from the plan's table of its cos / "
-          f"sin, which is [..., {plan.query_cos_sin.shape[-1]}], not [..., "
-          f"{head_dim}]: make the plan with the kernel's block sizes")
     if sm_scale is None:
       raise ValueError("a kernel that rotates the query needs sm_scale")
     scale = jnp.reshape(jnp.asarray(sm_scale, jnp.float32)

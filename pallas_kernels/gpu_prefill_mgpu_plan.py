@@ -273,6 +273,33 @@ def query_cos_sin_table(row_pos, rope: RopeConfig, head_dim: int):
   return q15.reshape(*row_pos.shape, head_dim)
 
 
+def check_plan_fits(plan: PrefillPlan, layout: RecordLayout,
+                    block_sizes: MgpuBlockSizes, *, t_pad: int, group: int,
+                    head_dim: int) -> int:
+  """The plan's CTA tiles; raises ValueError, naming the mismatch, unless
+  `plan` was made for these block sizes (`layout`: their step records), a
+  query padded to `t_pad` tokens, `group` query heads per kv head and head
+  dim `head_dim`."""
+  if plan.records.shape[-1] != layout.width:
+    raise ValueError(
+        f"plan records are {plan.records.shape[-1]} wide; these block sizes "
+        f"need {layout.width} (cos_sin_in_records="
+        f"{block_sizes.cos_sin_in_records}): make the plan with the kernel's "
+        "block sizes")
+  num_tiles, nwg = plan.n_steps.shape[1], block_sizes.num_compute_wgs
+  if num_tiles * nwg != t_pad // WG_ROWS * group:
+    raise ValueError(f"plan has {num_tiles} tiles; q_rot with T_pad {t_pad} "
+                     f"and group {group} needs {t_pad // WG_ROWS * group} "
+                     f"units over {nwg} warpgroups")
+  if (block_sizes.rotates_query_in_kernel
+      and plan.query_cos_sin.shape[-1] != head_dim):
+    raise ValueError(
+        "the kernel rotates the query from the plan's table of its cos / "
+        f"sin, which is [..., {plan.query_cos_sin.shape[-1]}], not [..., "
+        f"{head_dim}]: make the plan with the kernel's block sizes")
+  return num_tiles
+
+
 def padded_query_len(q_len: int, group: int, num_compute_wgs: int) -> int:
   """Tokens the kernel works on: whole 64-token blocks, and as many blocks
   that the (block, query head) units split evenly over the CTAs."""

@@ -93,6 +93,34 @@ def test_refusals():
                               sm_scale=0.125, block_sizes=sizes)
 
 
+def test_check_plan_fits_names_each_mismatch():
+  """A plan for other records, another query length or without the query
+  table is refused, naming what differs; a fitting one gives its tiles."""
+  from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout, check_plan_fits
+  rng = np.random.default_rng(2)
+  lazy = make_case(rng, batch=1, q_len=5, num_heads=4, num_kv_heads=2,
+                   head_dim=64, page_size=16, dtype=jnp.bfloat16)
+  sizes = MgpuBlockSizes(block_kv=64)
+  plan = plan_prefill(*[jnp.asarray(a) for a in lazy.args()[3:]], rope=PLAIN,
+                      group=2, head_dim=64, num_pages=lazy.k_pages.shape[1],
+                      page_size=16, block_sizes=sizes)
+  layout = RecordLayout(4, cos_sin_dim=64)
+  fits = functools.partial(check_plan_fits, plan, layout, sizes, group=2,
+                           head_dim=64)
+  assert fits(t_pad=64) == plan.n_steps.shape[1] == 1
+  with pytest.raises(ValueError, match="needs 4 units over 2 warpgroups"):
+    fits(t_pad=128)
+  with pytest.raises(ValueError, match="plan records are 96 wide"):
+    check_plan_fits(plan, RecordLayout(4), sizes, t_pad=64, group=2,
+                    head_dim=64)
+  xla = plan._replace(query_cos_sin=plan.query_cos_sin[..., :0])
+  with pytest.raises(ValueError, match=WRONG_PLAN):
+    check_plan_fits(xla, layout, sizes, t_pad=64, group=2, head_dim=64)
+  no_rotation = MgpuBlockSizes(block_kv=64, query_rope_in_kernel=False)
+  assert check_plan_fits(xla, layout, no_rotation, t_pad=64, group=2,
+                         head_dim=64) == 1
+
+
 @pytest.mark.parametrize("float8", [False, True], ids=["bf16", "float8"])
 def test_export_lowers_for_cuda_benchmark_shape(float8):
   specs = list(_specs(**BENCH))
