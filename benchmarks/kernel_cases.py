@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kernel_timing import perturb_none, perturb_query
 from pallas_kernels.gpu_decode_mgpu import (DecodePlan,
                                             lazy_decode_mgpu_planned,
                                             plan_decode)
-from pallas_kernels.gpu_prefill_mgpu import (PrefillPlan,
+from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu_planned,
                                              plan_prefill)
 from pallas_kernels.rope import RopeConfig
@@ -226,4 +227,13 @@ def prefill_planned(q, k_pages, v_pages, q_pos, plan, block_sizes=None):
                                    PrefillPlan(*plan), rope=ROPE,
                                    sm_scale=jnp.float32(SM_SCALE),
                                    block_sizes=block_sizes)
+
+
+def prefill_planned_perturb(block_sizes=None):
+  """How a chain perturbs `prefill_planned` with `block_sizes`: q changes
+  per layer; a kernel that rotates the raw query itself is timed
+  unperturbed (q + 0 would be a pass of its own before it), as the kernel
+  alone."""
+  sizes = block_sizes or MgpuBlockSizes()
+  return perturb_none if sizes.rotates_query_in_kernel else perturb_query
 

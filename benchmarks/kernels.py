@@ -83,11 +83,11 @@ from benchmarks.kernel_cases import (
     PAGE_SIZE,
     SM_SCALE, decode_inputs, decode_planned, decode_planned_sets,
     decode_shape_name, dense_decode, dense_from_pages, fp8_sets, jax_paged,
-    lazy_fn, page_metadata, prefill_plan, prefill_planned, random_array,
-    visible_pairs)
-from benchmarks.kernel_timing import (perturb_lazy, perturb_none,
-                                      perturb_paged, perturb_positions,
-                                      perturb_query, time_pair, time_per_call)
+    lazy_fn, page_metadata, prefill_plan, prefill_planned,
+    prefill_planned_perturb, random_array, visible_pairs)
+from benchmarks.kernel_timing import (perturb_lazy, perturb_paged,
+                                      perturb_positions, perturb_query,
+                                      time_pair, time_per_call)
 from benchmarks.kernels_report import report
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
 from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
@@ -441,9 +441,7 @@ def run_prefill(results, variants, shapes, tuning_shape, budget, fp8=False,
       _measure(results, "prefill", shape, "lazy-mosaic per-layer" + suffix,
                functools.partial(prefill_planned, block_sizes=sizes),
                [(q, k_pages, v_pages, q_pos, plan)],
-               perturb_none
-               if (sizes or MgpuBlockSizes()).rotates_query_in_kernel
-               else perturb_query, flops=flops,
+               prefill_planned_perturb(sizes), flops=flops,
                note="plan made once per batch")
     if fp8:  # float8 pools: the Triton kernel (non-Hopper GPUs) against
       # the Mosaic kernel (lazy_attention's on Hopper), whole call

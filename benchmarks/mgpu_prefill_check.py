@@ -66,7 +66,8 @@ import numpy as np
 from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      PAGE_LAYOUTS, PAGE_SIZE, ROPE, SM_SCALE,
                                      prefill_plan, prefill_plan_only,
-                                     prefill_planned, visible_pairs)
+                                     prefill_planned, prefill_planned_perturb,
+                                     visible_pairs)
 from benchmarks.gpu_clock_log import ClockLog
 from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
                                       perturb_none, perturb_positions,
@@ -78,6 +79,7 @@ from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
                                              lazy_prefill_mgpu,
                                              mgpu_prefill_kernel,
+                                             query_operand,
                                              rotated_query_tokens)
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 
@@ -169,15 +171,13 @@ def jax_mgpu_dense_inputs(q, k_dense, v_dense):
 
 
 def kernel_inputs(lazy_args, sizes):
-  """(rotated query, plan) that `mgpu_prefill_kernel` alone takes for the
+  """(query operand, plan) that `mgpu_prefill_kernel` alone takes for the
   lazy arguments and block sizes `sizes`."""
   plan = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(*lazy_args,
                                                               sizes))
-  q, t_pad = lazy_args[0], plan.row_pos.shape[1]
-  if sizes.rotates_query_in_kernel:  # the raw query: the kernel rotates it
-    return jnp.pad(q, ((0, 0), (0, t_pad - q.shape[1]), (0, 0), (0, 0))), plan
-  q_rot = jax.jit(rotated_query_tokens, static_argnums=(2, 4, 5))(
-      q, lazy_args[7], ROPE, jnp.float32(SM_SCALE), t_pad, sizes.query_in_f32)
+  q_rot = jax.jit(query_operand, static_argnums=(2, 4, 5))(
+      lazy_args[0], lazy_args[7], ROPE, jnp.float32(SM_SCALE),
+      plan.row_pos.shape[1], sizes)
   return q_rot, plan
 
 
@@ -227,11 +227,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
     plan = tuple(jax.jit(prefill_plan)(*lazy_args))
     planned_args = (lazy_args[0], lazy_args[1], lazy_args[2], lazy_args[7],
                     plan)
-    # Per layer the query is the call's only input that changes; a kernel
-    # that rotates it itself is timed unperturbed, as the kernel alone.
     methods.append(("mgpu per-layer (plan once)", prefill_planned, planned_args,
-                    perturb_none if MgpuBlockSizes().rotates_query_in_kernel
-                    else perturb_query))
+                    prefill_planned_perturb()))
     methods.append(("mgpu plan only (per batch)", prefill_plan_only, lazy_args,
                     perturb_lazy))
     # The per-layer call split in two: the XLA query rotation, and the

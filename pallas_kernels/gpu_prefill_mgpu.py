@@ -38,6 +38,7 @@ __all__ = [
     "mosaic_prefill_supported",
     "padded_query_len",
     "plan_prefill",
+    "query_operand",
     "rotated_query_tokens",
     "smem_bytes",
     "step_records",
@@ -143,6 +144,18 @@ def rotated_query_tokens(q, q_pos, rope: RopeConfig, sm_scale, padded_len,
                          (0, 0)))
 
 
+def query_operand(q, q_pos, rope: RopeConfig, sm_scale, padded_len,
+                  block_sizes: MgpuBlockSizes):
+  """[B, T_pad, N, H]: the query `mgpu_prefill_kernel` takes with these
+  block sizes: the raw query padded to `padded_len` tokens where the kernel
+  rotates it itself (`rotates_query_in_kernel`), else
+  `rotated_query_tokens`."""
+  if block_sizes.rotates_query_in_kernel:
+    return jnp.pad(q, ((0, 0), (0, padded_len - q.shape[1]), (0, 0), (0, 0)))
+  return rotated_query_tokens(q, q_pos, rope, sm_scale, padded_len,
+                              block_sizes.query_in_f32)
+
+
 def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
                               *, rope: RopeConfig, sm_scale, page_offset=0,
                               block_sizes: MgpuBlockSizes | None = None,
@@ -167,11 +180,7 @@ def lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan: PrefillPlan,
       q_len, group, block_sizes.num_compute_wgs)):
     raise ValueError(f"plan was made for {plan.row_pos.shape[0]} rows of "
                      f"{t_pad} padded tokens; q has {batch} rows of {q_len}")
-  if block_sizes.rotates_query_in_kernel:  # the kernel rotates the raw q
-    q_in = jnp.pad(q, ((0, 0), (0, t_pad - q_len), (0, 0), (0, 0)))
-  else:
-    q_in = rotated_query_tokens(q, q_pos, rope, sm_scale, t_pad,
-                                block_sizes.query_in_f32)
+  q_in = query_operand(q, q_pos, rope, sm_scale, t_pad, block_sizes)
   out = mgpu_prefill_kernel(q_in, k_pages, v_pages, plan, page_offset,
                             out_dtype=q.dtype, block_sizes=block_sizes,
                             interpret=interpret, k_scales=k_scales,

@@ -5,6 +5,7 @@ refusals, its CUDA lowering, interpreter parity on CPU and GPU parity."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,6 +48,28 @@ def test_the_kernel_rotates_a_16_bit_query_by_default():
   assert not MgpuBlockSizes(query_in_f32=True).rotates_query_in_kernel
   assert not MgpuBlockSizes(query_rope_in_kernel=False).rotates_query_in_kernel
   assert IN_KERNEL.rotates_query_in_kernel
+
+
+def test_query_operand_is_the_raw_query_where_the_kernel_rotates_it():
+  """The padded raw query for the kernel that rotates it; the XLA-rotated
+  one otherwise.  The timing chain perturbs the per-layer call likewise."""
+  from benchmarks.kernel_cases import prefill_planned_perturb
+  from benchmarks.kernel_timing import perturb_none, perturb_query
+  from pallas_kernels.gpu_prefill_mgpu import (query_operand,
+                                               rotated_query_tokens)
+  q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 5, 2, 64)),
+                  jnp.bfloat16)
+  q_pos = jnp.arange(5, dtype=jnp.int32)[None] + 100
+  raw = query_operand(q, q_pos, PLAIN, 0.125, 64, MgpuBlockSizes())
+  assert raw.shape == (1, 64, 2, 64)
+  np.testing.assert_array_equal(raw[:, :5], q)
+  assert not np.asarray(raw[:, 5:]).any()
+  xla = MgpuBlockSizes(query_rope_in_kernel=False)
+  np.testing.assert_array_equal(
+      query_operand(q, q_pos, PLAIN, 0.125, 64, xla),
+      rotated_query_tokens(q, q_pos, PLAIN, 0.125, 64, in_f32=False))
+  assert prefill_planned_perturb() is perturb_none
+  assert prefill_planned_perturb(xla) is perturb_query
 
 
 def test_plan_holds_the_table_only_where_the_kernel_rotates():
@@ -140,7 +163,7 @@ def test_export_lowers_for_cuda_benchmark_shape(float8):
 def _against_the_xla_rotation(lazy, rope, sizes, interpret):
   """The call with `sizes` and with the XLA rotation (its default): the
   same roundings but for the Q15 cos / sin, so within bf16's step."""
-  base = MgpuBlockSizes(**{**sizes.__dict__, "query_rope_in_kernel": False})
+  base = dataclasses.replace(sizes, query_rope_in_kernel=False)
   out = _call(lazy.args(), rope=rope, interpret=interpret, block_sizes=sizes)
   xla = _call(lazy.args(), rope=rope, interpret=interpret, block_sizes=base)
   _check(out, lazy, rope)
