@@ -52,6 +52,10 @@ VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
 # default rotates it in the kernel: MgpuBlockSizes.rotates_query_in_kernel).
 VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], query_rope_in_kernel=False)
+# The default with each segment's query rotation in f32 arithmetic (the
+# default computes it in packed 16-bit: MgpuBlockSizes.segment_rotation_16bit).
+VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = dataclasses.replace(
+    VARIANTS["k128w2s2-qreg-csrec-sched"], segment_rotation_16bit=False)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

@@ -139,13 +139,14 @@ def record_cos_sin(ops, rec, offset: int, half: int):
   return row(offset), row(offset + half)
 
 
-def _rotated_halves(src, cos, sin, half):
-  """f32 (lo, hi): the column halves of R(-shift) src [64, H] (f32 or
-  16-bit), shift's cos and sin [H/2] given per column."""
-  lo = src.at[:, pl.ds(0, half)][...].astype(jnp.float32)
-  hi = src.at[:, pl.ds(half, half)][...].astype(jnp.float32)
-  cos = lax.broadcast_in_dim(cos, (WG_ROWS, half), [1])
-  sin = lax.broadcast_in_dim(sin, (WG_ROWS, half), [1])
+def _rotated_halves(src, cos, sin, half, math_dtype=jnp.float32):
+  """(lo, hi) in `math_dtype`: the column halves of R(-shift) src [64, H]
+  (f32 or 16-bit), shift's cos and sin [H/2] (f32) given per column, and
+  every operation in `math_dtype` (f32, or packed 16-bit arithmetic)."""
+  lo = src.at[:, pl.ds(0, half)][...].astype(math_dtype)
+  hi = src.at[:, pl.ds(half, half)][...].astype(math_dtype)
+  cos = lax.broadcast_in_dim(cos.astype(math_dtype), (WG_ROWS, half), [1])
+  sin = lax.broadcast_in_dim(sin.astype(math_dtype), (WG_ROWS, half), [1])
   return lo * cos + hi * sin, hi * cos - lo * sin
 
 
@@ -188,13 +189,16 @@ def shift_cos_sin(shift, chunk_rows):
   return cos_sin_from_chunks(shift, chunk_rows, nearest=jnp.round)
 
 
-def rotated_query_halves(ops, src, cs_smem, slot, half, dtype, cos_sin=None):
+def rotated_query_halves(ops, src, cs_smem, slot, half, dtype, cos_sin=None,
+                         in_16bit=False):
   """(lo, hi): the column halves of R(-shift) src in `dtype`, in registers
   (WGMMA layout: the A operands of `Ops.qk_halves`), with the step's cos /
   sin in cs_smem[slot] (or given: `cos_sin`, per column); src f32 or
-  16-bit."""
+  16-bit.  `in_16bit`: computed in packed `dtype` arithmetic instead of
+  f32 (MgpuBlockSizes.segment_rotation_16bit)."""
   cos, sin = cos_sin or _cos_sin_at(ops, cs_smem, slot)
-  lo, hi = _rotated_halves(src, cos, sin, half)
+  lo, hi = _rotated_halves(src, cos, sin, half,
+                           dtype if in_16bit else jnp.float32)
   return (ops.cast(lo.astype(dtype), plgpu.Layout.WGMMA),
           ops.cast(hi.astype(dtype), plgpu.Layout.WGMMA))
 

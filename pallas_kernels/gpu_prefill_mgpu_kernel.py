@@ -3,14 +3,15 @@
 One CTA per (tile of query units, kv head, batch row).  A producer
 warpgroup TMA-copies each step's KV pages, its step record and its segment's
 cos/sin (or a record that carries them: cos_sin_in_records) into a ring of
-shared-memory slots; one or two compute warpgroups
-each take 64 query rows of one query head (with a 16-bit query, the raw
-rows, which each rotates first by their positions from the plan's Q15 cos /
-sin table: MgpuBlockSizes.rotates_query_in_kernel), rotate them by -shift
-for a segment's first step while the step before's P V wgmma runs (into
-registers, the A operand of Q K^T; or into shared memory with
-`query_in_registers=False` and float8), and run the online softmax (base
-2) with wgmma, the two warpgroups in ping-pong.
+shared-memory slots; one or two compute warpgroups each take 64 query rows
+of one query head (with a 16-bit query, the raw rows, which each rotates
+first by their positions from the plan's Q15 cos / sin table:
+MgpuBlockSizes.rotates_query_in_kernel), rotate them by -shift for a
+segment's first step while the step before's P V wgmma runs (into
+registers, the A operand of Q K^T, in packed 16-bit arithmetic by default:
+segment_rotation_16bit; or into shared memory with `query_in_registers=False`
+and float8), and run the online softmax (base 2) with wgmma, the two
+warpgroups in ping-pong.
 Float8 pages (e4m3): a converter warpgroup widens each step's K and V into
 one 16-bit K and V tile the compute warpgroups share, as in the decode
 (gpu_mgpu_float8.py; per-page scales per score and P column).  The
@@ -179,7 +180,8 @@ def _kernel(
           starts,
           lambda: rotated_query_halves(ops, q_store, cs_smem,
                                        lax.rem(j, cs_stages), half, dtype,
-                                       step_cos_sin(j)),
+                                       step_cos_sin(j),
+                                       cfg.segment_rotation_16bit),
           lambda: tuple(halves))
 
     if not regs_query:
