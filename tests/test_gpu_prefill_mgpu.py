@@ -392,8 +392,8 @@ def test_float8_export_lowers_for_cuda(num_compute_wgs, cos_sin_in_records):
 
 @needs_interpreter
 @pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records", [
-    (1, False),
-    pytest.param(1, True, marks=pytest.mark.slow),
+    (1, True),  # the default: each record carries its cos / sin
+    pytest.param(1, False, marks=pytest.mark.slow),  # a cos / sin ring
     # Four warpgroups: the interpreter runs each in a host computation whose
     # barrier waits block a thread of XLA's CPU pool (one per core); with
     # two cores, two blocked waits starve the other two warpgroups and the

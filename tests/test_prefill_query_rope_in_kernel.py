@@ -187,6 +187,7 @@ def test_parity_interpret():
 
 
 @needs_interpreter
+@pytest.mark.slow  # the fast tier runs this path in test_gpu_prefill_mgpu
 def test_parity_interpret_float8():
   """float8 pages: the table rides in the f16 operand tile, the rotated
   query in the bf16 one."""
