@@ -133,8 +133,11 @@ def _ragged_case(seed, **kwargs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("persistent", [
-    pytest.param(False, marks=pytest.mark.slow), True],
+# CI time: both slow.  16-bit pools decode by block steps by default
+# (test_gpu_decode_blocks), float8 pools on the persistent grid
+# (test_parity_interpret_float8 below, fast).
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True],
                          ids=["cta-per-item", "persistent"])
 def test_parity_interpret_ragged(persistent):
   """Ragged documents (some shorter than a page), an empty page (page_len

@@ -90,6 +90,9 @@ def test_export_lowers_for_cuda(case):
 
 
 @needs_interpreter
+# CI time: an opt-in path (fields_in_kernel); its record view, its refusals
+# and its export for cuda stay in the fast tier.
+@pytest.mark.slow
 def test_parity_interpret_ragged():
   """Documents shorter than a page, so shifts change inside blocks; an
   empty page; NaN in every unused page and padding slot; a padding row;

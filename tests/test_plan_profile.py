@@ -8,6 +8,9 @@ import pytest
 from benchmarks.plan_profile import main
 
 
+# CI time: the benchmark's own run; the plans themselves are tested in
+# test_mgpu_plan_records and test_lazy_attention_plan.
+@pytest.mark.slow
 def test_every_plan_is_profiled(tmp_path, capsys):
   rows = main(["--trace-dir", str(tmp_path), "--top", "3",
                "--decode-batch", "2", "--context", "1024",
