@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -16,6 +17,8 @@ from models.config import LlamaConfig
 from models.llama import Llama
 
 
+# CI time: float8 pools are opt-in; the slow tier runs it (--slow).
+@pytest.mark.slow
 def test_float8_pool_splits_scales_over_kv_heads_and_matches_one_device():
   config = dataclasses.replace(LlamaConfig.tiny(), max_position=512)
   model = Llama(config, rngs=nnx.Rngs(0))
