@@ -394,7 +394,7 @@ def test_float8_export_lowers_for_cuda(num_compute_wgs, cos_sin_in_records):
 @pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records", [
     # The default: each record carries its cos / sin.  Slow for CI time:
     # float8 pages are opt-in; their lowering for cuda is checked in the
-    # fast tier above, their parity on the GPU (test_parity_gpu).
+    # fast tier above, their parity on the GPU (test_parity_gpu_float8).
     pytest.param(1, True, marks=pytest.mark.slow),
     pytest.param(1, False, marks=pytest.mark.slow),  # a cos / sin ring
     # Four warpgroups: the interpreter runs each in a host computation whose

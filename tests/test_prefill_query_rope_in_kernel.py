@@ -187,7 +187,9 @@ def test_parity_interpret():
 
 
 @needs_interpreter
-@pytest.mark.slow  # the fast tier runs this path in test_gpu_prefill_mgpu
+# Slow for CI time, as test_gpu_prefill_mgpu's float8 interpreter cases:
+# float8 pages are opt-in; their GPU parity runs in the GPU tier.
+@pytest.mark.slow
 def test_parity_interpret_float8():
   """float8 pages: the table rides in the f16 operand tile, the rotated
   query in the bf16 one."""
