@@ -7,10 +7,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import fast_compile  # noqa: E402 - needs the path above
+from tests import fast_compile, interpreter_cache  # noqa: E402 - needs the path above
 
 # Before any test starts JAX's backend (it reads XLA_FLAGS once, then).
 fast_compile.enable()
+# The Pallas interpreters' thread programs compiled once per kernel call.
+interpreter_cache.enable()
 
 # Session fixtures several modules use, defined here once: a module that
 # imports a fixture gets its own definition, so a worker running two such
