@@ -57,30 +57,54 @@ def sample_settles(monkeypatch):
   return settles
 
 
-# Tests of 15 s or more under `pytest -n 2` on a 2-core machine, with their
-# seconds there (--durations, 2026-12-01 23:36 UTC).  The slow tier is left
-# out: it does not run by default, and skipped tests are not counted.  A
-# module is named whole where its tests share a costly fixture, and a tuple
-# of names runs on one worker (both HF parity modules use HF's model, ~30 s
-# to load).  Names that no longer match are ignored.
+# Tests of 20 s or more under `pytest -n 3` on a 2-core machine, with their
+# seconds there (--durations, 2026-12-03 23:15 UTC; three of them trimmed
+# since).  The slow tier is left out: it does not run by default, and
+# skipped tests are not counted.  A module is named whole where its tests
+# share a costly fixture, and a tuple of names runs on one worker (both HF
+# parity modules use HF's model, ~30 s to load).  A name stands for all its
+# parameters.  Names that no longer match are ignored.
 LONG_TESTS = {
-    "tests/test_tensor_parallel.py::test_multi_device_checks_pass_on_eight_cpu_devices": 148,
-    ("tests/test_hf_lazy_parity.py", "tests/test_hf_parity.py"): 110,
-    "tests/test_gpu_prefill_mgpu.py::test_parity_interpret_float8": 51,
-    "tests/test_gpu_prefill_mgpu.py::test_parity_interpret": 45,
-    "tests/test_rag_serving.py": 35,
-    "tests/test_cli.py::test_rag_labels_what_was_cached_before_the_run": 30,
+    "tests/test_tensor_parallel.py::test_multi_device_checks_pass_on_eight_cpu_devices":
+        200,
+    ("tests/test_hf_lazy_parity.py", "tests/test_hf_parity.py"): 166,
+    "tests/test_gpu_kernels.py::test_parity_interpret": 71,
+    "tests/test_tpu_kernels.py::test_tpu_kernel_parity_interpret": 67,
+    "tests/test_cli.py::test_rag_labels_what_was_cached_before_the_run": 54,
+    "tests/test_fp8_kernels.py::test_float8_pages_match_reference_and_unquantized_truth":
+        46,
+    "tests/test_rag_serving.py": 44,
+    "tests/test_lazy_attention.py::test_reference_and_xla_match_float64_truth":
+        44,
+    "tests/test_prefill_query_rope_in_kernel.py::test_parity_interpret": 43,
+    "tests/test_cli.py::test_bad_input_exits_2_with_one_line": 41,
+    "tests/test_gpu_decode_mgpu.py::test_parity_interpret_contiguous_pages":
+        35,
+    "tests/test_quality_kernels.py::test_kernels_on_the_recompute_layout": 32,
     "tests/test_gpu_decode_mgpu.py::test_parity_interpret_float8": 27,
-    "tests/test_gpu_decode_blocks.py::test_parity_interpret_documents_across_blocks_llama3": 25,
-    "tests/test_gpu_decode_page_fields.py::test_parity_interpret_ragged": 36,
-    "tests/test_gpu_decode_mgpu.py::test_parity_interpret_ragged": 24,
-    "tests/test_gpu_decode_mgpu.py::test_parity_interpret_float8_small_and_mixed_v_scales": 21,
-    "tests/test_gpu_decode_mgpu.py::test_parity_interpret_whole_pages_llama3": 19,
-    "tests/test_decode_during_prefill.py::test_riders_give_the_same_tokens_and_decode_during_prefill": 19,
-    "tests/test_gpu_prefill_mgpu.py::test_parity_interpret_mha_and_page_offset": 18,
-    "tests/test_engine.py::test_compile_count_is_bounded_over_varied_requests": 17,
-    "tests/test_gpu_prefill_mgpu.py::test_parity_interpret_segments_of_several_steps": 16,
-    "tests/test_engine_faults.py::test_a_fault_in_any_stage_rolls_the_round_back": 16,
+    "tests/test_gpu_prefill_mgpu.py::test_parity_interpret_contiguous_pages":
+        27,
+    "tests/test_cache_properties.py::TestCacheProperties::runTest": 26,
+    "tests/test_gpu_decode_mgpu.py::test_parity_interpret_whole_pages_llama3":
+        26,
+    "tests/test_cli.py::test_bad_model_or_option_exits_2_with_one_line": 25,
+    "tests/test_arch_parity.py::test_lazy_request_matches_hf_greedy_tokens":
+        25,
+    "tests/test_engine_faults.py::test_a_fault_in_any_stage_rolls_the_round_back":
+        25,
+    "tests/test_prefill_query_rope_in_kernel.py::test_plan_holds_the_table_only_where_the_kernel_rotates":
+        23,
+    "tests/test_gpu_prefill_mgpu.py::test_parity_interpret_segments_of_several_steps":
+        23,
+    "tests/test_qwen_tokenizer.py::test_engine_wraps_a_string_query_in_chatml":
+        23,
+    "tests/test_server_cli.py::test_serve_answers_over_http_and_stops_on_sigterm":
+        22,
+    "tests/test_engine_quality.py::test_engine_equals_the_dense_layout": 21,
+    "tests/test_fp8_engine.py::test_float8_pool_serves_every_mode_close_to_float32":
+        20,
+    "tests/test_gpu_decode_mgpu.py::test_parity_interpret_float8_small_and_mixed_v_scales":
+        20,
 }
 
 
@@ -92,17 +116,24 @@ def _long_key(nodeid: str):
   return None
 
 
-def _long_tests_first(items):
-  """Reorders `items` so that each of two xdist workers starts on half the
-  long tests (longest first, shared greedily) and then has half the rest.
+def _xdist_workers() -> int:
+  """The run's xdist workers (1 without xdist): set in each worker."""
+  return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
-  --dist worksteal hands the first worker the first half of the list and
-  the second worker the other half, then moves tests from the end of one's
-  queue to the other when it runs dry.  Long tests at the start of each
-  half run early, and the last tests of both workers are short ones.  Each
-  worker also keeps about half the in-process tests: one process compiling
-  nearly all of the suite's programs runs out of memory mappings (65530
-  by default; each program maps a few) and crashes inside XLA.
+
+def _long_tests_first(items, workers: int):
+  """Reorders `items` so that each of the xdist workers starts on its share
+  of the long tests (longest first, shared greedily) and then has its part
+  of the rest.
+
+  --dist worksteal hands the workers consecutive, equal slices of the list
+  (each the remaining tests over the remaining workers), then moves tests
+  from the end of one's queue to another when it runs dry.  Long tests at
+  the start of each slice run early, and the last tests of every worker
+  are short ones.  Each worker also keeps its part of the in-process
+  tests: one process compiling nearly all of the suite's programs runs out
+  of memory mappings (65530 by default; each program maps a few) and
+  crashes inside XLA.
   """
   groups = {key: [] for key in LONG_TESTS}
   rest = []
@@ -110,13 +141,20 @@ def _long_tests_first(items):
     skipped = any(mark.name == "skip" for mark in item.iter_markers())
     key = None if skipped else _long_key(item.nodeid)
     (groups[key] if key else rest).append(item)
-  shares, seconds = ([], []), [0, 0]
+  shares = [[] for _ in range(workers)]
+  seconds = [0] * workers
   for key in sorted(LONG_TESTS, key=LONG_TESTS.get, reverse=True):
     lighter = seconds.index(min(seconds))
     shares[lighter].extend(groups[key])
     seconds[lighter] += LONG_TESTS[key] if groups[key] else 0
-  cut = max(0, len(items) // 2 - len(shares[0]))
-  items[:] = shares[0] + rest[:cut] + shares[1] + rest[cut:]
+  ordered = []
+  for worker, share in enumerate(shares):
+    # The slice worksteal will hand this worker, as it computes it.
+    size = (len(items) - len(ordered)) // (workers - worker)
+    take = max(0, size - len(share))
+    ordered += share + rest[:take]
+    rest = rest[take:]
+  items[:] = ordered + rest
 
 
 # Each compiled program holds a few memory mappings until it is dropped, and
@@ -151,7 +189,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
       if "slow" in item.keywords:
         item.add_marker(slow)
-  _long_tests_first(items)
+  _long_tests_first(items, _xdist_workers())
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")

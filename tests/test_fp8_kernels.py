@@ -18,6 +18,7 @@ rule, and `jax.export` lowering of the float8 kernels for TPU and CUDA.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ CASES = [
     Case("gpu", 1, "bfloat16", base_position=2**20),
     Case("gpu", 7, "float32", heads=(8, 8), max_doc_len=6),
     Case("tpu", 1, "float32", max_doc_len=7, rope=LLAMA3),
-    Case("tpu", 7, "bfloat16", heads=(8, 8), page_size=16,
+    Case("tpu", 7, "bfloat16", heads=(4, 4), page_size=16,
          base_position=60000),
 ]
 
@@ -89,7 +90,9 @@ def _dequantized(case, k_scales, v_scales):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_float8_pages_match_reference_and_unquantized_truth(case):
-  rng = np.random.default_rng(abs(hash(case.id)) % 2**32)
+  # crc32, not hash(): str hashes change with each process (PYTHONHASHSEED),
+  # so a failing case could not be run again.
+  rng = np.random.default_rng(zlib.crc32(case.id.encode()))
   dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
   lazy = make_case(rng, batch=2, q_len=case.q_len, num_heads=case.heads[0],
                    num_kv_heads=case.heads[1], head_dim=case.head_dim,

@@ -101,7 +101,20 @@ def _run_case(case: Case, *, interpret: bool, seed_salt: int = 0):
     assert np.all(out[padding] == 0.0), "padding rows must be exactly zero"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# The interpreter runs four of the cases in the slow tier only, for CI
+# time (the Triton kernels serve GPUs without Mosaic): the rest still cover
+# each head layout, head dim, page size, dtype, query length and RoPE.
+SLOW_IN_INTERPRETER = {
+    "8-8_H128_p16_float32_T1_base60000_llama3",
+    "9-3_H64_p8_bfloat16_T1_base1048576_plain",
+    "9-3_H64_p16_float32_T7_base1048576_plain",
+    "8-8_H128_p16_bfloat16_T64_base60000_plain",
+}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW_IN_INTERPRETER
+    else c for c in CASES], ids=lambda c: c.id)
 def test_parity_interpret(case):
   _run_case(case, interpret=True)
 
