@@ -30,7 +30,7 @@ from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.testing import (contract_specs, contiguous_block_count,
                                     make_case, numpy_truth, relative_error)
-from tests.test_gpu_prefill_mgpu import (  # the same checks as prefill
+from tests.mgpu_prefill_helpers import (  # the same checks as prefill
     _check, _doc_layout_case, needs_interpreter)
 
 

@@ -4,20 +4,18 @@ On CPU: the kernel is lowered for CUDA with jax.export (the Pallas Mosaic GPU
 lowering runs here and catches layout, shape and shared-memory errors), run
 in the Mosaic GPU interpreter on small cases (ring, barriers, TMA page
 copies, step records, rotation, masks and the V fix-up all execute; the two
-matmuls become jnp dots), and its metadata and argument checks are tested.
+matmuls become jnp dots), and its argument checks are tested.
 On a GPU (`@pytest.mark.gpu`): parity with the jnp reference and the float64
 truth on cases with ragged documents, an empty page (page_len 0), NaN in
 every unused page and padding slot, padding rows (q_pos -1), shuffled
 physical pages and one physical document read by two rows at different
 shifts (pallas_kernels.testing.make_case), plus a benchmark-like layout.
+float8 pages: test_gpu_prefill_mgpu_float8.py; the plan's step records:
+test_mgpu_plan_records.py; shared helpers: mgpu_prefill_helpers.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import importlib.util
-import os
 import sys
 
 import jax
@@ -26,36 +24,19 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels import RopeConfig, lazy_attention_reference
-from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, RecordLayout,
-                                             lazy_prefill_mgpu, step_records)
-from pallas_kernels.testing import (contract_specs, contiguous_block_count,
-                                    make_case, numpy_truth, relative_error)
-
-PLAIN = RopeConfig(theta=10000.0)
-LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position=8192)
-BF16_TOLERANCE = 2e-2
-
-
-def _specs(batch, q_len, heads, kv_heads, head_dim, pages, page_size,
-           logical, dtype=jnp.bfloat16):
-  return contract_specs(batch=batch, q_len=q_len, num_heads=heads,
-                        num_kv_heads=kv_heads, head_dim=head_dim,
-                        num_pages=pages, page_size=page_size,
-                        num_logical_pages=logical, dtype=dtype)
+from pallas_kernels import lazy_attention_reference
+from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
+from pallas_kernels.testing import (contiguous_block_count, make_case,
+                                    relative_error)
+from tests.mgpu_prefill_helpers import (BENCH, BF16_TOLERANCE, LLAMA3, PLAIN,
+                                        _call, _check, _doc_layout_case,
+                                        _specs, gpu_case, needs_interpreter)
 
 
 def _export(args, block_sizes=None):
   fn = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a, rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=block_sizes))
   return export.export(fn, platforms=["cuda"])(*args)
-
-
-# Benchmark shape: B 4, 512-token chunk, 8192 tokens of context in 16
-# documents of 512 plus the chunk's own 32 pages, Hq/Hkv 32/8, H 128, page 16.
-BENCH = dict(batch=4, q_len=512, heads=32, kv_heads=8, head_dim=128,
-             pages=4 * 544, page_size=16, logical=544)
 
 
 @pytest.mark.parametrize("block_sizes", [
@@ -89,20 +70,6 @@ def test_export_lowers_for_cuda_small_shape(head_dim, page_size, dtype):
   assert exported.out_avals[0].shape == (2, 7, 9, head_dim)
 
 
-# The interpreter is a private jax API; where a jax lacks it the interpreter
-# parity tests are skipped (the GPU parity tests still cover the kernel).
-def _has_interpreter() -> bool:
-  try:
-    return importlib.util.find_spec(
-        "jax._src.pallas.mosaic_gpu.interpret.params") is not None
-  except ImportError:
-    return False
-
-
-needs_interpreter = pytest.mark.skipif(
-    not _has_interpreter(), reason="this jax has no Mosaic GPU interpreter")
-
-
 def test_interpret_without_the_interpreter_names_the_missing_module(
     monkeypatch):
   from pallas_kernels import gpu_mgpu_parts
@@ -111,13 +78,6 @@ def test_interpret_without_the_interpreter_names_the_missing_module(
                       "jax._src.pallas.mosaic_gpu.interpret.params", None)
   with pytest.raises(ImportError, match="mosaic_gpu.interpret"):
     gpu_mgpu_parts.interpreter_params()
-
-
-def _call(args, *, rope=PLAIN, block_sizes=None, interpret=False):
-  head_dim = args[0].shape[-1]
-  return lazy_prefill_mgpu(*[jnp.asarray(a) for a in args], rope=rope,
-                           sm_scale=jnp.float32(head_dim ** -0.5),
-                           block_sizes=block_sizes, interpret=interpret)
 
 
 def test_argument_errors():
@@ -169,56 +129,6 @@ def test_argument_errors():
     MgpuBlockSizes(num_stages=1)
 
 
-def test_step_records():
-  # Pages (ppb = 2): [0, 3) shift 5, page 3 dead, [4, 7) shift 0 with page 6
-  # half full; page 7 dead.
-  page_shift = jnp.array([[5, 5, 5, 5, 0, 0, 0, 0]], jnp.int32)
-  live = jnp.array([[1, 1, 1, 0, 1, 1, 1, 0]], bool)
-  page_len = jnp.array([[4, 4, 4, 4, 4, 4, 2, 4]], jnp.int32)
-  page_pos = jnp.arange(8, dtype=jnp.int32)[None] * 4
-  page_table = jnp.array([[7, 6, 5, 4, 3, 2, 1, 0]], jnp.int32)
-  records, num_steps, step_first, shift = jax.jit(functools_partial())(
-      page_table, page_pos, page_shift, page_len, live)
-  layout = RecordLayout(2)
-  records = np.asarray(records[0])
-  # Segment 0 = pages [0, 4) (dead page 3 ends it): blocks 0, 1.
-  # Segment 1 = pages [4, 7): blocks 2, 3.
-  assert int(num_steps[0]) == 4
-  assert np.asarray(step_first[0, :5]).tolist() == [0, 2, 4, 6, 2**31 - 1]
-  assert np.asarray(shift[0, :2]).tolist() == [5, 0]
-  lim = records[:4, layout.lim:layout.lim + 2].tolist()
-  assert lim == [[4, 4], [4, 0], [4, 4], [2, 0]]
-  assert records[:4, layout.phys:layout.phys + 2].tolist() == [
-      [7, 6], [5, 4], [3, 2], [1, 0]]
-  assert records[:4, layout.seg].tolist() == [0, 0, 1, 1]
-  assert records[:4, layout.new_seg].tolist() == [1, 0, 1, 0]
-  assert records[:4, layout.fixup].tolist() == [0, 1, 0, 1]
-  assert records[:4, layout.max_pos].tolist() == [7, 11, 23, 25]
-  assert layout.width % 32 == 0
-
-
-def functools_partial():
-  def fn(*args):
-    return step_records(*args, num_pages=8, page_size=4, pages_per_block=2)
-  return fn
-
-
-def _check(out, lazy, rope):
-  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
-  assert out.shape == lazy.q.shape
-  assert not np.isnan(out).any(), "NaN leaked into the output"
-  reference = np.asarray(lazy_attention_reference(
-      *[jnp.asarray(a) for a in lazy.args()], rope=rope).astype(jnp.float32))
-  err_ref = relative_error(out, reference.astype(np.float64))
-  assert err_ref <= BF16_TOLERANCE, f"vs reference: {err_ref:.3g}"
-  if lazy.q.size <= 4096 * 64:
-    err_truth = relative_error(out, numpy_truth(lazy, rope))
-    assert err_truth <= BF16_TOLERANCE, f"vs float64 truth: {err_truth:.3g}"
-  padding = lazy.q_pos < 0
-  if padding.any():
-    assert np.all(out[padding] == 0.0), "padding rows must be exactly zero"
-
-
 @needs_interpreter
 def test_parity_interpret():
   """Whole kernel in the Mosaic GPU interpreter (CPU), two warpgroups."""
@@ -243,35 +153,6 @@ def test_parity_interpret_contiguous_pages(num_compute_wgs):
   sizes = MgpuBlockSizes(block_kv=64, num_compute_wgs=num_compute_wgs)
   assert sizes.copy_contiguous_blocks
   _check(_call(lazy.args(), interpret=True, block_sizes=sizes), lazy, PLAIN)
-
-
-def _doc_layout_case(rng, *, num_docs, doc_len, q_len, num_heads, num_kv_heads,
-                     head_dim, page_size, dtype=jnp.bfloat16):
-  """Benchmark-like layout: whole-page documents stored from angle 0 at
-  shift = their start, then the chunk's own pages; shuffled physical pages.
-  Most KV steps take the fast path (full pages, fully visible)."""
-  from pallas_kernels.testing import LazyCase
-  doc_pages = doc_len // page_size
-  own_pages = -(-q_len // page_size)
-  pages = num_docs * doc_pages + own_pages
-  page = np.arange(pages)
-  page_pos = (page * page_size)[None].astype(np.int32)
-  page_shift = np.where(page < num_docs * doc_pages,
-                        page * page_size // doc_len * doc_len, 0)
-  page_len = np.full((1, pages), page_size, np.int32)
-  page_len[0, -1] = q_len - (own_pages - 1) * page_size
-  table = rng.permutation(pages).astype(np.int32)[None]
-  shape = (num_kv_heads, pages, page_size, head_dim)
-  k = rng.standard_normal(shape).astype(np.float32)
-  v = rng.standard_normal(shape).astype(np.float32)
-  tail = table[0, -1]
-  k[:, tail, page_len[0, -1]:] = np.nan  # padding slots of the last page
-  v[:, tail, page_len[0, -1]:] = np.nan
-  q = rng.standard_normal((1, q_len, num_heads, head_dim)).astype(np.float32)
-  q_pos = (num_docs * doc_len + np.arange(q_len, dtype=np.int32))[None]
-  return LazyCase(q.astype(dtype), k.astype(dtype), v.astype(dtype), table,
-                  page_pos, page_shift[None].astype(np.int32), page_len,
-                  q_pos)
 
 
 @pytest.mark.slow
@@ -372,158 +253,6 @@ def test_parity_interpret_mha_and_page_offset():
   _check(out, lazy, PLAIN)
 
 
-@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records",
-                         [(1, False), (2, False), (2, True)])
-def test_float8_export_lowers_for_cuda(num_compute_wgs, cos_sin_in_records):
-  """float8 pages: a converter warpgroup widens the e4m3 ring (four
-  warpgroups with the ping-pong's two compute warpgroups)."""
-  specs = list(_specs(**BENCH))
-  pages = jax.ShapeDtypeStruct(specs[1].shape, jnp.float8_e4m3fn)
-  scales = jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)
-  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
-                         cos_sin_in_records=cos_sin_in_records)
-  fn = jax.jit(lambda *a: lazy_prefill_mgpu(
-      *a[:8], rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=sizes,
-      k_scales=a[8], v_scales=a[9]))
-  exported = export.export(fn, platforms=["cuda"])(
-      specs[0], pages, pages, *specs[3:], scales, scales)
-  assert exported.out_avals[0].dtype == jnp.bfloat16
-
-
-@needs_interpreter
-@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records", [
-    # The default: each record carries its cos / sin.  Slow for CI time:
-    # float8 pages are opt-in; their lowering for cuda is checked in the
-    # fast tier above, their parity on the GPU (test_parity_gpu_float8).
-    pytest.param(1, True, marks=pytest.mark.slow),
-    pytest.param(1, False, marks=pytest.mark.slow),  # a cos / sin ring
-    # Four warpgroups: the interpreter runs each in a host computation whose
-    # barrier waits block a thread of XLA's CPU pool (one per core); with
-    # two cores, two blocked waits starve the other two warpgroups and the
-    # run hangs.  Runs where there are cores enough (the GPU machine).
-    pytest.param(2, False, marks=pytest.mark.skipif(
-        (os.cpu_count() or 1) < 4,
-        reason="the Mosaic GPU interpreter needs >= 4 cores for 4 "
-        "warpgroups"))])
-def test_parity_interpret_float8(num_compute_wgs, cos_sin_in_records):
-  """float8 pages with NaN in unused slots and NaN scales on unused pages;
-  bf16 queries on f16 operands; V values tiny (scales down to 2^-27) and
-  2^6 apart between pages, so P times a V scale would leave f16's normal
-  range without acc's V-scale unit.  Two warpgroups: the ping-pong with a
-  16-bit K / V tile both read."""
-  from pallas_kernels.testing import quantize_case
-  from tests.test_gpu_decode_mgpu import _check_float8
-  rng = np.random.default_rng(3)
-  lazy = make_case(rng, batch=1, q_len=7, num_heads=8, num_kv_heads=2,
-                   head_dim=64, page_size=16, dtype=jnp.bfloat16,
-                   max_doc_len=100)
-  v = np.asarray(lazy.v_pages, np.float32) * 2.0**-20
-  v[:, 1::3] *= 2.0**6
-  lazy = dataclasses.replace(lazy, v_pages=v.astype(lazy.v_pages.dtype))
-  fp8, k_scales, v_scales = quantize_case(lazy)
-  assert np.isnan(np.asarray(k_scales)).any(), "no NaN scale to skip"
-  out = lazy_prefill_mgpu(
-      *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
-      sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
-      v_scales=v_scales,
-      block_sizes=MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
-                                 cos_sin_in_records=cos_sin_in_records))
-  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
-
-
-def test_float8_argument_errors():
-  """Scales without float8 pages (and the reverse), and float32 query
-  storage with float8 pages, are refused before any work."""
-  rng = np.random.default_rng(4)
-  lazy = make_case(rng, batch=1, q_len=3, num_heads=2, num_kv_heads=1,
-                   head_dim=64, page_size=16, dtype=jnp.bfloat16)
-  from pallas_kernels.testing import quantize_case
-  fp8, k_scales, v_scales = quantize_case(lazy)
-  args = [jnp.asarray(a) for a in fp8.args()]
-  call = functools.partial(lazy_prefill_mgpu, rope=PLAIN,
-                           sm_scale=jnp.float32(0.125))
-  with pytest.raises(ValueError, match="float8_e4m3fn pages need k_scales"):
-    call(*args)
-  with pytest.raises(ValueError, match="16-bit query storage"):
-    call(*args, k_scales=k_scales, v_scales=v_scales,
-         block_sizes=MgpuBlockSizes(query_in_f32=True))
-  plain = [jnp.asarray(a) for a in lazy.args()]
-  with pytest.raises(ValueError, match="k_scales"):
-    call(*plain, k_scales=k_scales, v_scales=v_scales)
-
-
-def test_plan_units_and_steps():
-  """Plan of a 100-token chunk after 160 tokens of context, group 4, two
-  warpgroups: 2 token blocks x 4 heads = 8 units = 4 CTAs, and the CTAs of
-  token block 0 skip the pages only block 1 can see."""
-  from pallas_kernels.gpu_prefill_mgpu import plan_prefill
-  pages, page_size = 17, 16  # 10 context pages + 7 for the chunk
-  page_pos = jnp.arange(pages, dtype=jnp.int32)[None] * page_size
-  page_len = jnp.full((1, pages), page_size, jnp.int32).at[0, 16].set(4)
-  zeros = jnp.zeros((1, pages), jnp.int32)
-  q_pos = (160 + jnp.arange(100, dtype=jnp.int32))[None]
-  plan = plan_prefill(jnp.arange(pages, dtype=jnp.int32)[None], page_pos,
-                      zeros, page_len, q_pos, rope=PLAIN, group=4,
-                      head_dim=64, num_pages=pages, page_size=page_size,
-                      block_sizes=MgpuBlockSizes(block_kv=64))
-  assert plan.row_pos.shape == (1, 128)
-  assert np.asarray(plan.row_pos[0, :100]).tolist() == list(range(160, 260))
-  assert np.all(np.asarray(plan.row_pos[0, 100:]) == -(2**31))
-  # Block 1 holds padding rows: its oldest row is the padding sentinel, so
-  # every one of its steps goes through the mask.
-  assert np.asarray(plan.min_row).tolist() == [[160, -(2**31)]]
-  # One segment, 4 pages a step.  Block 0 (160..223) sees pages 0..13:
-  # steps starting at pages 0, 4, 8, 12.  Block 1 sees page 16 too.
-  assert np.asarray(plan.n_steps).tolist() == [[4, 4, 5, 5]]
-
-
-def test_plan_records_carry_cos_sin():
-  """cos_sin_in_records: each record is the copied form's, then its
-  segment's cos and sin (f32 bits, those the copied form's plan holds per
-  segment); a kernel given a plan of the other width refuses it; shared
-  memory grows by the wider record ring."""
-  from pallas_kernels.gpu_block_sizes import smem_bytes
-  from pallas_kernels.gpu_prefill_mgpu import (mgpu_prefill_kernel,
-                                               plan_prefill)
-  pages, page_size, head_dim = 12, 16, 64
-  page_pos = jnp.arange(pages, dtype=jnp.int32)[None] * page_size
-  # Three documents of 4 pages at their own shifts.
-  shift = jnp.asarray([[700] * 4 + [90000] * 4 + [0] * 4], jnp.int32)
-  page_len = jnp.full((1, pages), page_size, jnp.int32)
-  q_pos = (pages * page_size + jnp.arange(8, dtype=jnp.int32))[None]
-  make = lambda sizes: plan_prefill(
-      jnp.arange(pages, dtype=jnp.int32)[None], page_pos, shift, page_len,
-      q_pos, rope=LLAMA3, group=1, head_dim=head_dim, num_pages=pages,
-      page_size=page_size, block_sizes=sizes)
-  plain = make(MgpuBlockSizes(block_kv=64, cos_sin_in_records=False))
-  sizes = MgpuBlockSizes(block_kv=64, cos_sin_in_records=True)
-  carried = make(sizes)
-  layout = RecordLayout(4, cos_sin_dim=head_dim)
-  records = np.asarray(carried.records)
-  assert records.shape[-1] == layout.width == 32 + 64
-  np.testing.assert_array_equal(records[..., :layout.cos_sin],
-                                np.asarray(plain.records))
-  cos_sin = records[..., layout.cos_sin:layout.cos_sin + head_dim].view(
-      np.float32).reshape(*records.shape[:2], 2, head_dim // 2)
-  steps = int(np.max(np.asarray(carried.n_steps)))
-  assert steps == 3
-  segs = records[0, :steps, layout.seg]
-  assert segs.tolist() == [0, 1, 2]
-  np.testing.assert_array_equal(
-      cos_sin[0, :steps], np.asarray(plain.cos_sin)[0, segs])
-  assert carried.cos_sin.shape == (1, pages, 2, 0)  # none beside them
-  assert not np.allclose(cos_sin[0, 0], cos_sin[0, 1])
-  # A plan made for other block sizes: refused before any work.
-  q = jnp.zeros((1, 64, 2, head_dim), jnp.bfloat16)
-  kv = jnp.zeros((2, pages, page_size, head_dim), jnp.bfloat16)
-  with pytest.raises(ValueError, match="make the plan with the kernel's"):
-    mgpu_prefill_kernel(q, kv, kv, plain, out_dtype=jnp.bfloat16,
-                        block_sizes=sizes, interpret=True)
-  wider = smem_bytes(MgpuBlockSizes(cos_sin_in_records=True), 128)
-  narrower = smem_bytes(MgpuBlockSizes(cos_sin_in_records=False), 128)
-  assert wider - narrower == 2 * 2 * 128 * 4
-
-
 GPU_CASES = [
     # (heads, head_dim, page_size, q_len, base_position, rope, block sizes)
     ((32, 8), 128, 16, 64, 0, PLAIN, None),
@@ -550,18 +279,6 @@ GPU_CASES = [
 ]
 
 
-def gpu_case(case):
-  """(lazy case, rope) of a GPU_CASES-shaped entry: three rows of four
-  documents each, bf16."""
-  heads, head_dim, page_size, q_len, base, rope, _ = case
-  rng = np.random.default_rng(q_len + head_dim)
-  lazy = make_case(rng, batch=3, q_len=q_len, num_heads=heads[0],
-                   num_kv_heads=heads[1], head_dim=head_dim,
-                   page_size=page_size, dtype=jnp.bfloat16,
-                   docs_per_row=4, max_doc_len=300, base_position=base)
-  return lazy, rope
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
     f"{c[0][0]}-{c[0][1]}_H{c[1]}_p{c[2]}_T{c[3]}_base{c[4]}_{c[6]}"))
@@ -572,29 +289,6 @@ def test_parity_gpu(case):
       *a, rope=rope, sm_scale=jnp.float32(head_dim ** -0.5),
       block_sizes=block_sizes))(*[jnp.asarray(a) for a in lazy.args()])
   _check(out, lazy, rope)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records",
-                         [(1, False), (2, False), (2, True)])
-def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records):
-  """float8 pages on the GPU: documents at shifts near 2^20, NaN in unused
-  slots and NaN scales on unused pages, one and two compute warpgroups
-  (and cos / sin read from the step records)."""
-  from pallas_kernels.testing import quantize_case
-  from tests.test_gpu_decode_mgpu import _check_float8
-  rng = np.random.default_rng(11)
-  lazy = make_case(rng, batch=3, q_len=200, num_heads=32, num_kv_heads=8,
-                   head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                   docs_per_row=4, max_doc_len=300, base_position=2**20)
-  fp8, k_scales, v_scales = quantize_case(lazy)
-  sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
-                         cos_sin_in_records=cos_sin_in_records)
-  out = jax.jit(lambda *a: lazy_prefill_mgpu(
-      *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
-      block_sizes=sizes, k_scales=a[8], v_scales=a[9]))(
-          *[jnp.asarray(a) for a in fp8.args()], k_scales, v_scales)
-  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
 @pytest.mark.gpu
@@ -613,32 +307,6 @@ def test_parity_gpu_contiguous_pages(float8):
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       k_scales=a[8] if float8 else None, v_scales=a[9] if float8 else None))
   check_call_on_pages(call, lazy, LLAMA3, float8=float8)
-
-
-@pytest.mark.gpu
-def test_lazy_attention_float8_prefill_runs_mosaic_with_a_plan_gpu():
-  """The model's path on float8 pages: `plan_lazy_attention` once, then
-  `lazy_attention` with the plan (the Mosaic kernel on Hopper)."""
-  from pallas_kernels import lazy_attention
-  from pallas_kernels.lazy_attention import plan_lazy_attention
-  from pallas_kernels.testing import quantize_case
-  from tests.test_gpu_decode_mgpu import _check_float8
-  rng = np.random.default_rng(12)
-  lazy = make_case(rng, batch=2, q_len=130, num_heads=32, num_kv_heads=8,
-                   head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                   docs_per_row=3, max_doc_len=200, base_position=2**20)
-  fp8, k_scales, v_scales = quantize_case(lazy)
-
-  def attend(*a):
-    plan = plan_lazy_attention(a[0], a[1], *a[3:8], rope=LLAMA3, impl="gpu")
-    assert plan is not None, "float8 prefill must take the Mosaic kernel"
-    return lazy_attention(*a[:8], rope=LLAMA3, impl="gpu", plan=plan,
-                          sm_scale=jnp.float32(128 ** -0.5),
-                          k_scales=a[8], v_scales=a[9])
-
-  out = jax.jit(attend)(*[jnp.asarray(a) for a in fp8.args()], k_scales,
-                        v_scales)
-  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
 
 
 @pytest.mark.gpu

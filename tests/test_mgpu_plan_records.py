@@ -2,7 +2,10 @@
 and the counts they come from (gpu_segment_counts) against a plain loop
 over segments and blocks, on random page metadata:
 dead pages, partial pages, shifts that change inside a block, rows of
-more than one prefix-sum block (gpu_common.prefix_sum)."""
+more than one prefix-sum block (gpu_common.prefix_sum).  And worked
+cases: one row's step records, a plan's units and steps
+(gpu_prefill_mgpu.plan_prefill), and records that carry their segment's
+cos / sin."""
 
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gpu_common import prefix_sum
+from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes
 from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
                                                   RecordLayout, max_steps,
                                                   step_records)
 from pallas_kernels.gpu_segment_counts import (BLOCKS_IN_ONE_SUM,
                                                segment_counts,
                                                steps_before_pages)
+from tests.mgpu_prefill_helpers import LLAMA3, PLAIN
 
 PAGE_SIZE = 4
 
@@ -168,3 +173,109 @@ def test_steps_before_every_page_end_count_the_step_records(num_logical,
         seen = np.flatnonzero(live[b] & (pos[b] <= tile_newest[b, t]))
         assert int(counts.tile_ends[b, t]) == (seen[-1] + 1 if seen.size
                                                else 0)
+
+
+def test_step_records():
+  # Pages (ppb = 2): [0, 3) shift 5, page 3 dead, [4, 7) shift 0 with page 6
+  # half full; page 7 dead.
+  page_shift = jnp.array([[5, 5, 5, 5, 0, 0, 0, 0]], jnp.int32)
+  live = jnp.array([[1, 1, 1, 0, 1, 1, 1, 0]], bool)
+  page_len = jnp.array([[4, 4, 4, 4, 4, 4, 2, 4]], jnp.int32)
+  page_pos = jnp.arange(8, dtype=jnp.int32)[None] * 4
+  page_table = jnp.array([[7, 6, 5, 4, 3, 2, 1, 0]], jnp.int32)
+  records, num_steps, step_first, shift = jax.jit(functools_partial())(
+      page_table, page_pos, page_shift, page_len, live)
+  layout = RecordLayout(2)
+  records = np.asarray(records[0])
+  # Segment 0 = pages [0, 4) (dead page 3 ends it): blocks 0, 1.
+  # Segment 1 = pages [4, 7): blocks 2, 3.
+  assert int(num_steps[0]) == 4
+  assert np.asarray(step_first[0, :5]).tolist() == [0, 2, 4, 6, 2**31 - 1]
+  assert np.asarray(shift[0, :2]).tolist() == [5, 0]
+  lim = records[:4, layout.lim:layout.lim + 2].tolist()
+  assert lim == [[4, 4], [4, 0], [4, 4], [2, 0]]
+  assert records[:4, layout.phys:layout.phys + 2].tolist() == [
+      [7, 6], [5, 4], [3, 2], [1, 0]]
+  assert records[:4, layout.seg].tolist() == [0, 0, 1, 1]
+  assert records[:4, layout.new_seg].tolist() == [1, 0, 1, 0]
+  assert records[:4, layout.fixup].tolist() == [0, 1, 0, 1]
+  assert records[:4, layout.max_pos].tolist() == [7, 11, 23, 25]
+  assert layout.width % 32 == 0
+
+
+def functools_partial():
+  def fn(*args):
+    return step_records(*args, num_pages=8, page_size=4, pages_per_block=2)
+  return fn
+
+
+def test_plan_units_and_steps():
+  """Plan of a 100-token chunk after 160 tokens of context, group 4, two
+  warpgroups: 2 token blocks x 4 heads = 8 units = 4 CTAs, and the CTAs of
+  token block 0 skip the pages only block 1 can see."""
+  from pallas_kernels.gpu_prefill_mgpu import plan_prefill
+  pages, page_size = 17, 16  # 10 context pages + 7 for the chunk
+  page_pos = jnp.arange(pages, dtype=jnp.int32)[None] * page_size
+  page_len = jnp.full((1, pages), page_size, jnp.int32).at[0, 16].set(4)
+  zeros = jnp.zeros((1, pages), jnp.int32)
+  q_pos = (160 + jnp.arange(100, dtype=jnp.int32))[None]
+  plan = plan_prefill(jnp.arange(pages, dtype=jnp.int32)[None], page_pos,
+                      zeros, page_len, q_pos, rope=PLAIN, group=4,
+                      head_dim=64, num_pages=pages, page_size=page_size,
+                      block_sizes=MgpuBlockSizes(block_kv=64))
+  assert plan.row_pos.shape == (1, 128)
+  assert np.asarray(plan.row_pos[0, :100]).tolist() == list(range(160, 260))
+  assert np.all(np.asarray(plan.row_pos[0, 100:]) == -(2**31))
+  # Block 1 holds padding rows: its oldest row is the padding sentinel, so
+  # every one of its steps goes through the mask.
+  assert np.asarray(plan.min_row).tolist() == [[160, -(2**31)]]
+  # One segment, 4 pages a step.  Block 0 (160..223) sees pages 0..13:
+  # steps starting at pages 0, 4, 8, 12.  Block 1 sees page 16 too.
+  assert np.asarray(plan.n_steps).tolist() == [[4, 4, 5, 5]]
+
+
+def test_plan_records_carry_cos_sin():
+  """cos_sin_in_records: each record is the copied form's, then its
+  segment's cos and sin (f32 bits, those the copied form's plan holds per
+  segment); a kernel given a plan of the other width refuses it; shared
+  memory grows by the wider record ring."""
+  from pallas_kernels.gpu_block_sizes import smem_bytes
+  from pallas_kernels.gpu_prefill_mgpu import (mgpu_prefill_kernel,
+                                               plan_prefill)
+  pages, page_size, head_dim = 12, 16, 64
+  page_pos = jnp.arange(pages, dtype=jnp.int32)[None] * page_size
+  # Three documents of 4 pages at their own shifts.
+  shift = jnp.asarray([[700] * 4 + [90000] * 4 + [0] * 4], jnp.int32)
+  page_len = jnp.full((1, pages), page_size, jnp.int32)
+  q_pos = (pages * page_size + jnp.arange(8, dtype=jnp.int32))[None]
+  make = lambda sizes: plan_prefill(
+      jnp.arange(pages, dtype=jnp.int32)[None], page_pos, shift, page_len,
+      q_pos, rope=LLAMA3, group=1, head_dim=head_dim, num_pages=pages,
+      page_size=page_size, block_sizes=sizes)
+  plain = make(MgpuBlockSizes(block_kv=64, cos_sin_in_records=False))
+  sizes = MgpuBlockSizes(block_kv=64, cos_sin_in_records=True)
+  carried = make(sizes)
+  layout = RecordLayout(4, cos_sin_dim=head_dim)
+  records = np.asarray(carried.records)
+  assert records.shape[-1] == layout.width == 32 + 64
+  np.testing.assert_array_equal(records[..., :layout.cos_sin],
+                                np.asarray(plain.records))
+  cos_sin = records[..., layout.cos_sin:layout.cos_sin + head_dim].view(
+      np.float32).reshape(*records.shape[:2], 2, head_dim // 2)
+  steps = int(np.max(np.asarray(carried.n_steps)))
+  assert steps == 3
+  segs = records[0, :steps, layout.seg]
+  assert segs.tolist() == [0, 1, 2]
+  np.testing.assert_array_equal(
+      cos_sin[0, :steps], np.asarray(plain.cos_sin)[0, segs])
+  assert carried.cos_sin.shape == (1, pages, 2, 0)  # none beside them
+  assert not np.allclose(cos_sin[0, 0], cos_sin[0, 1])
+  # A plan made for other block sizes: refused before any work.
+  q = jnp.zeros((1, 64, 2, head_dim), jnp.bfloat16)
+  kv = jnp.zeros((2, pages, page_size, head_dim), jnp.bfloat16)
+  with pytest.raises(ValueError, match="make the plan with the kernel's"):
+    mgpu_prefill_kernel(q, kv, kv, plain, out_dtype=jnp.bfloat16,
+                        block_sizes=sizes, interpret=True)
+  wider = smem_bytes(MgpuBlockSizes(cos_sin_in_records=True), 128)
+  narrower = smem_bytes(MgpuBlockSizes(cos_sin_in_records=False), 128)
+  assert wider - narrower == 2 * 2 * 128 * 4

@@ -23,8 +23,8 @@ from pallas_kernels.gpu_prefill_mgpu_plan import (Q15_ONE,
                                                   query_cos_sin_table,
                                                   segment_cos_sin)
 from pallas_kernels.testing import make_case, quantize_case, relative_error
-from tests.test_gpu_prefill_mgpu import (BENCH, LLAMA3, PLAIN, _call, _check,
-                                         _specs, gpu_case, needs_interpreter)
+from tests.mgpu_prefill_helpers import (BENCH, LLAMA3, PLAIN, _call, _check,
+                                        _specs, gpu_case, needs_interpreter)
 
 IN_KERNEL = MgpuBlockSizes(query_rope_in_kernel=True)
 WRONG_PLAN = "make the plan with the kernel's block sizes"
@@ -187,7 +187,7 @@ def test_parity_interpret():
 
 
 @needs_interpreter
-# Slow for CI time, as test_gpu_prefill_mgpu's float8 interpreter cases:
+# Slow for CI time, as test_gpu_prefill_mgpu_float8's interpreter cases:
 # float8 pages are opt-in; their GPU parity runs in the GPU tier.
 @pytest.mark.slow
 def test_parity_interpret_float8():
