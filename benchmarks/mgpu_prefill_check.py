@@ -44,6 +44,10 @@ Run on the GPU machine from the repository root:
     RoPE pass a dense path makes over q; without it cuDNN measured 1.5-1.8%
     slower, not faster: benchmarks/RESULTS.md).  The kernel-alone rows are
     not perturbed, so they time the kernel only.
+With --tables N the rows are timed N times over, one table after another
+from the same compiled calls, and a last table gives each row's median,
+lowest and highest ratio to cuDNN over them (each table's own cuDNN row):
+one table resolves about +-1.3% (benchmarks/RESULTS.md).
 Prints a final table: variant, ms, TFLOP/s, ratio to cuDNN, and the
 median SM clock and board power while the row was timed (nvidia-smi,
 benchmarks/gpu_clock_log.py; its power trails the load by most of a
@@ -54,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 import traceback
@@ -74,6 +77,9 @@ from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
                                       perturb_query)
 from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
 from benchmarks.mgpu_prefill_parity import run_parity
+from benchmarks.prefill_check_tables import (print_table,
+                                           print_tables_summary,
+                                           sample_round_robin)
 from pallas_kernels import lazy_attention
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
 from pallas_kernels.gpu_prefill_mgpu import (MgpuBlockSizes, PrefillPlan,
@@ -86,7 +92,6 @@ from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
 
 # (name, batch, query tokens, context tokens in documents)
 SHAPES = [("chunk512", 4, 512, 8192), ("chunk128", 8, 128, 8192)]
-SAMPLES = 21
 
 
 # --------------------------------------------------------------------------
@@ -95,30 +100,6 @@ SAMPLES = 21
 
 def _timer(fn, args, perturb):
   return ChainTimer(fn, [args], perturb, target_total_s=0.04)
-
-
-def _sample_round_robin(timers, windows=None, settle_s=SETTLE_S):
-  """(method, median seconds or None, note) of each timer (or failure
-  note) in `timers`: SAMPLES rounds, each sampling every timer once, in
-  reverse order every other round, so slow drifts of clock or temperature
-  over the run, and a row's place in a round, hit every row alike.  Each
-  sample first settles for `settle_s` seconds: the H200 runs these kernels at its
-  700 W power cap, where cuDNN's call holds the clock near 1.62 GHz and
-  the lazy kernel's near 1.76-1.80 GHz, and a sample taken right after
-  another row's would run at that row's clock (benchmarks/RESULTS.md,
-  'The power cap and the order of samples').  `windows` (a dict), if
-  given, gets each row's timed stretches as [(start, end)] in
-  time.monotonic() seconds (for gpu_clock_log.ClockLog.during)."""
-  live = {m: t for m, t in timers.items() if not isinstance(t, str)}
-  samples = {m: [] for m in live}
-  for round_index in range(SAMPLES):
-    order = list(live) if round_index % 2 == 0 else list(live)[::-1]
-    for method in order:
-      samples[method].append(live[method].sample(settle_s=settle_s))
-      if windows is not None:
-        windows.setdefault(method, []).append(live[method].timed_window)
-  return [(m, statistics.median(samples[m]), "") if m in live
-          else (m, None, t) for m, t in timers.items()]
 
 
 def _timing_plans(plan, pages_per_block):
@@ -203,11 +184,14 @@ def cudnn_dense(q, k_dense, v_dense):
 
 
 def run_timing(variants, only=(), shapes=None, layout="pages",
-               settle_s=SETTLE_S):
+               settle_s=SETTLE_S, tables=1):
   """Times every row, or those whose names contain one of `only` (cuDNN's
   always, for the ratio), at `shapes` (None: all), the pages placed by
-  `layout`, each sample settled for `settle_s` seconds first."""
-  rows = []  # (shape, variant, seconds or None, flops, note)
+  `layout`, each sample settled for `settle_s` seconds first; `tables`
+  times: a list of `tables` row lists, each rows of
+  (shape, variant, seconds or None, flops, note), sampled one table after
+  another from the same compiled calls."""
+  per_table = [[] for _ in range(tables)]
   for shape, batch, q_len, context in SHAPES:
     if shapes is not None and shape not in shapes:
       continue
@@ -300,40 +284,21 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
                           f"{str(e).splitlines()[0][:120]}")
         print(f"  {method:24s} {timers[method]}", flush=True)
         traceback.print_exc(file=sys.stdout)
-    windows = {}
-    with ClockLog() as clocks:
-      sampled = _sample_round_robin(timers, windows, settle_s)
-    for method, seconds, note in sampled:
-      if seconds is not None:
-        seen = clocks.during(windows[method])
-        note = f"{seen[0]:.0f} MHz, {seen[1]:.0f} W" if seen else ""
-        print(f"  {method:24s} {seconds * 1e3:8.3f} ms "
-              f"{flops / seconds / 1e12:6.1f} TFLOP/s  {note}", flush=True)
-      rows.append((shape, method, seconds, flops, note))
+    for table, rows in enumerate(per_table):
+      if tables > 1:
+        print(f"  table {table + 1} of {tables}", flush=True)
+      windows = {}
+      with ClockLog() as clocks:
+        sampled = sample_round_robin(timers, windows, settle_s)
+      for method, seconds, note in sampled:
+        if seconds is not None:
+          seen = clocks.during(windows[method])
+          note = f"{seen[0]:.0f} MHz, {seen[1]:.0f} W" if seen else ""
+          print(f"  {method:24s} {seconds * 1e3:8.3f} ms "
+                f"{flops / seconds / 1e12:6.1f} TFLOP/s  {note}", flush=True)
+        rows.append((shape, method, seconds, flops, note))
     del inputs, lazy_args, k_dense, v_dense
-  return rows
-
-
-def print_table(rows):
-  print("\n" + "=" * 72)
-  print(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}")
-  print(f"{'shape':10s} {'variant':24s} {'ms':>9s} {'TFLOP/s':>9s} "
-        f"{'x cuDNN':>8s}  SM clock, power while timed")
-  for shape in dict.fromkeys(r[0] for r in rows):
-    cudnn = [r for r in rows if r[0] == shape and r[1] == "cudnn" and r[2]]
-    cudnn_rate = cudnn[0][3] / cudnn[0][2] if cudnn else None
-    for _, method, seconds, flops, note in (r for r in rows if r[0] == shape):
-      if seconds:
-        rate = flops / seconds
-        # Three decimals: the bar is 0.9, and 0.896 must not print 0.90.
-        ratio = f"{rate / cudnn_rate:8.3f}" if cudnn_rate else f"{'-':>8s}"
-        print(f"{shape:10s} {method:24s} {seconds * 1e3:9.3f} "
-              f"{rate / 1e12:9.1f} {ratio}  {note}")
-      else:
-        print(f"{shape:10s} {method:24s} {'-':>9s} {'-':>9s} {'-':>8s}  "
-              f"{note}")
-  print("bar (issue 16): lazy prefill >= 0.9x cuDNN TFLOP/s at chunk512, "
-        "whole call")
+  return per_table
 
 
 def main(argv=None):
@@ -354,7 +319,14 @@ def main(argv=None):
   parser.add_argument("--settle-s", type=float, default=SETTLE_S,
                       help="seconds each sample first runs its row untimed "
                       f"(default {SETTLE_S})")
+  parser.add_argument("--tables", type=int, default=1,
+                      help="time every row this many times, one table after "
+                      "another from the same compiled calls, and print "
+                      "each row's median, lowest and highest x cuDNN over "
+                      "them (default 1)")
   args = parser.parse_args(argv)
+  if args.tables < 1:
+    parser.error(f"--tables must be >= 1, got {args.tables}")
   if args.settle_s < 0:
     parser.error(f"--settle-s must be >= 0, got {args.settle_s}")
   if jax.default_backend() != "gpu":
@@ -377,8 +349,13 @@ def main(argv=None):
     rows = run_timing({n: VARIANTS[n] for n in names},
                       only=[r for r in args.rows.split(",") if r],
                       shapes=shapes, layout=args.page_layout,
-                      settle_s=args.settle_s)
-    print_table(rows)
+                      settle_s=args.settle_s, tables=args.tables)
+    for table, table_rows in enumerate(rows):
+      if args.tables > 1:
+        print(f"\n# table {table + 1} of {args.tables}")
+      print_table(table_rows)
+    if args.tables > 1:
+      print_tables_summary(rows)
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -1,15 +1,19 @@
 """benchmarks/mgpu_prefill_check.py samples its rows round-robin: every
 round takes one sample of each row, in reverse order every other round,
 each settled first (SETTLE_S: under the GPU's power cap a row is timed at
-its own clock); failed rows pass their note through."""
+its own clock); failed rows pass their note through; over several tables
+each row's ratio to cuDNN is taken against its own table's cuDNN row."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.mgpu_prefill_check import (SAMPLES, SETTLE_S,
-                                           _sample_round_robin, main,
-                                           print_table)
+from benchmarks.kernel_timing import SETTLE_S
+from benchmarks.mgpu_prefill_check import main
+from benchmarks.prefill_check_tables import (SAMPLES, print_table,
+                                             print_tables_summary,
+                                             sample_round_robin,
+                                             table_ratios)
 
 
 class _FakeTimer:
@@ -32,7 +36,7 @@ def test_rows_are_sampled_round_robin():
       "b": _FakeTimer("b", log, [2.0] * SAMPLES),
   }
   windows = {}
-  rows = _sample_round_robin(timers, windows)
+  rows = sample_round_robin(timers, windows)
   assert log[:6] == ["a", "b", "b", "a", "a", "b"]
   assert SETTLE_S > 0
   assert timers["a"].settled == timers["b"].settled == [SETTLE_S] * SAMPLES
@@ -56,7 +60,7 @@ def test_the_table_prints_the_ratio_to_three_decimals(capsys):
 def test_a_given_settle_reaches_every_sample():
   log = []
   timers = {"a": _FakeTimer("a", log, [1.0] * SAMPLES)}
-  _sample_round_robin(timers, settle_s=1.25)
+  sample_round_robin(timers, settle_s=1.25)
   assert timers["a"].settled == [1.25] * SAMPLES
 
 
@@ -64,3 +68,43 @@ def test_a_negative_settle_is_refused(capsys):
   with pytest.raises(SystemExit):
     main(["--settle-s", "-1"])
   assert "--settle-s must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_a_table_count_below_one_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    main(["--tables", "0"])
+  assert "--tables must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _table(cudnn_s, lazy_s):
+  rows = [("chunk512", "cudnn", cudnn_s, 1.0, ""),
+          ("chunk512", "mgpu[x]", lazy_s, 1.0, "")]
+  return rows
+
+
+def test_each_tables_ratio_is_against_its_own_cudnn_row():
+  ratios = table_ratios(_table(0.5, 0.55) + [
+      ("chunk512", "broken", None, 1.0, "failed: E"),
+      ("chunk128", "mgpu[x]", 0.3, 1.0, "")])  # no cuDNN row there
+  assert ratios == {("chunk512", "cudnn"): 1.0,
+                    ("chunk512", "mgpu[x]"): pytest.approx(0.5 / 0.55)}
+
+
+def test_the_summary_prints_median_low_high_and_every_table(capsys):
+  # Ratios 0.90, 0.88 and 0.95 in that order; cuDNN's clock differs per
+  # table, so pooling the seconds first would give another answer.
+  per_table = [_table(0.9, 1.0), _table(0.44, 0.5), _table(1.9, 2.0)]
+  print_tables_summary(per_table)
+  line = [l for l in capsys.readouterr().out.splitlines()
+          if "mgpu[x]" in l][0]
+  assert line.split()[2:] == ["0.900", "0.880", "0.950", "0.900", "0.880",
+                              "0.950"]
+
+
+def test_the_summary_counts_a_row_that_failed_in_some_tables(capsys):
+  failed = [("chunk512", "cudnn", 1.0, 1.0, ""),
+            ("chunk512", "mgpu[x]", None, 1.0, "failed: E")]
+  print_tables_summary([_table(0.9, 1.0), failed])
+  line = [l for l in capsys.readouterr().out.splitlines()
+          if "mgpu[x]" in l][0]
+  assert line.endswith("0.900 (1 failed)")
