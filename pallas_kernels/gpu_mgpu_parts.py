@@ -51,7 +51,7 @@ class Ops:
                              preferred_element_type=jnp.float32)
 
     def body(acc_ref):
-      plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
+      plgpu.wgmma(acc_ref, q_ref, k_ref.transpose((1, 0)))
       if between is not None:
         between()  # runs while the wgmma is in flight
       return acc_ref[...]
@@ -73,8 +73,8 @@ class Ops:
 
     def body(acc_ref):
       for part, start in ((q_lo, 0), (q_hi, half)):
-        plgpu.wgmma(acc_ref, part, plgpu.transpose_ref(
-            k_ref.at[:, pl.ds(start, half)], (1, 0)))
+        plgpu.wgmma(acc_ref, part,
+                    k_ref.at[:, pl.ds(start, half)].transpose((1, 0)))
       if between is not None:
         between()
       return acc_ref[...]
