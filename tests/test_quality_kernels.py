@@ -13,7 +13,6 @@ the layout must not read.
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +27,7 @@ from lazyattn_jax.sampling import SamplingParams
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.sizes import ceil_div
 from pallas_kernels.testing import LazyCase, numpy_truth, relative_error
+from tests.mgpu_prefill_helpers import _has_interpreter
 
 PAGE = 8
 ROPE = RopeConfig(theta=10000.0)
@@ -76,14 +76,6 @@ def _case(layout, num_pages, q_rows, dtype, seed=1) -> LazyCase:
                   q_pos)
 
 
-def _has_mgpu_interpreter() -> bool:
-  try:
-    return importlib.util.find_spec(
-        "jax._src.pallas.mosaic_gpu.interpret.params") is not None
-  except ImportError:
-    return False
-
-
 def _run(impl, args, dtype):
   args = [jnp.asarray(a) for a in args]
   args[:3] = [a.astype(dtype) for a in args[:3]]
@@ -124,7 +116,7 @@ def test_layout_metadata_has_the_shapes_this_file_is_about(mode_cls):
     pytest.param("mgpu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("q_len", ["prefill", "decode"])
 def test_kernels_on_the_recompute_layout(impl, q_len):
-  if impl == "mgpu" and (q_len == "decode" or not _has_mgpu_interpreter()):
+  if impl == "mgpu" and (q_len == "decode" or not _has_interpreter()):
     pytest.skip("the Mosaic GPU kernel is prefill only and needs its "
                 "interpreter")
   dtype = jnp.bfloat16 if impl == "mgpu" else jnp.float32
