@@ -39,6 +39,8 @@ def sample_round_robin(timers, windows=None, settle_s=SETTLE_S):
 
 
 def print_table(rows):
+  """One table of (shape, variant, seconds or None, flops, note) rows: ms,
+  TFLOP/s and the ratio to the shape's cuDNN row, three decimals."""
   print("\n" + "=" * 72)
   print(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}")
   print(f"{'shape':10s} {'variant':24s} {'ms':>9s} {'TFLOP/s':>9s} "
@@ -72,7 +74,7 @@ def table_ratios(rows):
 def print_tables_summary(per_table):
   """Each row's x cuDNN over several tables: median, lowest, highest and
   every table's, in order (one table resolves about +-1.3%, so a bar met
-  or missed by about 1% is judged on the median;
+  or missed by about 1% is better read off the median of several;
   benchmarks/RESULTS.md)."""
   ratios = [table_ratios(rows) for rows in per_table]
   print(f"\nx cuDNN over {len(per_table)} tables (each against its own "
