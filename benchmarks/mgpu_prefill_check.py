@@ -22,8 +22,10 @@ Run on the GPU machine from the repository root:
                   rotations or masks.
     FLOPs: 4 * H * Hq per visible (query, key) pair, for every row.  Times
     include everything the lazy API does per call (query rotation, step
-    lists, kernel), except the rows marked per-layer, plan only, query
-    rotation only and kernel[...], which time those parts alone, and
+    lists, kernel), except the rows marked per-layer, plan only, XLA
+    query rotation only (the pass the xlarope variant makes before its
+    kernel; the default rotates the query in the kernel) and kernel[...],
+    which time those parts alone, and
     "kernel 1-rot[...]": the kernel with a plan that rotates each CTA's
     query once (wrong results; against kernel[...], what the rotations
     cost), and "kernel bare[...]": that, and no step masked or fixed up;
@@ -183,6 +185,13 @@ def cudnn_dense(q, k_dense, v_dense):
                                       implementation="cudnn")
 
 
+def row_selected(name, patterns):
+  """Whether row `name` is one that `--rows` names: one of `patterns`
+  begins the name or one of its words ("mgpu[" picks "mgpu[...]" but not
+  "jax-mgpu[...]"; "per-layer" picks "mgpu per-layer (plan once)")."""
+  return any(name.startswith(p) or f" {p}" in name for p in patterns)
+
+
 def run_timing(variants, only=(), shapes=None, layout="pages",
                settle_s=SETTLE_S, tables=1):
   """Times every row, or those whose names contain one of `only` (cuDNN's
@@ -215,11 +224,12 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
                     prefill_planned_perturb()))
     methods.append(("mgpu plan only (per batch)", prefill_plan_only, lazy_args,
                     perturb_lazy))
-    # The per-layer call split in two: the XLA query rotation, and the
-    # kernel on a precomputed rotated query (where the time goes).
+    # The XLA query rotation alone: the pass a call makes before its
+    # kernel where the kernel does not rotate the query itself
+    # (query_rope_in_kernel=False, the xlarope variant).
     t_pad = PrefillPlan(*plan).row_pos.shape[1]
     in_f32 = MgpuBlockSizes().query_in_f32
-    methods.append(("mgpu query rotation only", lambda q, q_pos:
+    methods.append(("mgpu XLA query rotation only", lambda q, q_pos:
                     rotated_query_tokens(q, q_pos, ROPE,
                                          jnp.float32(SM_SCALE), t_pad,
                                          in_f32),
@@ -271,7 +281,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
                       perturb_query))
     if only:
       methods = [m for m in methods
-                 if m[0] == "cudnn" or any(o in m[0] for o in only)]
+                 if m[0] == "cudnn" or row_selected(m[0], only)]
     timers = {}  # method -> ChainTimer, or the note of its failure
     for method, fn, args, perturb in methods:
       start = time.perf_counter()
@@ -308,8 +318,8 @@ def main(argv=None):
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="comma-separated subset of " + ",".join(VARIANTS))
   parser.add_argument("--rows", default="",
-                      help="comma-separated substrings: time only the rows "
-                      "whose names contain one (and cuDNN's)")
+                      help="comma-separated: time only the rows whose name, "
+                      "or a word of it, begins with one (and cuDNN's)")
   parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
                       help="comma-separated subset of "
                       + ",".join(s[0] for s in SHAPES))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.kernel_timing import SETTLE_S
-from benchmarks.mgpu_prefill_check import main
+from benchmarks.mgpu_prefill_check import main, row_selected
 from benchmarks.prefill_check_tables import (SAMPLES, print_table,
                                              print_tables_summary,
                                              sample_round_robin,
@@ -108,3 +108,15 @@ def test_the_summary_counts_a_row_that_failed_in_some_tables(capsys):
   line = [l for l in capsys.readouterr().out.splitlines()
           if "mgpu[x]" in l][0]
   assert line.endswith("0.900 (1 failed)")
+
+
+@pytest.mark.parametrize("name,picked", [
+    ("mgpu[k128w2s2-qreg-csrec-sched]", True),
+    ("jax-mgpu[q64k128s2]", False),  # "mgpu[" begins no word of it
+    ("mgpu per-layer (plan once)", True),
+    ("kernel[k128w2s2-qreg-csrec-sched]", True),
+    ("kernel bare[k128w2s2-qreg-csrec-sched]", False),
+    ("cudnn", False),
+])
+def test_rows_are_picked_by_the_start_of_a_word(name, picked):
+  assert row_selected(name, ["mgpu[", "per-layer", "kernel["]) is picked
