@@ -194,12 +194,11 @@ def row_selected(name, patterns):
 
 def run_timing(variants, only=(), shapes=None, layout="pages",
                settle_s=SETTLE_S, tables=1):
-  """Times every row, or those whose names contain one of `only` (cuDNN's
+  """Times every row, or those `row_selected` picks by `only` (cuDNN's
   always, for the ratio), at `shapes` (None: all), the pages placed by
-  `layout`, each sample settled for `settle_s` seconds first; `tables`
-  times: a list of `tables` row lists, each rows of
-  (shape, variant, seconds or None, flops, note), sampled one table after
-  another from the same compiled calls."""
+  `layout`, each sample settled for `settle_s` seconds first, `tables`
+  times over from the same compiled calls.  Returns `tables` lists of
+  rows (shape, variant, seconds or None, flops, note), one per table."""
   per_table = [[] for _ in range(tables)]
   for shape, batch, q_len, context in SHAPES:
     if shapes is not None and shape not in shapes:
