@@ -45,14 +45,14 @@ def print_table(rows):
   print(f"device: {jax.devices()[0].device_kind}   jax {jax.__version__}")
   print(f"{'shape':10s} {'variant':24s} {'ms':>9s} {'TFLOP/s':>9s} "
         f"{'x cuDNN':>8s}  SM clock, power while timed")
+  ratios = table_ratios(rows)
   for shape in dict.fromkeys(r[0] for r in rows):
-    cudnn = [r for r in rows if r[0] == shape and r[1] == "cudnn" and r[2]]
-    cudnn_rate = cudnn[0][3] / cudnn[0][2] if cudnn else None
     for _, method, seconds, flops, note in (r for r in rows if r[0] == shape):
       if seconds:
         rate = flops / seconds
         # Three decimals: the bar is 0.9, and 0.896 must not print 0.90.
-        ratio = f"{rate / cudnn_rate:8.3f}" if cudnn_rate else f"{'-':>8s}"
+        ratio = (f"{ratios[shape, method]:8.3f}" if (shape, method) in ratios
+                 else f"{'-':>8s}")
         print(f"{shape:10s} {method:24s} {seconds * 1e3:9.3f} "
               f"{rate / 1e12:9.1f} {ratio}  {note}")
       else:
@@ -64,11 +64,14 @@ def print_table(rows):
 
 def table_ratios(rows):
   """{(shape, variant): x cuDNN} of one table's timed rows (cuDNN's own
-  included); rows of a shape without a cuDNN time are left out."""
-  cudnn = {r[0]: r[2] for r in rows if r[1] == "cudnn" and r[2]}
-  return {(shape, method): cudnn[shape] / seconds
-          for shape, method, seconds, _, _ in rows
-          if seconds and shape in cudnn}
+  included): each row's FLOP/s over its shape's cuDNN row's; rows of a
+  shape without a cuDNN time are left out."""
+  cudnn_rate = {shape: flops / seconds
+                for shape, method, seconds, flops, _ in rows
+                if method == "cudnn" and seconds}
+  return {(shape, method): flops / seconds / cudnn_rate[shape]
+          for shape, method, seconds, flops, _ in rows
+          if seconds and shape in cudnn_rate}
 
 
 def print_tables_summary(per_table):
