@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels import (RopeConfig, lazy_attention,
-                            lazy_attention_reference, plan_lazy_attention)
+from pallas_kernels import (lazy_attention, lazy_attention_reference,
+                            plan_lazy_attention)
 from pallas_kernels.gpu_block_sizes import (MgpuDecodeBlockSizes,
                                             mgpu_decode_kv_splits)
 from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
@@ -31,13 +31,8 @@ from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.testing import (contract_specs, contiguous_block_count,
                                     make_case, numpy_truth, relative_error)
 from tests.mgpu_prefill_helpers import (  # the same checks as prefill
-    _check, _doc_layout_case, needs_interpreter)
-
-
-PLAIN = RopeConfig(theta=10000.0)
-LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position=8192)
-BF16_TOLERANCE = 2e-2
+    BF16_TOLERANCE, LLAMA3, PLAIN, _check, _doc_layout_case,
+    needs_interpreter)
 
 
 def _specs(batch, heads, kv_heads, head_dim, pages, page_size, logical,
