@@ -355,16 +355,16 @@ def main(argv=None):
     unknown = sorted(set(shapes) - {s[0] for s in SHAPES})
     if unknown:
       raise SystemExit(f"unknown shapes {unknown}")
-    rows = run_timing({n: VARIANTS[n] for n in names},
+    per_table = run_timing({n: VARIANTS[n] for n in names},
                       only=[r for r in args.rows.split(",") if r],
                       shapes=shapes, layout=args.page_layout,
                       settle_s=args.settle_s, tables=args.tables)
-    for table, table_rows in enumerate(rows):
+    for table, table_rows in enumerate(per_table):
       if args.tables > 1:
         print(f"\n# table {table + 1} of {args.tables}")
       print_table(table_rows)
     if args.tables > 1:
-      print_tables_summary(rows)
+      print_tables_summary(per_table)
   print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 
 
