@@ -356,9 +356,9 @@ def main(argv=None):
     if unknown:
       raise SystemExit(f"unknown shapes {unknown}")
     per_table = run_timing({n: VARIANTS[n] for n in names},
-                      only=[r for r in args.rows.split(",") if r],
-                      shapes=shapes, layout=args.page_layout,
-                      settle_s=args.settle_s, tables=args.tables)
+                           only=[r for r in args.rows.split(",") if r],
+                           shapes=shapes, layout=args.page_layout,
+                           settle_s=args.settle_s, tables=args.tables)
     for table, table_rows in enumerate(per_table):
       if args.tables > 1:
         print(f"\n# table {table + 1} of {args.tables}")
