@@ -151,7 +151,8 @@ class MgpuBlockSizes:
       call on the H200 (docs/kernels.md).
     copy_contiguous_blocks: a step whose pages are consecutive in the pool
       (a document's pages as the cache allocates them) is one TMA copy per
-      K and V block instead of one per page (`gpu_mgpu_parts.produce_kv_ring`).
+      K and V block instead of one per page
+      (`gpu_mgpu_producer.produce_kv_ring`).
     query_rope_in_kernel: each compute warpgroup rotates its raw query rows
       by their positions, R(q_pos) q * scale, once at its start, from a
       table of their cos | sin the plan makes (`PrefillPlan.query_cos_sin`),

@@ -43,9 +43,10 @@ from pallas_kernels.gpu_mgpu_float8 import (
     CONVERTER_REGISTERS, convert_work_items, float8_scratch,
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
-    COMPUTE_REGISTERS, PRODUCER_REGISTERS, Ops, drain_kv_ring,
-    interpreter_params, key_positions, produce_kv_ring, rotate_query,
+    COMPUTE_REGISTERS, Ops, interpreter_params, key_positions, rotate_query,
     softmax_start, softmax_update, zero_invalid_v_rows)
+from pallas_kernels.gpu_mgpu_producer import (PRODUCER_REGISTERS,
+                                              drain_kv_ring, produce_kv_ring)
 from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                    block_flags)
 from pallas_kernels.gpu_decode_block_scores import block_scores

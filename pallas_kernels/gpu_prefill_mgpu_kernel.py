@@ -39,8 +39,9 @@ from pallas_kernels.gpu_mgpu_float8 import (
     load_page_scales, ring_transforms, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions,
-    produce_kv_ring, record_cos_sin, rope_rows_from_table, rotate_query,
-    rotated_query_halves, softmax_start, softmax_update, zero_invalid_v_rows)
+    record_cos_sin, rope_rows_from_table, rotate_query, rotated_query_halves,
+    softmax_start, softmax_update, zero_invalid_v_rows)
+from pallas_kernels.gpu_mgpu_producer import produce_kv_ring
 from pallas_kernels.gpu_prefill_mgpu_plan import (PrefillPlan, RecordLayout,
                                                   check_plan_fits)
 
