@@ -12,14 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import RopeConfig, lazy_attention_reference
+from pallas_kernels import lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
 from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
                                     relative_error)
+from tests.rope_configs import PLAIN
 
-PLAIN = RopeConfig(theta=10000.0)
-LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position=8192)
 BF16_TOLERANCE = 2e-2
 
 

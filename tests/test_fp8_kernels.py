@@ -35,10 +35,8 @@ from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
                                     quantize_case, relative_error, zero_args)
 from pallas_kernels.tpu_decode import lazy_decode_tpu
 from pallas_kernels.tpu_prefill import lazy_prefill_tpu
+from tests.rope_configs import LLAMA3, PLAIN
 
-PLAIN = RopeConfig(theta=10000.0)
-LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position=8192)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 # Quantized against unquantized pages.  Each dequantized K and V element is
 # within 2^-4 of its value, relative (round to nearest with e4m3's 3-bit

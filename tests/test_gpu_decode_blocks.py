@@ -19,9 +19,9 @@ from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
 from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
 from tests.mgpu_prefill_helpers import (_check, _doc_layout_case,
                                         needs_interpreter)
-from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _ragged_case,
-                                        _specs, check_export,
-                                        two_document_plan)
+from tests.rope_configs import LLAMA3, PLAIN
+from tests.test_gpu_decode_mgpu import (_call, _ragged_case, _specs,
+                                        check_export, two_document_plan)
 
 BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True)
 ROPE_IN_KERNEL = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)

@@ -31,8 +31,8 @@ from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.testing import (contract_specs, contiguous_block_count,
                                     make_case, numpy_truth, relative_error)
 from tests.mgpu_prefill_helpers import (  # the same checks as prefill
-    BF16_TOLERANCE, LLAMA3, PLAIN, _check, _doc_layout_case,
-    needs_interpreter)
+    BF16_TOLERANCE, _check, _doc_layout_case, needs_interpreter)
+from tests.rope_configs import LLAMA3, PLAIN
 
 
 def _specs(batch, heads, kv_heads, head_dim, pages, page_size, logical,

@@ -19,9 +19,9 @@ from pallas_kernels.gpu_decode_page_fields import (FIELD_CHUNK,
                                                    PageFieldsRecord,
                                                    plan_fields)
 from tests.mgpu_prefill_helpers import _check, needs_interpreter
+from tests.rope_configs import LLAMA3, PLAIN
 from tests.test_gpu_decode_blocks import FIELDS
-from tests.test_gpu_decode_mgpu import (LLAMA3, PLAIN, _call, _ragged_case,
-                                        check_export)
+from tests.test_gpu_decode_mgpu import _call, _ragged_case, check_export
 
 
 def _metadata(rng, batch, logical, page_size, num_pages):

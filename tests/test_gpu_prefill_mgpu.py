@@ -28,9 +28,10 @@ from pallas_kernels import lazy_attention_reference
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
 from pallas_kernels.testing import (contiguous_block_count, make_case,
                                     relative_error)
-from tests.mgpu_prefill_helpers import (BENCH, BF16_TOLERANCE, LLAMA3, PLAIN,
-                                        _call, _check, _doc_layout_case,
-                                        _specs, gpu_case, needs_interpreter)
+from tests.mgpu_prefill_helpers import (BENCH, BF16_TOLERANCE, _call, _check,
+                                        _doc_layout_case, _specs, gpu_case,
+                                        needs_interpreter)
+from tests.rope_configs import LLAMA3, PLAIN
 
 
 def _export(args, block_sizes=None):

@@ -23,8 +23,8 @@ from jax import export
 
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
 from pallas_kernels.testing import make_case
-from tests.mgpu_prefill_helpers import (BENCH, LLAMA3, PLAIN, _specs,
-                                        needs_interpreter)
+from tests.mgpu_prefill_helpers import BENCH, _specs, needs_interpreter
+from tests.rope_configs import LLAMA3, PLAIN
 
 
 @pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records",

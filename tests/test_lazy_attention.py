@@ -13,10 +13,8 @@ from pallas_kernels import (MAX_ROPE_POSITION, RopeConfig, lazy_attention,
 from pallas_kernels.lazy_attention import resolve_impl
 from pallas_kernels.rope import cos_sin_from_chunks
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
+from tests.rope_configs import LLAMA3, PLAIN
 
-PLAIN = RopeConfig(theta=10000.0)
-LLAMA3 = RopeConfig(theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position=8192)
 
 # (heads, kv heads, head dim, page size, dtype, T, base position, rope)
 CASES = [

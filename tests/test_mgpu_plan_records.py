@@ -24,7 +24,7 @@ from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
 from pallas_kernels.gpu_segment_counts import (BLOCKS_IN_ONE_SUM,
                                                segment_counts,
                                                steps_before_pages)
-from tests.mgpu_prefill_helpers import LLAMA3, PLAIN
+from tests.rope_configs import LLAMA3, PLAIN
 
 PAGE_SIZE = 4
 

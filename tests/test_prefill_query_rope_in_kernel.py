@@ -23,8 +23,9 @@ from pallas_kernels.gpu_prefill_mgpu_plan import (Q15_ONE,
                                                   query_cos_sin_table,
                                                   segment_cos_sin)
 from pallas_kernels.testing import make_case, quantize_case, relative_error
-from tests.mgpu_prefill_helpers import (BENCH, LLAMA3, PLAIN, _call, _check,
-                                        _specs, gpu_case, needs_interpreter)
+from tests.mgpu_prefill_helpers import (BENCH, _call, _check, _specs, gpu_case,
+                                        needs_interpreter)
+from tests.rope_configs import LLAMA3, PLAIN
 
 IN_KERNEL = MgpuBlockSizes(query_rope_in_kernel=True)
 WRONG_PLAN = "make the plan with the kernel's block sizes"

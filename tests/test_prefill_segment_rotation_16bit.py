@@ -15,9 +15,9 @@ import pytest
 
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes, lazy_prefill_mgpu
 from pallas_kernels.testing import make_case, numpy_truth, relative_error
-from tests.mgpu_prefill_helpers import (BF16_TOLERANCE, LLAMA3, PLAIN,
-                                        _call, _check, gpu_case,
-                                        needs_interpreter)
+from tests.mgpu_prefill_helpers import (BF16_TOLERANCE, _call, _check,
+                                        gpu_case, needs_interpreter)
+from tests.rope_configs import LLAMA3, PLAIN
 
 # The 16-bit form may lose at most this factor of the f32 form's error
 # against the float64 truth.

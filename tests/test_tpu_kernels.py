@@ -37,10 +37,8 @@ from pallas_kernels.tpu_decode import lazy_decode_tpu
 from pallas_kernels.tpu_prefill import lazy_prefill_tpu
 from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
                                     relative_error, zero_args)
+from tests.rope_configs import LLAMA3, PLAIN
 
-PLAIN = RopeConfig(10000.0)
-LLAMA3 = RopeConfig(500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position=8192)
 TOLERANCE = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
