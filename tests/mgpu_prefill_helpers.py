@@ -1,8 +1,9 @@
 """Helpers of the Mosaic GPU prefill tests (test_gpu_prefill_mgpu*.py, and
-the decode and prefill-variant tests that run the same checks): the RoPE
-configurations, contract shapes, the interpreter marker, a call of the
-kernel, the parity check against the reference and the float64 truth, and
-the benchmark-like and GPU cases."""
+the decode and prefill-variant tests that run the same checks): contract
+shapes, the interpreter marker, a call of the kernel (plain RoPE by
+default; the configurations are tests/rope_configs.py), the parity check
+against the reference and the float64 truth, and the benchmark-like and
+GPU cases."""
 
 from __future__ import annotations
 
