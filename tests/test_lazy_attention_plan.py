@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels import (RopeConfig, lazy_attention,
-                            lazy_attention_reference, plan_lazy_attention)
+from pallas_kernels import (lazy_attention, lazy_attention_reference,
+                            plan_lazy_attention)
 from pallas_kernels.gpu_decode_mgpu import DecodePlan
 from pallas_kernels.gpu_prefill_mgpu import PrefillPlan
 from pallas_kernels.testing import make_case, relative_error
-
-ROPE = RopeConfig(theta=10000.0)
+from tests.rope_configs import PLAIN as ROPE
 
 
 def _with_garbage_pages(pages, offset):

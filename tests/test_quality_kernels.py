@@ -24,13 +24,13 @@ from lazyattn_jax.paged_cache import Admission
 from lazyattn_jax.preamble import Preamble
 from lazyattn_jax.requests import TokenRequest
 from lazyattn_jax.sampling import SamplingParams
-from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
+from pallas_kernels import lazy_attention, lazy_attention_reference
 from pallas_kernels.sizes import ceil_div
 from pallas_kernels.testing import LazyCase, numpy_truth, relative_error
 from tests.mgpu_prefill_helpers import _has_interpreter
+from tests.rope_configs import PLAIN as ROPE
 
 PAGE = 8
-ROPE = RopeConfig(theta=10000.0)
 DOC_LENS = (5, 12, 3)  # the third is shorter than k: recomputed whole
 PREAMBLE_LEN, QUERY_LEN, RECOMPUTE = 5, 4, PAGE
 
