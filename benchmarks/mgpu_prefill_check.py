@@ -30,7 +30,9 @@ Run on the GPU machine from the repository root:
     query once (wrong results; against kernel[...], what the rotations
     cost), and "kernel bare[...]": that, and no step masked or fixed up;
     "kernel bare p128[...]": that on a pool of 128-token pages (one TMA
-    copy per K and V a step).
+    copy per K and V a step); "kernel+N ops[...]": the kernel after N
+    tiny dependent XLA ops (against kernel[...], what a launch before the
+    kernel costs: the floor of a plan made of XLA ops).
     Median
     over 21 samples, each a chain of calls (benchmarks.kernel_timing.ChainTimer),
     after a warm-up run; every row is compiled first, then sampled
@@ -179,6 +181,29 @@ def kernel_alone(q_rot, k_pages, v_pages, plan, *, sizes):
                              sm_scale=jnp.float32(SM_SCALE))
 
 
+def perturb_dependent_ops(count):
+  """A chain perturbation for the kernel-alone rows that puts `count`
+  tiny dependent XLA ops before each kernel: the plan's step counts pass
+  through `count` reductions, each of the last one's result (XLA fuses
+  elementwise work into a reduction's input, never one reduction into
+  another, so each is a launch of its own).  Against the kernel-alone
+  row, what one dependent launch costs a call: the floor of any plan made
+  of XLA ops (the default's is 10)."""
+
+  def perturb(args, zero):
+    q_rot, k_pages, v_pages, plan = args
+    n_steps = plan[0] + (zero > 1e30).astype(jnp.int32)  # + 0 at run time
+    for _ in range(count):
+      n_steps = n_steps + (jnp.max(n_steps) > 2**30).astype(jnp.int32)
+    return q_rot, k_pages, v_pages, (n_steps, *plan[1:])
+
+  return perturb
+
+
+# Dependent-op counts of the "kernel+N ops" rows.
+DEPENDENT_OP_COUNTS = (1, 3, 10)
+
+
 def cudnn_dense(q, k_dense, v_dense):
   """cuDNN's flash attention on the dense pre-rotated K/V, no mask."""
   return jax.nn.dot_product_attention(q, k_dense, v_dense, scale=SM_SCALE,
@@ -251,6 +276,11 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
         methods.append((f"{label}[{name}]", functools.partial(
             kernel_alone, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
                                    tuple(rows_plan)), perturb_none))
+      for count in DEPENDENT_OP_COUNTS:
+        methods.append((f"kernel+{count} ops[{name}]", functools.partial(
+            kernel_alone, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
+                                         tuple(plan_v)),
+                        perturb_dependent_ops(count)))
       # "bare" again on a pool of block_kv-token pages: one TMA copy per K
       # and per V a step instead of one per 16-token page (against the
       # bare row, what the page copies cost).

@@ -6,10 +6,14 @@ each row's ratio to cuDNN is taken against its own table's cuDNN row."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks.kernel_timing import SETTLE_S
-from benchmarks.mgpu_prefill_check import main, row_selected
+from benchmarks.mgpu_prefill_check import (main, perturb_dependent_ops,
+                                           row_selected)
 from benchmarks.prefill_check_tables import (SAMPLES, print_table,
                                              print_tables_summary,
                                              sample_round_robin,
@@ -116,7 +120,29 @@ def test_the_summary_counts_a_row_that_failed_in_some_tables(capsys):
     ("mgpu per-layer (plan once)", True),
     ("kernel[k128w2s2-qreg-csrec-sched]", True),
     ("kernel bare[k128w2s2-qreg-csrec-sched]", False),
+    ("kernel+3 ops[k128w2s2-qreg-csrec-sched]", False),
     ("cudnn", False),
 ])
 def test_rows_are_picked_by_the_start_of_a_word(name, picked):
   assert row_selected(name, ["mgpu[", "per-layer", "kernel["]) is picked
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_dependent_ops_leave_the_plan_and_launch_apart(count):
+  """The kernel+N ops rows' perturbation: the step counts come out as they
+  went in (the run-time zero adds nothing), through `count` reductions that
+  XLA keeps apart (one launch each before the kernel)."""
+  n_steps = jnp.asarray(np.arange(8, dtype=np.int32).reshape(2, 4))
+  records = jnp.ones((2, 3, 5), jnp.int32)
+
+  def plan_after(zero, n_steps, records):
+    args = ("q", "k", "v", (n_steps, records))
+    return perturb_dependent_ops(count)(args, zero)[3]
+
+  out = jax.jit(plan_after)(jnp.float32(0), n_steps, records)
+  np.testing.assert_array_equal(out[0], n_steps)
+  assert out[1] is records or np.array_equal(out[1], records)
+  hlo = jax.jit(plan_after).lower(jnp.float32(0), n_steps,
+                                  records).compile().as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  assert entry.count(" fusion(") == count + 1  # the reductions, the last add
