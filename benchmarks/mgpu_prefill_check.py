@@ -30,7 +30,9 @@ Run on the GPU machine from the repository root:
     query once (wrong results; against kernel[...], what the rotations
     cost), and "kernel bare[...]": that, and no step masked or fixed up;
     "kernel bare p128[...]": that on a pool of 128-token pages (one TMA
-    copy per K and V a step); "kernel+N ops[...]": the kernel after N
+    copy per K and V a step); "mgpu p32[...]" and "kernel p32[...]" (and
+    p64): the whole call and the kernel alone on pools of 32- and 64-token
+    pages, every page shuffled; "kernel+N ops[...]": the kernel after N
     tiny dependent XLA ops (against kernel[...], what a launch before the
     kernel costs: the floor of a plan made of XLA ops).
     Median
@@ -200,6 +202,9 @@ def perturb_dependent_ops(count):
   return perturb
 
 
+# Pages of the "mgpu pN" and "kernel pN" rows, in 16-token pages.
+COARSE_PAGE_FACTORS = (2, 4)
+
 # Dependent-op counts of the "kernel+N ops" rows.
 DEPENDENT_OP_COUNTS = (1, 3, 10)
 
@@ -281,6 +286,19 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
             kernel_alone, sizes=sizes), (q_rot, lazy_args[1], lazy_args[2],
                                          tuple(plan_v)),
                         perturb_dependent_ops(count)))
+      # The whole call and the kernel alone on pools of coarser pages (the
+      # same K/V bytes, every page shuffled): what the page size costs
+      # where no block's pages are consecutive (16 copies a step at 16
+      # tokens, 4 at 64).
+      for factor in COARSE_PAGE_FACTORS:
+        coarse = _coarse_pages(lazy_args, factor)
+        tokens = PAGE_SIZE * factor
+        methods.append((f"mgpu p{tokens}[{name}]", functools.partial(
+            whole_call, sizes=sizes), coarse, perturb_positions))
+        q_rot_c, plan_c = kernel_inputs(coarse, sizes)
+        methods.append((f"kernel p{tokens}[{name}]", functools.partial(
+            kernel_alone, sizes=sizes), (q_rot_c, coarse[1], coarse[2],
+                                         tuple(plan_c)), perturb_none))
       # "bare" again on a pool of block_kv-token pages: one TMA copy per K
       # and per V a step instead of one per 16-token page (against the
       # bare row, what the page copies cost).
