@@ -109,6 +109,26 @@ def perturb_none(args, zero):
   return args
 
 
+def perturb_dependent_ops(count):
+  """A chain perturbation for the kernel-alone rows that puts `count`
+  tiny dependent XLA ops before each kernel: the plan's step counts pass
+  through `count` reductions, each of the last one's result (XLA fuses
+  elementwise work into a reduction's input, never one reduction into
+  another, so each is a launch of its own).  Against the kernel-alone
+  row, what one dependent launch costs a call: the floor of any plan made
+  of XLA ops (the default prefill's whole call compiles to 7 fusions
+  before its kernel)."""
+
+  def perturb(args, zero):
+    q_rot, k_pages, v_pages, plan = args
+    n_steps = plan[0] + (zero > 1e30).astype(jnp.int32)  # + 0 at run time
+    for _ in range(count):
+      n_steps = n_steps + (jnp.max(n_steps) > 2**30).astype(jnp.int32)
+    return q_rot, k_pages, v_pages, (n_steps, *plan[1:])
+
+  return perturb
+
+
 def perturb_lazy(args, zero):
   q, k, v, table, pos, shift, length, q_pos, *scales = args
   bump = (zero > 1e30).astype(jnp.int32)  # 0 at run time, unknown to XLA

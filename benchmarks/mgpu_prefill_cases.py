@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.kernel_cases import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                      PAGE_SIZE, dense_from_pages,
@@ -71,3 +72,18 @@ def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
                            (batch, q_len))
   return (q, k_pages, v_pages, table, pos, shift, length, q_pos,
           dense_from_pages(k_pages, table), dense_from_pages(v_pages, table))
+
+
+def coarse_pages(lazy_args, factor):
+  """The lazy arguments on a pool whose pages are `factor` of the pool's
+  pages (the same K/V bytes, each row's pages in shuffled order)."""
+  q, k_pages, v_pages, table, pos, shift, length, q_pos = lazy_args
+  heads, num_pages, page, dim = k_pages.shape
+  batch, pages = table.shape
+  pool = lambda x: x.reshape(heads, num_pages // factor, page * factor, dim)
+  coarse_table = np.random.default_rng(2).permutation(
+      num_pages // factor).reshape(batch, pages // factor)
+  return (q, pool(k_pages), pool(v_pages),
+          jnp.asarray(coarse_table, jnp.int32), pos[:, ::factor],
+          shift[:, ::factor], jnp.sum(length.reshape(batch, -1, factor),
+                                      axis=-1).astype(jnp.int32), q_pos)

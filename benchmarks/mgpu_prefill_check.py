@@ -78,10 +78,11 @@ from benchmarks.kernel_cases import (DTYPE, HEAD_DIM, NUM_HEADS,
                                      prefill_planned, prefill_planned_perturb,
                                      visible_pairs)
 from benchmarks.gpu_clock_log import ClockLog
-from benchmarks.kernel_timing import (SETTLE_S, ChainTimer, perturb_lazy,
+from benchmarks.kernel_timing import (SETTLE_S, ChainTimer,
+                                      perturb_dependent_ops, perturb_lazy,
                                       perturb_none, perturb_positions,
                                       perturb_query)
-from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs
+from benchmarks.mgpu_prefill_cases import VARIANTS, build_inputs, coarse_pages
 from benchmarks.mgpu_prefill_parity import run_parity
 from benchmarks.prefill_check_tables import (print_table,
                                            print_tables_summary,
@@ -119,21 +120,6 @@ def _timing_plans(plan, pages_per_block):
       records=one_rotation.records.at[:, :, layout.fixup].set(0)
       .at[:, :, layout.max_pos].set(INT32_MIN))
   return one_rotation, bare
-
-
-def _coarse_pages(lazy_args, factor):
-  """The lazy arguments on a pool whose pages are `factor` of the pool's
-  pages (the same K/V bytes, each row's pages in shuffled order)."""
-  q, k_pages, v_pages, table, pos, shift, length, q_pos = lazy_args
-  heads, num_pages, page, dim = k_pages.shape
-  batch, pages = table.shape
-  pool = lambda x: x.reshape(heads, num_pages // factor, page * factor, dim)
-  coarse_table = np.random.default_rng(2).permutation(
-      num_pages // factor).reshape(batch, pages // factor)
-  return (q, pool(k_pages), pool(v_pages),
-          jnp.asarray(coarse_table, jnp.int32), pos[:, ::factor],
-          shift[:, ::factor], jnp.sum(length.reshape(batch, -1, factor),
-                                      axis=-1).astype(jnp.int32), q_pos)
 
 
 # (block_q, block_kv, max_concurrent_steps) of JAX's reference kernel; four
@@ -181,25 +167,6 @@ def kernel_alone(q_rot, k_pages, v_pages, plan, *, sizes):
   return mgpu_prefill_kernel(q_rot, k_pages, v_pages, PrefillPlan(*plan),
                              out_dtype=DTYPE, block_sizes=sizes,
                              sm_scale=jnp.float32(SM_SCALE))
-
-
-def perturb_dependent_ops(count):
-  """A chain perturbation for the kernel-alone rows that puts `count`
-  tiny dependent XLA ops before each kernel: the plan's step counts pass
-  through `count` reductions, each of the last one's result (XLA fuses
-  elementwise work into a reduction's input, never one reduction into
-  another, so each is a launch of its own).  Against the kernel-alone
-  row, what one dependent launch costs a call: the floor of any plan made
-  of XLA ops (the default's is 10)."""
-
-  def perturb(args, zero):
-    q_rot, k_pages, v_pages, plan = args
-    n_steps = plan[0] + (zero > 1e30).astype(jnp.int32)  # + 0 at run time
-    for _ in range(count):
-      n_steps = n_steps + (jnp.max(n_steps) > 2**30).astype(jnp.int32)
-    return q_rot, k_pages, v_pages, (n_steps, *plan[1:])
-
-  return perturb
 
 
 # Pages of the "mgpu pN" and "kernel pN" rows, in 16-token pages.
@@ -291,7 +258,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
       # where no block's pages are consecutive (16 copies a step at 16
       # tokens, 4 at 64).
       for factor in COARSE_PAGE_FACTORS:
-        coarse = _coarse_pages(lazy_args, factor)
+        coarse = coarse_pages(lazy_args, factor)
         tokens = PAGE_SIZE * factor
         methods.append((f"mgpu p{tokens}[{name}]", functools.partial(
             whole_call, sizes=sizes), coarse, perturb_positions))
@@ -302,7 +269,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
       # "bare" again on a pool of block_kv-token pages: one TMA copy per K
       # and per V a step instead of one per 16-token page (against the
       # bare row, what the page copies cost).
-      coarse = _coarse_pages(lazy_args, sizes.block_kv // PAGE_SIZE)
+      coarse = coarse_pages(lazy_args, sizes.block_kv // PAGE_SIZE)
       plan_c = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
           *coarse, sizes))
       _, bare_c = _timing_plans(plan_c, 1)
