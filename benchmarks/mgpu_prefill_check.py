@@ -197,6 +197,8 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
   times over from the same compiled calls.  Returns `tables` lists of
   rows (shape, variant, seconds or None, flops, note), one per table."""
   per_table = [[] for _ in range(tables)]
+  selected = lambda name: (not only or name == "cudnn"
+                           or row_selected(name, only))
   for shape, batch, q_len, context in SHAPES:
     if shapes is not None and shape not in shapes:
       continue
@@ -257,26 +259,30 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
       # same K/V bytes, every page shuffled): what the page size costs
       # where no block's pages are consecutive (16 copies a step at 16
       # tokens, 4 at 64).
+      # Their kernel-alone plans are made only for rows --rows selects.
       for factor in COARSE_PAGE_FACTORS:
         coarse = coarse_pages(lazy_args, factor)
         tokens = PAGE_SIZE * factor
         methods.append((f"mgpu p{tokens}[{name}]", functools.partial(
             whole_call, sizes=sizes), coarse, perturb_positions))
-        q_rot_c, plan_c = kernel_inputs(coarse, sizes)
-        methods.append((f"kernel p{tokens}[{name}]", functools.partial(
-            kernel_alone, sizes=sizes), (q_rot_c, coarse[1], coarse[2],
-                                         tuple(plan_c)), perturb_none))
+        if selected(f"kernel p{tokens}[{name}]"):
+          q_rot_c, plan_c = kernel_inputs(coarse, sizes)
+          methods.append((f"kernel p{tokens}[{name}]", functools.partial(
+              kernel_alone, sizes=sizes), (q_rot_c, coarse[1], coarse[2],
+                                           tuple(plan_c)), perturb_none))
       # "bare" again on a pool of block_kv-token pages: one TMA copy per K
       # and per V a step instead of one per 16-token page (against the
       # bare row, what the page copies cost).
-      coarse = coarse_pages(lazy_args, sizes.block_kv // PAGE_SIZE)
-      plan_c = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
-          *coarse, sizes))
-      _, bare_c = _timing_plans(plan_c, 1)
-      methods.append((f"kernel bare p{sizes.block_kv}[{name}]",
-                      functools.partial(kernel_alone, sizes=sizes),
-                      (q_rot, coarse[1], coarse[2], tuple(bare_c)),
-                      perturb_none))
+      bare_name = f"kernel bare p{sizes.block_kv}[{name}]"
+      if selected(bare_name):
+        coarse = coarse_pages(lazy_args, sizes.block_kv // PAGE_SIZE)
+        plan_c = PrefillPlan(*jax.jit(prefill_plan, static_argnums=8)(
+            *coarse, sizes))
+        _, bare_c = _timing_plans(plan_c, 1)
+        methods.append((bare_name,
+                        functools.partial(kernel_alone, sizes=sizes),
+                        (q_rot, coarse[1], coarse[2], tuple(bare_c)),
+                        perturb_none))
     methods.append(("lazy_attention[gpu]", lambda *a: lazy_attention(
         *a, rope=ROPE, sm_scale=SM_SCALE, impl="gpu"), lazy_args,
                     perturb_positions))
@@ -293,9 +299,7 @@ def run_timing(variants, only=(), shapes=None, layout="pages",
                       functools.partial(jax_mgpu_dense, cfg=cfg),
                       jax_mgpu_dense_inputs(lazy_args[0], k_dense, v_dense),
                       perturb_query))
-    if only:
-      methods = [m for m in methods
-                 if m[0] == "cudnn" or row_selected(m[0], only)]
+    methods = [m for m in methods if selected(m[0])]
     timers = {}  # method -> ChainTimer, or the note of its failure
     for method, fn, args, perturb in methods:
       start = time.perf_counter()
