@@ -57,6 +57,9 @@ VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = dataclasses.replace(
 # default computes it in packed 16-bit: MgpuBlockSizes.segment_rotation_16bit).
 VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], segment_rotation_16bit=False)
+# The plan in one Mosaic GPU launch (gpu_prefill_plan_kernel).
+VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = dataclasses.replace(
+    VARIANTS["k128w2s2-qreg-csrec-sched"], plan_in_kernel=True)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

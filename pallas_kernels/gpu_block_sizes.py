@@ -170,6 +170,10 @@ class MgpuBlockSizes:
       error 1.1-1.3x the f32 form's (docs/kernels.md).  Applies where
       the rotated query rides in registers (query_in_registers, 16-bit
       pages); the shared-memory form rotates in f32.
+    plan_in_kernel: `lazy_prefill_mgpu` makes its plan in one Mosaic GPU
+      launch (`gpu_prefill_plan_kernel`, the same arrays bit for bit)
+      instead of about seven XLA fusions, where that kernel supports the
+      shape (`plan_kernel_unsupported`; elsewhere the XLA plan).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -188,6 +192,7 @@ class MgpuBlockSizes:
   copy_contiguous_blocks: bool = True
   query_rope_in_kernel: bool | None = None
   segment_rotation_16bit: bool = True
+  plan_in_kernel: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):

@@ -23,6 +23,8 @@ from pallas_kernels.gpu_prefill_mgpu_kernel import mgpu_prefill_kernel
 from pallas_kernels.gpu_prefill_mgpu_plan import (PrefillPlan, RecordLayout,
                                                   padded_query_len,
                                                   plan_prefill, step_records)
+from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
+                                                    plan_prefill_kernel)
 from pallas_kernels.kv_quant import check_kv_scales, is_quantized
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
 from pallas_kernels.rope import RopeConfig, rotated_query
@@ -42,6 +44,7 @@ __all__ = [
     "rotated_query_tokens",
     "smem_bytes",
     "step_records",
+    "whole_call_plan",
 ]
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -101,6 +104,23 @@ def _check_inputs(q, k_pages, page_size, block_sizes):
     raise ValueError(reason)
 
 
+def whole_call_plan(page_table, page_pos, page_shift, page_len, q_pos, *,
+                    block_sizes: MgpuBlockSizes, interpret: bool = False,
+                    **plan_args) -> PrefillPlan:
+  """`lazy_prefill_mgpu`'s plan: one Mosaic GPU launch
+  (`plan_prefill_kernel`) where `block_sizes.plan_in_kernel` asks for it
+  and that kernel takes the shape, else the XLA plan (`plan_prefill`); the
+  same arrays either way.  `plan_args`: plan_prefill's keywords."""
+  if block_sizes.plan_in_kernel and plan_kernel_unsupported(
+      num_logical_pages=page_table.shape[1], q_len=q_pos.shape[1],
+      head_dim=plan_args["head_dim"], block_sizes=block_sizes) is None:
+    return plan_prefill_kernel(page_table, page_pos, page_shift, page_len,
+                               q_pos, block_sizes=block_sizes,
+                               interpret=interpret, **plan_args)
+  return plan_prefill(page_table, page_pos, page_shift, page_len, q_pos,
+                      block_sizes=block_sizes, **plan_args)
+
+
 def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                       page_len, q_pos, *, rope: RopeConfig, sm_scale,
                       block_sizes: MgpuBlockSizes | None = None,
@@ -120,10 +140,11 @@ def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
-  plan = plan_prefill(page_table, page_pos, page_shift, page_len, q_pos,
-                      rope=rope, group=q.shape[2] // k_pages.shape[0],
-                      head_dim=q.shape[-1], num_pages=k_pages.shape[1],
-                      page_size=k_pages.shape[2], block_sizes=block_sizes)
+  plan = whole_call_plan(page_table, page_pos, page_shift, page_len, q_pos,
+                         rope=rope, group=q.shape[2] // k_pages.shape[0],
+                         head_dim=q.shape[-1], num_pages=k_pages.shape[1],
+                         page_size=k_pages.shape[2], block_sizes=block_sizes,
+                         interpret=interpret)
   return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                    rope=rope, sm_scale=sm_scale,
                                    block_sizes=block_sizes,

@@ -1,0 +1,379 @@
+"""The Mosaic GPU prefill's plan made in one Pallas Mosaic GPU launch.
+
+`plan_prefill` (gpu_prefill_mgpu_plan.py) makes the same `PrefillPlan` in
+about seven XLA fusions; under the whole call those launches, not their
+work, are what the call lacks against cuDNN (docs/kernels.md, "What part 4
+still needs").  This kernel writes the same arrays, bit for bit, in one
+launch of small CTAs, each recomputing the few per-row counts it needs
+from the row's page metadata (a few 128-lane loads and reductions) instead
+of reading them from an earlier launch.
+
+A step's first page is a segment start, or the first page of a KV block
+that lies after the row's first live page and at or before its last one
+(a block carried inside a segment that began earlier).  So every count the
+plan needs is a count of "step-first" pages: a step's index is the
+step-first pages before its first page; a token block's steps are the
+step-first pages before the last page it can see.  Grid (B, KV blocks +
+query CTAs):
+
+- block CTA k: the steps whose first page lies in KV block k, their
+  records written to their rows (rows past the row's steps are zeroed in
+  slices, one a CTA);
+- query CTA r: rows 8 r .. 8 r + 7 of `row_pos` and `query_cos_sin`,
+  token block r / 8's `min_row` (r % 8 == 0), and tile r's `n_steps`.
+
+Limits (`plan_kernel_unsupported` names the first that fails; the XLA plan
+serves those shapes): head dim 128, records that carry their segment's
+cos / sin, at least 129 logical pages and 128 query tokens (the row's
+metadata is read in 128-lane pieces).
+
+Design: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gpu_common as common
+from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
+from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
+                                                  Q15_ONE, PrefillPlan,
+                                                  RecordLayout, max_steps,
+                                                  padded_query_len)
+from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
+from pallas_kernels.sizes import ceil_div
+
+LANES = 128  # one warpgroup: one value per thread
+ROWS_PER_QUERY_CTA = 8
+HEAD_DIM = 128
+
+
+def plan_kernel_unsupported(*, num_logical_pages: int, q_len: int,
+                            head_dim: int, block_sizes: MgpuBlockSizes):
+  """Why `plan_prefill_kernel` cannot make this plan, or None."""
+  if head_dim != HEAD_DIM:
+    return f"the plan kernel needs head dim {HEAD_DIM}, got {head_dim}"
+  if not block_sizes.cos_sin_in_records:
+    return "the plan kernel writes records that carry cos / sin"
+  if num_logical_pages <= LANES:
+    return (f"the plan kernel needs more than {LANES} logical pages, got "
+            f"{num_logical_pages}")
+  if q_len < LANES:
+    return f"the plan kernel needs at least {LANES} query tokens, got {q_len}"
+  return None
+
+
+def lane_turn_chunks(rope: RopeConfig, head_dim: int) -> np.ndarray:
+  """int32 [NUM_TURN_CHUNKS, 128]: lane k holds the turn chunks of record
+  word k of a step's cos | sin (`RopeConfig.turn_chunks` is already laid
+  out as cos | sin halves)."""
+  return rope.turn_chunks(head_dim)[:, np.arange(LANES) % head_dim]
+
+
+def _nearest(x):
+  """floor(x + 0.5) from a truncating conversion (Mosaic GPU has no floor):
+  the same float as `jnp.floor(x + 0.5)` for |x| < 2^30."""
+  y = x + 0.5
+  t = y.astype(jnp.int32)
+  return (t - (t.astype(jnp.float32) > y).astype(jnp.int32)).astype(
+      jnp.float32)
+
+
+def _round_half_even(x):
+  """int32 jnp.round(x) (ties to even) for |x| < 2^30."""
+  t = _nearest(x).astype(jnp.int32)
+  tie = (t.astype(jnp.float32) - x == 0.5) & (t % 2 != 0)
+  return t - tie.astype(jnp.int32)
+
+
+def _plan_kernel(
+    # Inputs.
+    table_ref, pos_ref, shift_ref, len_ref,  # int32 [B, M] page metadata
+    q_pos_ref,  # int32 [B, T]
+    chunks_ref,  # int32 [NUM_TURN_CHUNKS, 128] (lane_turn_chunks)
+    # Outputs.
+    n_steps_ref,  # int32 [B, tiles]
+    min_row_ref,  # int32 [B, T_pad / 64]
+    rec_ref,  # int32 [B, S_max, width]
+    row_pos_ref,  # int32 [B, T_pad]
+    qcs_ref,  # int16 [B, T_pad, H]
+    *, num_pages, page_size, ppb, group, nwg, interpret):
+  batch = jax.lax.axis_index("b")
+  cta = jax.lax.axis_index("cta")
+  num_logical = table_ref.shape[1]
+  q_len = q_pos_ref.shape[1]
+  num_blocks = ceil_div(num_logical, ppb)
+  s_max, width = rec_ref.shape[1], rec_ref.shape[2]
+  t_pad = row_pos_ref.shape[1]
+  layout = RecordLayout(ppb, cos_sin_dim=HEAD_DIM)
+  lanes_layout = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+  as_lanes = (lambda x: x) if interpret else (
+      lambda x: plgpu.layout_cast(x, lanes_layout))
+  lane = as_lanes(jax.lax.broadcasted_iota(jnp.int32, (LANES,), 0))
+
+  def lanes_of(ref, start, length):  # ref[batch, start:start + 128]
+    return as_lanes(ref[batch, pl.ds(start, length)])
+
+  def pieces(length, first=0):
+    """(nominal start, start) of 128-lane pieces over first..length - 1; the
+    last piece starts at length - 128 and counts only lanes >= nominal."""
+    return [(c, min(c, length - LANES)) for c in range(first, length, LANES)]
+
+  def row_newest():  # newest q_pos of the row (INT32_MIN if none)
+    best = None
+    for _, start in pieces(q_len):
+      q = lanes_of(q_pos_ref, start, LANES)
+      q = jnp.where(q >= 0, q, INT32_MIN)
+      best = q if best is None else jnp.maximum(best, q)
+    return jnp.max(best)
+
+  def live_of(length, pos, newest, page=None):
+    live = (length > 0) & (pos <= newest) & (newest >= 0)
+    return live if page is None else live & (page < num_logical)
+
+  def live_extent(newest):  # (first live page or NB * ppb, last or -1)
+    first, last = None, None
+    for _, start in pieces(num_logical):
+      page = start + lane
+      live = live_of(lanes_of(len_ref, start, LANES),
+                     lanes_of(pos_ref, start, LANES), newest)
+      f = jnp.where(live, page, num_blocks * ppb)
+      l = jnp.where(live, page, -1)
+      first = f if first is None else jnp.minimum(first, f)
+      last = l if last is None else jnp.maximum(last, l)
+    return jnp.min(first), jnp.max(last)
+
+  def last_seen_pages(newest, tile_newests):
+    """Per token block's newest row: 1 + the last page it sees, or 0."""
+    lasts = [None] * len(tile_newests)
+    for _, start in pieces(num_logical):
+      pos = lanes_of(pos_ref, start, LANES)
+      live = live_of(lanes_of(len_ref, start, LANES), pos, newest)
+      for w, tile_newest in enumerate(tile_newests):
+        l = jnp.where(live & (pos <= tile_newest), start + lane, -1)
+        lasts[w] = l if lasts[w] is None else jnp.maximum(lasts[w], l)
+    return [jnp.max(last) + 1 for last in lasts]
+
+  def counts_before(ends, newest, first_live, last_live, starts_end=None):
+    """Step-first pages among pages < each of `ends`, and segment starts
+    among pages < `starts_end` (if given), in one pass over the row."""
+    live0 = live_of(len_ref[batch, 0], pos_ref[batch, 0], newest)
+    at0 = lambda end: (live0 & (end > 0)).astype(jnp.int32)  # page 0
+    steps, starts = [None] * len(ends), None
+    for nominal, start in pieces(num_logical, first=1):
+      page = start + lane
+      length = lanes_of(len_ref, start, LANES)
+      pos = lanes_of(pos_ref, start, LANES)
+      shift = lanes_of(shift_ref, start, LANES)
+      prev_live = live_of(lanes_of(len_ref, start - 1, LANES),
+                          lanes_of(pos_ref, start - 1, LANES), newest)
+      prev_shift = lanes_of(shift_ref, start - 1, LANES)
+      live = live_of(length, pos, newest)
+      is_start = live & ~(prev_live & (prev_shift == shift))
+      carried = ((page % ppb == 0) & (first_live < page)
+                 & (page <= last_live))
+      fresh = page >= nominal  # not counted by the piece before
+      for e, end in enumerate(ends):
+        s = jnp.where(fresh & (page < end) & (is_start | carried), 1, 0)
+        steps[e] = s if steps[e] is None else steps[e] + s
+      if starts_end is not None:
+        g = jnp.where(fresh & (page < starts_end) & is_start, 1, 0)
+        starts = g if starts is None else starts + g
+    steps = [jnp.sum(x) + at0(end) for x, end in zip(steps, ends)]
+    if starts_end is None:
+      return steps
+    return steps, jnp.sum(starts) + at0(starts_end)
+
+  # Loaded once, before any store: the compiler does not move a load above
+  # a store to an output it cannot tell apart, so a load after a store waits
+  # out its whole latency (docs/kernels.md).
+  chunks = [as_lanes(chunks_ref[j, :]) for j in range(NUM_TURN_CHUNKS)]
+
+  def cos_sin_lanes(position):  # f32 [128]: cos | sin of one position
+    cos, sin = cos_sin_from_chunks(position + jnp.zeros_like(lane), chunks,
+                                   nearest=_nearest)
+    return jnp.where(lane % HEAD_DIM < HEAD_DIM // 2, cos, sin)
+
+  @pl.when(cta < num_blocks)
+  def _block():
+    first_page = cta * ppb
+    # The block's pages, scalar by scalar (pages past M repeat the last),
+    # loaded first so that their latency overlaps the row's reductions.
+    pages = []
+    for i in range(ppb):
+      at = jnp.minimum(first_page + i, num_logical - 1)
+      pages.append(dict(phys=table_ref[batch, at], pos=pos_ref[batch, at],
+                        length=len_ref[batch, at],
+                        shift=shift_ref[batch, at]))
+    before = jnp.maximum(first_page - 1, 0)
+    prev_length, prev_pos = len_ref[batch, before], pos_ref[batch, before]
+    prev_shift = shift_ref[batch, before]
+    newest = row_newest()
+    first_live, last_live = live_extent(newest)
+    (steps_before, num_steps), starts_before = counts_before(
+        [first_page, num_blocks * ppb], newest, first_live, last_live,
+        starts_end=first_page)
+    for i, p in enumerate(pages):
+      p["phys"] = jnp.clip(p["phys"], 0, num_pages - 1)
+      p["live"] = live_of(p["length"], p["pos"], newest, first_page + i)
+    prev_live = live_of(prev_length, prev_pos, newest) & (first_page > 0)
+    # A step starts at each segment start, and at the block's first page
+    # where the block is carried inside a segment begun before it.
+    carried = (first_live < first_page) & (first_page <= last_live)
+    owner, rank, seg_count = [], jnp.int32(0), starts_before
+    for i, p in enumerate(pages):
+      p["start"] = p["live"] & ~(prev_live & (prev_shift == p["shift"]))
+      p["first"] = p["start"] | carried if i == 0 else p["start"]
+      seg_count = seg_count + p["start"].astype(jnp.int32)
+      p["seg"] = seg_count - 1
+      p["row"] = steps_before + rank
+      rank = rank + p["first"].astype(jnp.int32)
+      # The step a page belongs to: the last step started at or before it.
+      owner.append(jnp.where(p["first"], i, owner[-1] if owner else -1))
+      prev_live, prev_shift = p["live"], p["shift"]
+
+    for i, p in enumerate(pages):
+      @pl.when(p["first"])
+      def _record():
+        row = p["row"]
+        mine = [(owner[o] == i) & pages[o]["live"] for o in range(ppb)]
+        lim = [jnp.where(mine[o], pages[o]["length"], 0) for o in range(ppb)]
+        fixup = lim[0] < page_size
+        max_pos = jnp.int32(INT32_MIN)
+        shift = jnp.int32(INT32_MIN)
+        for o in range(ppb):
+          fixup = fixup | (lim[o] < page_size)
+          max_pos = jnp.maximum(max_pos, jnp.where(
+              lim[o] > 0, pages[o]["pos"] + lim[o] - 1, INT32_MIN))
+          shift = jnp.maximum(shift, jnp.where(mine[o], pages[o]["shift"],
+                                               INT32_MIN))
+        header = ([q["phys"] for q in pages] + [q["pos"] for q in pages]
+                  + lim + [p["seg"], p["start"].astype(jnp.int32),
+                           fixup.astype(jnp.int32), max_pos])
+        for f, value in enumerate(header):
+          rec_ref[batch, row, f] = value
+        for f in range(len(header), layout.cos_sin):
+          rec_ref[batch, row, f] = jnp.int32(0)
+        cos_sin = cos_sin_lanes(jnp.where(shift == INT32_MIN, 0, shift))
+        rec_ref[batch, row, pl.ds(layout.cos_sin, LANES)] = (
+            jax.lax.bitcast_convert_type(cos_sin, jnp.int32))
+
+    # Rows past the row's steps are zero, as the XLA plan's.
+    rows_per_cta = ceil_div(s_max, num_blocks)
+    zeros = lane * 0  # in the lanes' layout
+    for r in range(rows_per_cta):
+      row = cta * rows_per_cta + r
+      @pl.when((row >= num_steps) & (row < s_max))
+      def _zero():
+        rec_ref[batch, row, pl.ds(0, LANES)] = zeros
+        rec_ref[batch, row, pl.ds(width - LANES, LANES)] = zeros
+
+  query_cta = cta - num_blocks
+
+  @pl.when((query_cta >= 0) & (query_cta * ROWS_PER_QUERY_CTA < t_pad))
+  def _query_rows():
+    rows = [query_cta * ROWS_PER_QUERY_CTA + r
+            for r in range(ROWS_PER_QUERY_CTA)]
+    qs = [q_pos_ref[batch, jnp.minimum(t, q_len - 1)] for t in rows]
+    for t, q in zip(rows, qs):
+      row_pos = jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
+      row_pos_ref[batch, t] = row_pos
+      cos_sin = cos_sin_lanes(jnp.maximum(row_pos, 0))
+      # cos_sin * Q15_ONE, as c * 2^15 - c: the one rounding of the exact
+      # product even where the compiler fuses a multiply into the add
+      # after it (an FMA would round c * Q15_ONE + 0.5 only once).
+      q15 = _round_half_even(cos_sin * jnp.float32(Q15_ONE + 1) - cos_sin)
+      q15 = jnp.where(row_pos >= 0, q15, 0)
+      qcs_ref[batch, t, :] = q15.astype(jnp.int16)
+
+  def token_block_rows(block):  # (oldest, newest) row_pos of a 64-row block
+    oldest, newest = jnp.int32(INT32_MAX), jnp.int32(INT32_MIN)
+    for r in range(WG_ROWS):
+      t = block * WG_ROWS + r
+      q = q_pos_ref[batch, jnp.minimum(t, q_len - 1)]
+      row_pos = jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
+      oldest, newest = (jnp.minimum(oldest, row_pos),
+                        jnp.maximum(newest, row_pos))
+    return oldest, newest
+
+  rows_per_block = WG_ROWS // ROWS_PER_QUERY_CTA
+
+  @pl.when((query_cta >= 0) & (query_cta % rows_per_block == 0)
+           & (query_cta * ROWS_PER_QUERY_CTA < t_pad))
+  def _min_row():
+    block = query_cta // rows_per_block
+    min_row_ref[batch, block] = token_block_rows(block)[0]
+
+  @pl.when((query_cta >= 0) & (query_cta < n_steps_ref.shape[1]))
+  def _n_steps():
+    tile_newests = [token_block_rows((query_cta * nwg + w) // group)[1]
+                    for w in range(nwg)]
+    newest = row_newest()
+    first_live, last_live = live_extent(newest)
+    ends = last_seen_pages(newest, tile_newests)
+    steps = counts_before(ends, newest, first_live, last_live)
+    n_steps = steps[0]
+    for more in steps[1:]:
+      n_steps = jnp.maximum(n_steps, more)
+    n_steps_ref[batch, query_cta] = n_steps
+
+
+def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
+                        rope: RopeConfig, group, head_dim, num_pages,
+                        page_size, block_sizes: MgpuBlockSizes | None = None,
+                        interpret: bool = False) -> PrefillPlan:
+  """`plan_prefill`'s PrefillPlan, bit for bit, in one Mosaic GPU launch.
+
+  Same arguments as `gpu_prefill_mgpu_plan.plan_prefill`; `interpret=True`
+  runs the kernel in the Mosaic GPU interpreter (CPU, tests).  Raises
+  ValueError, naming the limit, for shapes `plan_kernel_unsupported`
+  refuses.
+  """
+  block_sizes = block_sizes or MgpuBlockSizes()
+  batch, num_logical = page_table.shape
+  q_len = q_pos.shape[1]
+  reason = plan_kernel_unsupported(num_logical_pages=num_logical, q_len=q_len,
+                                   head_dim=head_dim, block_sizes=block_sizes)
+  if reason is not None:
+    raise ValueError(reason)
+  nwg = block_sizes.num_compute_wgs
+  ppb = block_sizes.block_kv // page_size
+  t_pad = padded_query_len(q_len, group, nwg)
+  num_blocks = ceil_div(num_logical, ppb)
+  num_tiles = t_pad // WG_ROWS * group // nwg
+  query_ctas = max(t_pad // ROWS_PER_QUERY_CTA, num_tiles)
+  layout = RecordLayout(ppb, cos_sin_dim=head_dim)
+  rotates = block_sizes.rotates_query_in_kernel
+  out_types = (
+      jax.ShapeDtypeStruct((batch, num_tiles), jnp.int32),
+      jax.ShapeDtypeStruct((batch, t_pad // WG_ROWS), jnp.int32),
+      jax.ShapeDtypeStruct((batch, max_steps(num_logical, ppb), layout.width),
+                           jnp.int32),
+      jax.ShapeDtypeStruct((batch, t_pad), jnp.int32),
+      jax.ShapeDtypeStruct((batch, t_pad, head_dim), jnp.int16),
+  )
+  from pallas_kernels.gpu_mgpu_parts import interpreter_params  # pylint: disable=g-import-not-at-top
+  kernel = plgpu.kernel(
+      lambda *refs: _plan_kernel(*refs, num_pages=num_pages,
+                                 page_size=page_size, ppb=ppb, group=group,
+                                 nwg=nwg, interpret=interpret),
+      out_type=out_types, grid=(batch, num_blocks + query_ctas),
+      grid_names=("b", "cta"),
+      # Lane semantics (jax 0.10's default; 0.11 defaults to Warpgroup):
+      # scalar code per thread, arrays of one value a lane.
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Lane),
+      **({"interpret": interpreter_params()} if interpret else {}))
+  i32 = lambda a: jnp.asarray(a, jnp.int32)
+  n_steps, min_row, records, row_pos, query_cos_sin = kernel(
+      i32(page_table), i32(page_pos), i32(page_shift), i32(page_len),
+      i32(q_pos), jnp.asarray(lane_turn_chunks(rope, head_dim)))
+  if not rotates:
+    query_cos_sin = jnp.zeros((batch, t_pad, 0), jnp.int16)
+  cos_sin = jnp.zeros((batch, num_logical, 2, 0), jnp.float32)
+  return PrefillPlan(n_steps, min_row, records, cos_sin, row_pos,
+                     query_cos_sin)

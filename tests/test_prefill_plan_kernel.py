@@ -1,0 +1,166 @@
+"""The Mosaic GPU prefill's plan made in one Pallas launch
+(gpu_prefill_plan_kernel.plan_prefill_kernel) against the XLA plan
+(gpu_prefill_mgpu_plan.plan_prefill), array for array and bit for bit: in
+the Mosaic GPU interpreter on random page metadata (dead, partial and
+shuffled pages, shifts that change inside a block, padding query rows,
+page counts that do not fill the last KV block), lowered for CUDA, and on
+the GPU; the shapes it refuses; and `whole_call_plan`'s choice."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu_prefill_mgpu
+from pallas_kernels.gpu_block_sizes import MgpuBlockSizes
+from pallas_kernels.gpu_prefill_mgpu_plan import plan_prefill
+from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
+                                                    plan_prefill_kernel)
+from tests.rope_configs import LLAMA3, PLAIN
+from tests.test_mgpu_plan_records import PAGE_SIZE as RANDOM_PAGE_SIZE
+from tests.test_mgpu_plan_records import random_metadata
+
+PAGE_SIZE = 16
+HEAD_DIM = 128
+
+
+def plan_inputs(seed, *, batch, num_logical, q_len):
+  """(page_table, page_pos, page_shift, page_len, q_pos) of 16-token pages:
+  `random_metadata`'s layouts, a chunk at a random position with up to
+  four padding rows first."""
+  rng = np.random.default_rng(seed)
+  table, pos, shift, _, live = random_metadata(rng, batch, num_logical)
+  pos = pos * (PAGE_SIZE // RANDOM_PAGE_SIZE)
+  length = np.where(live, rng.integers(1, PAGE_SIZE + 1,
+                                       (batch, num_logical)), 0)
+  shift = shift * int(rng.choice([1, 977, 65537]))
+  q_pos = int(rng.integers(0, num_logical * PAGE_SIZE)) + np.arange(q_len)
+  q_pos = np.repeat(q_pos[None], batch, axis=0)
+  q_pos[:, :int(rng.integers(0, 5))] = -1
+  return [jnp.asarray(a, jnp.int32) for a in (table, pos, shift, length,
+                                              q_pos)]
+
+
+def assert_same_plan(args, *, interpret, **kw):
+  expected = jax.jit(lambda *a: plan_prefill(*a, **kw))(*args)
+  got = jax.jit(lambda *a: plan_prefill_kernel(*a, interpret=interpret,
+                                               **kw))(*args)
+  for name in expected._fields:
+    want, have = (np.asarray(getattr(expected, name)),
+                  np.asarray(getattr(got, name)))
+    assert want.shape == have.shape, name
+    np.testing.assert_array_equal(have, want, err_msg=name)
+  return expected
+
+
+CASES = [
+    # seed, batch, logical pages, q_len, group, block_kv, warpgroups, rope
+    (1, 2, 150, 130, 4, 128, 2, LLAMA3),
+    (13, 1, 263, 200, 3, 64, 1, PLAIN),
+]
+SLOW_CASES = [
+    (10, 2, 129, 128, 1, 128, 2, LLAMA3),
+    (14, 1, 300, 257, 2, 64, 2, PLAIN),
+    (15, 2, 544, 512, 4, 128, 2, LLAMA3),
+    (16, 1, 150, 257, 8, 128, 1, LLAMA3),
+]
+
+
+def _case_kw(case):
+  seed, batch, num_logical, q_len, group, block_kv, wgs, rope = case
+  args = plan_inputs(seed, batch=batch, num_logical=num_logical, q_len=q_len)
+  kw = dict(rope=rope, group=group, head_dim=HEAD_DIM,
+            num_pages=batch * num_logical, page_size=PAGE_SIZE,
+            block_sizes=MgpuBlockSizes(block_kv=block_kv,
+                                       num_compute_wgs=wgs))
+  return args, kw
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_kernel_matches_the_xla_plan_in_the_interpreter(case):
+  args, kw = _case_kw(case)
+  plan = assert_same_plan(args, interpret=True, **kw)
+  assert int(np.asarray(plan.n_steps).max()) > 0  # not a vacuous case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES)
+def test_plan_kernel_matches_the_xla_plan_in_the_interpreter_more(case):
+  args, kw = _case_kw(case)
+  assert_same_plan(args, interpret=True, **kw)
+
+
+def test_plan_kernel_lowers_for_cuda():
+  """At the H200 benchmark's shape (B 4, 544 pages, a 512-token chunk)."""
+  shapes = [jax.ShapeDtypeStruct((4, 544), jnp.int32)] * 4 + [
+      jax.ShapeDtypeStruct((4, 512), jnp.int32)]
+  exported = jax.export.export(
+      jax.jit(lambda *a: plan_prefill_kernel(
+          *a, rope=LLAMA3, group=4, head_dim=HEAD_DIM, num_pages=4 * 544,
+          page_size=PAGE_SIZE)), platforms=["cuda"])(*shapes)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(head_dim=64), "head dim 128, got 64"),
+    (dict(num_logical_pages=128), "more than 128 logical pages, got 128"),
+    (dict(q_len=127), "at least 128 query tokens, got 127"),
+    (dict(block_sizes=MgpuBlockSizes(cos_sin_in_records=False)),
+     "records that carry cos / sin"),
+])
+def test_plan_kernel_refuses_shapes_it_does_not_take(kwargs, message):
+  base = dict(num_logical_pages=150, q_len=130, head_dim=HEAD_DIM,
+              block_sizes=MgpuBlockSizes())
+  base.update(kwargs)
+  assert message in plan_kernel_unsupported(**base)
+  num_logical, q_len = base["num_logical_pages"], base["q_len"]
+  args = plan_inputs(1, batch=1, num_logical=num_logical, q_len=q_len)
+  with pytest.raises(ValueError, match=message):
+    plan_prefill_kernel(*args, rope=LLAMA3, group=4,
+                        head_dim=base["head_dim"], num_pages=num_logical,
+                        page_size=PAGE_SIZE, block_sizes=base["block_sizes"])
+
+
+@pytest.mark.parametrize("plan_in_kernel,num_logical,kernel_calls", [
+    (True, 150, 1), (True, 100, 0), (False, 150, 0)])
+def test_whole_call_plan_takes_the_kernel_where_asked_and_supported(
+    monkeypatch, plan_in_kernel, num_logical, kernel_calls):
+  calls = []
+  monkeypatch.setattr(gpu_prefill_mgpu, "plan_prefill_kernel",
+                      lambda *a, **k: calls.append(1) or plan_prefill(
+                          *a, **{n: v for n, v in k.items()
+                                 if n != "interpret"}))
+  args = plan_inputs(1, batch=1, num_logical=num_logical, q_len=130)
+  plan = gpu_prefill_mgpu.whole_call_plan(
+      *args, rope=LLAMA3, group=4, head_dim=HEAD_DIM,
+      num_pages=num_logical, page_size=PAGE_SIZE,
+      block_sizes=MgpuBlockSizes(plan_in_kernel=plan_in_kernel))
+  assert len(calls) == kernel_calls
+  assert plan.records.shape[0] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + SLOW_CASES)
+def test_plan_kernel_matches_the_xla_plan_on_the_gpu(case):
+  args, kw = _case_kw(case)
+  assert_same_plan(args, interpret=False, **kw)
+
+
+@pytest.mark.gpu
+def test_whole_call_with_the_plan_kernel_matches_the_default():
+  """lazy_prefill_mgpu with plan_in_kernel: the same output to the bit."""
+  from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
+  args = plan_inputs(15, batch=2, num_logical=200, q_len=256)
+  table, pos, shift, length, q_pos = args
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (2, 256, 8, HEAD_DIM), jnp.bfloat16)
+  pool = (2, 400, PAGE_SIZE, HEAD_DIM)
+  k_pages = jax.random.normal(keys[1], pool, jnp.bfloat16)
+  v_pages = jax.random.normal(keys[2], pool, jnp.bfloat16)
+  run = lambda sizes: np.asarray(lazy_prefill_mgpu(
+      q, k_pages, v_pages, table, pos, shift, length, q_pos, rope=LLAMA3,
+      sm_scale=HEAD_DIM ** -0.5, block_sizes=sizes).astype(jnp.float32))
+  np.testing.assert_array_equal(run(MgpuBlockSizes(plan_in_kernel=True)),
+                                run(MgpuBlockSizes()))
