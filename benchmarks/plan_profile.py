@@ -4,7 +4,8 @@ The decode plan at B64 / ctx 8192 (segment steps, and one step per block:
 `MgpuDecodeBlockSizes.steps_by_block`, with and without its cos / sin,
 `rope_in_kernel`, and with the records read by the kernel,
 `fields_in_kernel`) and the prefill plan at the
-512-token chunk (B 4, 8K context), on the kernel benchmark's page layout
+512-token chunk (B 4, 8K context; the XLA plan and, on the GPU, the plan
+in one Mosaic GPU launch, `gpu_prefill_plan_kernel`), on the kernel benchmark's page layout
 (benchmarks/kernel_cases.py): each is jitted with its outputs summed (so no
 output is dead code), timed chained, then profiled, and its ops listed by
 device time.  A plan call is too short to time by the wall clock alone
@@ -26,9 +27,12 @@ from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                      PAGE_SIZE, ROPE, page_metadata)
 from benchmarks.kernel_timing import time_per_call
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_block_sizes import (MgpuBlockSizes,
+                                            MgpuDecodeBlockSizes)
 from pallas_kernels.gpu_decode_mgpu import plan_decode
 from pallas_kernels.gpu_prefill_mgpu import plan_prefill
+from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
+                                                    plan_prefill_kernel)
 
 
 def _summed(plan_fn):
@@ -99,12 +103,19 @@ def main(argv=None):
   table, pos, shift, length = page_metadata(rng, batch, context, q_len)
   q_pos = jnp.broadcast_to(context + jnp.arange(q_len, dtype=jnp.int32),
                            (batch, q_len))
-  rows.append(profile_plan(
-      f"prefill_B{batch}_chunk{q_len}",
-      functools.partial(plan_prefill, rope=ROPE,
-                        group=NUM_HEADS // NUM_KV_HEADS, head_dim=HEAD_DIM,
-                        num_pages=table.size, page_size=PAGE_SIZE),
-      (table, pos, shift, length, q_pos), args.trace_dir, args.top))
+  plans = [("", plan_prefill)]
+  # The plan kernel runs on the GPU, at the shapes it takes.
+  if jax.default_backend() == "gpu" and plan_kernel_unsupported(
+      num_logical_pages=table.shape[1], q_len=q_len, head_dim=HEAD_DIM,
+      block_sizes=MgpuBlockSizes()) is None:
+    plans.append(("_kernel", plan_prefill_kernel))
+  for suffix, plan_fn in plans:
+    rows.append(profile_plan(
+        f"prefill_B{batch}_chunk{q_len}{suffix}",
+        functools.partial(plan_fn, rope=ROPE,
+                          group=NUM_HEADS // NUM_KV_HEADS, head_dim=HEAD_DIM,
+                          num_pages=table.size, page_size=PAGE_SIZE),
+        (table, pos, shift, length, q_pos), args.trace_dir, args.top))
   _print(rows)
   return rows
 
