@@ -40,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
+from pallas_kernels.gpu_mgpu_parts import interpreter_params
 from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
                                                   Q15_ONE, PrefillPlan,
                                                   RecordLayout, max_steps,
@@ -76,7 +77,9 @@ def lane_turn_chunks(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 def _nearest(x):
   """floor(x + 0.5) from a truncating conversion (Mosaic GPU has no floor):
-  the same float as `jnp.floor(x + 0.5)` for |x| < 2^30."""
+  the same float as `jnp.floor(x + 0.5)`, the XLA plan's rounding, for
+  |x| < 2^30 (`gpu_mgpu_parts.shift_cos_sin`'s jnp.round differs at
+  ties, which would move an angle of exactly pi to -pi)."""
   y = x + 0.5
   t = y.astype(jnp.int32)
   return (t - (t.astype(jnp.float32) > y).astype(jnp.int32)).astype(
@@ -123,60 +126,77 @@ def _plan_kernel(
     last piece starts at length - 128 and counts only lanes >= nominal."""
     return [(c, min(c, length - LANES)) for c in range(first, length, LANES)]
 
-  def row_newest():  # newest q_pos of the row (INT32_MIN if none)
-    best = None
-    for _, start in pieces(q_len):
-      q = lanes_of(q_pos_ref, start, LANES)
-      q = jnp.where(q >= 0, q, INT32_MIN)
-      best = q if best is None else jnp.maximum(best, q)
-    return jnp.max(best)
-
   def live_of(length, pos, newest, page=None):
     live = (length > 0) & (pos <= newest) & (newest >= 0)
     return live if page is None else live & (page < num_logical)
 
-  def live_extent(newest):  # (first live page or NB * ppb, last or -1)
+  def load_row():
+    """The row's q_pos and page metadata in 128-lane pieces (pages from 1
+    on, each beside its predecessor; page 0 as scalars), all loaded before
+    the first reduction so that their latencies overlap."""
+    q_pieces = [lanes_of(q_pos_ref, start, LANES)
+                for _, start in pieces(q_len)]
+    page_pieces = [dict(
+        nominal=nominal, page=start + lane,
+        length=lanes_of(len_ref, start, LANES),
+        pos=lanes_of(pos_ref, start, LANES),
+        shift=lanes_of(shift_ref, start, LANES),
+        prev_length=lanes_of(len_ref, start - 1, LANES),
+        prev_pos=lanes_of(pos_ref, start - 1, LANES),
+        prev_shift=lanes_of(shift_ref, start - 1, LANES))
+        for nominal, start in pieces(num_logical, first=1)]
+    return q_pieces, page_pieces, len_ref[batch, 0], pos_ref[batch, 0]
+
+  def scan_row(row):
+    """(newest q_pos or INT32_MIN, first live page or NB * ppb, last live
+    page or -1, page 0 live, the pieces with their pages' liveness)."""
+    q_pieces, page_pieces, length0, pos0 = row
+    newest = None
+    for q in q_pieces:
+      q = jnp.where(q >= 0, q, INT32_MIN)
+      newest = q if newest is None else jnp.maximum(newest, q)
+    newest = jnp.max(newest)
+    live0 = live_of(length0, pos0, newest)
     first, last = None, None
-    for _, start in pieces(num_logical):
-      page = start + lane
-      live = live_of(lanes_of(len_ref, start, LANES),
-                     lanes_of(pos_ref, start, LANES), newest)
-      f = jnp.where(live, page, num_blocks * ppb)
-      l = jnp.where(live, page, -1)
+    for piece in page_pieces:
+      piece["live"] = live_of(piece["length"], piece["pos"], newest)
+      piece["prev_live"] = live_of(piece["prev_length"], piece["prev_pos"],
+                                   newest)
+      f = jnp.where(piece["live"], piece["page"], num_blocks * ppb)
+      l = jnp.where(piece["live"], piece["page"], -1)
       first = f if first is None else jnp.minimum(first, f)
       last = l if last is None else jnp.maximum(last, l)
-    return jnp.min(first), jnp.max(last)
+    first = jnp.where(live0, 0, jnp.min(first))
+    last = jnp.maximum(jnp.max(last), jnp.where(live0, 0, -1))
+    return newest, first, last, live0, page_pieces
 
-  def last_seen_pages(newest, tile_newests):
+  def last_seen_pages(row, scan, tile_newests):
     """Per token block's newest row: 1 + the last page it sees, or 0."""
+    pos0 = row[3]
+    _, _, _, live0, page_pieces = scan
     lasts = [None] * len(tile_newests)
-    for _, start in pieces(num_logical):
-      pos = lanes_of(pos_ref, start, LANES)
-      live = live_of(lanes_of(len_ref, start, LANES), pos, newest)
+    for piece in page_pieces:
       for w, tile_newest in enumerate(tile_newests):
-        l = jnp.where(live & (pos <= tile_newest), start + lane, -1)
+        l = jnp.where(piece["live"] & (piece["pos"] <= tile_newest),
+                      piece["page"], -1)
         lasts[w] = l if lasts[w] is None else jnp.maximum(lasts[w], l)
-    return [jnp.max(last) + 1 for last in lasts]
+    return [jnp.maximum(jnp.max(last), jnp.where(
+        live0 & (pos0 <= tile_newest), 0, -1)) + 1
+            for last, tile_newest in zip(lasts, tile_newests)]
 
-  def counts_before(ends, newest, first_live, last_live, starts_end=None):
+  def counts_before(scan, ends, starts_end=None):
     """Step-first pages among pages < each of `ends`, and segment starts
     among pages < `starts_end` (if given), in one pass over the row."""
-    live0 = live_of(len_ref[batch, 0], pos_ref[batch, 0], newest)
+    _, first_live, last_live, live0, page_pieces = scan
     at0 = lambda end: (live0 & (end > 0)).astype(jnp.int32)  # page 0
     steps, starts = [None] * len(ends), None
-    for nominal, start in pieces(num_logical, first=1):
-      page = start + lane
-      length = lanes_of(len_ref, start, LANES)
-      pos = lanes_of(pos_ref, start, LANES)
-      shift = lanes_of(shift_ref, start, LANES)
-      prev_live = live_of(lanes_of(len_ref, start - 1, LANES),
-                          lanes_of(pos_ref, start - 1, LANES), newest)
-      prev_shift = lanes_of(shift_ref, start - 1, LANES)
-      live = live_of(length, pos, newest)
-      is_start = live & ~(prev_live & (prev_shift == shift))
+    for piece in page_pieces:
+      page = piece["page"]
+      is_start = piece["live"] & ~(piece["prev_live"]
+                                   & (piece["prev_shift"] == piece["shift"]))
       carried = ((page % ppb == 0) & (first_live < page)
                  & (page <= last_live))
-      fresh = page >= nominal  # not counted by the piece before
+      fresh = page >= piece["nominal"]  # not counted by the piece before
       for e, end in enumerate(ends):
         s = jnp.where(fresh & (page < end) & (is_start | carried), 1, 0)
         steps[e] = s if steps[e] is None else steps[e] + s
@@ -212,11 +232,10 @@ def _plan_kernel(
     before = jnp.maximum(first_page - 1, 0)
     prev_length, prev_pos = len_ref[batch, before], pos_ref[batch, before]
     prev_shift = shift_ref[batch, before]
-    newest = row_newest()
-    first_live, last_live = live_extent(newest)
+    scan = scan_row(load_row())
+    newest, first_live, last_live = scan[:3]
     (steps_before, num_steps), starts_before = counts_before(
-        [first_page, num_blocks * ppb], newest, first_live, last_live,
-        starts_end=first_page)
+        scan, [first_page, num_blocks * ppb], starts_end=first_page)
     for i, p in enumerate(pages):
       p["phys"] = jnp.clip(p["phys"], 0, num_pages - 1)
       p["live"] = live_of(p["length"], p["pos"], newest, first_page + i)
@@ -310,12 +329,11 @@ def _plan_kernel(
 
   @pl.when((query_cta >= 0) & (query_cta < n_steps_ref.shape[1]))
   def _n_steps():
+    row = load_row()
     tile_newests = [token_block_rows((query_cta * nwg + w) // group)[1]
                     for w in range(nwg)]
-    newest = row_newest()
-    first_live, last_live = live_extent(newest)
-    ends = last_seen_pages(newest, tile_newests)
-    steps = counts_before(ends, newest, first_live, last_live)
+    scan = scan_row(row)
+    steps = counts_before(scan, last_seen_pages(row, scan, tile_newests))
     n_steps = steps[0]
     for more in steps[1:]:
       n_steps = jnp.maximum(n_steps, more)
@@ -356,7 +374,6 @@ def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
       jax.ShapeDtypeStruct((batch, t_pad), jnp.int32),
       jax.ShapeDtypeStruct((batch, t_pad, head_dim), jnp.int16),
   )
-  from pallas_kernels.gpu_mgpu_parts import interpreter_params  # pylint: disable=g-import-not-at-top
   kernel = plgpu.kernel(
       lambda *refs: _plan_kernel(*refs, num_pages=num_pages,
                                  page_size=page_size, ppb=ppb, group=group,
