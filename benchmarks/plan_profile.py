@@ -3,12 +3,12 @@
 The decode plan at B64 / ctx 8192 (segment steps, and one step per block:
 `MgpuDecodeBlockSizes.steps_by_block`, with and without its cos / sin,
 `rope_in_kernel`, and with the records read by the kernel,
-`fields_in_kernel`) and the prefill plan at the
-512-token chunk (B 4, 8K context; the XLA plan and, on the GPU, the plan
-in one Mosaic GPU launch, `gpu_prefill_plan_kernel`), on the kernel
-benchmark's page layout (benchmarks/kernel_cases.py): each is jitted with its outputs summed (so no
-output is dead code), timed chained, then profiled, and its ops listed by
-device time.  A plan call is too short to time by the wall clock alone
+`fields_in_kernel`) and the prefill plan at the 512-token chunk (B 4, 8K
+context; the XLA plan and, on the GPU, the plan in one Mosaic GPU launch,
+`gpu_prefill_plan_kernel`), on the kernel benchmark's page layout
+(benchmarks/kernel_cases.py): each is jitted with its outputs summed (so
+no output is dead code), timed chained, then profiled, and its ops listed
+by device time.  A plan call is too short to time by the wall clock alone
 (dispatch dominates), so the profile's per-op sum is the figure to read.
 
   python -m benchmarks.plan_profile --trace-dir /tmp/plans [--top 25]
