@@ -103,8 +103,8 @@ def _plan_kernel(
     min_row_ref,  # int32 [B, T_pad / 64]
     rec_ref,  # int32 [B, S_max, width]
     row_pos_ref,  # int32 [B, T_pad]
-    qcs_ref,  # int16 [B, T_pad, H]
-    *, num_pages, page_size, ppb, group, nwg, interpret):
+    qcs_ref,  # int16 [B, T_pad, H]; written only where `query_table`
+    *, num_pages, page_size, ppb, group, nwg, query_table, interpret):
   batch = jax.lax.axis_index("b")
   cta = jax.lax.axis_index("cta")
   num_logical = table_ref.shape[1]
@@ -301,6 +301,8 @@ def _plan_kernel(
     for t, q in zip(rows, qs):
       row_pos = jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
       row_pos_ref[batch, t] = row_pos
+      if not query_table:  # XLA rotates the query: no table to write
+        continue
       cos_sin = cos_sin_lanes(jnp.maximum(row_pos, 0))
       # cos_sin * Q15_ONE, as c * 2^15 - c: the one rounding of the exact
       # product even where the compiler fuses a multiply into the add
@@ -377,7 +379,8 @@ def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
   kernel = plgpu.kernel(
       lambda *refs: _plan_kernel(*refs, num_pages=num_pages,
                                  page_size=page_size, ppb=ppb, group=group,
-                                 nwg=nwg, interpret=interpret),
+                                 nwg=nwg, query_table=rotates,
+                                 interpret=interpret),
       out_type=out_types, grid=(batch, num_blocks + query_ctas),
       grid_names=("b", "cta"),
       # Lane semantics (jax 0.10's default; 0.11 defaults to Warpgroup):
