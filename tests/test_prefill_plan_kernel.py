@@ -152,19 +152,33 @@ def test_plan_kernel_matches_the_xla_plan_on_the_gpu(case):
   assert_same_plan(args, interpret=False, **kw)
 
 
-@pytest.mark.gpu
-def test_whole_call_with_the_plan_kernel_matches_the_default():
+def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret):
   """lazy_prefill_mgpu with plan_in_kernel: the same output to the bit."""
   from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
-  args = plan_inputs(15, batch=2, num_logical=200, q_len=256)
-  table, pos, shift, length, q_pos = args
+  table, pos, shift, length, q_pos = plan_inputs(
+      15, batch=batch, num_logical=num_logical, q_len=q_len)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  q = jax.random.normal(keys[0], (2, 256, 8, HEAD_DIM), jnp.bfloat16)
-  pool = (2, 400, PAGE_SIZE, HEAD_DIM)
+  q = jax.random.normal(keys[0], (batch, q_len, 2 * kv_heads, HEAD_DIM),
+                        jnp.bfloat16)
+  pool = (kv_heads, batch * num_logical, PAGE_SIZE, HEAD_DIM)
   k_pages = jax.random.normal(keys[1], pool, jnp.bfloat16)
   v_pages = jax.random.normal(keys[2], pool, jnp.bfloat16)
   run = lambda sizes: np.asarray(lazy_prefill_mgpu(
       q, k_pages, v_pages, table, pos, shift, length, q_pos, rope=LLAMA3,
-      sm_scale=HEAD_DIM ** -0.5, block_sizes=sizes).astype(jnp.float32))
-  np.testing.assert_array_equal(run(MgpuBlockSizes(plan_in_kernel=True)),
-                                run(MgpuBlockSizes()))
+      sm_scale=HEAD_DIM ** -0.5, block_sizes=sizes,
+      interpret=interpret).astype(jnp.float32))
+  with_kernel = run(MgpuBlockSizes(plan_in_kernel=True))
+  assert np.all(np.isfinite(with_kernel))
+  np.testing.assert_array_equal(with_kernel, run(MgpuBlockSizes()))
+
+
+@pytest.mark.gpu
+def test_whole_call_with_the_plan_kernel_matches_the_default():
+  _whole_calls_agree(batch=2, num_logical=200, q_len=256, kv_heads=4,
+                     interpret=False)
+
+
+@pytest.mark.slow
+def test_whole_call_with_the_plan_kernel_matches_the_default_interpreted():
+  _whole_calls_agree(batch=1, num_logical=130, q_len=128, kv_heads=1,
+                     interpret=True)
