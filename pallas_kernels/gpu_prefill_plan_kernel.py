@@ -32,6 +32,9 @@ Design: docs/kernels.md.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +96,17 @@ def _round_half_even(x):
   return t - tie.astype(jnp.int32)
 
 
+class _RowScan(NamedTuple):
+  """What a CTA derives from its row's metadata (`scan_row`)."""
+
+  newest: jax.Array  # newest q_pos of the row, INT32_MIN if none
+  first_live: jax.Array  # first live page, NB * ppb if none
+  last_live: jax.Array  # last live page, -1 if none
+  live0: jax.Array  # page 0 live
+  pos0: jax.Array  # page 0's position
+  pieces: list  # 128-lane pieces of pages 1.. with their liveness
+
+
 def _plan_kernel(
     # Inputs.
     table_ref, pos_ref, shift_ref, len_ref,  # int32 [B, M] page metadata
@@ -147,9 +161,7 @@ def _plan_kernel(
         for nominal, start in pieces(num_logical, first=1)]
     return q_pieces, page_pieces, len_ref[batch, 0], pos_ref[batch, 0]
 
-  def scan_row(row):
-    """(newest q_pos or INT32_MIN, first live page or NB * ppb, last live
-    page or -1, page 0 live, the pieces with their pages' liveness)."""
+  def scan_row(row) -> _RowScan:
     q_pieces, page_pieces, length0, pos0 = row
     newest = None
     for q in q_pieces:
@@ -168,34 +180,31 @@ def _plan_kernel(
       last = l if last is None else jnp.maximum(last, l)
     first = jnp.where(live0, 0, jnp.min(first))
     last = jnp.maximum(jnp.max(last), jnp.where(live0, 0, -1))
-    return newest, first, last, live0, page_pieces
+    return _RowScan(newest, first, last, live0, pos0, page_pieces)
 
-  def last_seen_pages(row, scan, tile_newests):
+  def last_seen_pages(scan, tile_newests):
     """Per token block's newest row: 1 + the last page it sees, or 0."""
-    pos0 = row[3]
-    _, _, _, live0, page_pieces = scan
     lasts = [None] * len(tile_newests)
-    for piece in page_pieces:
+    for piece in scan.pieces:
       for w, tile_newest in enumerate(tile_newests):
         l = jnp.where(piece["live"] & (piece["pos"] <= tile_newest),
                       piece["page"], -1)
         lasts[w] = l if lasts[w] is None else jnp.maximum(lasts[w], l)
     return [jnp.maximum(jnp.max(last), jnp.where(
-        live0 & (pos0 <= tile_newest), 0, -1)) + 1
+        scan.live0 & (scan.pos0 <= tile_newest), 0, -1)) + 1
             for last, tile_newest in zip(lasts, tile_newests)]
 
   def counts_before(scan, ends, starts_end=None):
     """Step-first pages among pages < each of `ends`, and segment starts
     among pages < `starts_end` (if given), in one pass over the row."""
-    _, first_live, last_live, live0, page_pieces = scan
-    at0 = lambda end: (live0 & (end > 0)).astype(jnp.int32)  # page 0
+    at0 = lambda end: (scan.live0 & (end > 0)).astype(jnp.int32)  # page 0
     steps, starts = [None] * len(ends), None
-    for piece in page_pieces:
+    for piece in scan.pieces:
       page = piece["page"]
       is_start = piece["live"] & ~(piece["prev_live"]
                                    & (piece["prev_shift"] == piece["shift"]))
-      carried = ((page % ppb == 0) & (first_live < page)
-                 & (page <= last_live))
+      carried = ((page % ppb == 0) & (scan.first_live < page)
+                 & (page <= scan.last_live))
       fresh = page >= piece["nominal"]  # not counted by the piece before
       for e, end in enumerate(ends):
         s = jnp.where(fresh & (page < end) & (is_start | carried), 1, 0)
@@ -233,16 +242,17 @@ def _plan_kernel(
     prev_length, prev_pos = len_ref[batch, before], pos_ref[batch, before]
     prev_shift = shift_ref[batch, before]
     scan = scan_row(load_row())
-    newest, first_live, last_live = scan[:3]
     (steps_before, num_steps), starts_before = counts_before(
         scan, [first_page, num_blocks * ppb], starts_end=first_page)
     for i, p in enumerate(pages):
       p["phys"] = jnp.clip(p["phys"], 0, num_pages - 1)
-      p["live"] = live_of(p["length"], p["pos"], newest, first_page + i)
-    prev_live = live_of(prev_length, prev_pos, newest) & (first_page > 0)
+      p["live"] = live_of(p["length"], p["pos"], scan.newest,
+                          first_page + i)
+    prev_live = (live_of(prev_length, prev_pos, scan.newest)
+                 & (first_page > 0))
     # A step starts at each segment start, and at the block's first page
     # where the block is carried inside a segment begun before it.
-    carried = (first_live < first_page) & (first_page <= last_live)
+    carried = (scan.first_live < first_page) & (first_page <= scan.last_live)
     owner, rank, seg_count = [], jnp.int32(0), starts_before
     for i, p in enumerate(pages):
       p["start"] = p["live"] & ~(prev_live & (prev_shift == p["shift"]))
@@ -261,15 +271,15 @@ def _plan_kernel(
         row = p["row"]
         mine = [(owner[o] == i) & pages[o]["live"] for o in range(ppb)]
         lim = [jnp.where(mine[o], pages[o]["length"], 0) for o in range(ppb)]
-        fixup = lim[0] < page_size
-        max_pos = jnp.int32(INT32_MIN)
-        shift = jnp.int32(INT32_MIN)
-        for o in range(ppb):
-          fixup = fixup | (lim[o] < page_size)
-          max_pos = jnp.maximum(max_pos, jnp.where(
-              lim[o] > 0, pages[o]["pos"] + lim[o] - 1, INT32_MIN))
-          shift = jnp.maximum(shift, jnp.where(mine[o], pages[o]["shift"],
-                                               INT32_MIN))
+        # step_flags' folds, over the step's pages as scalars.
+        fixup = functools.reduce(jnp.logical_or,
+                                 [l < page_size for l in lim])
+        max_pos = functools.reduce(jnp.maximum, [
+            jnp.where(l > 0, q["pos"] + l - 1, INT32_MIN)
+            for l, q in zip(lim, pages)])
+        shift = functools.reduce(jnp.maximum, [
+            jnp.where(m, q["shift"], INT32_MIN)
+            for m, q in zip(mine, pages)])
         header = ([q["phys"] for q in pages] + [q["pos"] for q in pages]
                   + lim + [p["seg"], p["start"].astype(jnp.int32),
                            fixup.astype(jnp.int32), max_pos])
@@ -291,15 +301,18 @@ def _plan_kernel(
         rec_ref[batch, row, pl.ds(0, LANES)] = zeros
         rec_ref[batch, row, pl.ds(width - LANES, LANES)] = zeros
 
+  def row_pos_at(t):  # the plan's row_pos of query row t (< T_pad)
+    q = q_pos_ref[batch, jnp.minimum(t, q_len - 1)]
+    return jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
+
   query_cta = cta - num_blocks
 
   @pl.when((query_cta >= 0) & (query_cta * ROWS_PER_QUERY_CTA < t_pad))
   def _query_rows():
     rows = [query_cta * ROWS_PER_QUERY_CTA + r
             for r in range(ROWS_PER_QUERY_CTA)]
-    qs = [q_pos_ref[batch, jnp.minimum(t, q_len - 1)] for t in rows]
-    for t, q in zip(rows, qs):
-      row_pos = jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
+    row_positions = [row_pos_at(t) for t in rows]  # all loads first
+    for t, row_pos in zip(rows, row_positions):
       row_pos_ref[batch, t] = row_pos
       if not query_table:  # XLA rotates the query: no table to write
         continue
@@ -314,9 +327,7 @@ def _plan_kernel(
   def token_block_rows(block):  # (oldest, newest) row_pos of a 64-row block
     oldest, newest = jnp.int32(INT32_MAX), jnp.int32(INT32_MIN)
     for r in range(WG_ROWS):
-      t = block * WG_ROWS + r
-      q = q_pos_ref[batch, jnp.minimum(t, q_len - 1)]
-      row_pos = jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
+      row_pos = row_pos_at(block * WG_ROWS + r)
       oldest, newest = (jnp.minimum(oldest, row_pos),
                         jnp.maximum(newest, row_pos))
     return oldest, newest
@@ -335,7 +346,7 @@ def _plan_kernel(
     tile_newests = [token_block_rows((query_cta * nwg + w) // group)[1]
                     for w in range(nwg)]
     scan = scan_row(row)
-    steps = counts_before(scan, last_seen_pages(row, scan, tile_newests))
+    steps = counts_before(scan, last_seen_pages(scan, tile_newests))
     n_steps = steps[0]
     for more in steps[1:]:
       n_steps = jnp.maximum(n_steps, more)
