@@ -60,6 +60,13 @@ VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = dataclasses.replace(
 # The plan in one Mosaic GPU launch (gpu_prefill_plan_kernel).
 VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], plan_in_kernel=True)
+# ... and launched with programmatic dependent launch (the attention kernel's
+# launch overlaps the plan's end: MgpuBlockSizes.dependent_launch); also
+# with the XLA plan.
+VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = dataclasses.replace(
+    VARIANTS["k128w2s2-qreg-csrec-sched-plank"], dependent_launch=True)
+VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = dataclasses.replace(
+    VARIANTS["k128w2s2-qreg-csrec-sched"], dependent_launch=True)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

@@ -174,6 +174,10 @@ class MgpuBlockSizes:
       launch (`gpu_prefill_plan_kernel`, the same arrays bit for bit)
       instead of about seven XLA fusions, where that kernel supports the
       shape (`plan_kernel_unsupported`; elsewhere the XLA plan).
+    dependent_launch: the attention kernel waits for the kernel before it
+      (griddepcontrol.wait) before its first global read, so jax >= 0.11
+      launches it with programmatic dependent launch: its launch and set-up
+      overlap the plan's end; the plan kernel lets it launch at its start.
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
@@ -193,6 +197,7 @@ class MgpuBlockSizes:
   query_rope_in_kernel: bool | None = None
   segment_rotation_16bit: bool = True
   plan_in_kernel: bool = False
+  dependent_launch: bool = False
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):

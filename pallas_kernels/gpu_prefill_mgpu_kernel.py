@@ -85,6 +85,8 @@ def _kernel(
   else:
     compute_regs, producer_regs = COMPUTE_REGISTERS, None
   cs_stages = cs_smem.shape[0]  # twice as deep with float8 (the decode's)
+  if cfg.dependent_launch and not interpret:  # before any global read
+    plgpu.griddepcontrol_wait()
   page_offset = page_offset_ref[0]
   tile = lax.axis_index("tile")
   head = lax.axis_index("head")

@@ -13,14 +13,18 @@ that lies after the row's first live page and at or before its last one
 (a block carried inside a segment that began earlier).  So every count the
 plan needs is a count of "step-first" pages: a step's index is the
 step-first pages before its first page; a token block's steps are the
-step-first pages before the last page it can see.  Grid (B, KV blocks +
-query CTAs):
+step-first pages before the last page it can see.  Grid (CTAs, B), one
+role a CTA, the roles with the longest chains first:
 
-- block CTA k: the steps whose first page lies in KV block k, their
-  records written to their rows (rows past the row's steps are zeroed in
+- a CTA for each tile: its `n_steps`;
+- a CTA for each KV block: the records of the steps whose first page lies
+  in it, written to their rows (rows past the row's steps are zeroed in
   slices, one a CTA);
-- query CTA r: rows 8 r .. 8 r + 7 of `row_pos` and `query_cos_sin`,
-  token block r / 8's `min_row` (r % 8 == 0), and tile r's `n_steps`.
+- T_pad / 8 CTAs, each 8 rows of `row_pos` and `query_cos_sin`;
+- T_pad / 64 CTAs, each a token block's `min_row`.
+
+A role on the same CTA after another's stores would wait out its loads'
+whole latency, and the two chains would add up.
 
 Limits (`plan_kernel_unsupported` names the first that fails; the XLA plan
 serves those shapes): head dim 128, records that carry their segment's
@@ -118,7 +122,13 @@ def _plan_kernel(
     rec_ref,  # int32 [B, S_max, width]
     row_pos_ref,  # int32 [B, T_pad]
     qcs_ref,  # int16 [B, T_pad, H]; written only where `query_table`
-    *, num_pages, page_size, ppb, group, nwg, query_table, interpret):
+    *, num_pages, page_size, ppb, group, nwg, query_table, dependent_launch,
+    interpret):
+  if dependent_launch and not interpret:
+    # The attention kernel may launch now (it waits for this grid before
+    # reading); this grid waits for the one before it before any read.
+    plgpu.griddepcontrol_launch_dependents()
+    plgpu.griddepcontrol_wait()
   batch = jax.lax.axis_index("b")
   cta = jax.lax.axis_index("cta")
   num_logical = table_ref.shape[1]
@@ -227,9 +237,16 @@ def _plan_kernel(
                                    nearest=_nearest)
     return jnp.where(lane % HEAD_DIM < HEAD_DIM // 2, cos, sin)
 
-  @pl.when(cta < num_blocks)
+  # Roles by CTA, the longest chains first: where the CTAs do not all fit on
+  # the GPU at once, those start in the first wave.
+  tile = cta  # its n_steps
+  block = cta - n_steps_ref.shape[1]  # its KV block's records
+  query_cta = block - num_blocks  # its 8 query rows
+  token_block = query_cta - t_pad // ROWS_PER_QUERY_CTA  # its min_row
+
+  @pl.when((block >= 0) & (query_cta < 0))
   def _block():
-    first_page = cta * ppb
+    first_page = block * ppb
     # The block's pages, scalar by scalar (pages past M repeat the last),
     # loaded first so that their latency overlaps the row's reductions.
     pages = []
@@ -295,7 +312,7 @@ def _plan_kernel(
     rows_per_cta = ceil_div(s_max, num_blocks)
     zeros = lane * 0  # in the lanes' layout
     for r in range(rows_per_cta):
-      row = cta * rows_per_cta + r
+      row = block * rows_per_cta + r
       @pl.when((row >= num_steps) & (row < s_max))
       def _zero():
         rec_ref[batch, row, pl.ds(0, LANES)] = zeros
@@ -305,9 +322,7 @@ def _plan_kernel(
     q = q_pos_ref[batch, jnp.minimum(t, q_len - 1)]
     return jnp.where((t < q_len) & (q >= 0), q, common.PADDING_ROW)
 
-  query_cta = cta - num_blocks
-
-  @pl.when((query_cta >= 0) & (query_cta * ROWS_PER_QUERY_CTA < t_pad))
+  @pl.when((query_cta >= 0) & (token_block < 0))
   def _query_rows():
     rows = [query_cta * ROWS_PER_QUERY_CTA + r
             for r in range(ROWS_PER_QUERY_CTA)]
@@ -324,33 +339,29 @@ def _plan_kernel(
       q15 = jnp.where(row_pos >= 0, q15, 0)
       qcs_ref[batch, t, :] = q15.astype(jnp.int16)
 
-  def token_block_rows(block):  # (oldest, newest) row_pos of a 64-row block
+  def token_block_rows(token):  # (oldest, newest) row_pos of token block
     oldest, newest = jnp.int32(INT32_MAX), jnp.int32(INT32_MIN)
     for r in range(WG_ROWS):
-      row_pos = row_pos_at(block * WG_ROWS + r)
+      row_pos = row_pos_at(token * WG_ROWS + r)
       oldest, newest = (jnp.minimum(oldest, row_pos),
                         jnp.maximum(newest, row_pos))
     return oldest, newest
 
-  rows_per_block = WG_ROWS // ROWS_PER_QUERY_CTA
-
-  @pl.when((query_cta >= 0) & (query_cta % rows_per_block == 0)
-           & (query_cta * ROWS_PER_QUERY_CTA < t_pad))
-  def _min_row():
-    block = query_cta // rows_per_block
-    min_row_ref[batch, block] = token_block_rows(block)[0]
-
-  @pl.when((query_cta >= 0) & (query_cta < n_steps_ref.shape[1]))
+  @pl.when(block < 0)
   def _n_steps():
     row = load_row()
-    tile_newests = [token_block_rows((query_cta * nwg + w) // group)[1]
+    tile_newests = [token_block_rows((tile * nwg + w) // group)[1]
                     for w in range(nwg)]
     scan = scan_row(row)
     steps = counts_before(scan, last_seen_pages(scan, tile_newests))
     n_steps = steps[0]
     for more in steps[1:]:
       n_steps = jnp.maximum(n_steps, more)
-    n_steps_ref[batch, query_cta] = n_steps
+    n_steps_ref[batch, tile] = n_steps
+
+  @pl.when(token_block >= 0)
+  def _min_row():
+    min_row_ref[batch, token_block] = token_block_rows(token_block)[0]
 
 
 def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
@@ -376,7 +387,8 @@ def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
   t_pad = padded_query_len(q_len, group, nwg)
   num_blocks = ceil_div(num_logical, ppb)
   num_tiles = t_pad // WG_ROWS * group // nwg
-  query_ctas = max(t_pad // ROWS_PER_QUERY_CTA, num_tiles)
+  num_ctas = (num_tiles + num_blocks + t_pad // ROWS_PER_QUERY_CTA
+              + t_pad // WG_ROWS)
   layout = RecordLayout(ppb, cos_sin_dim=head_dim)
   rotates = block_sizes.rotates_query_in_kernel
   out_types = (
@@ -391,9 +403,12 @@ def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
       lambda *refs: _plan_kernel(*refs, num_pages=num_pages,
                                  page_size=page_size, ppb=ppb, group=group,
                                  nwg=nwg, query_table=rotates,
+                                 dependent_launch=block_sizes.dependent_launch,
                                  interpret=interpret),
-      out_type=out_types, grid=(batch, num_blocks + query_ctas),
-      grid_names=("b", "cta"),
+      # The last axis is CUDA's x, launched first: each role's CTAs for
+      # every row before the next role's.
+      out_type=out_types, grid=(num_ctas, batch),
+      grid_names=("cta", "b"),
       # Lane semantics (jax 0.10's default; 0.11 defaults to Warpgroup):
       # scalar code per thread, arrays of one value a lane.
       compiler_params=plgpu.CompilerParams(

@@ -152,8 +152,10 @@ def test_plan_kernel_matches_the_xla_plan_on_the_gpu(case):
   assert_same_plan(args, interpret=False, **kw)
 
 
-def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret):
-  """lazy_prefill_mgpu with plan_in_kernel: the same output to the bit."""
+def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
+                       sizes=MgpuBlockSizes(plan_in_kernel=True)):
+  """lazy_prefill_mgpu with `sizes` (the plan kernel): the default's output
+  to the bit."""
   from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
   table, pos, shift, length, q_pos = plan_inputs(
       15, batch=batch, num_logical=num_logical, q_len=q_len)
@@ -167,15 +169,40 @@ def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret):
       q, k_pages, v_pages, table, pos, shift, length, q_pos, rope=LLAMA3,
       sm_scale=HEAD_DIM ** -0.5, block_sizes=sizes,
       interpret=interpret).astype(jnp.float32))
-  with_kernel = run(MgpuBlockSizes(plan_in_kernel=True))
+  with_kernel = run(sizes)
   assert np.all(np.isfinite(with_kernel))
   np.testing.assert_array_equal(with_kernel, run(MgpuBlockSizes()))
 
 
+# With dependent_launch the attention kernel may start before the plan ends:
+# a read before its wait would race (and differ).
 @pytest.mark.gpu
-def test_whole_call_with_the_plan_kernel_matches_the_default():
+@pytest.mark.parametrize("sizes", [
+    MgpuBlockSizes(plan_in_kernel=True),
+    MgpuBlockSizes(plan_in_kernel=True, dependent_launch=True),
+    MgpuBlockSizes(dependent_launch=True),
+], ids=["plan_kernel", "plan_kernel_dependent_launch", "dependent_launch"])
+def test_whole_call_with_the_plan_kernel_matches_the_default(sizes):
   _whole_calls_agree(batch=2, num_logical=200, q_len=256, kv_heads=4,
-                     interpret=False)
+                     interpret=False, sizes=sizes)
+
+
+@pytest.mark.parametrize("plan_in_kernel", [False, True])
+@pytest.mark.parametrize("dependent_launch", [False, True])
+def test_dependent_launch_lowers_to_grid_dependency_control(
+    plan_in_kernel, dependent_launch):
+  """The attention kernel waits (and the plan kernel lets it launch) only
+  where asked: the instructions in the CUDA lowering of the whole call."""
+  from tests.mgpu_prefill_helpers import BENCH, _specs
+  sizes = MgpuBlockSizes(plan_in_kernel=plan_in_kernel,
+                         dependent_launch=dependent_launch)
+  module = jax.export.export(jax.jit(
+      lambda *a: gpu_prefill_mgpu.lazy_prefill_mgpu(
+          *a, rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=sizes)),
+      platforms=["cuda"])(*_specs(**BENCH)).mlir_module()
+  assert ("griddepcontrol.wait" in module) == dependent_launch
+  assert ("griddepcontrol.launch_dependents" in module) == (
+      dependent_launch and plan_in_kernel)
 
 
 @pytest.mark.slow
