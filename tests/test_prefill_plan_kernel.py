@@ -18,6 +18,7 @@ from pallas_kernels.gpu_block_sizes import MgpuBlockSizes
 from pallas_kernels.gpu_prefill_mgpu_plan import plan_prefill
 from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
                                                     plan_prefill_kernel)
+from tests.mgpu_prefill_helpers import BENCH, _specs
 from tests.rope_configs import LLAMA3, PLAIN
 from tests.test_mgpu_plan_records import PAGE_SIZE as RANDOM_PAGE_SIZE
 from tests.test_mgpu_plan_records import random_metadata
@@ -154,8 +155,8 @@ def test_plan_kernel_matches_the_xla_plan_on_the_gpu(case):
 
 def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
                        sizes=MgpuBlockSizes(plan_in_kernel=True)):
-  """lazy_prefill_mgpu with `sizes` (the plan kernel): the default's output
-  to the bit."""
+  """lazy_prefill_mgpu with `sizes` (opt-ins of MgpuBlockSizes): the
+  default's output to the bit."""
   from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
   table, pos, shift, length, q_pos = plan_inputs(
       15, batch=batch, num_logical=num_logical, q_len=q_len)
@@ -182,7 +183,7 @@ def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
     MgpuBlockSizes(plan_in_kernel=True, dependent_launch=True),
     MgpuBlockSizes(dependent_launch=True),
 ], ids=["plan_kernel", "plan_kernel_dependent_launch", "dependent_launch"])
-def test_whole_call_with_the_plan_kernel_matches_the_default(sizes):
+def test_whole_call_with_the_opt_ins_matches_the_default(sizes):
   _whole_calls_agree(batch=2, num_logical=200, q_len=256, kv_heads=4,
                      interpret=False, sizes=sizes)
 
@@ -193,7 +194,6 @@ def test_dependent_launch_lowers_to_grid_dependency_control(
     plan_in_kernel, dependent_launch):
   """The attention kernel waits (and the plan kernel lets it launch) only
   where asked: the instructions in the CUDA lowering of the whole call."""
-  from tests.mgpu_prefill_helpers import BENCH, _specs
   sizes = MgpuBlockSizes(plan_in_kernel=plan_in_kernel,
                          dependent_launch=dependent_launch)
   module = jax.export.export(jax.jit(
