@@ -57,17 +57,20 @@ VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = dataclasses.replace(
 # default computes it in packed 16-bit: MgpuBlockSizes.segment_rotation_16bit).
 VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = dataclasses.replace(
     VARIANTS["k128w2s2-qreg-csrec-sched"], segment_rotation_16bit=False)
-# The plan in one Mosaic GPU launch (gpu_prefill_plan_kernel).
-VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], plan_in_kernel=True)
-# ... and launched with programmatic dependent launch (the attention kernel's
-# launch overlaps the plan's end: MgpuBlockSizes.dependent_launch); also
-# with the XLA plan.
-VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched-plank"], dependent_launch=True)
-VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], dependent_launch=True)
+# The default's plan (in one Mosaic GPU launch, gpu_prefill_plan_kernel, on
+# the GPU) and launch (programmatic dependent launch:
+# MgpuBlockSizes.dependent_launch) taken apart.  Before 2026-12-05 the
+# default name meant "-xlaplan".
+def _plan_and_launch(plan_in_kernel, dependent_launch):
+  return dataclasses.replace(VARIANTS["k128w2s2-qreg-csrec-sched"],
+                             plan_in_kernel=plan_in_kernel,
+                             dependent_launch=dependent_launch)
 
+
+VARIANTS["k128w2s2-qreg-csrec-sched-xlaplan"] = _plan_and_launch(False, False)
+VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = _plan_and_launch(True, False)
+VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = _plan_and_launch(True, True)
+VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = _plan_and_launch(False, True)
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
   """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]; `layout`
