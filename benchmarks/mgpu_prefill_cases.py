@@ -45,28 +45,35 @@ VARIANTS = {
                                         f32_query=False, registers=True,
                                         cos_sin_in_records=True),  # default
 }
+
+
+def _default_with(**fields):
+  """The default variant with `fields` changed."""
+  return dataclasses.replace(VARIANTS["k128w2s2-qreg-csrec-sched"], **fields)
+
+
 # The default with one TMA copy per page even where a block's pages are
 # consecutive (timed against it with --page-layout documents).
-VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
+VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = _default_with(
+    copy_contiguous_blocks=False)
 # The default with the query rotated by an XLA pass before the kernel (the
 # default rotates it in the kernel: MgpuBlockSizes.rotates_query_in_kernel).
-VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], query_rope_in_kernel=False)
+VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = _default_with(
+    query_rope_in_kernel=False)
 # The default with each segment's query rotation in f32 arithmetic (the
 # default computes it in packed 16-bit: MgpuBlockSizes.segment_rotation_16bit).
-VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], segment_rotation_16bit=False)
+VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = _default_with(
+    segment_rotation_16bit=False)
 # The plan in one Mosaic GPU launch (gpu_prefill_plan_kernel).
-VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], plan_in_kernel=True)
+VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = _default_with(
+    plan_in_kernel=True)
 # ... and launched with programmatic dependent launch (the attention kernel's
 # launch overlaps the plan's end: MgpuBlockSizes.dependent_launch); also
 # with the XLA plan.
-VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched-plank"], dependent_launch=True)
-VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], dependent_launch=True)
+VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = _default_with(
+    plan_in_kernel=True, dependent_launch=True)
+VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = _default_with(
+    dependent_launch=True)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
