@@ -172,7 +172,7 @@ class MgpuBlockSizes:
       pages); the shared-memory form rotates in f32.
     plan_in_kernel: `lazy_prefill_mgpu` makes its plan in one Mosaic GPU
       launch (`gpu_prefill_plan_kernel`, the same arrays bit for bit)
-      instead of about seven XLA fusions, where that kernel supports the
+      instead of about ten XLA fusions, where that kernel supports the
       shape (`plan_kernel_unsupported`; elsewhere the XLA plan).
     dependent_launch: the attention kernel waits for the kernel before it
       (griddepcontrol.wait) before its first global read, so jax >= 0.11
