@@ -45,32 +45,38 @@ VARIANTS = {
                                         f32_query=False, registers=True,
                                         cos_sin_in_records=True),  # default
 }
+
+
+def _default_with(**fields):
+  """The default variant with `fields` changed."""
+  return dataclasses.replace(VARIANTS["k128w2s2-qreg-csrec-sched"], **fields)
+
+
 # The default with one TMA copy per page even where a block's pages are
 # consecutive (timed against it with --page-layout documents).
-VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], copy_contiguous_blocks=False)
+VARIANTS["k128w2s2-qreg-csrec-sched-pagecopy"] = _default_with(
+    copy_contiguous_blocks=False)
 # The default with the query rotated by an XLA pass before the kernel (the
 # default rotates it in the kernel: MgpuBlockSizes.rotates_query_in_kernel).
-VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], query_rope_in_kernel=False)
+VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = _default_with(
+    query_rope_in_kernel=False)
 # The default with each segment's query rotation in f32 arithmetic (the
 # default computes it in packed 16-bit: MgpuBlockSizes.segment_rotation_16bit).
-VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = dataclasses.replace(
-    VARIANTS["k128w2s2-qreg-csrec-sched"], segment_rotation_16bit=False)
+VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = _default_with(
+    segment_rotation_16bit=False)
 # The default's plan (in one Mosaic GPU launch, gpu_prefill_plan_kernel, on
 # the GPU) and launch (programmatic dependent launch:
 # MgpuBlockSizes.dependent_launch) taken apart.  Before 2026-12-05 the
 # default name meant "-xlaplan".
-def _plan_and_launch(plan_in_kernel, dependent_launch):
-  return dataclasses.replace(VARIANTS["k128w2s2-qreg-csrec-sched"],
-                             plan_in_kernel=plan_in_kernel,
-                             dependent_launch=dependent_launch)
+VARIANTS["k128w2s2-qreg-csrec-sched-xlaplan"] = _default_with(
+    plan_in_kernel=False, dependent_launch=False)
+VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = _default_with(
+    plan_in_kernel=True, dependent_launch=False)
+VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = _default_with(
+    plan_in_kernel=True, dependent_launch=True)
+VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = _default_with(
+    plan_in_kernel=False, dependent_launch=True)
 
-
-VARIANTS["k128w2s2-qreg-csrec-sched-xlaplan"] = _plan_and_launch(False, False)
-VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = _plan_and_launch(True, False)
-VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = _plan_and_launch(True, True)
-VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = _plan_and_launch(False, True)
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):
   """Lazy arguments (8) + dense pre-rotated K and V [B, S, K, H]; `layout`

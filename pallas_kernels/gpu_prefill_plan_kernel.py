@@ -1,7 +1,7 @@
 """The Mosaic GPU prefill's plan made in one Pallas Mosaic GPU launch.
 
 `plan_prefill` (gpu_prefill_mgpu_plan.py) makes the same `PrefillPlan` in
-about seven XLA fusions; under the whole call those launches, not their
+about ten XLA fusions; under the whole call those launches, not their
 work, are what the call lacks against cuDNN (docs/kernels.md, "What part 4
 still needs").  This kernel writes the same arrays, bit for bit, in one
 launch of small CTAs, each recomputing the few per-row counts it needs
