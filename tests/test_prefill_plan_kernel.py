@@ -162,7 +162,6 @@ def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
                        sizes=MgpuBlockSizes(plan_in_kernel=True)):
   """lazy_prefill_mgpu with `sizes`: the output of the XLA plan and a
   plain launch, to the bit."""
-  from pallas_kernels.gpu_prefill_mgpu import lazy_prefill_mgpu
   table, pos, shift, length, q_pos = plan_inputs(
       15, batch=batch, num_logical=num_logical, q_len=q_len)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -171,7 +170,7 @@ def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
   pool = (kv_heads, batch * num_logical, PAGE_SIZE, HEAD_DIM)
   k_pages = jax.random.normal(keys[1], pool, jnp.bfloat16)
   v_pages = jax.random.normal(keys[2], pool, jnp.bfloat16)
-  run = lambda sizes: np.asarray(lazy_prefill_mgpu(
+  run = lambda sizes: np.asarray(gpu_prefill_mgpu.lazy_prefill_mgpu(
       q, k_pages, v_pages, table, pos, shift, length, q_pos, rope=LLAMA3,
       sm_scale=HEAD_DIM ** -0.5, block_sizes=sizes,
       interpret=interpret).astype(jnp.float32))
