@@ -64,16 +64,18 @@ VARIANTS["k128w2s2-qreg-csrec-xlarope-sched"] = _default_with(
 # default computes it in packed 16-bit: MgpuBlockSizes.segment_rotation_16bit).
 VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = _default_with(
     segment_rotation_16bit=False)
-# The plan in one Mosaic GPU launch (gpu_prefill_plan_kernel).
+# The default's plan (in one Mosaic GPU launch, gpu_prefill_plan_kernel, on
+# the GPU) and launch (programmatic dependent launch:
+# MgpuBlockSizes.dependent_launch) taken apart.  Before 2026-12-05 the
+# default name meant "-xlaplan".
+VARIANTS["k128w2s2-qreg-csrec-sched-xlaplan"] = _default_with(
+    plan_in_kernel=False, dependent_launch=False)
 VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = _default_with(
-    plan_in_kernel=True)
-# ... and launched with programmatic dependent launch (the attention kernel's
-# launch overlaps the plan's end: MgpuBlockSizes.dependent_launch); also
-# with the XLA plan.
+    plan_in_kernel=True, dependent_launch=False)
 VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = _default_with(
     plan_in_kernel=True, dependent_launch=True)
 VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = _default_with(
-    dependent_launch=True)
+    plan_in_kernel=False, dependent_launch=True)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

@@ -109,9 +109,13 @@ def whole_call_plan(page_table, page_pos, page_shift, page_len, q_pos, *,
                     **plan_args) -> PrefillPlan:
   """`lazy_prefill_mgpu`'s plan: one Mosaic GPU launch
   (`plan_prefill_kernel`) where `block_sizes.plan_in_kernel` asks for it
-  and that kernel takes the shape, else the XLA plan (`plan_prefill`); the
-  same arrays either way.  `plan_args`: plan_prefill's keywords."""
-  if block_sizes.plan_in_kernel and plan_kernel_unsupported(
+  (by default on the GPU, not when interpreting) and that kernel takes the
+  shape, else the XLA plan (`plan_prefill`); the same arrays either way.
+  `plan_args`: plan_prefill's keywords."""
+  wanted = block_sizes.plan_in_kernel
+  if wanted is None:
+    wanted = not interpret
+  if wanted and plan_kernel_unsupported(
       num_logical_pages=page_table.shape[1], q_len=q_pos.shape[1],
       head_dim=plan_args["head_dim"], block_sizes=block_sizes) is None:
     return plan_prefill_kernel(page_table, page_pos, page_shift, page_len,

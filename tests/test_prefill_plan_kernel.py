@@ -128,10 +128,13 @@ def test_plan_kernel_refuses_shapes_it_does_not_take(kwargs, message):
                         page_size=PAGE_SIZE, block_sizes=base["block_sizes"])
 
 
-@pytest.mark.parametrize("plan_in_kernel,num_logical,kernel_calls", [
-    (True, 150, 1), (True, 100, 0), (False, 150, 0)])
+# None (the default): the kernel on the GPU, the XLA plan when interpreting.
+@pytest.mark.parametrize("plan_in_kernel,interpret,num_logical,kernel_calls", [
+    (True, False, 150, 1), (True, True, 150, 1), (True, False, 100, 0),
+    (False, False, 150, 0), (None, False, 150, 1), (None, True, 150, 0),
+    (None, False, 100, 0)])
 def test_whole_call_plan_takes_the_kernel_where_asked_and_supported(
-    monkeypatch, plan_in_kernel, num_logical, kernel_calls):
+    monkeypatch, plan_in_kernel, interpret, num_logical, kernel_calls):
   calls = []
   monkeypatch.setattr(gpu_prefill_mgpu, "plan_prefill_kernel",
                       lambda *a, **k: calls.append(1) or plan_prefill(
@@ -142,7 +145,8 @@ def test_whole_call_plan_takes_the_kernel_where_asked_and_supported(
   plan = jax.eval_shape(lambda *a: gpu_prefill_mgpu.whole_call_plan(
       *a, rope=LLAMA3, group=4, head_dim=HEAD_DIM,
       num_pages=num_logical, page_size=PAGE_SIZE,
-      block_sizes=MgpuBlockSizes(plan_in_kernel=plan_in_kernel)), *args)
+      block_sizes=MgpuBlockSizes(plan_in_kernel=plan_in_kernel),
+      interpret=interpret), *args)
   assert len(calls) == kernel_calls
   assert plan.records.shape[0] == 1
 
@@ -156,8 +160,8 @@ def test_plan_kernel_matches_the_xla_plan_on_the_gpu(case):
 
 def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
                        sizes=MgpuBlockSizes(plan_in_kernel=True)):
-  """lazy_prefill_mgpu with `sizes` (opt-ins of MgpuBlockSizes): the
-  default's output to the bit."""
+  """lazy_prefill_mgpu with `sizes`: the output of the XLA plan and a
+  plain launch, to the bit."""
   table, pos, shift, length, q_pos = plan_inputs(
       15, batch=batch, num_logical=num_logical, q_len=q_len)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -172,23 +176,24 @@ def _whole_calls_agree(*, batch, num_logical, q_len, kv_heads, interpret,
       interpret=interpret).astype(jnp.float32))
   with_kernel = run(sizes)
   assert np.all(np.isfinite(with_kernel))
-  np.testing.assert_array_equal(with_kernel, run(MgpuBlockSizes()))
+  np.testing.assert_array_equal(with_kernel, run(
+      MgpuBlockSizes(plan_in_kernel=False, dependent_launch=False)))
 
 
 # With dependent_launch the attention kernel may start before the plan ends:
 # a read before its wait would race (and differ).
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", [
-    MgpuBlockSizes(plan_in_kernel=True),
-    MgpuBlockSizes(plan_in_kernel=True, dependent_launch=True),
-    MgpuBlockSizes(dependent_launch=True),
-], ids=["plan_kernel", "plan_kernel_dependent_launch", "dependent_launch"])
-def test_whole_call_with_the_opt_ins_matches_the_default(sizes):
+    MgpuBlockSizes(),
+    MgpuBlockSizes(plan_in_kernel=True, dependent_launch=False),
+    MgpuBlockSizes(plan_in_kernel=False, dependent_launch=True),
+], ids=["default", "plan_kernel", "dependent_launch"])
+def test_whole_call_matches_the_xla_plan_and_a_plain_launch(sizes):
   _whole_calls_agree(batch=2, num_logical=200, q_len=256, kv_heads=4,
                      interpret=False, sizes=sizes)
 
 
-@pytest.mark.parametrize("plan_in_kernel", [False, True])
+@pytest.mark.parametrize("plan_in_kernel", [False, True, None])
 @pytest.mark.parametrize("dependent_launch", [False, True])
 def test_dependent_launch_lowers_to_grid_dependency_control(
     plan_in_kernel, dependent_launch):
@@ -202,7 +207,7 @@ def test_dependent_launch_lowers_to_grid_dependency_control(
       platforms=["cuda"])(*_specs(**BENCH)).mlir_module()
   assert ("griddepcontrol.wait" in module) == dependent_launch
   assert ("griddepcontrol.launch_dependents" in module) == (
-      dependent_launch and plan_in_kernel)
+      dependent_launch and plan_in_kernel is not False)
 
 
 @pytest.mark.slow
