@@ -66,8 +66,8 @@ VARIANTS["k128w2s2-qreg-csrec-rot32-sched"] = _default_with(
     segment_rotation_16bit=False)
 # The default's plan (in one Mosaic GPU launch, gpu_prefill_plan_kernel, on
 # the GPU) and launch (programmatic dependent launch:
-# MgpuBlockSizes.dependent_launch) taken apart.  Before 2026-12-05 the
-# default name meant "-xlaplan".
+# MgpuBlockSizes.dependent_launch) taken apart.  Before 2026-12-04 18:10
+# UTC the default name meant "-xlaplan".
 VARIANTS["k128w2s2-qreg-csrec-sched-xlaplan"] = _default_with(
     plan_in_kernel=False, dependent_launch=False)
 VARIANTS["k128w2s2-qreg-csrec-sched-plank"] = _default_with(

@@ -180,8 +180,7 @@ class MgpuBlockSizes:
       (griddepcontrol.wait) before its first global read, so jax >= 0.11
       launches it with programmatic dependent launch: its launch and set-up
       overlap the plan's end; the plan kernel lets it launch at its start.
-      With both, the whole call is 1.3-1.4% faster on the H200
-      (docs/kernels.md).
+      With both, the whole call is faster on the H200 (docs/kernels.md).
   """
 
   # Defaults: the fastest tiles in the H200 benchmarks (docs/kernels.md).
