@@ -299,6 +299,14 @@ class MgpuDecodeBlockSizes:
       per layer (the model's call, its plan made once a step) it was
       slower on the H200 (docs/kernels.md).
     copy_contiguous_blocks: as `MgpuBlockSizes.copy_contiguous_blocks`.
+    plan_in_kernel: with `rope_in_kernel` (not `fields_in_kernel`),
+      `plan_decode` makes the block plan in one Mosaic GPU launch
+      (`gpu_decode_plan_kernel`, the same arrays bit for bit) instead of
+      about ten XLA launches, where that kernel takes the shape.
+    dependent_launch: as `MgpuBlockSizes.dependent_launch`: the decode
+      kernel waits for the kernel before it before its first global read,
+      so jax >= 0.11 launches it with programmatic dependent launch; the
+      plan kernel lets it launch at its start.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -315,6 +323,8 @@ class MgpuDecodeBlockSizes:
   rope_in_kernel: bool = False
   fields_in_kernel: bool = False
   copy_contiguous_blocks: bool = True
+  plan_in_kernel: bool = False
+  dependent_launch: bool = False
 
   def __post_init__(self):
     if self.rope_in_kernel and not self.steps_by_block:

@@ -28,6 +28,8 @@ from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
 from pallas_kernels.gpu_decode_block_plan import block_records
 from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
 from pallas_kernels.gpu_decode_page_fields import plan_fields
+from pallas_kernels.gpu_decode_plan_kernel import (
+    decode_plan_kernel_unsupported, plan_decode_kernel)
 from pallas_kernels.gpu_prefill_mgpu import SUPPORTED_DTYPES, tile_refusal
 from pallas_kernels.gpu_prefill_mgpu_plan import (segment_cos_sin,
                                                   step_records)
@@ -113,7 +115,7 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
                 rope: RopeConfig, head_dim: int, num_pages: int,
                 page_size: int,
                 block_sizes: MgpuDecodeBlockSizes | None = None,
-                kv_dtype=jnp.bfloat16) -> DecodePlan:
+                kv_dtype=jnp.bfloat16, interpret: bool = False) -> DecodePlan:
   """Step records of each row's live pages (page_len > 0, page_pos <=
   q_pos; none for a padding row), in page order, one segment (one shift) per
   step, and the cos / sin of each segment's shift (exact).  With
@@ -121,10 +123,22 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   sin of each page's shift (`gpu_decode_block_plan.block_records`); none
   with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder).  With
   `block_sizes.fields_in_kernel` the records are the page fields themselves
-  and only the step counts are computed (`gpu_decode_page_fields`).
-  block_sizes defaults to `default_decode_block_sizes(kv_dtype)`, the
-  pools' dtype."""
+  and only the step counts are computed (`gpu_decode_page_fields`).  With
+  `block_sizes.plan_in_kernel` the block plan comes from one Mosaic GPU
+  launch where that kernel takes the shape (`gpu_decode_plan_kernel`; run
+  in the interpreter with `interpret`), the same arrays.  block_sizes
+  defaults to `default_decode_block_sizes(kv_dtype)`, the pools' dtype."""
   block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
+  num_logical = page_table.shape[1]
+  if block_sizes.plan_in_kernel and decode_plan_kernel_unsupported(
+      num_logical_pages=num_logical, page_size=page_size,
+      block_sizes=block_sizes) is None:
+    n_steps, records, kernel_q_pos = plan_decode_kernel(
+        page_table, page_pos, page_shift, page_len, q_pos,
+        num_pages=num_pages, page_size=page_size, block_sizes=block_sizes,
+        interpret=interpret)
+    cos_sin = jnp.zeros((q_pos.shape[0], num_logical, 2, 0), jnp.float32)
+    return DecodePlan(n_steps, records, cos_sin, kernel_q_pos)
   row = q_pos[:, 0]
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
   kernel_q_pos = jnp.where(row >= 0, row, common.PADDING_ROW)
@@ -186,7 +200,7 @@ def lazy_decode_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
   plan = plan_decode(page_table, page_pos, page_shift, page_len, q_pos,
                      rope=rope, head_dim=q.shape[-1],
                      num_pages=k_pages.shape[1], page_size=k_pages.shape[2],
-                     block_sizes=block_sizes)
+                     block_sizes=block_sizes, interpret=interpret)
   return lazy_decode_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                   rope=rope, sm_scale=sm_scale,
                                   block_sizes=block_sizes,

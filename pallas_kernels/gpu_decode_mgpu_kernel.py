@@ -105,6 +105,8 @@ def _kernel(
   # With float8 the converter frees a K slot before the compute warpgroup
   # has used its cos/sin: their ring is twice as deep, as the records'.
   cs_stages = cs_smem.shape[0]
+  if cfg.dependent_launch and not interpret:  # before any global read
+    plgpu.griddepcontrol_wait()
   page_offset = page_offset_ref[0]
   query_buffers = q_smem.shape[0]  # 2: the next item's query prefetched
   cta = lax.axis_index("cta")
