@@ -99,7 +99,8 @@ def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
 
 
 class DecodePlan(NamedTuple):
-  """Per-batch metadata of the decode kernel (XLA), the same for every layer
+  """Per-batch metadata of the decode kernel (XLA, or one Mosaic GPU launch
+  with plan_in_kernel), the same for every layer
   (made once per decode step by `plan_decode`)."""
 
   n_steps: jax.Array  # int32 [B]: KV steps of each row

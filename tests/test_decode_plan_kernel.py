@@ -22,8 +22,8 @@ from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
 from pallas_kernels.gpu_decode_plan_kernel import (
     decode_plan_kernel_unsupported, plan_decode_kernel)
 from tests.rope_configs import LLAMA3
-from tests.test_mgpu_plan_records import PAGE_SIZE as RANDOM_PAGE_SIZE
-from tests.test_mgpu_plan_records import random_metadata
+from tests.test_mgpu_plan_records import (assert_same_plans,
+                                         random_page_fields)
 
 HEAD_DIM = 128
 BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
@@ -32,14 +32,11 @@ WITH_KERNEL = dataclasses.replace(BLOCKS, plan_in_kernel=True)
 
 def decode_inputs(seed, *, batch, num_logical, page_size):
   """(page_table, page_pos, page_shift, page_len, q_pos [B, 1]):
-  `random_metadata`'s layouts, each row's query at its own position; row 0
-  a padding row, row 1 (if any) before its first page."""
+  `random_page_fields`, each row's query at its own position; row 0 a
+  padding row, row 1 (if any) one too (q_pos -5, odd seeds) or at 0."""
   rng = np.random.default_rng(seed)
-  table, pos, shift, _, live = random_metadata(rng, batch, num_logical)
-  pos = pos * (page_size // RANDOM_PAGE_SIZE)
-  length = np.where(live, rng.integers(1, page_size + 1,
-                                       (batch, num_logical)), 0)
-  shift = shift * int(rng.choice([1, 977, 65537]))
+  table, pos, shift, length = random_page_fields(rng, batch, num_logical,
+                                                 page_size)
   q_pos = rng.integers(0, num_logical * page_size, (batch, 1))
   q_pos[0] = -1
   if batch > 1:
@@ -56,11 +53,7 @@ def assert_same_plan(args, *, interpret, page_size, block_sizes=WITH_KERNEL):
       **kw))(*args)
   got = jax.jit(lambda *a: plan_decode(
       *a, block_sizes=block_sizes, interpret=interpret, **kw))(*args)
-  for name in expected._fields:
-    want, have = (np.asarray(getattr(expected, name)),
-                  np.asarray(getattr(got, name)))
-    assert want.shape == have.shape, name
-    np.testing.assert_array_equal(have, want, err_msg=name)
+  assert_same_plans(got, expected)
   return expected
 
 

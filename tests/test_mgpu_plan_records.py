@@ -71,6 +71,28 @@ def records_by_loop(table, pos, shift, length, live, *, num_pages, ppb):
   return records, step_first, [s for _, _, s in segments]
 
 
+def assert_same_plans(got, expected):
+  """Two plans (NamedTuples of arrays), field by field, bit for bit."""
+  for name in expected._fields:
+    want, have = (np.asarray(getattr(expected, name)),
+                  np.asarray(getattr(got, name)))
+    assert want.shape == have.shape, name
+    np.testing.assert_array_equal(have, want, err_msg=name)
+
+
+def random_page_fields(rng, batch, num_logical, page_size):
+  """(page_table, page_pos, page_shift, page_len) of `page_size`-token
+  pages (a multiple of PAGE_SIZE): `random_metadata`'s layouts, dead pages
+  empty, live ones of 1 to page_size tokens, the shifts scaled by 1, 977
+  or 65537."""
+  table, pos, shift, _, live = random_metadata(rng, batch, num_logical)
+  pos = pos * (page_size // PAGE_SIZE)
+  length = np.where(live, rng.integers(1, page_size + 1,
+                                       (batch, num_logical)), 0)
+  shift = shift * int(rng.choice([1, 977, 65537]))
+  return table, pos, shift, length
+
+
 def random_metadata(rng, batch, num_logical):
   """Documents of 1, 3 or 8 pages (one shift each, sometimes a shift that
   changes inside a document), some pages dead, some partial."""

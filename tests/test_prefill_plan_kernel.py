@@ -20,8 +20,8 @@ from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
                                                     plan_prefill_kernel)
 from tests.mgpu_prefill_helpers import BENCH, _specs
 from tests.rope_configs import LLAMA3, PLAIN
-from tests.test_mgpu_plan_records import PAGE_SIZE as RANDOM_PAGE_SIZE
-from tests.test_mgpu_plan_records import random_metadata
+from tests.test_mgpu_plan_records import (assert_same_plans,
+                                         random_page_fields)
 
 PAGE_SIZE = 16
 HEAD_DIM = 128
@@ -29,14 +29,11 @@ HEAD_DIM = 128
 
 def plan_inputs(seed, *, batch, num_logical, q_len):
   """(page_table, page_pos, page_shift, page_len, q_pos) of 16-token pages:
-  `random_metadata`'s layouts, a chunk at a random position with up to
+  `random_page_fields`, a chunk at a random position with up to
   four padding rows first."""
   rng = np.random.default_rng(seed)
-  table, pos, shift, _, live = random_metadata(rng, batch, num_logical)
-  pos = pos * (PAGE_SIZE // RANDOM_PAGE_SIZE)
-  length = np.where(live, rng.integers(1, PAGE_SIZE + 1,
-                                       (batch, num_logical)), 0)
-  shift = shift * int(rng.choice([1, 977, 65537]))
+  table, pos, shift, length = random_page_fields(rng, batch, num_logical,
+                                                 PAGE_SIZE)
   q_pos = int(rng.integers(0, num_logical * PAGE_SIZE)) + np.arange(q_len)
   q_pos = np.repeat(q_pos[None], batch, axis=0)
   q_pos[:, :int(rng.integers(0, 5))] = -1
@@ -48,11 +45,7 @@ def assert_same_plan(args, *, interpret, **kw):
   expected = jax.jit(lambda *a: plan_prefill(*a, **kw))(*args)
   got = jax.jit(lambda *a: plan_prefill_kernel(*a, interpret=interpret,
                                                **kw))(*args)
-  for name in expected._fields:
-    want, have = (np.asarray(getattr(expected, name)),
-                  np.asarray(getattr(got, name)))
-    assert want.shape == have.shape, name
-    np.testing.assert_array_equal(have, want, err_msg=name)
+  assert_same_plans(got, expected)
   return expected
 
 
