@@ -5,7 +5,7 @@ where every Triton variant runs, and the Triton and Mosaic GPU tiles."""
 from __future__ import annotations
 
 from pallas_kernels.gpu_block_sizes import GpuBlockSizes
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_prefill_mgpu import MgpuBlockSizes
 
 DECODE_SHAPES = [(8, 4096), (8, 8192), (32, 4096), (32, 8192), (64, 4096),

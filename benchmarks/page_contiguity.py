@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks import rag_serving
 from benchmarks.rag_serving_cli import parse_args
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.testing import contiguous_block_count
 
 # Keys per step of the default Mosaic GPU kernels (prefill's is the same).

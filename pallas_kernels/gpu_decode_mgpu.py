@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
-                                            mgpu_decode_kv_splits,
-                                            mgpu_decode_smem_bytes)
+from pallas_kernels.gpu_block_sizes import WG_ROWS
+from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
+                                                   mgpu_decode_kv_splits,
+                                                   mgpu_decode_smem_bytes)
 from pallas_kernels.gpu_decode_block_plan import block_records
 from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
 from pallas_kernels.gpu_decode_page_fields import plan_fields

@@ -35,9 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import (WG_ROWS, MgpuDecodeBlockSizes,
-                                            mgpu_decode_num_ctas,
-                                            mgpu_decode_work_item)
+from pallas_kernels.gpu_block_sizes import WG_ROWS
+from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
+                                                   mgpu_decode_num_ctas,
+                                                   mgpu_decode_work_item)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_mgpu_float8 import (
     CONVERTER_REGISTERS, convert_work_items, float8_scratch,

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
 from pallas_kernels.gpu_mgpu_parts import interpreter_params
 

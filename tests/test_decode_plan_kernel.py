@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gpu_decode_mgpu
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
 from pallas_kernels.gpu_decode_plan_kernel import (
     decode_plan_kernel_unsupported, plan_decode_kernel)

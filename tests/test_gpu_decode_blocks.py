@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                    block_flags)
 from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode

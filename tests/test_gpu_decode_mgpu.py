@@ -23,8 +23,8 @@ from jax import export
 
 from pallas_kernels import (lazy_attention, lazy_attention_reference,
                             plan_lazy_attention)
-from pallas_kernels.gpu_block_sizes import (MgpuDecodeBlockSizes,
-                                            mgpu_decode_kv_splits)
+from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
+                                                   mgpu_decode_kv_splits)
 from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
                                             plan_decode)
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
@@ -339,7 +339,7 @@ def test_plan_decode_steps():
 def test_kv_splits():
   """As many splits as fill the SMs once (132 with no GPU attached), each
   with at least four steps."""
-  from pallas_kernels.gpu_block_sizes import gpu_sm_count
+  from pallas_kernels.gpu_decode_block_sizes import gpu_sm_count
   bs = MgpuDecodeBlockSizes()
   sms = gpu_sm_count()
   # B 64 or 32 x K 8 fill the SMs already: one split.
@@ -360,9 +360,9 @@ def test_kv_splits():
 def test_persistent_grid_size():
   """One CTA per work item unless persistent; persistent takes at most
   num_ctas (the SM count when None: 132 with no GPU attached)."""
-  from pallas_kernels.gpu_block_sizes import (HOPPER_SM_COUNT,
-                                              gpu_sm_count,
-                                              mgpu_decode_num_ctas)
+  from pallas_kernels.gpu_decode_block_sizes import (HOPPER_SM_COUNT,
+                                                     gpu_sm_count,
+                                                     mgpu_decode_num_ctas)
   assert mgpu_decode_num_ctas(MgpuDecodeBlockSizes(), 1024) == 1024
   persistent = MgpuDecodeBlockSizes(persistent=True)
   assert mgpu_decode_num_ctas(persistent, 1024) == gpu_sm_count()

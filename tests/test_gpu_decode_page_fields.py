@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                   block_records)
 from pallas_kernels.gpu_decode_page_fields import (FIELD_CHUNK,
@@ -121,7 +121,7 @@ def test_fields_of_partial_chunks_are_refused():
 def test_shared_memory_counts_the_field_chunks():
   """A record slot holds four 128-byte chunks: 1.5 KB more than the
   default form at two stages, which still fits at 128-key steps and H 128."""
-  from pallas_kernels.gpu_block_sizes import mgpu_decode_smem_bytes
+  from pallas_kernels.gpu_decode_block_sizes import mgpu_decode_smem_bytes
   from pallas_kernels.gpu_decode_mgpu import mosaic_decode_unsupported
   from tests.test_gpu_decode_blocks import ROPE_IN_KERNEL
   extra = (mgpu_decode_smem_bytes(FIELDS, 128, page_size=16)
