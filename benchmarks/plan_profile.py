@@ -27,8 +27,8 @@ from benchmarks.comm_profile import op_breakdown
 from benchmarks.kernel_cases import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
                                      PAGE_SIZE, ROPE, page_metadata)
 from benchmarks.kernel_timing import time_per_call
-from pallas_kernels.gpu_block_sizes import (MgpuBlockSizes,
-                                            MgpuDecodeBlockSizes)
+from pallas_kernels.gpu_block_sizes import MgpuBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_mgpu import plan_decode
 from pallas_kernels.gpu_prefill_mgpu import plan_prefill
 from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
