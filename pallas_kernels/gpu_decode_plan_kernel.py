@@ -30,14 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_block_plan import BlockRecordLayout
-from pallas_kernels.gpu_mgpu_parts import interpreter_params
-
-LANES = 128  # one warpgroup: one page a thread
+from pallas_kernels.gpu_mgpu_lanes import (LANES, lane_kernel, lanes_cast,
+                                           start_plan_grid)
 
 
 def decode_plan_kernel_unsupported(*, num_logical_pages: int, page_size: int,
@@ -68,17 +66,11 @@ def _plan_kernel(
     rec_ref,  # int32 [B, M / ppb, 4 ppb]: BlockRecordLayout records
     kernel_q_pos_ref,  # int32 [B]: q_pos, PADDING_ROW for padding rows
     *, num_pages, ppb, dependent_launch, interpret):
-  if dependent_launch and not interpret:
-    # The decode kernel may launch now (it waits for this grid before
-    # reading); this grid waits for the one before it before any read.
-    plgpu.griddepcontrol_launch_dependents()
-    plgpu.griddepcontrol_wait()
+  start_plan_grid(dependent_launch=dependent_launch, interpret=interpret)
   batch = lax.axis_index("b")
   num_logical = table_ref.shape[1]
   layout = BlockRecordLayout(ppb)
-  lanes_layout = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
-  as_lanes = (lambda x: x) if interpret else (
-      lambda x: plgpu.layout_cast(x, lanes_layout))
+  as_lanes = lanes_cast(interpret)
   lane = as_lanes(lax.broadcasted_iota(jnp.int32, (LANES,), 0))
   # 128-page pieces; the last starts at M - 128 and rewrites, with the same
   # values, the records of the pages the piece before it wrote.
@@ -132,16 +124,12 @@ def plan_decode_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
                             BlockRecordLayout(ppb).width), jnp.int32),
       jax.ShapeDtypeStruct((batch,), jnp.int32),
   )
-  kernel = plgpu.kernel(
+  kernel = lane_kernel(
       functools.partial(_plan_kernel, num_pages=num_pages, ppb=ppb,
                         dependent_launch=block_sizes.dependent_launch,
                         interpret=interpret),
       out_type=out_types, grid=(batch,), grid_names=("b",),
-      # Lane semantics (jax 0.11 defaults to Warpgroup): scalar code per
-      # thread, arrays of one value a lane.
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **({"interpret": interpreter_params()} if interpret else {}))
+      interpret=interpret)
   i32 = lambda a: jnp.asarray(a, jnp.int32)
   return kernel(i32(page_table), i32(page_pos), i32(page_shift),
                 i32(page_len), i32(q_pos))

@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS, MgpuBlockSizes
-from pallas_kernels.gpu_mgpu_parts import interpreter_params
+from pallas_kernels.gpu_mgpu_lanes import (LANES, lane_kernel, lanes_cast,
+                                           start_plan_grid)
 from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
                                                   Q15_ONE, PrefillPlan,
                                                   RecordLayout, max_steps,
@@ -55,7 +55,6 @@ from pallas_kernels.gpu_prefill_mgpu_plan import (INT32_MAX, INT32_MIN,
 from pallas_kernels.rope import NUM_TURN_CHUNKS, RopeConfig, cos_sin_from_chunks
 from pallas_kernels.sizes import ceil_div
 
-LANES = 128  # one warpgroup: one value per thread
 ROWS_PER_QUERY_CTA = 8
 HEAD_DIM = 128
 
@@ -124,11 +123,7 @@ def _plan_kernel(
     qcs_ref,  # int16 [B, T_pad, H]; written only where `query_table`
     *, num_pages, page_size, ppb, group, nwg, query_table, dependent_launch,
     interpret):
-  if dependent_launch and not interpret:
-    # The attention kernel may launch now (it waits for this grid before
-    # reading); this grid waits for the one before it before any read.
-    plgpu.griddepcontrol_launch_dependents()
-    plgpu.griddepcontrol_wait()
+  start_plan_grid(dependent_launch=dependent_launch, interpret=interpret)
   batch = jax.lax.axis_index("b")
   cta = jax.lax.axis_index("cta")
   num_logical = table_ref.shape[1]
@@ -137,9 +132,7 @@ def _plan_kernel(
   s_max, width = rec_ref.shape[1], rec_ref.shape[2]
   t_pad = row_pos_ref.shape[1]
   layout = RecordLayout(ppb, cos_sin_dim=HEAD_DIM)
-  lanes_layout = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
-  as_lanes = (lambda x: x) if interpret else (
-      lambda x: plgpu.layout_cast(x, lanes_layout))
+  as_lanes = lanes_cast(interpret)
   lane = as_lanes(jax.lax.broadcasted_iota(jnp.int32, (LANES,), 0))
 
   def lanes_of(ref, start, length):  # ref[batch, start:start + 128]
@@ -399,7 +392,7 @@ def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
       jax.ShapeDtypeStruct((batch, t_pad), jnp.int32),
       jax.ShapeDtypeStruct((batch, t_pad, head_dim), jnp.int16),
   )
-  kernel = plgpu.kernel(
+  kernel = lane_kernel(
       lambda *refs: _plan_kernel(*refs, num_pages=num_pages,
                                  page_size=page_size, ppb=ppb, group=group,
                                  nwg=nwg, query_table=rotates,
@@ -408,12 +401,7 @@ def plan_prefill_kernel(page_table, page_pos, page_shift, page_len, q_pos, *,
       # The last axis is CUDA's x, launched first: each role's CTAs for
       # every row before the next role's.
       out_type=out_types, grid=(num_ctas, batch),
-      grid_names=("cta", "b"),
-      # Lane semantics (jax 0.10's default; 0.11 defaults to Warpgroup):
-      # scalar code per thread, arrays of one value a lane.
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane),
-      **({"interpret": interpreter_params()} if interpret else {}))
+      grid_names=("cta", "b"), interpret=interpret)
   i32 = lambda a: jnp.asarray(a, jnp.int32)
   n_steps, min_row, records, row_pos, query_cos_sin = kernel(
       i32(page_table), i32(page_pos), i32(page_shift), i32(page_len),
