@@ -21,6 +21,7 @@ from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
 from pallas_kernels.gpu_decode_plan_kernel import (
     decode_plan_kernel_unsupported, plan_decode_kernel)
+from pallas_kernels.testing import contract_specs
 from tests.rope_configs import LLAMA3
 from tests.test_mgpu_plan_records import (assert_same_plans,
                                          random_page_fields)
@@ -119,16 +120,6 @@ def test_plan_kernel_refuses_shapes_it_does_not_take(sizes, num_logical,
                        block_sizes=sizes, interpret=True)
 
 
-def _decode_specs(batch=64, num_logical=513, page_size=16, kv_heads=8,
-                  group=4):
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  pages = jax.ShapeDtypeStruct(
-      (kv_heads, batch * num_logical, page_size, HEAD_DIM), jnp.bfloat16)
-  return (jax.ShapeDtypeStruct((batch, 1, kv_heads * group, HEAD_DIM),
-                               jnp.bfloat16), pages, pages,
-          *[i32(batch, num_logical)] * 4, i32(batch, 1))
-
-
 @pytest.mark.parametrize("plan_in_kernel", [False, True])
 @pytest.mark.parametrize("dependent_launch", [False, True])
 def test_dependent_launch_lowers_to_grid_dependency_control(
@@ -140,7 +131,10 @@ def test_dependent_launch_lowers_to_grid_dependency_control(
                               dependent_launch=dependent_launch)
   module = jax.export.export(jax.jit(lambda *a: lazy_decode_mgpu(
       *a, rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=sizes)),
-      platforms=["cuda"])(*_decode_specs(num_logical=512)).mlir_module()
+      platforms=["cuda"])(*contract_specs(
+          batch=64, q_len=1, num_heads=32, num_kv_heads=8, head_dim=HEAD_DIM,
+          num_pages=64 * 512, page_size=16, num_logical_pages=512,
+          dtype=jnp.bfloat16)).mlir_module()
   assert module.count("mosaic_gpu") >= 1 + plan_in_kernel
   assert ("griddepcontrol.wait" in module) == dependent_launch
   assert ("griddepcontrol.launch_dependents" in module) == (
