@@ -27,12 +27,13 @@ from tests.mgpu_prefill_helpers import BENCH, _specs, needs_interpreter
 from tests.rope_configs import LLAMA3, PLAIN
 
 
-# opt_ins: the plan kernel and dependent launch (MgpuBlockSizes).
-@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records,opt_ins",
+# plank_pdl: the plan kernel and dependent launch (MgpuBlockSizes;
+# both the default since 2026-12-04), else the XLA plan and a plain launch.
+@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records,plank_pdl",
                          [(1, False, False), (2, False, False),
                           (2, True, False), (2, True, True)])
 def test_float8_export_lowers_for_cuda(num_compute_wgs, cos_sin_in_records,
-                                       opt_ins):
+                                       plank_pdl):
   """float8 pages: a converter warpgroup widens the e4m3 ring (four
   warpgroups with the ping-pong's two compute warpgroups)."""
   specs = list(_specs(**BENCH))
@@ -40,14 +41,15 @@ def test_float8_export_lowers_for_cuda(num_compute_wgs, cos_sin_in_records,
   scales = jax.ShapeDtypeStruct(specs[1].shape[:2], jnp.float32)
   sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
                          cos_sin_in_records=cos_sin_in_records,
-                         plan_in_kernel=opt_ins, dependent_launch=opt_ins)
+                         plan_in_kernel=plank_pdl,
+                         dependent_launch=plank_pdl)
   fn = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(0.088), block_sizes=sizes,
       k_scales=a[8], v_scales=a[9]))
   exported = export.export(fn, platforms=["cuda"])(
       specs[0], pages, pages, *specs[3:], scales, scales)
   assert exported.out_avals[0].dtype == jnp.bfloat16
-  assert ("griddepcontrol.wait" in exported.mlir_module()) == opt_ins
+  assert ("griddepcontrol.wait" in exported.mlir_module()) == plank_pdl
 
 
 @needs_interpreter
@@ -113,10 +115,10 @@ def test_float8_argument_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records,opt_ins",
+@pytest.mark.parametrize("num_compute_wgs,cos_sin_in_records,plank_pdl",
                          [(1, False, False), (2, False, False),
                           (2, True, False), (2, True, True)])
-def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records, opt_ins):
+def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records, plank_pdl):
   """float8 pages on the GPU: documents at shifts near 2^20, NaN in unused
   slots and NaN scales on unused pages, one and two compute warpgroups
   (and cos / sin read from the step records; and dependent launch)."""
@@ -129,7 +131,8 @@ def test_parity_gpu_float8(num_compute_wgs, cos_sin_in_records, opt_ins):
   fp8, k_scales, v_scales = quantize_case(lazy)
   sizes = MgpuBlockSizes(num_compute_wgs=num_compute_wgs,
                          cos_sin_in_records=cos_sin_in_records,
-                         plan_in_kernel=opt_ins, dependent_launch=opt_ins)
+                         plan_in_kernel=plank_pdl,
+                         dependent_launch=plank_pdl)
   out = jax.jit(lambda *a: lazy_prefill_mgpu(
       *a[:8], rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=sizes, k_scales=a[8], v_scales=a[9]))(
