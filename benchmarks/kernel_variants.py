@@ -72,17 +72,21 @@ MOSAIC_DECODE_VARIANTS = {
     # metadata: the plan is the step counts only.
     "k128s2-blocks-rope-fields": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, fields_in_kernel=True),
-    # The default with its plan in one Mosaic GPU launch
-    # (gpu_decode_plan_kernel), and with the decode kernel launched while
-    # that plan runs (programmatic dependent launch); dependent launch after
-    # the XLA plan.
+    # The default (its plan in one Mosaic GPU launch, gpu_decode_plan_kernel,
+    # since 2026-12-04) with the XLA plan instead: the default before.
+    "k128s2-blocks-rope-xlaplan": MgpuDecodeBlockSizes(
+        steps_by_block=True, rope_in_kernel=True, plan_in_kernel=False),
+    # The plan kernel forced (on the GPU the default), and with the decode
+    # kernel launched while that plan runs (programmatic dependent launch);
+    # dependent launch after the XLA plan.
     "k128s2-blocks-rope-plank": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, plan_in_kernel=True),
     "k128s2-blocks-rope-plank-pdl": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, plan_in_kernel=True,
         dependent_launch=True),
     "k128s2-blocks-rope-pdl": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, dependent_launch=True),
+        steps_by_block=True, rope_in_kernel=True, plan_in_kernel=False,
+        dependent_launch=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
     # one CTA per item or persistent (128-key persistent steps do not fit).
     "k64s4-blocks-rope": MgpuDecodeBlockSizes(

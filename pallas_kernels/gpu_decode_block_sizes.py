@@ -62,7 +62,9 @@ class MgpuDecodeBlockSizes:
     plan_in_kernel: with `rope_in_kernel` (not `fields_in_kernel`),
       `plan_decode` makes the block plan in one Mosaic GPU launch
       (`gpu_decode_plan_kernel`, the same arrays bit for bit) instead of
-      about ten XLA launches, where that kernel takes the shape.
+      about ten XLA launches, where that kernel takes the shape.  None (the
+      default): on the GPU, and not when interpreting, where the
+      interpreted kernel is slow; True / False force it.
     dependent_launch: as `MgpuBlockSizes.dependent_launch`: the decode
       kernel waits for the kernel before it before its first global read,
       so jax >= 0.11 launches it with programmatic dependent launch; the
@@ -83,7 +85,7 @@ class MgpuDecodeBlockSizes:
   rope_in_kernel: bool = False
   fields_in_kernel: bool = False
   copy_contiguous_blocks: bool = True
-  plan_in_kernel: bool = False
+  plan_in_kernel: bool | None = None
   dependent_launch: bool = False
 
   def __post_init__(self):

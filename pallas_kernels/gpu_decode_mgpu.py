@@ -126,13 +126,17 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   with `block_sizes.rope_in_kernel` (a [B, M, 2, 0] placeholder).  With
   `block_sizes.fields_in_kernel` the records are the page fields themselves
   and only the step counts are computed (`gpu_decode_page_fields`).  With
-  `block_sizes.plan_in_kernel` the block plan comes from one Mosaic GPU
-  launch where that kernel takes the shape (`gpu_decode_plan_kernel`; run
-  in the interpreter with `interpret`), the same arrays.  block_sizes
+  `block_sizes.plan_in_kernel` (by default on the GPU, not when
+  interpreting) the block plan comes from one Mosaic GPU launch where that
+  kernel takes the shape (`gpu_decode_plan_kernel`; run in the interpreter
+  with `interpret` and plan_in_kernel=True), the same arrays.  block_sizes
   defaults to `default_decode_block_sizes(kv_dtype)`, the pools' dtype."""
   block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
   num_logical = page_table.shape[1]
-  if block_sizes.plan_in_kernel and decode_plan_kernel_unsupported(
+  wanted = block_sizes.plan_in_kernel
+  if wanted is None:
+    wanted = not interpret
+  if wanted and decode_plan_kernel_unsupported(
       num_logical_pages=num_logical, page_size=page_size,
       block_sizes=block_sizes) is None:
     n_steps, records, kernel_q_pos = plan_decode_kernel(

@@ -44,7 +44,7 @@ __all__ = [
     "rotated_query_tokens",
     "smem_bytes",
     "step_records",
-    "whole_call_plan",
+    "choose_prefill_plan",
 ]
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -104,10 +104,11 @@ def _check_inputs(q, k_pages, page_size, block_sizes):
     raise ValueError(reason)
 
 
-def whole_call_plan(page_table, page_pos, page_shift, page_len, q_pos, *,
-                    block_sizes: MgpuBlockSizes, interpret: bool = False,
-                    **plan_args) -> PrefillPlan:
-  """`lazy_prefill_mgpu`'s plan: one Mosaic GPU launch
+def choose_prefill_plan(page_table, page_pos, page_shift, page_len, q_pos,
+                        *, block_sizes: MgpuBlockSizes,
+                        interpret: bool = False, **plan_args) -> PrefillPlan:
+  """The prefill plan of `lazy_prefill_mgpu` and of a model's forward pass
+  (`plan_lazy_attention`): one Mosaic GPU launch
   (`plan_prefill_kernel`) where `block_sizes.plan_in_kernel` asks for it
   (by default on the GPU, not when interpreting) and that kernel takes the
   shape, else the XLA plan (`plan_prefill`); the same arrays either way.
@@ -144,7 +145,7 @@ def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
-  plan = whole_call_plan(page_table, page_pos, page_shift, page_len, q_pos,
+  plan = choose_prefill_plan(page_table, page_pos, page_shift, page_len, q_pos,
                          rope=rope, group=q.shape[2] // k_pages.shape[0],
                          head_dim=q.shape[-1], num_pages=k_pages.shape[1],
                          page_size=k_pages.shape[2], block_sizes=block_sizes,

@@ -262,10 +262,12 @@ def _plan_decode_jit(page_table, page_pos, page_shift, page_len, q_pos, *,
                                              "num_pages", "page_size"))
 def _plan_jit(page_table, page_pos, page_shift, page_len, q_pos, *, rope,
               group, head_dim, num_pages, page_size):
-  from pallas_kernels.gpu_prefill_mgpu import plan_prefill
-  return plan_prefill(page_table, page_pos, page_shift, page_len, q_pos,
-                      rope=rope, group=group, head_dim=head_dim,
-                      num_pages=num_pages, page_size=page_size)
+  from pallas_kernels.gpu_block_sizes import MgpuBlockSizes
+  from pallas_kernels.gpu_prefill_mgpu import choose_prefill_plan
+  return choose_prefill_plan(page_table, page_pos, page_shift, page_len,
+                             q_pos, block_sizes=MgpuBlockSizes(), rope=rope,
+                             group=group, head_dim=head_dim,
+                             num_pages=num_pages, page_size=page_size)
 
 
 def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,

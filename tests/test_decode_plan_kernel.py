@@ -10,6 +10,7 @@ whole decode call with it and with dependent launch."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ import pytest
 
 from pallas_kernels import gpu_decode_mgpu
 from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
-from pallas_kernels.gpu_decode_mgpu import lazy_decode_mgpu, plan_decode
+from pallas_kernels.gpu_decode_mgpu import (default_decode_block_sizes,
+                                            lazy_decode_mgpu, plan_decode)
 from pallas_kernels.gpu_decode_plan_kernel import (
     decode_plan_kernel_unsupported, plan_decode_kernel)
 from pallas_kernels.testing import contract_specs
@@ -27,7 +29,9 @@ from tests.test_mgpu_plan_records import (assert_same_plans,
                                          random_page_fields)
 
 HEAD_DIM = 128
-BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
+# The 16-bit default's steps, with the XLA plan (BLOCKS) or the kernel.
+BLOCKS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                              plan_in_kernel=False)
 WITH_KERNEL = dataclasses.replace(BLOCKS, plan_in_kernel=True)
 
 
@@ -83,21 +87,26 @@ def test_plan_kernel_matches_the_xla_plan_in_the_interpreter(case):
   assert int(np.asarray(plan.n_steps)[0]) == 0  # the padding row
 
 
+# The 16-bit default (plan_in_kernel None) takes the kernel on the GPU and
+# the XLA plan when interpreting; float8's segment steps never take it.
+@pytest.mark.parametrize("sizes,interpret,num_logical,kernel_calls", [
+    (WITH_KERNEL, True, 128, 1), (BLOCKS, True, 128, 0),
+    (WITH_KERNEL, True, 120, 0), (WITH_KERNEL, True, 132, 0),
+    (default_decode_block_sizes(jnp.bfloat16), False, 128, 1),
+    (default_decode_block_sizes(jnp.bfloat16), True, 128, 0),
+    (default_decode_block_sizes(jnp.bfloat16), False, 120, 0),
+    (default_decode_block_sizes(jnp.float8_e4m3fn), False, 128, 0)])
 def test_plan_decode_takes_the_kernel_only_where_asked_and_supported(
-    monkeypatch):
+    monkeypatch, sizes, interpret, num_logical, kernel_calls):
   calls = []
   real = gpu_decode_mgpu.plan_decode_kernel
   monkeypatch.setattr(gpu_decode_mgpu, "plan_decode_kernel",
                       lambda *a, **k: calls.append(1) or real(*a, **k))
-  for num_logical, sizes, want in [(128, WITH_KERNEL, 1), (128, BLOCKS, 0),
-                                   (120, WITH_KERNEL, 0),
-                                   (132, WITH_KERNEL, 0)]:
-    calls.clear()
-    args = decode_inputs(7, batch=2, num_logical=num_logical, page_size=16)
-    jax.eval_shape(lambda *a: plan_decode(
-        *a, rope=LLAMA3, head_dim=HEAD_DIM, num_pages=2 * num_logical,
-        page_size=16, block_sizes=sizes, interpret=True), *args)
-    assert len(calls) == want, (num_logical, sizes)
+  args = decode_inputs(7, batch=2, num_logical=num_logical, page_size=16)
+  jax.eval_shape(lambda *a: plan_decode(
+      *a, rope=LLAMA3, head_dim=HEAD_DIM, num_pages=2 * num_logical,
+      page_size=16, block_sizes=sizes, interpret=interpret), *args)
+  assert len(calls) == kernel_calls
 
 
 @pytest.mark.parametrize("sizes,num_logical,page_size,message", [
@@ -120,7 +129,7 @@ def test_plan_kernel_refuses_shapes_it_does_not_take(sizes, num_logical,
                        block_sizes=sizes, interpret=True)
 
 
-@pytest.mark.parametrize("plan_in_kernel", [False, True])
+@pytest.mark.parametrize("plan_in_kernel", [False, True, None])
 @pytest.mark.parametrize("dependent_launch", [False, True])
 def test_dependent_launch_lowers_to_grid_dependency_control(
     plan_in_kernel, dependent_launch):
@@ -135,10 +144,12 @@ def test_dependent_launch_lowers_to_grid_dependency_control(
           batch=64, q_len=1, num_heads=32, num_kv_heads=8, head_dim=HEAD_DIM,
           num_pages=64 * 512, page_size=16, num_logical_pages=512,
           dtype=jnp.bfloat16)).mlir_module()
-  assert module.count("mosaic_gpu") >= 1 + plan_in_kernel
+  with_plan_kernel = plan_in_kernel is not False  # None: not interpreting
+  assert len(re.findall(r"custom_call @mosaic_gpu", module)) == (
+      1 + with_plan_kernel)
   assert ("griddepcontrol.wait" in module) == dependent_launch
   assert ("griddepcontrol.launch_dependents" in module) == (
-      dependent_launch and plan_in_kernel)
+      dependent_launch and with_plan_kernel)
 
 
 @pytest.mark.gpu

@@ -99,6 +99,26 @@ def test_plan_and_page_offset_lower_for_cuda():
   assert exported.out_avals[0].shape == (batch, q_len, heads, head_dim)
 
 
+@pytest.mark.parametrize("q_len,logical,plan_kernels", [
+    (128, 136, 1), (128, 128, 0), (64, 136, 0),  # prefill: > 128 pages,
+    (1, 128, 1), (1, 120, 0)])  # >= 128 queries; decode: >= 128 pages
+def test_plans_come_from_the_plan_kernels_where_they_take_the_shape(
+    q_len, logical, plan_kernels):
+  """On the GPU a model's per-forward plan is one Mosaic GPU launch (the
+  prefill or decode plan kernel) where that kernel takes the shape, else
+  the XLA plan: the custom calls in the CUDA lowering."""
+  spec = jax.ShapeDtypeStruct
+  batch, heads, kv_heads, head_dim, page_size = 2, 8, 2, 128, 16
+  pool = spec((kv_heads, batch * logical, page_size, head_dim), jnp.bfloat16)
+  ints = spec((batch, logical), jnp.int32)
+  exported = export.export(jax.jit(lambda *meta: plan_lazy_attention(
+      spec((batch, q_len, heads, head_dim), jnp.bfloat16), pool, *meta,
+      rope=ROPE, impl="gpu")), platforms=["cuda"])(
+          ints, ints, ints, ints, spec((batch, q_len), jnp.int32))
+  module = exported.mlir_module()
+  assert module.count("custom_call @mosaic_gpu") == plan_kernels
+
+
 def test_bad_plan_and_offset_raise():
   lazy = make_case(np.random.default_rng(1), q_len=7)
   args = lazy.args()

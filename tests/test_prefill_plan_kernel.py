@@ -4,7 +4,7 @@
 the Mosaic GPU interpreter on random page metadata (dead, partial and
 shuffled pages, shifts that change inside a block, padding query rows,
 page counts that do not fill the last KV block), lowered for CUDA, and on
-the GPU; the shapes it refuses; and `whole_call_plan`'s choice."""
+the GPU; the shapes it refuses; and `choose_prefill_plan`'s choice."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_plan_kernel_refuses_shapes_it_does_not_take(kwargs, message):
     (True, False, 150, 1), (True, True, 150, 1), (True, False, 100, 0),
     (False, False, 150, 0), (None, False, 150, 1), (None, True, 150, 0),
     (None, False, 100, 0)])
-def test_whole_call_plan_takes_the_kernel_where_asked_and_supported(
+def test_choose_prefill_plan_takes_the_kernel_where_asked_and_supported(
     monkeypatch, plan_in_kernel, interpret, num_logical, kernel_calls):
   calls = []
   monkeypatch.setattr(gpu_prefill_mgpu, "plan_prefill_kernel",
@@ -135,7 +135,7 @@ def test_whole_call_plan_takes_the_kernel_where_asked_and_supported(
                                  if n != "interpret"}))
   args = plan_inputs(1, batch=1, num_logical=num_logical, q_len=130)
   # Traced only (the choice is made while tracing): no plan is computed.
-  plan = jax.eval_shape(lambda *a: gpu_prefill_mgpu.whole_call_plan(
+  plan = jax.eval_shape(lambda *a: gpu_prefill_mgpu.choose_prefill_plan(
       *a, rope=LLAMA3, group=4, head_dim=HEAD_DIM,
       num_pages=num_logical, page_size=PAGE_SIZE,
       block_sizes=MgpuBlockSizes(plan_in_kernel=plan_in_kernel),
