@@ -87,6 +87,10 @@ MOSAIC_DECODE_VARIANTS = {
     "k128s2-blocks-rope-pdl": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, plan_in_kernel=False,
         dependent_launch=True),
+    # The default with a block's first rotation done before its K copy is
+    # waited for (MgpuDecodeBlockSizes.rotate_ahead).
+    "k128s2-blocks-rope-ahead": MgpuDecodeBlockSizes(
+        steps_by_block=True, rope_in_kernel=True, rotate_ahead=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
     # one CTA per item or persistent (128-key persistent steps do not fit).
     "k64s4-blocks-rope": MgpuDecodeBlockSizes(

@@ -41,6 +41,32 @@ def run_starts(rec, layout: BlockRecordLayout, pages_per_block: int,
   return starts, rotated
 
 
+def rotate_to_shift(ops: Ops, shift, q_tile, q16_smem, chunks_smem, dtype):
+  """q16_smem = R(-shift) q_tile in `dtype`, the cos / sin of the scalar
+  `shift` computed here from the turn chunks (`rope_in_kernel`).  The
+  chunk rows are read at each rotation: rotations are rare, and six rows
+  held in registers through the step loop would spill."""
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+  chunk_rows = [ops.cast(chunks_smem[r], col_layout)
+                for r in range(chunks_smem.shape[0])]
+  rotate_query(ops, q_tile, q16_smem, None, None, q_tile.shape[-1] // 2,
+               dtype, shift_cos_sin(shift, chunk_rows))
+
+
+def rotate_ahead(ops: Ops, first_page, rotated, q_tile, *, q16_smem,
+                 chunks_smem, dtype):
+  """`MgpuDecodeBlockSizes.rotate_ahead`: before a block's K copy is waited
+  for, the rotation its first page needs (`run_starts`' condition for page
+  0), so it overlaps the copy instead of delaying the slot's release.
+  `first_page`: that page's (shift, valid slots), read from the plan in
+  global memory a step earlier.  Returns the tile's shift after."""
+  shift, valid = first_page
+  change = (valid > 0) & (shift != rotated)
+  pl.when(change)(lambda: rotate_to_shift(ops, shift, q_tile, q16_smem,
+                                          chunks_smem, dtype))
+  return jnp.where(change, shift, rotated)
+
+
 def block_scores(ops: Ops, rec, k_slot, q_tile, rotated, *,
                  q16_smem,  # [64, H] 16-bit: the rotated query (A operand)
                  cs_smem,  # f32 [ppb, 2, H/2]: this slot's pages' cos / sin
@@ -60,13 +86,11 @@ def block_scores(ops: Ops, rec, k_slot, q_tile, rotated, *,
   later = functools.reduce(lambda a, b: a | b, starts[1:], False)
 
   def rotate_to(j):
-    cos_sin = None
-    if rope_in_kernel:  # chunk rows read here: rotations are rare, and six
-      # rows held in registers through the step loop would spill
-      chunk_rows = [ops.cast(chunks_smem[r], col_layout)
-                    for r in range(chunks_smem.shape[0])]
-      cos_sin = shift_cos_sin(rec[layout.shift + j], chunk_rows)
-    rotate_query(ops, q_tile, q16_smem, cs_smem, j, half, dtype, cos_sin)
+    if rope_in_kernel:
+      rotate_to_shift(ops, rec[layout.shift + j], q_tile, q16_smem,
+                      chunks_smem, dtype)
+    else:
+      rotate_query(ops, q_tile, q16_smem, cs_smem, j, half, dtype)
 
   def later_runs(s):
     s_smem[...] = s

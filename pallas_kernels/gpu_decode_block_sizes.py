@@ -65,6 +65,12 @@ class MgpuDecodeBlockSizes:
       about ten XLA launches, where that kernel takes the shape.  None (the
       default): on the GPU, and not when interpreting, where the
       interpreted kernel is slow; True / False force it.
+    rotate_ahead: with `rope_in_kernel` (not `fields_in_kernel`), the
+      query rotation a block's first page needs is done before the
+      block's K copy is waited for, from that page's shift read from the
+      plan in global memory a step earlier, so it overlaps the copy; else
+      after the wait, before the block's Q K^T, where it delays the K
+      slot's release.  The same result, bit for bit.
     dependent_launch: as `MgpuBlockSizes.dependent_launch`: the decode
       kernel waits for the kernel before it before its first global read,
       so jax >= 0.11 launches it with programmatic dependent launch; the
@@ -86,6 +92,7 @@ class MgpuDecodeBlockSizes:
   fields_in_kernel: bool = False
   copy_contiguous_blocks: bool = True
   plan_in_kernel: bool | None = None
+  rotate_ahead: bool = False
   dependent_launch: bool = False
 
   def __post_init__(self):
@@ -93,6 +100,10 @@ class MgpuDecodeBlockSizes:
       raise ValueError("rope_in_kernel needs steps_by_block=True")
     if self.fields_in_kernel and not self.rope_in_kernel:
       raise ValueError("fields_in_kernel needs rope_in_kernel=True")
+    if self.rotate_ahead and (not self.rope_in_kernel
+                              or self.fields_in_kernel):
+      raise ValueError("rotate_ahead needs rope_in_kernel=True and "
+                       "fields_in_kernel=False")
     if self.float8_operand not in ("float16", "query"):
       raise ValueError(f"float8_operand must be 'float16' or 'query', got "
                        f"{self.float8_operand!r}")

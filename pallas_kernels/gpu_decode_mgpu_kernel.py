@@ -50,7 +50,8 @@ from pallas_kernels.gpu_mgpu_producer import (PRODUCER_REGISTERS,
                                               drain_kv_ring, produce_kv_ring)
 from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                    block_flags)
-from pallas_kernels.gpu_decode_block_scores import block_scores
+from pallas_kernels.gpu_decode_block_scores import (block_scores,
+                                                    rotate_ahead)
 from pallas_kernels.gpu_decode_page_fields import (
     PageFieldsLayout, PageFieldsRecord, check_fields, producer_calls)
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
@@ -161,12 +162,23 @@ def _kernel(
         pl.when(j + 1 < my_items)(lambda: fetch_query(j + 1, 1 - buf))
       q_pos = q_pos_ref[batch]
 
+      def first_page(row):  # rotate_ahead: (shift, valid slots), from HBM
+        row = jnp.minimum(row, rec_ref.shape[1] - 1)  # past the last step
+        return rec_ref[batch, row, layout.shift], rec_ref[batch, row,
+                                                          layout.lim]
+
       def step(i, carry):
         # float8 pools: [acc's V-scale unit, this step's K and V scales];
-        # steps_by_block: [the shift the query tile is rotated by]
+        # steps_by_block: [the shift the query tile is rotated by, and
+        # with rotate_ahead this step's first page's shift and slots]
         acc, m, l, *carried = carry
         ring = ring_step + i
         slot = lax.rem(ring, stages)
+        if cfg.rotate_ahead:  # before the wait; the next page read early
+          rotated = rotate_ahead(ops, carried[1:], carried[0], q_tile,
+                                 q16_smem=q16_smem, chunks_smem=chunks_smem,
+                                 dtype=dtype)
+          carried = (rotated, *first_page(first + i + 1))
         # The record ring is twice as deep as the K/V ring: the record is
         # read after the K slot is released (mask, V fix-up); see the
         # prefill.
@@ -184,13 +196,13 @@ def _kernel(
         acc_factor = None
         if by_block:
           s, rotated = block_scores(
-              ops, rec, k_smem.at[slot], q_tile, *carried, q16_smem=q16_smem,
+              ops, rec, k_smem.at[slot], q_tile, carried[0], q16_smem=q16_smem,
               cs_smem=cs_smem.at[lax.rem(ring, cs_stages)],
               chunks_smem=chunks_smem, s_smem=s_smem, layout=layout,
               page_size=page_size, rope_in_kernel=cfg.rope_in_kernel,
               dtype=dtype)
           plgpu.barrier_arrive(k_free.at[slot])
-          carried = (rotated,)
+          carried = (rotated, *carried[1:])
         elif quantized:
           next_scales = load_scales(batch, head, first + i + 1)
           k_cols, v_cols, acc_factor, unit = step_scales(
@@ -232,7 +244,8 @@ def _kernel(
       if quantized:
         carried = (jnp.float32(0.0), *load_scales(batch, head, first))
       elif by_block:  # no rotation yet: the first live page rotates
-        carried = (jnp.int32(INT32_MIN),)
+        carried = (jnp.int32(INT32_MIN),
+                   *(first_page(first) if cfg.rotate_ahead else ()))
       else:
         carried = ()
       acc, m, l, *carried = lax.fori_loop(

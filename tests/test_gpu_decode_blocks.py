@@ -28,6 +28,9 @@ ROPE_IN_KERNEL = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
 # The records read by the kernel (tests/test_gpu_decode_page_fields.py).
 FIELDS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
                               fields_in_kernel=True)
+# A block's first rotation before its K copy is waited for.
+ROTATE_AHEAD = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                                    rotate_ahead=True)
 
 
 def test_block_records():
@@ -67,8 +70,9 @@ def test_block_records():
     (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
      MgpuDecodeBlockSizes(block_kv=64, persistent=True, steps_by_block=True,
                           rope_in_kernel=True)),
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, ROTATE_AHEAD),
 ], ids=["bench", "small_splits3", "bench_persistent", "bench_rope_in_kernel",
-        "small_persistent_rope_in_kernel"])
+        "small_persistent_rope_in_kernel", "bench_rotate_ahead"])
 def test_export_lowers_for_cuda(case):
   check_export(case)
 
@@ -172,15 +176,61 @@ def test_parity_interpret_documents_across_blocks_llama3(rope_in_kernel):
          LLAMA3)
 
 
+@needs_interpreter
+def test_rotate_ahead_interpret_documents_of_whole_blocks():
+  """Documents of one 64-key block each (shifts up to 2^20): every block's
+  rotation is done ahead, before its K copy is waited for; two splits, so
+  a split's first block rotates ahead too."""
+  lazy = _doc_layout_case(np.random.default_rng(2), num_docs=4, doc_len=64,
+                          q_len=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                          page_size=8)
+  base = 2**20
+  lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
+                             page_pos=lazy.page_pos + base,
+                             page_shift=lazy.page_shift + base)
+  bs = dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=2)
+  _check(_call(lazy, rope=LLAMA3, block_sizes=bs, interpret=True), lazy,
+         LLAMA3)
+
+
+@needs_interpreter
+@pytest.mark.slow
+def test_rotate_ahead_is_bit_for_bit_the_rotation_after_the_wait():
+  """The ragged case (shifts changing inside blocks and at their starts, an
+  empty page, a padding row, two splits): the same output, bit for bit, as
+  the rotation after the wait."""
+  lazy = _ragged_case(0, batch=3, num_heads=8, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_doc_len=150)
+  bs = dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=2)
+  call = lambda sizes: np.asarray(_call(
+      lazy, rope=PLAIN, block_sizes=sizes, interpret=True).astype(
+          jnp.float32))
+  ahead = call(bs)
+  np.testing.assert_array_equal(
+      ahead, call(dataclasses.replace(bs, rotate_ahead=False)))
+  _check(ahead, lazy, PLAIN)
+
+
+@pytest.mark.parametrize("fields,rope_in_kernel", [(True, True),
+                                                   (False, False)])
+def test_rotate_ahead_needs_the_rope_in_the_kernel_and_the_plan_records(
+    fields, rope_in_kernel):
+  with pytest.raises(ValueError, match="rotate_ahead needs rope_in_kernel"):
+    MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=rope_in_kernel,
+                         fields_in_kernel=fields, rotate_ahead=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_sizes", [
     BLOCKS, MgpuDecodeBlockSizes(block_kv=64, kv_splits=3,
                                  steps_by_block=True),
     MgpuDecodeBlockSizes(block_kv=64, persistent=True, num_ctas=7,
                          kv_splits=2, steps_by_block=True),
-    ROPE_IN_KERNEL, FIELDS],
+    ROPE_IN_KERNEL, FIELDS, ROTATE_AHEAD,
+    dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=3)],
                          ids=["default", "k64_splits3", "persistent",
-                              "rope_in_kernel", "fields_in_kernel"])
+                              "rope_in_kernel", "fields_in_kernel",
+                              "rotate_ahead", "rotate_ahead_k64_splits3"])
 def test_parity_gpu(block_sizes):
   lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
                       head_dim=128, page_size=16, dtype=jnp.bfloat16,
@@ -203,6 +253,6 @@ def test_matches_the_segment_steps_on_the_benchmark_layout():
       *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=bs).astype(jnp.float32))
   segments = call(MgpuDecodeBlockSizes())
-  for sizes in (BLOCKS, ROPE_IN_KERNEL, FIELDS):
+  for sizes in (BLOCKS, ROPE_IN_KERNEL, FIELDS, ROTATE_AHEAD):
     np.testing.assert_allclose(call(sizes), segments, rtol=2e-2, atol=2e-2)
     _check(call(sizes), lazy, LLAMA3)
