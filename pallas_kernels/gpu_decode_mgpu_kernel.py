@@ -41,8 +41,7 @@ from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
                                                    mgpu_decode_work_item)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_mgpu_float8 import (
-    CONVERTER_REGISTERS, convert_work_items, float8_scratch,
-    load_page_scales, ring_transforms, step_scales)
+    CONVERTER_REGISTERS, convert_work_items, load_page_scales, step_scales)
 from pallas_kernels.gpu_mgpu_parts import (
     COMPUTE_REGISTERS, Ops, interpreter_params, key_positions, rotate_query,
     softmax_start, softmax_update, zero_invalid_v_rows)
@@ -52,6 +51,7 @@ from pallas_kernels.gpu_decode_block_plan import (BlockRecordLayout,
                                                    block_flags)
 from pallas_kernels.gpu_decode_block_scores import (block_scores,
                                                     rotate_ahead)
+from pallas_kernels.gpu_decode_mgpu_scratch import decode_scratch
 from pallas_kernels.gpu_decode_page_fields import (
     PageFieldsLayout, PageFieldsRecord, check_fields, producer_calls)
 from pallas_kernels.gpu_prefill_mgpu_plan import INT32_MIN, RecordLayout
@@ -331,7 +331,7 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   block_sizes = block_sizes or MgpuDecodeBlockSizes()
   batch, num_kv_heads, _, head_dim = q_tile.shape
   page_size = k_pages.shape[2]
-  stages, block_kv = block_sizes.num_stages, block_sizes.block_kv
+  block_kv = block_sizes.block_kv
   ppb = block_kv // page_size
   fields = block_sizes.fields_in_kernel
   layout = (PageFieldsLayout if fields else BlockRecordLayout
@@ -362,44 +362,11 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
     chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :half])
   else:  # unused
     chunks = jnp.zeros((NUM_TURN_CHUNKS, half), jnp.int32)
-  swizzle = min(128, head_dim)  # bytes of one half row of 16-bit elements
-  tiled16 = (plgpu.TilingTransform((8, swizzle // 2)),
-             plgpu.SwizzleTransform(swizzle))
-  ring = ring_transforms(head_dim) if quantized else tiled16
-  tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-  # cos/sin rows per ring slot: a segment's, a block's pages', or (rope
-  # computed in the kernel) an unused placeholder.
-  cs_pages = ((1,) if block_sizes.rope_in_kernel else
-              (ppb,) if block_sizes.steps_by_block else ())
-  scratch = [
-      plgpu.SMEM((query_buffers, WG_ROWS, head_dim), jnp.float32,
-                 transforms=tiled32),
-      plgpu.SMEM((WG_ROWS, head_dim), dtype, transforms=tiled16),
-      plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
-                 transforms=ring),
-      plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype,
-                 transforms=ring),
-      plgpu.SMEM((2 * stages, layout.width), jnp.int32),
-      plgpu.SMEM(((2 if quantized else 1) * stages,
-                  *cs_pages, 2, head_dim // 2), jnp.float32),
-      plgpu.SMEM((2, WG_ROWS), jnp.float32),
-      plgpu.SMEM(chunks.shape, jnp.int32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries
-      # K pages, record (four field chunks) and (unless rope_in_kernel)
-      # cos/sin
-      plgpu.Barrier(num_arrivals=ppb + (4 if fields else 1)
-                    + (not block_sizes.rope_in_kernel), num_barriers=stages),
-      plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # V pages
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot free
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot free
-      plgpu.Barrier(num_arrivals=1, num_barriers=1),  # turn chunks
-  ]
-  if quantized:  # 16-bit K and V tiles; ready and free barriers of each
-    scratch += float8_scratch(block_kv, head_dim, dtype, tiled16, 1)
-  if block_sizes.steps_by_block:  # a block's scores while the query is
-    # rotated again
-    scratch.append(plgpu.SMEM((WG_ROWS, block_kv), jnp.float32,
-                              transforms=tiled32))
+  scratch = decode_scratch(block_sizes, head_dim=head_dim,
+                           page_size=page_size, kv_dtype=k_pages.dtype,
+                           dtype=dtype, record_width=layout.width,
+                           query_buffers=query_buffers,
+                           chunks_shape=chunks.shape, quantized=quantized)
   kernel = functools.partial(_kernel, cfg=block_sizes, page_size=page_size,
                              num_splits=num_splits, num_items=num_items,
                              num_ctas=num_ctas, rows=rows, layout=layout,
