@@ -91,6 +91,14 @@ MOSAIC_DECODE_VARIANTS = {
     # waited for (MgpuDecodeBlockSizes.rotate_ahead).
     "k128s2-blocks-rope-ahead": MgpuDecodeBlockSizes(
         steps_by_block=True, rope_in_kernel=True, rotate_ahead=True),
+    # The default with each step's K and V pages prefetched into L2 before
+    # the producer waits for the step's slot (MgpuDecodeBlockSizes.
+    # l2_prefetch); and with rotate_ahead too.
+    "k128s2-blocks-rope-l2pf": MgpuDecodeBlockSizes(
+        steps_by_block=True, rope_in_kernel=True, l2_prefetch=True),
+    "k128s2-blocks-rope-ahead-l2pf": MgpuDecodeBlockSizes(
+        steps_by_block=True, rope_in_kernel=True, rotate_ahead=True,
+        l2_prefetch=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
     # one CTA per item or persistent (128-key persistent steps do not fit).
     "k64s4-blocks-rope": MgpuDecodeBlockSizes(

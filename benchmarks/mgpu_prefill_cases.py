@@ -76,6 +76,9 @@ VARIANTS["k128w2s2-qreg-csrec-sched-plank-pdl"] = _default_with(
     plan_in_kernel=True, dependent_launch=True)
 VARIANTS["k128w2s2-qreg-csrec-sched-pdl"] = _default_with(
     plan_in_kernel=False, dependent_launch=True)
+# The default with each step's K and V pages prefetched into L2 before the
+# producer waits for the step's slot (MgpuBlockSizes.l2_prefetch).
+VARIANTS["k128w2s2-qreg-csrec-sched-l2pf"] = _default_with(l2_prefetch=True)
 
 
 def build_inputs(key, rng, *, batch, q_len, context, layout="pages"):

@@ -151,6 +151,9 @@ class MgpuBlockSizes:
       (a document's pages as the cache allocates them) is one TMA copy per
       K and V block instead of one per page
       (`gpu_mgpu_producer.produce_kv_ring`).
+    l2_prefetch: the producer prefetches each step's K and V pages into L2
+      before it waits for the step's ring slot, so their HBM reads start a
+      step earlier (`produce_kv_ring`).  Opt-in, not yet timed.
     query_rope_in_kernel: each compute warpgroup rotates its raw query rows
       by their positions, R(q_pos) q * scale, once at its start, from a
       table of their cos | sin the plan makes (`PrefillPlan.query_cos_sin`),
@@ -195,6 +198,7 @@ class MgpuBlockSizes:
   query_in_registers: bool = True
   cos_sin_in_records: bool = True
   copy_contiguous_blocks: bool = True
+  l2_prefetch: bool = False
   query_rope_in_kernel: bool | None = None
   segment_rotation_16bit: bool = True
   plan_in_kernel: bool | None = None

@@ -59,6 +59,7 @@ class MgpuDecodeBlockSizes:
       per layer (the model's call, its plan made once a step) it was
       slower on the H200 (docs/kernels.md).
     copy_contiguous_blocks: as `MgpuBlockSizes.copy_contiguous_blocks`.
+    l2_prefetch: as `MgpuBlockSizes.l2_prefetch`.
     plan_in_kernel: with `rope_in_kernel` (not `fields_in_kernel`),
       `plan_decode` makes the block plan in one Mosaic GPU launch
       (`gpu_decode_plan_kernel`, the same arrays bit for bit) instead of
@@ -91,6 +92,7 @@ class MgpuDecodeBlockSizes:
   rope_in_kernel: bool = False
   fields_in_kernel: bool = False
   copy_contiguous_blocks: bool = True
+  l2_prefetch: bool = False
   plan_in_kernel: bool | None = None
   rotate_ahead: bool = False
   dependent_launch: bool = False

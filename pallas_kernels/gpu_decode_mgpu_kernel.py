@@ -288,7 +288,8 @@ def _kernel(
           ring_step=ring_step, drain=False, set_registers=False,
           cs_stages=cs_stages,
           cs_rows=0 if cfg.rope_in_kernel else ppb if by_block else None,
-          copy_contiguous_blocks=cfg.copy_contiguous_blocks, **field_calls)
+          copy_contiguous_blocks=cfg.copy_contiguous_blocks,
+          l2_prefetch=cfg.l2_prefetch, **field_calls)
 
     ring_steps = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
     drain_kv_ring(ring_steps, k_free, v_free, stages=stages)

@@ -23,7 +23,8 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
                     first_record=None, ring_step=None, drain: bool = True,
                     set_registers: bool = True, cs_stages: int | None = None,
                     cs_rows: int | None = None, page_ids=None,
-                    copy_record=None, copy_contiguous_blocks: bool = False):
+                    copy_record=None, copy_contiguous_blocks: bool = False,
+                    l2_prefetch: bool = False):
   """The producer warpgroup of the Mosaic GPU prefill and decode kernels.
 
   Step i copies, into ring slot (ring_step + i) % stages, the K pages of
@@ -47,6 +48,11 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
   ids (a document's pages as the cache allocates them, first fit)
   moves its K (and V) block in one TMA copy instead of one per page, plus
   plain arrivals for the barrier's other page counts.
+  `l2_prefetch`: before waiting for the step's slot to be freed, prefetch
+  its K and V pages into L2 (cp.async.bulk.prefetch.L2, the same pieces
+  as the copies), so their HBM reads start a step earlier and the copies
+  into the slot read L2; not in the interpreter, where it would change
+  nothing.
   Returns ring_step + n_steps.
   """
   if not interpret and set_registers:
@@ -70,31 +76,37 @@ def produce_kv_ring(n_steps, batch, head, page_offset_ref, rec_ref, k_ref,
       for j in range(2, pages_per_block):
         contiguous = jnp.logical_and(contiguous, phys[j] == phys[0] + j)
 
-    def copy_page_by_page(pages_ref, ring_smem, barrier):
-      for j in range(pages_per_block):
-        plgpu.copy_gmem_to_smem(
-            pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
-            ring_smem.at[slot, pl.ds(j * page_size, page_size)], barrier)
+    def each_piece(pages_ref, move):
+      """move(gmem rows, first page, pages) for each piece of the step's
+      pages: the whole block where they are consecutive (`merge`), else
+      one page at a time."""
+      def page_by_page():
+        for j in range(pages_per_block):
+          move(pages_ref.at[head, pl.ds(phys[j] * page_size, page_size)],
+               j, 1)
+      if not merge:
+        page_by_page()
+        return
+      whole = pages_ref.at[head, pl.ds(phys[0] * page_size,
+                                       pages_per_block * page_size)]
+      pl.when(contiguous)(lambda: move(whole, 0, pages_per_block))
+      pl.when(jnp.logical_not(contiguous))(page_by_page)
 
     def copy_pages(pages_ref, ring_smem, barrier):
-      if not merge:
-        copy_page_by_page(pages_ref, ring_smem, barrier)
-        return
-
-      @pl.when(contiguous)
-      def _():
-        # The barrier counts one arrival per page: the copy makes one (with
-        # the block's bytes), plain arrivals the rest, after it.
-        plgpu.copy_gmem_to_smem(
-            pages_ref.at[head, pl.ds(phys[0] * page_size,
-                                     pages_per_block * page_size)],
-            ring_smem.at[slot], barrier)
-        for _ in range(pages_per_block - 1):
+      def move(src, first, pages):
+        dst = (ring_smem.at[slot] if pages == pages_per_block else
+               ring_smem.at[slot, pl.ds(first * page_size,
+                                        pages * page_size)])
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+        # The barrier counts one arrival per page: a block copy makes one
+        # (with the block's bytes), plain arrivals the rest, after it.
+        for _ in range(pages - 1):
           plgpu.barrier_arrive(barrier)
+      each_piece(pages_ref, move)
 
-      @pl.when(jnp.logical_not(contiguous))
-      def _():
-        copy_page_by_page(pages_ref, ring_smem, barrier)
+    if l2_prefetch and not interpret:  # while the slots are still in use
+      for pages_ref in (k_ref, v_ref):
+        each_piece(pages_ref, lambda src, *_: plgpu.async_prefetch(src))
 
     @pl.when(ring >= stages)
     def _():

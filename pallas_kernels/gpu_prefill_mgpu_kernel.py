@@ -284,7 +284,8 @@ def _kernel(
         layout=layout, pages_per_block=ppb, page_size=page_size,
         stages=stages, interpret=interpret, set_registers=not quantized,
         cs_stages=cs_stages, cs_rows=0 if cfg.cos_sin_in_records else None,
-        copy_contiguous_blocks=cfg.copy_contiguous_blocks)
+        copy_contiguous_blocks=cfg.copy_contiguous_blocks,
+        l2_prefetch=cfg.l2_prefetch)
 
   if quantized:
     @pl.when(wg == nwg + 1)
