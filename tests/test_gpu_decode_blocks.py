@@ -157,19 +157,25 @@ def test_parity_interpret_ragged(persistent, rope_in_kernel):
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
 
 
+def _documents_far_out(seed, *, num_docs, doc_len):
+  """Whole-page documents (pages of 8) of one row, decoded at q_pos past
+  them, everything moved 2^20 positions out."""
+  lazy = _doc_layout_case(np.random.default_rng(seed), num_docs=num_docs,
+                          doc_len=doc_len, q_len=1, num_heads=4,
+                          num_kv_heads=2, head_dim=64, page_size=8)
+  base = 2**20
+  return dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
+                             page_pos=lazy.page_pos + base,
+                             page_shift=lazy.page_shift + base)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("rope_in_kernel", [
     pytest.param(False, marks=pytest.mark.slow), True])
 def test_parity_interpret_documents_across_blocks_llama3(rope_in_kernel):
   """Whole-page documents of 9 pages of 8 at shifts up to 2^20: each block
   of 8 pages holds the end of one document and the start of the next."""
-  lazy = _doc_layout_case(np.random.default_rng(1), num_docs=3, doc_len=72,
-                          q_len=1, num_heads=4, num_kv_heads=2, head_dim=64,
-                          page_size=8)
-  base = 2**20
-  lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
-                             page_pos=lazy.page_pos + base,
-                             page_shift=lazy.page_shift + base)
+  lazy = _documents_far_out(1, num_docs=3, doc_len=72)
   bs = MgpuDecodeBlockSizes(block_kv=64, kv_splits=2, steps_by_block=True,
                             rope_in_kernel=rope_in_kernel)
   _check(_call(lazy, rope=LLAMA3, block_sizes=bs, interpret=True), lazy,
@@ -181,13 +187,7 @@ def test_rotate_ahead_interpret_documents_of_whole_blocks():
   """Documents of one 64-key block each (shifts up to 2^20): every block's
   rotation is done ahead, before its K copy is waited for; two splits, so
   a split's first block rotates ahead too."""
-  lazy = _doc_layout_case(np.random.default_rng(2), num_docs=4, doc_len=64,
-                          q_len=1, num_heads=4, num_kv_heads=2, head_dim=64,
-                          page_size=8)
-  base = 2**20
-  lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
-                             page_pos=lazy.page_pos + base,
-                             page_shift=lazy.page_shift + base)
+  lazy = _documents_far_out(2, num_docs=4, doc_len=64)
   bs = dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=2)
   _check(_call(lazy, rope=LLAMA3, block_sizes=bs, interpret=True), lazy,
          LLAMA3)
