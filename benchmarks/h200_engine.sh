@@ -55,6 +55,11 @@
 #           at the 512- and 128-token chunks beside cuDNN, after the plans'
 #           device time by op (benchmarks/plan_profile.py) (issue 16, parts
 #           1 and 4 as whole calls; ~200 s).
+#   levers - the opt-in levers for the shuffled-page bars of issue 16
+#           (rotate_ahead, l2_prefetch): their GPU tests, then the decode at
+#           B64 / ctx 8192 and the prefill at the 512-token chunk, each
+#           against the default on shuffled pages (LEVERS_LAYOUT=documents
+#           for the other layout; up to 590 s).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -197,6 +202,21 @@ for part in $parts; do
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \
         --variants k128w2s2-qreg-sched,k128w2s2-qreg-csrec-sched 2>&1 | grep -v Warning \
         | tee "$out/mgpu_prefill_wholecall.txt" | tail -30 ;;
+    levers)
+      timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider \
+        tests/test_l2_prefetch.py tests/test_gpu_decode_blocks.py \
+        -k "rotate_ahead or prefetch or segment_steps" 2>&1 | tail -3 \
+        | tee "$out/levers_tests.txt"
+      timeout 240 python3 -m benchmarks.kernels --decode-only --no-baselines \
+        --no-triton-decode --decode-shapes 64x8192 --page-layout ${LEVERS_LAYOUT:-pages} \
+        --mosaic-variants k128s2-blocks-rope,k128s2-blocks-rope-ahead,k128s2-blocks-rope-l2pf,k128s2-blocks-rope-ahead-l2pf \
+        --time-budget 180 --json "$out/levers_decode.json" 2>&1 | grep -v Warning \
+        | grep "decode  \|PASS\|MISS"
+      timeout 200 python3 -m benchmarks.mgpu_prefill_check --skip-parity \
+        --variants k128w2s2-qreg-csrec-sched,k128w2s2-qreg-csrec-sched-l2pf \
+        --shapes chunk512 --page-layout ${LEVERS_LAYOUT:-pages} --tables 3 \
+        --rows "mgpu[k128,kernel[k128w2s2-qreg-csrec-sched" 2>&1 | grep -v Warning \
+        | tee "$out/levers_prefill.txt" | tail -30 ;;
     mixedstep)
       timeout ${PAPER_TIMEOUT:-300} python3 -m benchmarks.mixed_step \
         --prefill-tokens ${MIXEDSTEP_TOKENS:-512,1024,2048} --repeats 5 \
