@@ -73,10 +73,12 @@ def block_scores(ops: Ops, rec, k_slot, q_tile, rotated, *,
                  chunks_smem,  # int32 [6, H/2]: turn chunks (rope_in_kernel)
                  s_smem,  # f32 [64, block_kv]: S while the query turns
                  layout: BlockRecordLayout, page_size: int,
-                 rope_in_kernel: bool, dtype):
+                 rope_in_kernel: bool, dtype, rotated_ahead: bool = False):
   """S (f32 [64, block_kv]) of the block in `k_slot` ([block_kv, H]) for
   the f32 query tile `q_tile` ([64, H]).  `rotated`: the shift q16_smem
-  holds.  Returns (S, the shift it holds after)."""
+  holds.  `rotated_ahead`: `rotate_ahead` has rotated it for the block's
+  first page, so no rotation there is compiled.  Returns (S, the shift it
+  holds after)."""
   block_kv, head_dim = k_slot.shape
   pages_per_block = block_kv // page_size
   half = head_dim // 2
@@ -105,7 +107,8 @@ def block_scores(ops: Ops, rec, k_slot, q_tile, rotated, *,
       pl.when(starts[j])(run_from)
     return s_smem[...]
 
-  pl.when(starts[0])(lambda: rotate_to(0))
+  if not rotated_ahead:  # (after rotate_ahead, starts[0] is always False)
+    pl.when(starts[0])(lambda: rotate_to(0))
   s = ops.qk(q16_smem, k_slot, shape)
   if pages_per_block > 1:
     s = lax.cond(later, later_runs, lambda s: s, s)

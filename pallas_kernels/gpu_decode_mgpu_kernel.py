@@ -200,7 +200,7 @@ def _kernel(
               cs_smem=cs_smem.at[lax.rem(ring, cs_stages)],
               chunks_smem=chunks_smem, s_smem=s_smem, layout=layout,
               page_size=page_size, rope_in_kernel=cfg.rope_in_kernel,
-              dtype=dtype)
+              dtype=dtype, rotated_ahead=cfg.rotate_ahead)
           plgpu.barrier_arrive(k_free.at[slot])
           carried = (rotated, *carried[1:])
         elif quantized:
