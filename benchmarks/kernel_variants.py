@@ -18,6 +18,13 @@ PREFILL_TUNING_SHAPE = "chunk512"
 PREFILL_SHAPES = [("chunk128", 8, 128, 8192), ("chunk512", 4, 512, 8192),
                   ("doc2048", 4, 2048, 0)]
 
+def _blocks_rope(**fields):
+  """The 16-bit default's form (one step per block, the RoPE in the
+  kernel; `gpu_decode_mgpu.default_decode_block_sizes`) with `fields`."""
+  return MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                              **fields)
+
+
 DECODE_VARIANTS = {
     "d128w4s2": GpuBlockSizes(block_kv=128, num_warps=4, num_stages=2),
     "d128w4s3": GpuBlockSizes(block_kv=128, num_warps=4, num_stages=3),
@@ -61,51 +68,38 @@ MOSAIC_DECODE_VARIANTS = {
     # a plan of reshapes instead of segment steps (16-bit pools only).
     "k128s2-blocks": MgpuDecodeBlockSizes(steps_by_block=True),
     # The same with each shift's cos / sin computed in the kernel.
-    "k128s2-blocks-rope": MgpuDecodeBlockSizes(steps_by_block=True,
-                                               rope_in_kernel=True),
+    "k128s2-blocks-rope": _blocks_rope(),
     # The default with one TMA copy per page even where a block's pages are
     # consecutive in the pool (--page-layout documents).
-    "k128s2-blocks-rope-pagecopy": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True,
-        copy_contiguous_blocks=False),
+    "k128s2-blocks-rope-pagecopy": _blocks_rope(copy_contiguous_blocks=False),
     # The default with the records read by the kernel from the page
     # metadata: the plan is the step counts only.
-    "k128s2-blocks-rope-fields": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, fields_in_kernel=True),
+    "k128s2-blocks-rope-fields": _blocks_rope(fields_in_kernel=True),
     # The default (its plan in one Mosaic GPU launch, gpu_decode_plan_kernel,
     # since 2026-12-04) with the XLA plan instead: the default before.
-    "k128s2-blocks-rope-xlaplan": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, plan_in_kernel=False),
+    "k128s2-blocks-rope-xlaplan": _blocks_rope(plan_in_kernel=False),
     # The plan kernel forced (on the GPU the default), and with the decode
     # kernel launched while that plan runs (programmatic dependent launch);
     # dependent launch after the XLA plan.
-    "k128s2-blocks-rope-plank": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, plan_in_kernel=True),
-    "k128s2-blocks-rope-plank-pdl": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, plan_in_kernel=True,
-        dependent_launch=True),
-    "k128s2-blocks-rope-pdl": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, plan_in_kernel=False,
-        dependent_launch=True),
+    "k128s2-blocks-rope-plank": _blocks_rope(plan_in_kernel=True),
+    "k128s2-blocks-rope-plank-pdl": _blocks_rope(plan_in_kernel=True,
+                                                 dependent_launch=True),
+    "k128s2-blocks-rope-pdl": _blocks_rope(plan_in_kernel=False,
+                                           dependent_launch=True),
     # The default with a block's first rotation done before its K copy is
     # waited for (MgpuDecodeBlockSizes.rotate_ahead).
-    "k128s2-blocks-rope-ahead": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, rotate_ahead=True),
+    "k128s2-blocks-rope-ahead": _blocks_rope(rotate_ahead=True),
     # The default with each step's K and V pages prefetched into L2 before
     # the producer waits for the step's slot (MgpuDecodeBlockSizes.
     # l2_prefetch); and with rotate_ahead too.
-    "k128s2-blocks-rope-l2pf": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, l2_prefetch=True),
-    "k128s2-blocks-rope-ahead-l2pf": MgpuDecodeBlockSizes(
-        steps_by_block=True, rope_in_kernel=True, rotate_ahead=True,
-        l2_prefetch=True),
+    "k128s2-blocks-rope-l2pf": _blocks_rope(l2_prefetch=True),
+    "k128s2-blocks-rope-ahead-l2pf": _blocks_rope(rotate_ahead=True,
+                                                  l2_prefetch=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
     # one CTA per item or persistent (128-key persistent steps do not fit).
-    "k64s4-blocks-rope": MgpuDecodeBlockSizes(
-        block_kv=64, num_stages=4, steps_by_block=True, rope_in_kernel=True),
-    "k64s3-blocks-rope-persistent": MgpuDecodeBlockSizes(
-        block_kv=64, num_stages=3, steps_by_block=True, rope_in_kernel=True,
-        persistent=True),
+    "k64s4-blocks-rope": _blocks_rope(block_kv=64, num_stages=4),
+    "k64s3-blocks-rope-persistent": _blocks_rope(block_kv=64, num_stages=3,
+                                                 persistent=True),
 }
 
 # Mosaic GPU prefill tiles timed beside the default (MgpuBlockSizes(): 128-key
