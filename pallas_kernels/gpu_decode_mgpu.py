@@ -31,6 +31,7 @@ from pallas_kernels.gpu_decode_mgpu_kernel import mgpu_decode_kernel
 from pallas_kernels.gpu_decode_page_fields import plan_fields
 from pallas_kernels.gpu_decode_plan_kernel import (
     decode_plan_kernel_unsupported, plan_decode_kernel)
+from pallas_kernels.gpu_mgpu_lanes import wants_plan_kernel
 from pallas_kernels.gpu_prefill_mgpu import SUPPORTED_DTYPES, tile_refusal
 from pallas_kernels.gpu_prefill_mgpu_plan import (segment_cos_sin,
                                                   step_records)
@@ -133,12 +134,11 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
   defaults to `default_decode_block_sizes(kv_dtype)`, the pools' dtype."""
   block_sizes = block_sizes or default_decode_block_sizes(kv_dtype)
   num_logical = page_table.shape[1]
-  wanted = block_sizes.plan_in_kernel
-  if wanted is None:
-    wanted = not interpret
-  if wanted and decode_plan_kernel_unsupported(
-      num_logical_pages=num_logical, page_size=page_size,
-      block_sizes=block_sizes) is None:
+  use_kernel = wants_plan_kernel(block_sizes.plan_in_kernel, interpret) and (
+      decode_plan_kernel_unsupported(
+          num_logical_pages=num_logical, page_size=page_size,
+          block_sizes=block_sizes) is None)
+  if use_kernel:
     n_steps, records, kernel_q_pos = plan_decode_kernel(
         page_table, page_pos, page_shift, page_len, q_pos,
         num_pages=num_pages, page_size=page_size, block_sizes=block_sizes,

@@ -24,6 +24,13 @@ def lanes_cast(interpret: bool):
   return lambda x: plgpu.layout_cast(x, layout)
 
 
+def wants_plan_kernel(plan_in_kernel: bool | None, interpret: bool) -> bool:
+  """A block-size setting's `plan_in_kernel`: None (the default) takes the
+  plan kernel on the GPU and not when interpreting (the interpreted kernel
+  is slow); True / False force it."""
+  return (not interpret) if plan_in_kernel is None else plan_in_kernel
+
+
 def start_plan_grid(*, dependent_launch: bool, interpret: bool):
   """At a plan kernel's start, with `dependent_launch`: the attention kernel
   after it may launch now (it waits for this grid before reading), and this

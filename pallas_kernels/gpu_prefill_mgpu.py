@@ -25,6 +25,7 @@ from pallas_kernels.gpu_prefill_mgpu_plan import (PrefillPlan, RecordLayout,
                                                   plan_prefill, step_records)
 from pallas_kernels.gpu_prefill_plan_kernel import (plan_kernel_unsupported,
                                                     plan_prefill_kernel)
+from pallas_kernels.gpu_mgpu_lanes import wants_plan_kernel
 from pallas_kernels.kv_quant import check_kv_scales, is_quantized
 from pallas_kernels.lazy_attention import check_lazy_attention_shapes
 from pallas_kernels.rope import RopeConfig, rotated_query
@@ -113,12 +114,11 @@ def choose_prefill_plan(page_table, page_pos, page_shift, page_len, q_pos,
   (by default on the GPU, not when interpreting) and that kernel takes the
   shape, else the XLA plan (`plan_prefill`); the same arrays either way.
   `plan_args`: plan_prefill's keywords."""
-  wanted = block_sizes.plan_in_kernel
-  if wanted is None:
-    wanted = not interpret
-  if wanted and plan_kernel_unsupported(
-      num_logical_pages=page_table.shape[1], q_len=q_pos.shape[1],
-      head_dim=plan_args["head_dim"], block_sizes=block_sizes) is None:
+  use_kernel = wants_plan_kernel(block_sizes.plan_in_kernel, interpret) and (
+      plan_kernel_unsupported(
+          num_logical_pages=page_table.shape[1], q_len=q_pos.shape[1],
+          head_dim=plan_args["head_dim"], block_sizes=block_sizes) is None)
+  if use_kernel:
     return plan_prefill_kernel(page_table, page_pos, page_shift, page_len,
                                q_pos, block_sizes=block_sizes,
                                interpret=interpret, **plan_args)
