@@ -194,6 +194,7 @@ class LazyEngine:
 
   @property
   def page_size(self) -> int:
+    """Tokens per page of the KV pool."""
     return self.cache_config.page_size
 
   @property
@@ -208,6 +209,7 @@ class LazyEngine:
 
   @property
   def programs_used(self) -> int:
+    """Distinct compiled programs this engine has run."""
     return self.runner.programs_used
 
   def default_stop_ids(self) -> tuple[int, ...]:
@@ -215,6 +217,7 @@ class LazyEngine:
     return self.validator.default_stop_ids
 
   def has_work(self) -> bool:
+    """Whether any request is waiting or running (`step()` has work)."""
     with self._lock:
       return self.scheduler.has_work()
 
@@ -284,6 +287,8 @@ class LazyEngine:
       return found
 
   def pop_result(self, request_id: int) -> GenerationResult | None:
+    """The finished result of `request_id` (taken out: a second call
+    returns None), or None while it is still in flight or unknown."""
     with self._lock:
       return self.scheduler.finished.pop(request_id, None)
 

@@ -91,6 +91,7 @@ class Lockstep:
     return request_id
 
   def cancel(self, request_id: int) -> bool:
+    """`LazyEngine.cancel` on process 0, recorded for the followers."""
     self._leader_only("cancel")
     self._calls.append(("cancel", request_id))
     return self.engine.cancel(request_id)

@@ -99,6 +99,7 @@ class GenerationResult:
 
   @property
   def decode_time_per_token_s(self) -> float:
+    """Seconds per generated token after the first (TPOT); 0 for one."""
     n = len(self.token_ids)
     return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
 

@@ -114,6 +114,12 @@ class DecodePlan(NamedTuple):
   q_pos: jax.Array  # int32 [B]: q_pos, PADDING_ROW for padding rows
 
 
+def _no_cos_sin(rows, num_pages: int):
+  """The [B, M, 2, 0] cos / sin of a plan whose kernel computes its own
+  (B from `rows`' leading axis)."""
+  return jnp.zeros((rows.shape[0], num_pages, 2, 0), jnp.float32)
+
+
 def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
                 rope: RopeConfig, head_dim: int, num_pages: int,
                 page_size: int,
@@ -143,8 +149,8 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
         page_table, page_pos, page_shift, page_len, q_pos,
         num_pages=num_pages, page_size=page_size, block_sizes=block_sizes,
         interpret=interpret)
-    cos_sin = jnp.zeros((q_pos.shape[0], num_logical, 2, 0), jnp.float32)
-    return DecodePlan(n_steps, records, cos_sin, kernel_q_pos)
+    return DecodePlan(n_steps, records, _no_cos_sin(q_pos, num_logical),
+                      kernel_q_pos)
   row = q_pos[:, 0]
   live = (page_len > 0) & (page_pos <= row[:, None]) & (row[:, None] >= 0)
   kernel_q_pos = jnp.where(row >= 0, row, common.PADDING_ROW)
@@ -153,15 +159,14 @@ def plan_decode(page_table, page_pos, page_shift, page_len, q_pos, *,
     n_steps, fields = plan_fields(
         page_table, page_pos, page_shift, page_len, live,
         pages_per_block=block_sizes.block_kv // page_size)
-    cos_sin = jnp.zeros((row.shape[0], fields[0].shape[1], 2, 0),
-                        jnp.float32)
-    return DecodePlan(n_steps, fields, cos_sin, kernel_q_pos)
+    return DecodePlan(n_steps, fields, _no_cos_sin(row, fields[0].shape[1]),
+                      kernel_q_pos)
   make = block_records if block_sizes.steps_by_block else step_records
   records, num_steps, *_, shift = make(
       page_table, page_pos, page_shift, page_len, live, num_pages=num_pages,
       page_size=page_size, pages_per_block=block_sizes.block_kv // page_size)
   if block_sizes.rope_in_kernel:  # computed in the kernel: none here
-    cos_sin = jnp.zeros((shift.shape[0], shift.shape[1], 2, 0), jnp.float32)
+    cos_sin = _no_cos_sin(shift, shift.shape[1])
   else:
     cos_sin = segment_cos_sin(shift, rope, head_dim)
   return DecodePlan(num_steps.astype(jnp.int32), records, cos_sin,
