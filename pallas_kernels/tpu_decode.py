@@ -182,8 +182,7 @@ def lazy_decode_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                              pages_per_block=ppb)
   # float8 pages: their scales ride in SMEM with the page metadata.
   quantized = k_scales is not None
-  page_scales = ([gather_page_scales(x, meta) for x in (k_scales, v_scales)]
-                 if quantized else [])
+  page_scales = gather_page_scales(k_scales, v_scales, meta)
   q_pos = q_pos[:, 0]
   q_limit = query_limits(q_pos)[:, None]  # [B, 1]
   num_blocks = visible_block_counts(meta, q_limit, ppb)  # [B, 1]

@@ -125,13 +125,15 @@ def visible_block_counts(meta: PageMetadata, query_max,
   return ceil_div(last, pages_per_block).astype(jnp.int32)
 
 
-def gather_page_scales(scales, meta: PageMetadata):
-  """f32 [B, Mp * K]: the float8 scale of every (logical page, kv head) of
-  each row, entry page * K + head (the kernels' SMEM layout), from the
-  pool's scales [K, num_pages]."""
-  gathered = scales[:, meta.page_ids]  # [K, B, Mp]
-  return jnp.transpose(gathered, (1, 2, 0)).reshape(
-      meta.page_ids.shape[0], -1)
+def gather_page_scales(k_scales, v_scales, meta: PageMetadata) -> list:
+  """[K scales, V scales], each f32 [B, Mp * K]: the float8 scale of every
+  (logical page, kv head) of each row, entry page * K + head (the kernels'
+  SMEM layout), from the pool's scales [K, num_pages]; [] for 16-bit
+  pools (k_scales None)."""
+  if k_scales is None:
+    return []
+  return [jnp.transpose(scales[:, meta.page_ids], (1, 2, 0)).reshape(
+      meta.page_ids.shape[0], -1) for scales in (k_scales, v_scales)]
 
 
 def call_in_batch_chunks(call, meta: PageMetadata, program_scalars, operands,

@@ -170,8 +170,7 @@ def lazy_prefill_tpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
                              pages_per_block=ppb)
   # float8 pages: their scales ride in SMEM with the page metadata.
   quantized = k_scales is not None
-  page_scales = ([gather_page_scales(x, meta) for x in (k_scales, v_scales)]
-                 if quantized else [])
+  page_scales = gather_page_scales(k_scales, v_scales, meta)
   q_pos = jnp.pad(q_pos, ((0, 0), (0, q_len_padded - q_len)),
                   constant_values=-1)
   q_limit = query_limits(q_pos)
