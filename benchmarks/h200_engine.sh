@@ -59,7 +59,8 @@
 #           (rotate_ahead, l2_prefetch): their GPU tests, then the decode at
 #           B64 / ctx 8192 and the prefill at the 512-token chunk, each
 #           against the default on shuffled pages (LEVERS_LAYOUT=documents
-#           for the other layout; up to 590 s).
+#           for the other layout, LEVERS_TESTS=0 to skip the tests on a
+#           machine that has run them; up to 590 s).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -203,10 +204,12 @@ for part in $parts; do
         --variants k128w2s2-qreg-sched,k128w2s2-qreg-csrec-sched 2>&1 | grep -v Warning \
         | tee "$out/mgpu_prefill_wholecall.txt" | tail -30 ;;
     levers)
-      timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider \
-        tests/test_l2_prefetch.py tests/test_gpu_decode_blocks.py \
-        -k "rotate_ahead or prefetch or segment_steps" 2>&1 | tail -3 \
-        | tee "$out/levers_tests.txt"
+      if [ "${LEVERS_TESTS:-1}" != 0 ]; then
+        timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider \
+          tests/test_l2_prefetch.py tests/test_gpu_decode_blocks.py \
+          -k "rotate_ahead or prefetch or segment_steps" 2>&1 | tail -3 \
+          | tee "$out/levers_tests.txt"
+      fi
       timeout 240 python3 -m benchmarks.kernels --decode-only --no-baselines \
         --no-triton-decode --decode-shapes 64x8192 --page-layout ${LEVERS_LAYOUT:-pages} \
         --mosaic-variants k128s2-blocks-rope,k128s2-blocks-rope-ahead,k128s2-blocks-rope-l2pf,k128s2-blocks-rope-ahead-l2pf \
