@@ -92,6 +92,7 @@ def _hits_line(names, hits) -> str:
 
 
 def run_rag(args) -> int:
+  """`lazyattn rag`: answers --query over the --doc files; exit status."""
   if not args.query or not args.query.strip():
     raise UsageError("the query is empty")
   texts = [_read_document(p) for p in args.doc]
@@ -119,11 +120,14 @@ def _quality(args) -> dict:
 
 
 def load_demo_corpus() -> dict:
+  """The demo's packaged corpus: {"documents": [{"title", "text"}],
+  "questions": [...]}."""
   text = resources.files("lazyattn_jax").joinpath("data/demo_corpus.json").read_text("utf-8")
   return json.loads(text)
 
 
 def run_demo(args) -> int:
+  """`lazyattn demo`: the packaged questions over the demo corpus."""
   corpus = load_demo_corpus()
   by_title = {d["title"]: d["text"] for d in corpus["documents"]}
   engine = _load_engine(args.model, args, **_quality(args))
@@ -162,6 +166,7 @@ ENGINE_OPTIONS = ("max_batch", "decode_steps", "max_prefill_tokens",
 
 
 def run_serve(args) -> int:
+  """`lazyattn serve`: the OpenAI-compatible HTTP server until stopped."""
   from lazyattn_jax.cli_options import chosen
   from lazyattn_jax.config import INTERACTIVE_SETTINGS
   from lazyattn_jax.server import ServerConfig
@@ -227,6 +232,7 @@ def _add_serve_parser(sub, common):
 
 
 def run_finetune(args) -> int:
+  """`lazyattn finetune`: block fine-tuning (lazyattn_jax.finetune)."""
   from lazyattn_jax.training.cli_errors import USER_ERRORS
   from lazyattn_jax.training.finetune_cli import run
   try:
@@ -236,6 +242,7 @@ def run_finetune(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The `lazyattn` argument parser, one subcommand per run_* function."""
   parser = argparse.ArgumentParser(
       prog="lazyattn",
       description="Retrieval-augmented generation with zero-copy, "
@@ -294,6 +301,7 @@ def _check_arguments(args):
 
 
 def main(argv=None) -> int:
+  """Entry point of `lazyattn`: runs a subcommand; usage errors exit 2."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
