@@ -29,7 +29,8 @@ class PoolAccess:
     pool_dtype: the pages' dtype.
     quantized: the pools are float8 `QuantizedPool`s.
     carried: dtype of the scan's carry (uint16 for 16-bit pools with
-      `pool_as_bits`, else `pool_dtype`).
+      `pool_as_bits`; uint8 for float8 pages with `pool_as_bits`, and always
+      on CPU; else `pool_dtype`).
   """
   num_kv_heads: int
   num_layers: int
@@ -44,15 +45,23 @@ class PoolAccess:
   def of(cls, k_cache, *, pool_as_bits: bool = False) -> "PoolAccess":
     """The access of a pool [K, L, num_pages, P, H] (array or
     QuantizedPool).  pool_as_bits: 16-bit float pools travel as their
-    uint16 bit patterns.  XLA may widen a 16-bit float scatter to float32
-    (on CPU it does: four pool-sized temporaries per step); an integer row
-    scatter does not, at the price of bitcasts XLA may or may not fold."""
+    uint16 bit patterns, float8 pages as uint8.  XLA may widen a 16-bit
+    float scatter to float32 (on CPU it does: four pool-sized temporaries
+    per step), and XLA CPU has no float8 scatter (it converts the whole
+    pool to float16 and back around each write); an integer row scatter
+    does neither, at the price of bitcasts XLA may or may not fold.  So
+    float8 pages travel as bits on CPU whatever `pool_as_bits`."""
     num_kv_heads, num_layers, num_pages, page_size, head_dim = k_cache.shape
     pool_dtype = k_cache.dtype
-    carried = (jnp.uint16 if pool_as_bits and
-               jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
+    quantized = isinstance(k_cache, QuantizedPool)
+    if quantized:
+      as_bits = pool_as_bits or jax.default_backend() == "cpu"
+      carried = jnp.uint8 if as_bits else pool_dtype
+    else:
+      carried = (jnp.uint16 if pool_as_bits and
+                 jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
     return cls(num_kv_heads, num_layers, num_pages, page_size, head_dim,
-               pool_dtype, isinstance(k_cache, QuantizedPool), carried)
+               pool_dtype, quantized, carried)
 
   @property
   def all_pages(self) -> int:
@@ -64,9 +73,13 @@ class PoolAccess:
     return self.all_pages * self.page_size
 
   def _to_carry(self, x):
+    if self.carried == self.pool_dtype:  # no op in the program at all
+      return x
     return jax.lax.bitcast_convert_type(x, self.carried)
 
   def _to_pool(self, x):
+    if self.carried == self.pool_dtype:
+      return x
     return jax.lax.bitcast_convert_type(x, self.pool_dtype)
 
   def to_rows(self, pool):
@@ -76,14 +89,14 @@ class PoolAccess:
     for the carried pool and copy it around the kernel call."""
     row_shape = (self.num_kv_heads, self.all_rows, self.head_dim)
     if self.quantized:
-      return (pool.pages.reshape(row_shape),
+      return (self._to_carry(pool.pages.reshape(row_shape)),
               pool.scales.reshape(self.num_kv_heads, self.all_pages))
     return self._to_carry(pool.reshape(row_shape))
 
   def from_rows(self, rows, like):
     """Inverse of `to_rows`, shaped like the pool `like`."""
     if self.quantized:
-      return QuantizedPool(pages=rows[0].reshape(like.shape),
+      return QuantizedPool(pages=self._to_pool(rows[0]).reshape(like.shape),
                            scales=rows[1].reshape(like.scales.shape))
     return self._to_pool(rows).reshape(like.shape)
 
@@ -112,7 +125,7 @@ class PoolAccess:
     """The kernel's [K, L*N, P, H] pages (and scales [K, L*N], or None)."""
     pages = (kv_heads, self.all_pages, self.page_size, self.head_dim)
     if self.quantized:
-      return pool[0].reshape(pages), pool[1]
+      return self._to_pool(pool[0]).reshape(pages), pool[1]
     return self._to_pool(pool).reshape(pages), None
 
   def write_kv(self, k, v, key_pos, k_pool, v_pool, rows, rope):

@@ -109,7 +109,9 @@ def write_quantized_rows(pages, scales, rows, values, page_size: int):
 
   Args:
     pages: float8 [K, num_rows, H], the pool as token rows (page-major:
-      row = page * page_size + slot).
+      row = page * page_size + slot), or its uint8 bit patterns (returned
+      so too: XLA CPU has no float8 scatter, and around each one converts
+      the whole pool to float16 and back).
     scales: f32 [K, num_rows / page_size], one per head and page.
     rows: int32 [R] destination rows; outside [0, num_rows) is dropped.
     values: [K, R, H] the rows' new values (any float dtype).
@@ -140,15 +142,21 @@ def write_quantized_rows(pages, scales, rows, values, page_size: int):
   slots = jnp.arange(page_size, dtype=jnp.int32)
   page_rows = safe_page[:, None] * page_size + slots[None, :]  # [R, P]
   kv_heads, num_written = need.shape
-  earlier = pages[:, page_rows.reshape(-1)].astype(jnp.float32).reshape(
+  as_bits = pages.dtype == jnp.uint8
+  def stored(x):  # float8 values as the pool holds them
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x
+  earlier = pages[:, page_rows.reshape(-1)]
+  if as_bits:
+    earlier = jax.lax.bitcast_convert_type(earlier, FP8_DTYPE)
+  earlier = earlier.astype(jnp.float32).reshape(
       kv_heads, num_written, page_size, -1)
   factor = jnp.where(new > 0, old / jnp.where(new > 0, new, 1.0), 0.0)
   factor = factor[:, :, None, None]
   # `where`, not a product: a restarted page's dead slots may hold NaN.
   rescaled = jnp.where(factor > 0, earlier * factor, 0.0).astype(FP8_DTYPE)
   targets = jnp.where(valid[:, None], page_rows, num_rows).reshape(-1)
-  pages = pages.at[:, targets].set(
-      rescaled.reshape(kv_heads, num_written * page_size, -1), mode="drop")
+  pages = pages.at[:, targets].set(stored(
+      rescaled.reshape(kv_heads, num_written * page_size, -1)), mode="drop")
   pages = pages.at[:, jnp.where(valid, rows, num_rows)].set(
-      quantize(values, new[:, :, None]), mode="drop")
+      stored(quantize(values, new[:, :, None])), mode="drop")
   return pages, new_scales
