@@ -139,9 +139,9 @@ class RunnerConfig:
       ("auto" picks by backend: Pallas kernels on GPU and TPU, XLA on CPU).
     pool_as_bits: carry a 16-bit pool through the model's layer loop as
       uint16 bit patterns (keeps XLA from widening the KV write scatter to
-      float32), and float8 pages as uint8.  On CPU float8 pages always
-      travel as uint8: XLA CPU has no float8 scatter and converted the
-      whole pool to float16 and back around every write.
+      float32), and float8 pages as uint8.  On CPU pools always travel as
+      bits: XLA CPU widened a bfloat16 scatter to float32 and a float8 one
+      to float16 over the whole pool around every write.
     decode_layer_unroll: unroll factor of the layer loop inside the decode
       loop (True: fully unrolled; faster steps, longer compiles).
     gpu_weights_in_place: on GPU, compile the steps with cuBLAS gemms that

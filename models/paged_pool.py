@@ -28,9 +28,8 @@ class PoolAccess:
       [K, L, num_pages, P, H].
     pool_dtype: the pages' dtype.
     quantized: the pools are float8 `QuantizedPool`s.
-    carried: dtype of the scan's carry (uint16 for 16-bit pools with
-      `pool_as_bits`; uint8 for float8 pages with `pool_as_bits`, and always
-      on CPU; else `pool_dtype`).
+    carried: dtype of the scan's carry (uint16 for 16-bit pools and uint8
+      for float8 pages with `pool_as_bits` or on CPU, else `pool_dtype`).
   """
   num_kv_heads: int
   num_layers: int
@@ -50,16 +49,13 @@ class PoolAccess:
     per step), and XLA CPU has no float8 scatter (it converts the whole
     pool to float16 and back around each write); an integer row scatter
     does neither, at the price of bitcasts XLA may or may not fold.  So
-    float8 pages travel as bits on CPU whatever `pool_as_bits`."""
+    on CPU pools travel as bits whatever `pool_as_bits`."""
     num_kv_heads, num_layers, num_pages, page_size, head_dim = k_cache.shape
     pool_dtype = k_cache.dtype
     quantized = isinstance(k_cache, QuantizedPool)
-    if quantized:
-      as_bits = pool_as_bits or jax.default_backend() == "cpu"
-      carried = jnp.uint8 if as_bits else pool_dtype
-    else:
-      carried = (jnp.uint16 if pool_as_bits and
-                 jnp.dtype(pool_dtype).itemsize == 2 else pool_dtype)
+    as_bits = pool_as_bits or jax.default_backend() == "cpu"
+    bits = {1: jnp.uint8, 2: jnp.uint16}.get(jnp.dtype(pool_dtype).itemsize)
+    carried = bits if as_bits and bits is not None else pool_dtype
     return cls(num_kv_heads, num_layers, num_pages, page_size, head_dim,
                pool_dtype, quantized, carried)
 
