@@ -178,28 +178,3 @@ def test_pages_written_as_bits_match_float8_pages_bit_for_bit():
             pages, jnp.uint8)))
     np.testing.assert_array_equal(np.asarray(bit_scales), np.asarray(scales))
 
-
-def test_cpu_carries_float8_pages_as_bits_and_converts_no_whole_pool():
-  """On CPU the model's float8 pool travels as uint8 whatever pool_as_bits:
-  a float8 scatter there converted the whole pool to float16 and back
-  around every write (decode 50x slower at 2,048 pages).  Checked in the
-  compiled write of one layer: no array of the pool's size in float16."""
-  from models.paged_pool import PoolAccess
-  if jax.default_backend() != "cpu":
-    pytest.skip("the CPU backend's choice")
-  layers, pages_per_layer = 2, 64
-  pool = QuantizedPool(
-      pages=jnp.zeros((HEADS, layers, pages_per_layer, PAGE, DIM), FP8_DTYPE),
-      scales=jnp.zeros((HEADS, layers, pages_per_layer), jnp.float32))
-  access = PoolAccess.of(pool)
-  assert access.carried == jnp.uint8
-
-  def write_layer(pool, rows, values):
-    carry = access.to_rows(pool)
-    return access.from_rows(access.write(carry, values, rows), pool)
-
-  hlo = jax.jit(write_layer).lower(
-      pool, jnp.zeros((4,), jnp.int32),
-      jnp.zeros((HEADS, 4, DIM), jnp.float32)).compile().as_text()
-  whole = f"f16[{HEADS},{layers * pages_per_layer * PAGE},{DIM}]"
-  assert whole not in hlo
