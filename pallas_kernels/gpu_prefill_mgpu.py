@@ -145,11 +145,11 @@ def lazy_prefill_mgpu(q, k_pages, v_pages, page_table, page_pos, page_shift,
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   block_sizes = block_sizes or MgpuBlockSizes()
   _check_inputs(q, k_pages, k_pages.shape[2], block_sizes)
-  plan = choose_prefill_plan(page_table, page_pos, page_shift, page_len, q_pos,
-                         rope=rope, group=q.shape[2] // k_pages.shape[0],
-                         head_dim=q.shape[-1], num_pages=k_pages.shape[1],
-                         page_size=k_pages.shape[2], block_sizes=block_sizes,
-                         interpret=interpret)
+  plan = choose_prefill_plan(
+      page_table, page_pos, page_shift, page_len, q_pos, rope=rope,
+      group=q.shape[2] // k_pages.shape[0], head_dim=q.shape[-1],
+      num_pages=k_pages.shape[1], page_size=k_pages.shape[2],
+      block_sizes=block_sizes, interpret=interpret)
   return lazy_prefill_mgpu_planned(q, k_pages, v_pages, q_pos, plan,
                                    rope=rope, sm_scale=sm_scale,
                                    block_sizes=block_sizes,
