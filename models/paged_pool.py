@@ -49,7 +49,10 @@ class PoolAccess:
     per step), and XLA CPU has no float8 scatter (it converts the whole
     pool to float16 and back around each write); an integer row scatter
     does neither, at the price of bitcasts XLA may or may not fold.  So
-    on CPU pools travel as bits whatever `pool_as_bits`."""
+    on CPU pools travel as bits whatever `pool_as_bits`.  "On CPU" is
+    JAX's default backend when the step is traced: a step exported for
+    CUDA from a CPU host carries bits too (the same values; the GPU's own
+    trace carries the pool's dtype unless `pool_as_bits`)."""
     num_kv_heads, num_layers, num_pages, page_size, head_dim = k_cache.shape
     pool_dtype = k_cache.dtype
     quantized = isinstance(k_cache, QuantizedPool)
