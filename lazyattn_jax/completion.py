@@ -10,6 +10,7 @@ a closed stream) cancels what it left running.
 from __future__ import annotations
 
 from lazyattn_jax.errors import EngineClosedError, RequestFailedError
+from pallas_kernels.sizes import ceil_div
 
 
 def run_to_completion(engine, requests) -> list:
@@ -74,10 +75,14 @@ def encode_in_batches(engine, token_docs, batch_size: int,
   import jax
   from tqdm.auto import tqdm
   hits: list[bool] = []
+  cfg = engine.cache_config
+  batches = batches_that_fit(
+      token_docs, batch_size, page_size=cfg.page_size,
+      num_pages=cfg.num_pages, max_docs=cfg.max_docs,
+      preamble_tokens=engine._mode.preamble_tokens)
   with tqdm(total=len(token_docs), desc="Encoding documents", unit="doc",
             disable=not progress) as bar:
-    for start in range(0, len(token_docs), batch_size):
-      chunk = token_docs[start:start + batch_size]
+    for chunk in batches:
       with engine._lock:
         engine._check_open()
         hits += engine.rounds.encode_documents(chunk)
@@ -85,3 +90,24 @@ def encode_in_batches(engine, token_docs, batch_size: int,
   with engine._lock:
     jax.block_until_ready(engine.rounds.state)
   return hits
+
+
+def batches_that_fit(token_docs, batch_size: int, *, page_size: int,
+                     num_pages: int, max_docs: int, preamble_tokens: int):
+  """Consecutive runs of at most `batch_size` documents whose pages and
+  cache slots (with the preamble's) fit the whole pool, so a batch is only
+  ever refused for what live requests hold, never for its own size.  Each
+  document fits alone (the validator checked its length)."""
+  preamble_pages = ceil_div(preamble_tokens, page_size)
+  slots = max_docs - (preamble_tokens > 0)
+  chunk, pages = [], preamble_pages
+  for doc in token_docs:
+    doc_pages = ceil_div(len(doc), page_size)
+    if chunk and (len(chunk) in (batch_size, slots)
+                  or pages + doc_pages > num_pages):
+      yield chunk
+      chunk, pages = [], preamble_pages
+    chunk.append(doc)
+    pages += doc_pages
+  if chunk:
+    yield chunk
