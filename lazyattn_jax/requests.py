@@ -270,8 +270,13 @@ class RequestValidator:
     preamble = self.mode.preamble
     if leading and preamble is not None and preamble.from_chat:
       docs, leading = docs[leading:], 0  # the chat prefix is the preamble
-    total = (self.mode.preamble_tokens + sum(map(len, docs)) + len(query) +
-             sampling.max_new_tokens)
+    prompt = self.mode.preamble_tokens + sum(map(len, docs)) + len(query)
+    total = prompt + sampling.max_new_tokens
+    if prompt >= self.max_position:  # no room for even one new token
+      raise InvalidRequestError(
+          f"prompt needs {prompt} positions (preamble + documents + query) "
+          f"and {total} with max_new_tokens, but the model allows "
+          f"{self.max_position}")
     if total > self.max_position:
       raise InvalidRequestError(
           f"request needs {total} positions (preamble + documents + query + "

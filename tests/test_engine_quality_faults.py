@@ -241,7 +241,8 @@ def test_requests_are_measured_with_the_preamble_and_recomputed_pages(
   before, pool = _tables(engine), np.asarray(engine.state.k)
   # 3 preamble + 504 document + 5 query + 1 generated > 512 positions.
   with pytest.raises(InvalidRequestError,
-                     match=r"513 positions \(preamble \+ documents"):
+                     match=r"512 positions \(preamble \+ documents \+ "
+                     r"query\) and 513 with max_new_tokens"):
     engine.generate([1] * 5, [[d] * 63 for d in range(1, 9)], greedy(1))
   # Six documents of 15 pages, 1 preamble page, 5 recomputed first pages
   # and 1 for the query: one more than the 96-page pool (without recompute
