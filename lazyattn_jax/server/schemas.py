@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError,
+                      model_validator)
 
 from lazyattn_jax.server.errors import from_validation_error
 
@@ -20,6 +21,19 @@ _INT64 = 2**63
 
 class _Body(BaseModel):
   model_config = ConfigDict(strict=True, extra="forbid")
+
+  @model_validator(mode="before")
+  @classmethod
+  def _null_is_the_default(cls, data):
+    """OpenAI's schema lets a client send null for an optional field (the
+    openai client does for an argument given as None): it means the
+    field's default."""
+    if not isinstance(data, dict):
+      return data
+    fields = cls.model_fields
+    return {name: value for name, value in data.items()
+            if not (value is None and name in fields
+                    and not fields[name].is_required())}
 
 
 class StreamOptions(_Body):
