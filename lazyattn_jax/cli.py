@@ -171,8 +171,8 @@ def run_serve(args) -> int:
   from lazyattn_jax.config import INTERACTIVE_SETTINGS
   from lazyattn_jax.server import ServerConfig
   try:
-    import uvicorn
     from lazyattn_jax.server import create_app
+    from lazyattn_jax.server.draining import DrainingServer
   except ImportError as e:
     raise UsageError(f"lazyattn serve needs the serve extra ({e.name} is "
                      f"missing): pip install 'lazyattn-jax[serve]'") from None
@@ -193,8 +193,8 @@ def run_serve(args) -> int:
   app = create_app(engine, server_config, close_engine=True)
   print(f"Serving {server_config.model_name!r} ({args.mode} mode) on "
         f"http://{args.host}:{args.port}/v1", flush=True)
-  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-              timeout_graceful_shutdown=server_config.drain_timeout_s)
+  DrainingServer(app, host=args.host, port=args.port,
+                 log_level=args.log_level).run()
   return 0
 
 

@@ -88,8 +88,7 @@ def serving(engine, **config):
   from lazyattn_jax.server import ServerConfig, create_app
   from lazyattn_jax.server.background import BackgroundServer
   app = create_app(engine, ServerConfig(model_name=MODEL_NAME, **config))
-  server = BackgroundServer(app, graceful_timeout_s=config.get(
-      "drain_timeout_s", 30.0)).start()
+  server = BackgroundServer(app).start()
   try:
     yield app, server.url
   finally:

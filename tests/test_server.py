@@ -213,17 +213,43 @@ def test_a_conversation_and_stop_strings(server, text_model):
   cut = len(text) // 2
   stop = text[cut:cut + 3]
   assert stop and stop in text
+  # Token ids and usage end at the token that completed the stop string,
+  # not at the end of the round that produced it.
+  ids = full.choices[0].token_ids
+  kept = next(k for k in range(1, len(ids) + 1)
+              if stop in tokenizer.decode(ids[:k]))
+  stops_before = metric(httpx.get(url + "/metrics").text,
+                        'lazyattn_requests_total{finish_reason="stop"}')
   stopped = c.chat.completions.create(
       model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
-      stop=[stop], extra_body={"documents": [document]})
+      stop=[stop], extra_body={"documents": [document],
+                               "return_token_ids": True})
   assert stopped.choices[0].finish_reason == "stop"
   assert stopped.choices[0].message.content == text[:text.index(stop)]
   assert stopped.usage.cached_documents == 1
+  assert stopped.choices[0].token_ids == ids[:kept]
+  assert stopped.usage.completion_tokens == kept
   streamed = c.chat.completions.create(
       model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
-      stop=stop, stream=True, extra_body={"documents": [document]})
+      stop=stop, stream=True, stream_options={"include_usage": True},
+      extra_body={"documents": [document], "return_token_ids": True})
   chunks = list(streamed)
-  assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (
+  choices = [ch.choices[0] for ch in chunks if ch.choices]
+  assert "".join(ch.delta.content or "" for ch in choices) == (
       text[:text.index(stop)])
-  assert chunks[-1].choices[0].finish_reason == "stop"
-  assert tokenizer.decode(full.choices[0].token_ids) == text
+  assert choices[-1].finish_reason == "stop"
+  assert [t for ch in choices for t in getattr(ch, "token_ids", None) or []
+          ] == ids[:kept]
+  assert chunks[-1].usage.completion_tokens == kept
+  assert tokenizer.decode(ids) == text
+  assert metric(httpx.get(url + "/metrics").text,
+                'lazyattn_requests_total{finish_reason="stop"}') == (
+                    stops_before + 2)
+
+
+def test_pool_gauges_are_set_before_the_first_request(text_model):
+  engine = make_engine(text_model, num_pages=48)
+  with serving(engine) as (_, url):
+    text = httpx.get(url + "/metrics").text
+  assert metric(text, "lazyattn_kv_pages_free") == 48
+  assert metric(text, "lazyattn_kv_pages_used") == 0

@@ -4,6 +4,7 @@ that leaves frees its pages at once, and nobody else is harmed."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -64,6 +65,9 @@ BAD_REQUESTS = {
                 "presence_penalty"),
     "too many positions": ("chat/completions", chat_body(max_tokens=5000), 400,
                            "max_tokens"),
+    "a prompt longer than the context": (
+        "completions", completion_body(prompt=[1] * 5000, max_tokens=None),
+        400, "prompt"),
     "empty prompt": ("completions", completion_body(prompt=""), 400,
                      "prompt"),
     "token id outside the vocabulary": (
@@ -85,6 +89,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(server, name):
   error = response.json()["error"]
   assert error["param"] == param, error
   assert error["message"] and error["type"]
+  if "positions" in error["message"]:
+    assert error["code"] == "context_length_exceeded", error
 
 
 def test_openai_client_raises_its_own_errors_and_the_server_goes_on(server):
@@ -241,34 +247,136 @@ def test_a_request_the_engine_fails_does_not_harm_the_others(text_model):
     assert responses[i].json()["choices"][0]["token_ids"] == want.token_ids
 
 
+def _stream_in_background(url, body, timeout=60.0):
+  outcome = {}
+
+  def run():
+    try:
+      with httpx.stream("POST", f"{url}/v1/completions",
+                        json={**body, "stream": True},
+                        timeout=timeout) as response:
+        outcome["status"] = response.status_code
+        outcome["body"] = response.read().decode()
+    except httpx.HTTPError as error:
+      outcome["error"] = error
+  thread = threading.Thread(target=run)
+  thread.start()
+  return thread, outcome
+
+
 def test_shutdown_drains_short_requests_and_cancels_long_ones(text_model):
+  """What runs past the drain is cancelled by the engine loop, so its
+  client gets a 503 "shutting_down" (an error event and [DONE] on a
+  stream), not uvicorn's bare 500 or a cut-off stream."""
   from lazyattn_jax.server import ServerConfig, create_app
   from lazyattn_jax.server.background import BackgroundServer
-  engine = make_engine(text_model, max_batch=2, num_pages=256)
-  slow_down(engine, 0.05)  # the long one needs 11 s and more
+  engine = make_engine(text_model, max_batch=3, num_pages=256)
+  slow_down(engine, 0.05)  # the long ones need 11 s and more
   app = create_app(engine, ServerConfig(model_name=MODEL_NAME,
                                         drain_timeout_s=3.0))
-  server = BackgroundServer(app, graceful_timeout_s=3.0).start()
+  server = BackgroundServer(app).start()
   url = server.url
   assert httpx.post(url + "/v1/completions", json=completion_body(),
                     timeout=60).status_code == 200  # compiled first
-  release = _block_loop(app)  # both start in the same round
+  release = _block_loop(app)  # all three start in the same round
   short = _post_in_background(url, "completions",
                               completion_body(max_tokens=16))
   long = _post_in_background(url, "completions",
                              completion_body(max_tokens=900))
-  wait_until(lambda: app.state.engine_loop.queue_depth() == 2, 60,
-             "both to reach the loop")
+  streamed = _stream_in_background(url, completion_body(max_tokens=900))
+  wait_until(lambda: app.state.engine_loop.queue_depth() == 3, 60,
+             "all three to reach the loop")
   release.set()
   wait_until(lambda: on_loop(app, lambda e: e.request_counts()["running"])
-             == 2, 60, "both to run")
+             == 3, 60, "all three to run")
   started = time.monotonic()
   server.stop()
   assert time.monotonic() - started < 11
-  for thread, _ in (short, long):
+  for thread, _ in (short, long, streamed):
     thread.join()
   assert short[1]["response"].status_code == 200
   assert short[1]["response"].json()["usage"]["completion_tokens"] == 16
-  assert "response" not in long[1] or long[1]["response"].status_code != 200
+  assert long[1]["response"].status_code == 503
+  assert long[1]["response"].json()["error"]["code"] == "shutting_down"
+  assert streamed[1]["status"] == 200
+  events = [line[len("data: "):] for line in streamed[1]["body"].splitlines()
+            if line.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  assert json.loads(events[-2])["error"]["code"] == "shutting_down"
   assert not engine.has_work()
   assert_pages_accounted_for(engine)
+
+
+def test_requests_still_queued_at_shutdown_get_503(text_model):
+  """Requests the loop had not yet taken when the drain ended (here it is
+  held, as by a long compile) are answered 503 "shutting_down" too."""
+  from lazyattn_jax.server import ServerConfig, create_app
+  from lazyattn_jax.server.background import BackgroundServer
+  engine = make_engine(text_model)
+  app = create_app(engine, ServerConfig(model_name=MODEL_NAME,
+                                        drain_timeout_s=0.5))
+  server = BackgroundServer(app).start()
+  release = _block_loop(app)
+  plain = _post_in_background(server.url, "completions", completion_body())
+  streamed = _stream_in_background(server.url, completion_body())
+  wait_until(lambda: app.state.engine_loop.queue_depth() == 2, 60,
+             "both to reach the loop")
+  stopping = threading.Thread(target=server.stop)
+  stopping.start()
+  time.sleep(1.5)  # past the drain: both are marked cancelled
+  release.set()
+  stopping.join()
+  for thread, _ in (plain, streamed):
+    thread.join()
+  assert plain[1]["response"].status_code == 503
+  assert plain[1]["response"].json()["error"]["code"] == "shutting_down"
+  events = [line[len("data: "):] for line in streamed[1]["body"].splitlines()
+            if line.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+  assert not engine.has_work()
+
+
+def test_documents_post_fits_the_pool_and_registers_only_what_it_encoded(
+    text_model, monkeypatch):
+  """Documents that fit the pool one by one but not together are encoded
+  (200); a busy cache's 429 leaves no id registered."""
+  from lazyattn_jax.errors import CacheCapacityError
+  engine = make_engine(text_model, num_pages=40)
+  docs = [{"token_ids": [100 + i] * (15 * 16)} for i in range(3)]  # 15 pages
+  with serving(engine) as (app, url):
+    response = httpx.post(url + "/v1/documents", json={"documents": docs},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    assert [d["tokens"] for d in response.json()["data"]] == [240] * 3
+    registered = len(app.state.registry)
+
+    def busy(*_args, **_kwargs):
+      raise CacheCapacityError("live requests hold the pool")
+    monkeypatch.setattr(engine, "encode_documents", busy)
+    response = httpx.post(url + "/v1/documents",
+                          json={"documents": ["A new document."]}, timeout=60)
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == "cache_busy"
+    assert len(app.state.registry) == registered
+
+
+def test_null_means_the_default(server):
+  """OpenAI's schema allows null for optional fields (the openai client
+  sends it for an argument given as None): the answer is the default's."""
+  _, url = server
+  nulls = dict(n=None, stream=None, presence_penalty=None,
+               frequency_penalty=None, documents=None, echo=None,
+               return_token_ids=None, top_p=None, stop=None)
+  plain = httpx.post(url + "/v1/completions", json=completion_body(),
+                     timeout=60)
+  with_nulls = httpx.post(url + "/v1/completions",
+                          json=completion_body(**nulls), timeout=60)
+  assert with_nulls.status_code == 200, with_nulls.text
+  assert (with_nulls.json()["choices"][0]["text"] ==
+          plain.json()["choices"][0]["text"])
+  c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+  out = c.chat.completions.create(
+      model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+      max_tokens=2, n=None, presence_penalty=None, stream=None)
+  assert out.choices[0].finish_reason in ("stop", "length")

@@ -64,6 +64,7 @@ def create_app(engine, config: ServerConfig | None = None, *,
                 description="OpenAI-compatible serving with zero-copy, "
                             "position-agnostic document KV reuse.")
   app.state.engine = engine
+  app.state.config = config
   app.state.engine_loop = loop
   app.state.metrics = metrics
   app.state.registry = registry
@@ -118,7 +119,6 @@ def create_app(engine, config: ServerConfig | None = None, *,
                                               documents)
     except (InvalidRequestError, CacheCapacityError) as error:
       raise bad_request(str(error), param="documents") from None
-    ids = [registry.register(t) for t in tokens]
     hits = [False] * len(tokens)
     if engine.mode in ("lazy", "block"):  # modes that cache whole documents
       try:
@@ -131,6 +131,7 @@ def create_app(engine, config: ServerConfig | None = None, *,
                        type="rate_limit_error", code="cache_busy",
                        headers={"Retry-After": str(config.retry_after_s)}
                        ) from None
+    ids = [registry.register(t) for t in tokens]  # once they are in
     return {"object": "list",
             "data": [{"id": doc_id, "object": "document", "tokens": len(t),
                       "cached": bool(hit)}

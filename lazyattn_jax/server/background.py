@@ -13,12 +13,10 @@ class BackgroundServer:
   Use as a context manager; `url` is the base URL once started.
   """
 
-  def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
-               graceful_timeout_s: float | None = None):
-    import uvicorn
-    self._config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                  timeout_graceful_shutdown=graceful_timeout_s)
-    self._server = uvicorn.Server(self._config)
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    from lazyattn_jax.server.draining import DrainingServer
+    self._server = DrainingServer(app, host=host, port=port,
+                                  log_level="warning")
     self._thread = threading.Thread(target=self._server.run,
                                     name="lazyattn-http", daemon=True)
     self.url = ""
@@ -35,8 +33,8 @@ class BackgroundServer:
     return self
 
   def stop(self, timeout_s: float = 120.0):
-    """Graceful shutdown: uvicorn stops accepting, then the app's lifespan
-    drains or cancels what is in flight."""
+    """Graceful shutdown: uvicorn stops accepting while the engine loop
+    drains or cancels what is in flight (`DrainingServer`)."""
     self._server.should_exit = True
     self._thread.join(timeout_s)
 

@@ -30,9 +30,13 @@ from lazyattn_jax.server.errors import (APIError, bad_request, not_found,
 from lazyattn_jax.server.responses import DONE, ResponseBuilder, sse
 from lazyattn_jax.server.text_output import TextOutput
 
-# Words of the engine's InvalidRequestError messages -> the request field.
-_ENGINE_FIELDS = (("document", "documents"), ("chat prefix", "messages"),
-                  ("request needs", "max_tokens"), ("stop", "stop"))
+# Words that start the engine's InvalidRequestError messages -> the request
+# field at fault (None: the query's, messages or prompt) and the error code.
+_ENGINE_FIELDS = (("document", "documents", None),
+                  ("chat prefix", "messages", None),
+                  ("prompt needs", None, "context_length_exceeded"),
+                  ("request needs", "max_tokens", "context_length_exceeded"),
+                  ("stop", "stop", None))
 
 
 class CompletionService:
@@ -71,8 +75,14 @@ class CompletionService:
     stops = prompts.stop_strings(body, self.engine.tokenizer)
     prepared = await anyio.to_thread.run_sync(
         self._prepare, body, chat, documents, sampling)
-    handle = RequestHandle(prepared, arrived,
-                           wants_tokens=body.stream or bool(stops))
+    # Text is assembled as it grows only where it is needed (streaming, stop
+    # strings), by the engine loop; a plain answer takes the engine's own
+    # detokenized text.
+    output = (TextOutput(self.engine.tokenizer, stops)
+              if self.engine.tokenizer is not None and (body.stream or stops)
+              else None)
+    handle = RequestHandle(prepared, arrived, wants_tokens=body.stream,
+                           output=output)
     try:
       self.loop.submit(handle)
     except QueueFullError:
@@ -81,22 +91,17 @@ class CompletionService:
       raise unavailable(str(error)) from None
     builder = ResponseBuilder(chat, self.config.model_name,
                               body.return_token_ids)
-    # Text is assembled here only where it is needed as it grows; a plain
-    # answer takes the engine's own detokenized text.
-    output = (TextOutput(self.engine.tokenizer, stops)
-              if self.engine.tokenizer is not None and (body.stream or stops)
-              else None)
     if body.stream:
       include_usage = bool(body.stream_options and
                            body.stream_options.include_usage)
       return EventStreamResponse(
-          self._stream(handle, builder, output, include_usage))
+          self._stream(handle, builder, include_usage))
     try:
-      result = await self._wait(handle, request, output)
+      result = await self._wait(handle, request)
     except ClientDisconnected:
       return Response(status_code=499)  # nobody reads it
-    return JSONResponse(builder.completion(self._text(result, output),
-                                           _finish_reason(result, output),
+    text = output.text if output is not None else result.text or ""
+    return JSONResponse(builder.completion(text, result.finish_reason,
                                            result))
 
   # --- tokenizing and validating (worker thread) --------------------------------
@@ -109,8 +114,8 @@ class CompletionService:
       prepared = self.engine.prepare(query.query, leading + documents,
                                      sampling)
     except InvalidRequestError as error:
-      raise bad_request(str(error), param=_engine_field(
-          str(error), "messages" if chat else "prompt")) from None
+      param, code = _engine_field(str(error), "messages" if chat else "prompt")
+      raise bad_request(str(error), param=param, code=code) from None
     except CacheCapacityError as error:
       raise bad_request(str(error), param="documents",
                         code="cache_capacity_exceeded") from None
@@ -146,27 +151,21 @@ class CompletionService:
       if not ended:
         self.loop.cancel(handle)
 
-  async def _wait(self, handle, request, output):
-    """The request's result, its text cut at a stop string if one came."""
+  async def _wait(self, handle, request):
+    """The request's result (cut at a stop string by the engine loop)."""
     events = self._events(handle, request)
     try:
       async for event in events:
-        if isinstance(event, Tokens) and output is not None:
-          output.push(event.token_ids)
-          if output.stopped:
-            self.loop.cancel(handle, as_stop=True)
-        elif isinstance(event, Failed):
-          raise server_error(f"the request failed: {event.error}")
-        elif isinstance(event, Finished):
+        if isinstance(event, Failed):
+          raise _failure(event.error)
+        if isinstance(event, Finished):
           _check_ended_well(event.result)
-          if output is not None and not output.stopped:
-            output.push(event.result.token_ids[handle.sent:])
           return event.result
     finally:
       await events.aclose()
     raise server_error("the request ended without a result")
 
-  async def _stream(self, handle, builder, output, include_usage: bool):
+  async def _stream(self, handle, builder, include_usage: bool):
     """SSE chunks: text as it is generated, then the finish reason, usage
     if asked for, and [DONE]."""
     if builder.chat:
@@ -175,16 +174,11 @@ class CompletionService:
     try:
       async for event in events:
         if isinstance(event, Tokens):
-          if output is not None and output.stopped:
-            continue  # the rest was cut at the stop string
-          piece = output.push(event.token_ids) if output is not None else ""
-          if output is not None and output.stopped:
-            self.loop.cancel(handle, as_stop=True)
-          if piece or builder.return_token_ids:
-            yield builder.chunk(piece, event.token_ids)
+          if event.text or (builder.return_token_ids and event.token_ids):
+            yield builder.chunk(event.text, event.token_ids)
           continue
         if isinstance(event, Failed):
-          yield sse(server_error(f"the request failed: {event.error}").body())
+          yield sse(_failure(event.error).body())
           break
         result = event.result
         try:
@@ -192,27 +186,12 @@ class CompletionService:
         except APIError as error:
           yield sse(error.body())
           break
-        tail_tokens = result.token_ids[handle.sent:]
-        piece = ""
-        if output is not None:
-          if not output.stopped:
-            piece = output.push(tail_tokens)
-          piece += output.finish()
-        if piece or (builder.return_token_ids and tail_tokens):
-          yield builder.chunk(piece, tail_tokens)
-        yield builder.chunk("", finish_reason=_finish_reason(result, output))
+        yield builder.chunk("", finish_reason=result.finish_reason)
         if include_usage:
           yield builder.usage_chunk(result)
     finally:
       await events.aclose()
     yield DONE
-
-  @staticmethod
-  def _text(result, output) -> str:
-    if output is None:
-      return result.text or ""
-    output.finish()
-    return output.text
 
 
 def _check_ended_well(result):
@@ -224,14 +203,16 @@ def _check_ended_well(result):
                       "down")
 
 
-def _finish_reason(result, output) -> str:
-  if output is not None and output.stopped:
-    return "stop"
-  return result.finish_reason
+def _failure(error: BaseException) -> APIError:
+  """The answer to a request the loop could not serve (`Failed`)."""
+  if isinstance(error, LoopClosedError):
+    return unavailable(str(error))
+  return server_error(f"the request failed: {error}")
 
 
-def _engine_field(message: str, query_field: str) -> str:
-  for start, field in _ENGINE_FIELDS:
+def _engine_field(message: str, query_field: str):
+  """(param, code) of an engine InvalidRequestError's message."""
+  for start, field, code in _ENGINE_FIELDS:
     if message.startswith(start):
-      return field
-  return query_field
+      return field or query_field, code
+  return query_field, None

@@ -4,7 +4,10 @@ HTTP handlers never touch the engine's lock.  They validate and tokenize on
 worker threads (`LazyEngine.prepare`, which takes no lock), then hand the
 prepared request to the loop, which queues it (`submit_prepared`), runs
 `step()` while anything is in flight, and posts each request's new tokens
-and its result back to the asyncio event loop of its handler.  Cancels and
+and its result back to the asyncio event loop of its handler.  Stop strings
+are watched here too (the handle's `TextOutput`): a request whose text
+reached one ends before the next round, and its result (token ids, text,
+"stop") ends at the token that completed the string.  Cancels and
 other engine calls (`encode_documents`, pool statistics) run on the same
 thread between rounds, so the engine's lock is never contended: a thread
 waiting for a lock that a busy loop keeps retaking could wait for many
@@ -35,8 +38,10 @@ class LoopClosedError(Exception):
 
 @dataclasses.dataclass
 class Tokens:
-  """Tokens a request generated since its last event."""
+  """Tokens a request generated since its last event, and the text that
+  may be sent now (always "" for a handle without a `TextOutput`)."""
   token_ids: list[int]
+  text: str = ""
 
 
 @dataclasses.dataclass
@@ -60,17 +65,21 @@ class RequestHandle:
     arrival: `time.perf_counter()` when the HTTP request arrived (TTFT
       counts from it).
     wants_tokens: post a `Tokens` event after every round that produced
-      some (streaming, stop strings); otherwise only the ending is posted.
+      some (streaming); otherwise only the ending is posted.
+    output: a `TextOutput` to feed the generated tokens (the text of
+      `Tokens` events, stop strings), or None.  Only the loop's thread
+      touches it until the `Finished` event is posted.
   """
 
-  def __init__(self, prepared, arrival: float, *, wants_tokens: bool):
+  def __init__(self, prepared, arrival: float, *, wants_tokens: bool,
+               output=None):
     self.prepared = prepared
     self.arrival = arrival
     self.wants_tokens = wants_tokens
+    self.output = output
     self.request_id: int | None = None
     self.cancelled = False
-    self.ends_as_stop = False
-    self.sent = 0  # tokens already posted
+    self.sent = 0  # tokens already taken in (and posted, if wanted)
     self.events: asyncio.Queue = asyncio.Queue()
     self._event_loop = asyncio.get_running_loop()
 
@@ -114,6 +123,7 @@ class EngineLoop:
 
   # --- any thread ------------------------------------------------------------
   def start(self):
+    self._publish()  # the gauges show the idle pool before any request
     self._thread.start()
 
   @property
@@ -135,16 +145,14 @@ class EngineLoop:
       self._inbox.append(handle)
       self._cond.notify_all()
 
-  def cancel(self, handle: RequestHandle, *, as_stop: bool = False):
+  def cancel(self, handle: RequestHandle):
     """Ends the request before the next round (its pages and document
     references are released then); a `Finished` event follows if it was
-    running.  `as_stop`: the caller found a stop string, so the request
-    ends as "stop", not "cancelled"."""
+    running."""
     with self._cond:
       if handle.cancelled:
         return
       handle.cancelled = True
-      handle.ends_as_stop = as_stop
       self._cancels.append(handle)
       self._cond.notify_all()
 
@@ -223,9 +231,12 @@ class EngineLoop:
     return True
 
   def _queue(self, handle: RequestHandle):
-    if handle.cancelled:
+    if handle.cancelled:  # its client left, or the server is shutting down
       if self.metrics is not None:
         self.metrics.observe_cancelled_before_queue()
+      handle.post(Failed(LoopClosedError(
+          "the request was cancelled before it ran: the server is shutting "
+          "down")))
       return
     try:
       handle.request_id = self.engine.submit_prepared(
@@ -239,12 +250,13 @@ class EngineLoop:
     request_id = handle.request_id
     if request_id is None or request_id not in self._active:
       return  # not queued yet (`_queue` drops it) or already ended
-    del self._active[request_id]
+    self._end_now(request_id)
+
+  def _end_now(self, request_id: int):
+    handle = self._active.pop(request_id)
     self.engine.cancel(request_id)
     result = self.engine.pop_result(request_id)
     if result is not None:
-      if handle.ends_as_stop:
-        result = dataclasses.replace(result, finish_reason="stop")
       self._finish(handle, result)
 
   def _step(self):
@@ -259,14 +271,43 @@ class EngineLoop:
       handle = self._active.pop(result.request_id, None)
       if handle is not None:
         self._finish(handle, result)
+    stopped = []
     for request_id, handle in self._active.items():
-      if handle.wants_tokens:
-        tokens = self.engine.tokens_so_far(request_id)
-        if len(tokens) > handle.sent:
-          handle.post(Tokens(tokens[handle.sent:]))
-          handle.sent = len(tokens)
+      if handle.wants_tokens or handle.output is not None:
+        self._take_tokens(handle, self.engine.tokens_so_far(request_id))
+        if handle.output is not None and handle.output.stopped:
+          stopped.append(request_id)
+    for request_id in stopped:
+      self._end_now(request_id)
+
+  def _take_tokens(self, handle: RequestHandle, tokens, final: bool = False):
+    """Feeds the handle the tokens past `handle.sent` (up to a stop
+    string's) and posts them if it wants them; `final`: the request ended,
+    so the text held back comes out too."""
+    new = list(tokens[handle.sent:])
+    handle.sent = len(tokens)
+    text = ""
+    output = handle.output
+    if output is not None and not output.stopped:
+      before = output.tokens
+      text = output.push(new)
+      if output.stopped:
+        new = new[:output.tokens - before]
+    elif output is not None:
+      new = []  # past the stop string
+    if final and output is not None:
+      text += output.finish()
+    if handle.wants_tokens and (new or text):
+      handle.post(Tokens(new, text))
 
   def _finish(self, handle: RequestHandle, result: GenerationResult):
+    if handle.wants_tokens or handle.output is not None:
+      self._take_tokens(handle, result.token_ids, final=True)
+    output = handle.output
+    if output is not None and output.stopped:
+      result = dataclasses.replace(
+          result, token_ids=result.token_ids[:output.tokens],
+          text=output.text, finish_reason="stop")
     if self.metrics is not None:
       self.metrics.observe_result(result)
     handle.post(Finished(result))
