@@ -40,9 +40,13 @@ def _abandon(engine, ids):
       return
 
 
-def stream_text(engine, request_id: int):
-  """Yields `request_id`'s text piece by piece; returns its result."""
+def stream_text(engine, request, arrival: float):
+  """Yields the text of `request` (a prepared TokenRequest that arrived at
+  `arrival`) piece by piece; returns its result.  It is queued at the
+  first `next()`, inside the generator, so a stream closed or dropped
+  before then leaves nothing queued and no result behind."""
   decoder = engine.tokenizer.incremental_decoder()
+  request_id = engine.submit_prepared(request, arrival_time=arrival)
   sent = 0
   try:
     while (result := engine.pop_result(request_id)) is None:

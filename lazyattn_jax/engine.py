@@ -37,7 +37,8 @@ from lazyattn_jax.modes import make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
 from lazyattn_jax.quality_options import DEFAULT, QualityOptions, split_quality
 from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
-                                   TokenRequest, default_stop_ids)
+                                   TokenRequest, arrival_time,
+                                   default_stop_ids)
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
@@ -272,9 +273,9 @@ class LazyEngine:
 
   def _enqueue(self, request: TokenRequest, arrived: float | None) -> int:
     self._check_open()
+    arrived = time.perf_counter() if arrived is None else arrival_time(arrived)
     request_id = next(self._ids)
-    self.scheduler.add(request_id, request,
-                       time.perf_counter() if arrived is None else arrived)
+    self.scheduler.add(request_id, request, arrived)
     return request_id
 
   def cancel(self, request_id: int) -> bool:
@@ -325,8 +326,14 @@ class LazyEngine:
     nothing.  A request the engine fails to serve comes back with
     finish_reason "error"; the others are unaffected.
     """
-    validated = [self.validator.validate(r.query, r.documents, r.sampling)
-                 for r in requests]
+    validated = []
+    for i, r in enumerate(requests):
+      if not isinstance(r, Request):
+        raise InvalidRequestError(
+            f"generate_batch takes Request items; item {i} is "
+            f"{type(r).__name__}")
+      validated.append(self.validator.validate(r.query, r.documents,
+                                               r.sampling))
     return run_to_completion(self, validated)
 
   def generate_stream(self, query, documents=(),
@@ -340,8 +347,8 @@ class LazyEngine:
     """
     if self.tokenizer is None:
       raise InvalidRequestError("streaming text needs an engine with a tokenizer")
-    request_id = self.submit(query, documents, sampling, **sampling_overrides)
-    return stream_text(self, request_id)
+    request = self.prepare(query, documents, sampling, **sampling_overrides)
+    return stream_text(self, request, time.perf_counter())
 
   # --- scheduling ------------------------------------------------------------------
   def step(self) -> list[GenerationResult]:
@@ -371,10 +378,14 @@ class LazyEngine:
       raise InvalidRequestError(
           f"encode_documents needs a mode with a document step (lazy or "
           f"block), not {self.mode!r}")
+    if batch_size is None:
+      batch_size = self.scheduler_config.max_batch
+    elif (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+          or batch_size < 1):
+      raise InvalidRequestError(
+          f"batch_size must be an int >= 1 or None, got {batch_size!r}")
     token_docs = self.validator.documents(documents)
-    return encode_in_batches(self, token_docs,
-                             batch_size or self.scheduler_config.max_batch,
-                             progress)
+    return encode_in_batches(self, token_docs, batch_size, progress)
 
   @property
   def memory(self) -> dict[str, int]:

@@ -201,6 +201,17 @@ def encode_request(tokenizer, query, documents, vocab_size: int):
   return query_ids, docs, 0
 
 
+def arrival_time(value) -> float:
+  """A `submit` arrival_time as a float, or InvalidRequestError (a bad one
+  would fail the round that retires the request, with pages held)."""
+  if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+      or not np.isfinite(value)):
+    raise InvalidRequestError(
+        f"arrival_time must be a finite time.perf_counter() value, got "
+        f"{value!r}")
+  return float(value)
+
+
 def default_stop_ids(tokenizer, config) -> tuple[int, ...]:
   """Stop tokens of a model: its tokenizer's, else the config's EOS."""
   if tokenizer is not None:

@@ -33,7 +33,10 @@ class SamplingParams:
     top_k: keep only the k most likely tokens (0 = no limit).
     top_p: nucleus sampling: keep the smallest set of tokens whose
       probability reaches top_p, in (0, 1].
-    seed: random seed of this request.
+    seed: random seed of this request, any 64-bit integer.  Inside the
+      int32 range it is the PRNG seed itself; seeds outside it are mixed
+      down to 32 bits (`step_packing.seed_int32`), so two of those may,
+      rarely, draw the same stream.
     stop_token_ids: generation stops after emitting any of these (the stop
       token is included in the output).  `None` means the model's defaults.
   """

@@ -30,8 +30,22 @@ def sampling_arrays(samplings, batch: int):
   seed = np.zeros((batch,), np.int32)
   for b, s in enumerate(samplings):
     temperature[b], top_k[b], top_p[b] = s.temperature, s.top_k, s.top_p
-    seed[b] = np.int64(s.seed) & 0x7FFFFFFF
+    seed[b] = seed_int32(s.seed)
   return temperature, top_k, top_p, seed
+
+
+def seed_int32(seed: int) -> int:
+  """The int32 a request's seed reaches the device as: itself inside the
+  int32 range; outside it, a mix of all 64 bits (splitmix64's finalizer),
+  so seeds that differ only in high bits (5 and 5 + 2**32) draw different
+  streams.  The steps take int32 seeds to stay free of x64."""
+  if -2**31 <= seed < 2**31:
+    return int(seed)
+  x = seed % 2**64
+  x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+  x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+  x ^= x >> 31
+  return int(np.uint32(x & 0xFFFFFFFF).view(np.int32))
 
 
 def pack_prefill(rows, plans, samplings, num_pages: int):
