@@ -9,7 +9,8 @@ a closed stream) cancels what it left running.
 
 from __future__ import annotations
 
-from lazyattn_jax.errors import EngineClosedError, RequestFailedError
+from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
+                                 RequestFailedError)
 from pallas_kernels.sizes import ceil_div
 
 
@@ -70,14 +71,22 @@ def stream_text(engine, request, arrival: float):
   return result
 
 
-def encode_in_batches(engine, token_docs, batch_size: int,
+def encode_in_batches(engine, documents, batch_size: int | None,
                       progress: bool) -> list[bool]:
-  """Encodes token documents `batch_size` at a time, each batch under the
-  engine's lock (rounds may run in between); per document, whether it was
-  cached already.  Returns once the device has written them (the encode
-  calls themselves do not wait), so a caller timing it times the work."""
+  """Checks and encodes documents at most `batch_size` at a time (None:
+  the engine's max_batch), each batch under the engine's lock (rounds may
+  run in between); per document, whether it was cached already.  Returns
+  once the device has written them (the encode calls themselves do not
+  wait), so a caller timing it times the work."""
   import jax
   from tqdm.auto import tqdm
+  if batch_size is None:
+    batch_size = engine.scheduler_config.max_batch
+  elif (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+        or batch_size < 1):
+    raise InvalidRequestError(
+        f"batch_size must be an int >= 1 or None, got {batch_size!r}")
+  token_docs = engine.validator.documents(documents)
   hits: list[bool] = []
   cfg = engine.cache_config
   batches = batches_that_fit(

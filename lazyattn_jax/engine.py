@@ -378,14 +378,7 @@ class LazyEngine:
       raise InvalidRequestError(
           f"encode_documents needs a mode with a document step (lazy or "
           f"block), not {self.mode!r}")
-    if batch_size is None:
-      batch_size = self.scheduler_config.max_batch
-    elif (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-          or batch_size < 1):
-      raise InvalidRequestError(
-          f"batch_size must be an int >= 1 or None, got {batch_size!r}")
-    token_docs = self.validator.documents(documents)
-    return encode_in_batches(self, token_docs, batch_size, progress)
+    return encode_in_batches(self, documents, batch_size, progress)
 
   @property
   def memory(self) -> dict[str, int]:
