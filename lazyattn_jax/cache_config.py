@@ -13,12 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyattn_jax.errors import InvalidOptionError
+
 __all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
-           "check_matches_model"]
+           "FLOAT8_POOL", "COMPUTE_DTYPES", "check_matches_model", "check_pool_dtype"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
 EVICTION_POLICIES = ("lfu", "lru")
+# The one pool dtype other than the model's compute dtype: float8 pages with
+# per-page scales, which the kernels widen as they read them.
+FLOAT8_POOL = "float8_e4m3fn"
+# Dtypes a model may compute in: those the attention kernels take queries in
+# (pallas_kernels.lazy_attention).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Read counts halve after this many reads per document-table row: about
 # W-TinyLFU's sample of 10x the cache, a little longer because halving small
 # counts (1 -> 0) blurs the order (docs/design.md, "Eviction").
@@ -146,9 +154,43 @@ class CacheConfig:
             self.page_size, self.head_dim)
 
 
-def check_matches_model(cache_config: CacheConfig, config) -> None:
+def check_pool_dtype(pool_dtype, compute_dtype, *, pool_name: str = "kv_dtype",
+                     compute_name: str = "dtype") -> None:
+  """Raises InvalidOptionError unless a KV pool in `pool_dtype` can serve a
+  model that computes in `compute_dtype`: it must be that dtype, or
+  float8_e4m3fn (float8 pages with per-page scales).  The model checks its
+  pool only when a step runs, so an engine built with any other pool could
+  never generate.  `pool_name` and `compute_name` are what the caller's
+  user calls the two settings (e.g. "--kv-dtype" and "--dtype")."""
+  try:
+    pool = jnp.dtype(pool_dtype)
+  except (TypeError, ValueError):
+    raise InvalidOptionError(
+        f"{pool_name} is not a dtype: {pool_dtype!r} (give the compute dtype "
+        f"or {FLOAT8_POOL})") from None
+  compute = jnp.dtype(compute_dtype)
+  if pool in (compute, jnp.dtype(FLOAT8_POOL)):
+    return
+  other = (f", or {compute_name} {pool.name}"
+           if pool.name in COMPUTE_DTYPES else "")
+  raise InvalidOptionError(
+      f"{pool_name} {pool.name} does not match {compute_name} "
+      f"{compute.name}: the KV pool is in the compute dtype or "
+      f"{FLOAT8_POOL}; give {pool_name} {compute.name} or {FLOAT8_POOL}"
+      f"{other}")
+
+
+def check_matches_model(cache_config: CacheConfig, config, *,
+                        compute_dtype=None) -> None:
   """Raises ValueError naming every field (layers, KV heads, head dim) in
-  which `cache_config` differs from the model's `config`."""
+  which `cache_config` differs from the model's `config`, and, given the
+  model's `compute_dtype` (`LlamaConfig` does not hold it),
+  InvalidOptionError for a pool dtype that cannot serve it
+  (`check_pool_dtype`)."""
+  if compute_dtype is not None:
+    check_pool_dtype(cache_config.dtype, compute_dtype,
+                     pool_name="cache_config.dtype",
+                     compute_name="the model's compute dtype")
   mismatched = [f"cache_config.{name}={getattr(cache_config, name)} (the "
                 f"model's is {getattr(config, name)})"
                 for name in ("num_layers", "num_kv_heads", "head_dim")

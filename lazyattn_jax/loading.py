@@ -6,8 +6,11 @@ import dataclasses
 import os
 
 import jax.numpy as jnp
+import numpy as np
 
-from lazyattn_jax.cache_config import CacheConfig
+from lazyattn_jax.cache_config import (COMPUTE_DTYPES, CacheConfig,
+                                       check_pool_dtype)
+from lazyattn_jax.errors import InvalidOptionError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,31 @@ def load_model(name_or_path: str, dtype, progress: bool,
                      f"gguf:{path.name}:{path.stat().st_size}")
 
 
+def compute_dtype(dtype, name: str = "dtype"):
+  """`dtype` as a `jnp.dtype` the model can compute in (one of
+  COMPUTE_DTYPES); InvalidOptionError naming setting `name` and the value
+  otherwise (jnp.dtype itself raises TypeError for a name it does not
+  know, and would take int32 or float64)."""
+  try:
+    parsed = jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    parsed = None
+  if parsed is None or parsed.name not in COMPUTE_DTYPES:
+    raise InvalidOptionError(f"{name} must be one of "
+                             f"{', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
+  return parsed
+
+
+def check_pool_size(num_pages, page_size) -> None:
+  """InvalidOptionError naming `num_pages` or `page_size` unless it is an
+  int >= 1: checked before the model loads, where a page size of 0 would
+  otherwise end in a ZeroDivisionError."""
+  for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        or value < 1):
+      raise InvalidOptionError(f"{name} must be an int >= 1, got {value!r}")
+
+
 def default_cache_config(config, dtype, num_pages: int,
                          page_size: int) -> CacheConfig:
   """A pool of `num_pages` pages for `config` in `dtype` (the compute dtype,
@@ -72,13 +100,20 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
   then the model loads and the default answer-quality options, which
   depend on the model, are chosen."""
   from lazyattn_jax.config import split_settings
-  from lazyattn_jax.errors import InvalidOptionError
   from lazyattn_jax.modes import MODES, check_quality
   from lazyattn_jax.quality_options import (DEFAULT, QualityOptions,
                                             default_quality,
                                             pop_quality_fields, split_quality,
                                             with_fields)
   from lazyattn_jax.sharding import tensor_parallel_for
+  dtype = compute_dtype(dtype)
+  if cache_config is None:
+    check_pool_size(num_pages, page_size)
+    if kv_dtype is not None:
+      check_pool_dtype(kv_dtype, dtype)
+  else:  # num_pages, page_size and kv_dtype do not apply
+    check_pool_dtype(cache_config.dtype, dtype,
+                     pool_name="cache_config.dtype")
   settings = dict(settings)
   if scheduler is None:
     settings.setdefault("max_batch", 8)

@@ -1,0 +1,96 @@
+"""`LazyEngine.from_pretrained` refuses bad dtypes and pool sizes with
+InvalidOptionError (a ValueError) naming the setting, before any model loads.
+
+Each test passes a path that does not exist: a setting that gets past the
+checks ends in UnknownModelError instead, without loading anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lazyattn_jax.cache_config import CacheConfig, check_matches_model
+from lazyattn_jax.default_model import UnknownModelError
+from lazyattn_jax.engine import LazyEngine
+from lazyattn_jax.errors import InvalidOptionError
+
+NO_MODEL = "/does/not/exist.gguf"
+
+
+def build(**settings):
+  return LazyEngine.from_pretrained(NO_MODEL, progress=False, **settings)
+
+
+@pytest.mark.parametrize("quality", ["default", None])
+@pytest.mark.parametrize("name,value", [
+    ("page_size", 0), ("page_size", -16), ("page_size", "16"),
+    ("page_size", 16.0), ("page_size", True), ("num_pages", 0),
+    ("num_pages", -1)])
+def test_a_bad_pool_size_is_refused_by_name(name, value, quality):
+  # page_size=0 ended in ZeroDivisionError (in the recompute check, or in
+  # the default cache's size once the model had loaded).
+  with pytest.raises(InvalidOptionError,
+                     match=rf"^{name} must be an int >= 1, got {value!r}$"):
+    build(quality=quality, **{name: value})
+
+
+@pytest.mark.parametrize("dtype", ["bogus", "int32", "float8_e4m3fn",
+                                   "float64", None])
+def test_a_bad_compute_dtype_is_refused_by_name(dtype):
+  # "bogus" was jnp.dtype's TypeError, which names no setting.
+  with pytest.raises(InvalidOptionError,
+                     match=rf"^dtype must be one of float32, bfloat16, "
+                           rf"float16, got {dtype!r}$"):
+    build(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [
+    ("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float32")])
+def test_a_pool_in_another_float_dtype_is_refused(dtype, kv_dtype):
+  # Such an engine used to build, then fail every request with "k_cache
+  # dtype ... must equal the model's compute dtype ...".
+  with pytest.raises(InvalidOptionError) as caught:
+    build(dtype=dtype, kv_dtype=kv_dtype)
+  assert str(caught.value) == (
+      f"kv_dtype {kv_dtype} does not match dtype {dtype}: the KV pool is in "
+      f"the compute dtype or float8_e4m3fn; give kv_dtype {dtype} or "
+      f"float8_e4m3fn, or dtype {kv_dtype}")
+  # What the message offers gets past the checks (to the missing model).
+  for fixed in (dict(dtype=dtype, kv_dtype=dtype),
+                dict(dtype=dtype, kv_dtype="float8_e4m3fn"),
+                dict(dtype=kv_dtype, kv_dtype=kv_dtype)):
+    with pytest.raises(UnknownModelError):
+      build(**fixed)
+
+
+def test_a_kv_dtype_that_is_no_dtype_is_refused_by_name():
+  with pytest.raises(InvalidOptionError,
+                     match=r"^kv_dtype is not a dtype: 'bogus'"):
+    build(kv_dtype="bogus")
+
+
+def _cache(dtype):
+  return CacheConfig(num_pages=8, num_layers=2, num_kv_heads=2, head_dim=16,
+                     dtype=dtype, max_pages_per_doc=4)
+
+
+def test_a_given_cache_config_in_another_dtype_is_refused():
+  with pytest.raises(InvalidOptionError,
+                     match=r"^cache_config.dtype bfloat16 does not match "
+                           r"dtype float32"):
+    build(cache_config=_cache("bfloat16"))
+  # num_pages and page_size do not apply with a cache_config of its own.
+  with pytest.raises(UnknownModelError):
+    build(cache_config=_cache("float8_e4m3fn"), page_size=0)
+
+
+def test_check_matches_model_checks_the_compute_dtype_when_given():
+  class Config:  # the fields check_matches_model reads of a LlamaConfig
+    num_layers, num_kv_heads, head_dim = 2, 2, 16
+  check_matches_model(_cache("bfloat16"), Config, compute_dtype="bfloat16")
+  check_matches_model(_cache("float8_e4m3fn"), Config,
+                      compute_dtype="float32")
+  with pytest.raises(InvalidOptionError,
+                     match=r"^cache_config.dtype bfloat16 does not match the "
+                           r"model's compute dtype float32"):
+    check_matches_model(_cache("bfloat16"), Config, compute_dtype="float32")
