@@ -1,8 +1,10 @@
 """`lazyattn` command line: a built-in demo and RAG over your own files.
 
   lazyattn demo [--model NAME_OR_PATH] [--max-new-tokens N]
+                [--dtype D] [--kv-dtype D]
   lazyattn rag --doc FILE [FILE ...] --query TEXT [--max-new-tokens N]
-               [--model NAME_OR_PATH] [--tensor-parallel N]
+               [--model NAME_OR_PATH] [--dtype D] [--kv-dtype D]
+               [--tensor-parallel N]
                [--preamble chat | --sink FILE] [--recompute]
                [--recompute-tokens K]
   lazyattn serve [--model NAME_OR_PATH] [--host H] [--port P] [--mode M]
@@ -20,6 +22,7 @@ import os
 import sys
 from importlib import resources
 
+from lazyattn_jax.cache_config import COMPUTE_DTYPES, FLOAT8_POOL
 from lazyattn_jax.errors import RequestFailedError
 
 EXIT_USAGE = 2
@@ -43,6 +46,7 @@ def _load_engine(model: str, args, **settings):
   from lazyattn_jax.errors import TensorParallelError
   try:
     return LazyEngine.from_pretrained(model, num_pages=args.cache_pages,
+                                      dtype=args.dtype,
                                       kv_dtype=args.kv_dtype,
                                       impl=args.impl, progress=True,
                                       tensor_parallel=args.tensor_parallel,
@@ -186,7 +190,7 @@ def run_serve(args) -> int:
       quality = {}
     scheduler = {**INTERACTIVE_SETTINGS, **chosen(args, ENGINE_OPTIONS)}
     engine = _load_engine(args.model, args, mode=args.mode,
-                          page_size=args.page_size, dtype=args.dtype,
+                          page_size=args.page_size,
                           **quality, **scheduler)
   except ValueError as e:  # a setting the server or the engine refuses
     raise UsageError(_first_line(e)) from None
@@ -213,8 +217,6 @@ def _add_serve_parser(sub, common):
   serve.add_argument("--mode", default="lazy",
                      help="KV reuse mode: lazy, block, prefix or full")
   serve.add_argument("--page-size", type=int, default=16)
-  serve.add_argument("--dtype", default="float32",
-                     help="compute and cache dtype (float32 or bfloat16)")
   serve.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"])
   serve.add_argument("--no-default-quality", action="store_true",
@@ -254,13 +256,17 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument("--cache-pages", "--num-pages", dest="cache_pages",
                       type=int, default=1024,
                       help="KV cache size in pages of 16 tokens")
+  # Dtypes are checked in _check_arguments, not by argparse's choices, so
+  # that a bad one is a one-line error like the others.
+  common.add_argument("--dtype", default="float32",
+                      help="compute dtype, and the KV cache's unless "
+                           "--kv-dtype says otherwise: "
+                           f"{', '.join(COMPUTE_DTYPES)} (default: float32)")
   common.add_argument("--kv-dtype", default=None,
-                      choices=("float32", "bfloat16", "float16",
-                               "float8_e4m3fn"),
-                      help="KV cache dtype (default: the compute dtype); "
-                           "float8_e4m3fn stores float8 pages with "
-                           "per-page scales, about half the bytes of "
-                           "bfloat16"),
+                      help="KV cache dtype: the compute dtype (the default) "
+                           f"or {FLOAT8_POOL}, which stores float8 "
+                           "pages with per-page scales, about half the "
+                           "bytes of bfloat16")
   common.add_argument("--impl", default="auto",
                       help=f"attention implementation: {', '.join(IMPLS)}")
   common.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -295,9 +301,27 @@ def _check_arguments(args):
   if args.tensor_parallel < 1:
     raise UsageError(f"--tensor-parallel must be >= 1, got "
                      f"{args.tensor_parallel}")
+  if getattr(args, "page_size", 1) < 1:
+    raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
   if args.impl not in IMPLS:
     raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got "
                      f"{args.impl!r}")
+  _check_dtypes(args)
+
+
+def _check_dtypes(args):
+  """--dtype and --kv-dtype, before the model loads: a pool dtype other
+  than the compute dtype or float8 builds an engine that cannot generate."""
+  from lazyattn_jax.cache_config import check_pool_dtype
+  from lazyattn_jax.errors import InvalidOptionError
+  from lazyattn_jax.loading import compute_dtype
+  try:
+    dtype = compute_dtype(args.dtype, name="--dtype")
+    if args.kv_dtype is not None:
+      check_pool_dtype(args.kv_dtype, dtype, pool_name="--kv-dtype",
+                       compute_name="--dtype")
+  except InvalidOptionError as e:
+    raise UsageError(_first_line(e)) from None
 
 
 def main(argv=None) -> int:

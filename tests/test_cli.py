@@ -200,3 +200,57 @@ def test_bad_quality_flags_are_one_line_usage_errors(files, flags, want,
   err = capsys.readouterr().err
   assert status == 2 and err.count("\n") == 1, err
   assert err.startswith("lazyattn: error:") and want in err, err
+
+
+@pytest.mark.parametrize("command,flags,want", [
+    # --kv-dtype offered bfloat16 and float16 to rag and demo, which had no
+    # --dtype: the engine built, then every request failed (exit 1).
+    ("rag", ["--kv-dtype", "bfloat16"],
+     "--kv-dtype bfloat16 does not match --dtype float32: the KV pool is in "
+     "the compute dtype or float8_e4m3fn; give --kv-dtype float32 or "
+     "float8_e4m3fn, or --dtype bfloat16"),
+    ("demo", ["--kv-dtype", "float16"],
+     "--kv-dtype float16 does not match --dtype float32"),
+    ("serve", ["--dtype", "bfloat16", "--kv-dtype", "float32"],
+     "--kv-dtype float32 does not match --dtype bfloat16"),
+    # argparse's choices printed the usage too.
+    ("rag", ["--kv-dtype", "bogus"], "--kv-dtype is not a dtype: 'bogus'"),
+    # A TypeError traceback (exit 1).
+    ("serve", ["--dtype", "bogus"],
+     "--dtype must be one of float32, bfloat16, float16, got 'bogus'"),
+    ("demo", ["--dtype", "int32"],
+     "--dtype must be one of float32, bfloat16, float16, got 'int32'"),
+    # A ZeroDivisionError traceback (exit 1).
+    ("serve", ["--page-size", "0"], "--page-size must be >= 1, got 0"),
+    ("serve", ["--page-size", "-16"], "--page-size must be >= 1, got -16"),
+])
+def test_bad_dtype_or_page_size_is_a_one_line_usage_error(files, command,
+                                                          flags, want, capsys):
+  # Refused before any model is loaded (a missing model would say so).
+  from lazyattn_jax import cli
+  args = ["--doc", str(files[0]), "--query", "q"] if command == "rag" else []
+  status = cli.main([command, *args, "--model", "/no/such/model.gguf",
+                     *flags])
+  err = capsys.readouterr().err
+  assert status == 2 and err.count("\n") == 1, err
+  assert err.startswith("lazyattn: error: ") and want in err, err
+
+
+def test_rag_and_demo_take_the_dtype_their_kv_dtype_needs():
+  # --kv-dtype bfloat16 works with --dtype bfloat16, on every command.
+  from lazyattn_jax.cli import _check_arguments, build_parser
+  for command in (["rag", "--doc", "a.txt", "--query", "q"], ["demo"],
+                  ["serve"]):
+    for dtypes in (["--dtype", "bfloat16", "--kv-dtype", "bfloat16"],
+                   ["--dtype", "float16"], ["--kv-dtype", "float8_e4m3fn"],
+                   ["--kv-dtype", "float32"]):
+      args = build_parser().parse_args([*command, *dtypes])
+      _check_arguments(args)
+      assert args.dtype == (dtypes[1] if dtypes[0] == "--dtype"
+                            else "float32")
+
+
+def test_a_bad_dtype_is_one_line_from_the_command_line():
+  proc = run_cli("serve", "--dtype", "bogus", "--model", "/no/such/model.gguf")
+  _assert_usage_error(proc, "--dtype must be one of float32, bfloat16, "
+                            "float16, got 'bogus'")
