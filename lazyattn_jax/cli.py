@@ -28,6 +28,9 @@ from lazyattn_jax.errors import RequestFailedError
 EXIT_USAGE = 2
 # Attention implementations (pallas_kernels.lazy_attention's impl argument).
 IMPLS = ("auto", "xla", "gpu", "tpu")
+# The impls that need JAX's backend of the same name; "auto" and "xla" run
+# on any backend.
+BACKEND_IMPLS = ("gpu", "tpu")
 
 
 class UsageError(Exception):
@@ -307,6 +310,7 @@ def _check_arguments(args):
     raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got "
                      f"{args.impl!r}")
   _check_dtypes(args)
+  _check_impl_backend(args.impl)
 
 
 def _check_dtypes(args):
@@ -322,6 +326,23 @@ def _check_dtypes(args):
                        compute_name="--dtype")
   except InvalidOptionError as e:
     raise UsageError(_first_line(e)) from None
+
+
+def _check_impl_backend(impl: str):
+  """--impl gpu or tpu on another backend fails in every step's compile
+  (Pallas runs only interpreted there), so it is refused up front.  The
+  Python API keeps accepting it: its steps may be lowered for another
+  platform than the one they were built on."""
+  if impl not in BACKEND_IMPLS:
+    return
+  import jax
+  backend = jax.default_backend()
+  if backend != impl:
+    working = ["auto", "xla"] + ([backend] if backend in BACKEND_IMPLS
+                                 else [])
+    raise UsageError(f"--impl {impl} needs JAX's {impl} backend, but JAX "
+                     f"runs on {backend} here; use --impl "
+                     f"{' or '.join(working)}")
 
 
 def main(argv=None) -> int:

@@ -254,3 +254,21 @@ def test_a_bad_dtype_is_one_line_from_the_command_line():
   proc = run_cli("serve", "--dtype", "bogus", "--model", "/no/such/model.gguf")
   _assert_usage_error(proc, "--dtype must be one of float32, bfloat16, "
                             "float16, got 'bogus'")
+
+
+# Not ids "gpu": conftest skips tests with that keyword where there is no GPU.
+@pytest.mark.parametrize("impl", ["gpu", "tpu"], ids=lambda i: f"impl_{i}")
+def test_an_impl_for_another_backend_is_one_line(files, impl):
+  # --impl gpu on a CPU host failed every step's compile (three tracebacks,
+  # "Only interpret mode is supported on CPU backend").
+  import jax
+  backend = jax.default_backend()
+  if backend == impl:
+    pytest.skip(f"JAX runs on {impl} here")
+  others = " or gpu" if backend == "gpu" else " or tpu" if (
+      backend == "tpu") else ""
+  proc = run_cli("rag", "--doc", str(files[0]), "--query", "q", "--impl",
+                 impl, "--cache-pages", "64", "--max-new-tokens", "2")
+  _assert_usage_error(proc, f"--impl {impl} needs JAX's {impl} backend, but "
+                            f"JAX runs on {backend} here; use --impl auto or "
+                            f"xla{others}")
