@@ -86,7 +86,8 @@ class LazyEngine:
                tokenizer=None, quality: QualityOptions | None = None,
                mesh=None, tensor_parallel: int | None = None,
                vocab_parallel: bool | None = None):
-    check_matches_model(cache_config, config)
+    check_matches_model(cache_config, config,
+                        compute_dtype=getattr(model, "dtype", None))
     tp = self.tensor_parallel = tensor_parallel_for(
         config, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel)
@@ -140,8 +141,8 @@ class LazyEngine:
         safetensors directory (config.json, *.safetensors, optional
         tokenizer.json: without one, token ids only) of a llama, mistral,
         qwen2 or qwen3 model.
-      dtype: compute and cache dtype ("float32" or "bfloat16"); the weights
-        are dequantized into it tensor by tensor.
+      dtype: compute and cache dtype ("float32", "bfloat16" or
+        "float16"); the weights are dequantized into it tensor by tensor.
       cache_config: the paged pool; by default `num_pages` pages of
         `page_size` tokens in `kv_dtype`.
       kv_dtype: None for `dtype`, or "float8_e4m3fn": float8 pages with

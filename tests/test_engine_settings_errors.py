@@ -94,3 +94,20 @@ def test_check_matches_model_checks_the_compute_dtype_when_given():
                      match=r"^cache_config.dtype bfloat16 does not match the "
                            r"model's compute dtype float32"):
     check_matches_model(_cache("bfloat16"), Config, compute_dtype="float32")
+
+
+def test_an_engine_built_directly_refuses_a_pool_of_another_dtype():
+  import dataclasses
+
+  from flax import nnx
+
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  config = dataclasses.replace(LlamaConfig.tiny(), max_position=64)
+  model = Llama(config, rngs=nnx.Rngs(0))  # float32
+  pool = dict(num_pages=8, page_size=4, num_layers=config.num_layers,
+              num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+              max_docs=4, max_pages_per_doc=4)
+  with pytest.raises(InvalidOptionError, match="bfloat16"):
+    LazyEngine(config, model, CacheConfig(dtype="bfloat16", **pool))
+  LazyEngine(config, model, CacheConfig(dtype="float8_e4m3fn", **pool))
