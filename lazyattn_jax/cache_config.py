@@ -16,7 +16,8 @@ import numpy as np
 from lazyattn_jax.errors import InvalidOptionError
 
 __all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
-           "FLOAT8_POOL", "COMPUTE_DTYPES", "check_matches_model", "check_pool_dtype"]
+           "FLOAT8_POOL", "COMPUTE_DTYPES", "check_matches_model",
+           "check_pool_dtype"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 

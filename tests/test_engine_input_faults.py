@@ -40,7 +40,8 @@ def test_an_earlier_arrival_time_counts_in_ttft(model_and_config):
   assert result.ttft_s >= 5
 
 
-@pytest.mark.parametrize("item", ["a question", ([5, 6], [[1]]), {"query": [5]}])
+@pytest.mark.parametrize("item", ["a question", ([5, 6], [[1]]),
+                                  {"query": [5]}])
 def test_generate_batch_refuses_items_that_are_not_requests(model_and_config,
                                                             item):
   engine = make_engine(model_and_config)

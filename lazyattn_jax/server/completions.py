@@ -114,7 +114,8 @@ class CompletionService:
       prepared = self.engine.prepare(query.query, leading + documents,
                                      sampling)
     except InvalidRequestError as error:
-      param, code = _engine_field(str(error), "messages" if chat else "prompt")
+      param, code = _engine_field(str(error),
+                                  "messages" if chat else "prompt")
       raise bad_request(str(error), param=param, code=code) from None
     except CacheCapacityError as error:
       raise bad_request(str(error), param="documents",
