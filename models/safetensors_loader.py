@@ -57,16 +57,30 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
                 "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
+def _rope_type(settings: dict):
+  return settings.get("rope_type", settings.get("type", "default"))
+
+
 def _rope_settings(hf: dict,
                    path: str) -> tuple[float, Llama3RopeScaling | None]:
   """(rope_theta, Llama-3 scaling or None) from an HF config dict."""
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
   theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-  settings = {**scaling, **params}
-  rope_type = settings.get("rope_type", settings.get("type", "default"))
-  if rope_type in (None, "default"):
+  # A config may carry both spellings (transformers v5's rope_parameters,
+  # v4's rope_scaling); a scaling named in either applies.
+  kinds = {name: _rope_type(d) for name, d in
+           (("rope_parameters", params), ("rope_scaling", scaling))}
+  scaled = {name: kind for name, kind in kinds.items()
+            if kind not in (None, "default")}
+  if not scaled:
     return float(theta), None
+  if len(set(scaled.values())) > 1:
+    raise ModelFormatError(f"{path}: rope_parameters and rope_scaling name "
+                           f"different RoPE types ({kinds})")
+  settings = ({**scaling, **params} if "rope_parameters" in scaled
+              else {**params, **scaling})
+  rope_type = next(iter(scaled.values()))
   if rope_type != "llama3":
     raise ModelFormatError(f"{path}: rope type {rope_type!r} is not "
                            "supported (plain and 'llama3' RoPE are)")
@@ -204,6 +218,9 @@ class _SafetensorsFile:
                                    ) from e
     except ModelFormatError:
       raise
+    except OSError as e:  # a directory of that name, no permission, ...
+      raise ModelFormatError(f"{path}: cannot be read as a safetensors file "
+                             f"({e.strerror or e})") from e
     except ValueError as e:  # JSON or UTF-8 errors in the header
       raise ModelFormatError(f"{path}: not a safetensors file (unreadable "
                              f"header: {e})") from e
@@ -281,14 +298,29 @@ def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
                              f"readable weight_map: {e!r})") from e
     files = {name: _SafetensorsFile(os.path.join(directory, name))
              for name in shards}
+    for tensor, name in weight_map.items():
+      if tensor not in files[name].header:
+        raise ModelFormatError(f"{index_path}: the index puts tensor "
+                               f"{tensor!r} in {name}, which does not hold "
+                               f"it")
     return {tensor: files[name] for tensor, name in weight_map.items()}
-  names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+  # Without an index, transformers reads model.safetensors alone; other
+  # files beside it (an old copy, an adapter) are not part of the model.
+  names = (["model.safetensors"]
+           if os.path.isfile(os.path.join(directory, "model.safetensors"))
+           else sorted(n for n in os.listdir(directory)
+                       if n.endswith(".safetensors")))
   if not names:
     raise ModelFileNotFoundError(f"{directory}: no *.safetensors files")
   by_tensor = {}
   for name in names:
     file = _SafetensorsFile(os.path.join(directory, name))
     for tensor in file.names():
+      if tensor in by_tensor:  # which copy is the model's is unknowable
+        raise ModelFormatError(
+            f"{directory}: tensor {tensor!r} is in both "
+            f"{os.path.basename(by_tensor[tensor].path)} and {name}, and "
+            f"no model.safetensors.index.json says which to use")
       by_tensor[tensor] = file
   return by_tensor
 

@@ -365,6 +365,17 @@ def test_config_from_hf_both_rope_spellings():
   assert v4.head_dim == 16 and v4.eos_token_id == 2
   plain = config_from_hf(dict(base, rope_theta=10000.0))
   assert plain.rope_scaling is None and plain.rope_theta == 10000.0
+  # Both spellings, one of them plain: the scaling the other names applies.
+  both = config_from_hf(dict(
+      base, rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+      rope_scaling=dict(scaling, rope_type="llama3")))
+  assert both == v4
+  with pytest.raises(ValueError, match="linear"):
+    config_from_hf(dict(base, rope_parameters=dict(rope_type="default"),
+                        rope_scaling=dict(type="linear", factor=2.0)))
+  with pytest.raises(ValueError, match="different RoPE types"):
+    config_from_hf(dict(base, rope_parameters=dict(scaling, rope_type="llama3"),
+                        rope_scaling=dict(type="linear", factor=2.0)))
   with pytest.raises(ValueError, match="yarn"):
     config_from_hf(dict(base, rope_scaling=dict(rope_type="yarn", factor=4.0)))
   with pytest.raises(ValueError, match="attention_bias"):
@@ -460,6 +471,21 @@ def test_safetensors_wrong_layer_tensor_shape_names_the_tensor(tmp_path):
     load_safetensors(tmp_path / "bad")
 
 
+def test_only_model_safetensors_is_read_beside_other_files(tmp_path):
+  """Without an index, model.safetensors is the model (as transformers
+  reads it); an old copy beside it does not replace its tensors."""
+  config, params = _source(False)
+  write_hf_checkpoint(tmp_path / "old", config, params,
+                      replace={"model.embed_tokens.weight": np.zeros(
+                          params["embed_tokens"].shape, np.float32)})
+  write_hf_checkpoint(tmp_path / "ckpt", config, params)
+  (tmp_path / "old" / "model.safetensors").rename(
+      tmp_path / "ckpt" / "model_old.safetensors")
+  _, model = load_safetensors(tmp_path / "ckpt")
+  np.testing.assert_array_equal(model.embed_tokens[...],
+                                params["embed_tokens"])
+
+
 def _broken_weights(directory, case):
   path = directory / "model.safetensors"
   data = path.read_bytes()
@@ -476,7 +502,10 @@ def _broken_weights(directory, case):
 @pytest.mark.parametrize("case", ["garbage", "empty", "truncated",
                                   "bad header json", "no config.json",
                                   "bad config.json", "gpt2 architecture",
-                                  "missing tensor", "bad shard index"])
+                                  "missing tensor", "bad shard index",
+                                  "weights file is a directory",
+                                  "index names the wrong shard",
+                                  "a tensor in two files"])
 def test_bad_safetensors_directory_is_a_model_format_error(tmp_path, case):
   config, params = _source(True)
   directory = tmp_path / "ckpt"
@@ -497,12 +526,30 @@ def test_bad_safetensors_directory_is_a_model_format_error(tmp_path, case):
         dict(hf, model_type="gpt2")))
   elif case == "bad shard index":
     (directory / "model.safetensors.index.json").write_text('{"no": 1}')
+  elif case == "weights file is a directory":
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors").mkdir()
+  elif case == "index names the wrong shard":
+    from safetensors.numpy import load_file, save_file
+    names = list(load_file(directory / "model.safetensors"))
+    save_file({"other": np.zeros(2, np.float32)}, directory / "x.safetensors")
+    weight_map = {name: "model.safetensors" for name in names}
+    weight_map["model.embed_tokens.weight"] = "x.safetensors"
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map}))
+  elif case == "a tensor in two files":
+    (directory / "model.safetensors").rename(directory / "a.safetensors")
+    (directory / "b.safetensors").write_bytes(
+        (directory / "a.safetensors").read_bytes())
   with pytest.raises(ModelFormatError) as err:
     load_safetensors(directory)
   assert str(directory) in str(err.value)
   want = {"missing tensor": "up_proj", "gpt2 architecture": "gpt2",
           "no config.json": "config.json", "bad config.json": "JSON",
-          "bad shard index": "weight_map"}.get(case, "model.safetensors")
+          "bad shard index": "weight_map",
+          "index names the wrong shard": "embed_tokens",
+          "a tensor in two files": "in both a.safetensors and b.safetensors",
+          }.get(case, "model.safetensors")
   assert want in str(err.value), str(err.value)
   if case == "no config.json":
     assert isinstance(err.value, FileNotFoundError)
