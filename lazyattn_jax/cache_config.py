@@ -189,6 +189,10 @@ def check_matches_model(cache_config: CacheConfig, config, *,
   InvalidOptionError for a pool dtype that cannot serve it
   (`check_pool_dtype`)."""
   if compute_dtype is not None:
+    if jnp.dtype(compute_dtype).name not in COMPUTE_DTYPES:
+      raise InvalidOptionError(
+          f"the model computes in {jnp.dtype(compute_dtype).name}; the "
+          f"engine takes models in {', '.join(COMPUTE_DTYPES)}")
     check_pool_dtype(cache_config.dtype, compute_dtype,
                      pool_name="cache_config.dtype",
                      compute_name="the model's compute dtype")

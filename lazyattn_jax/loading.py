@@ -34,7 +34,7 @@ def load_model(name_or_path: str, dtype, progress: bool,
   into each device's shard of them."""
   from lazyattn_jax.default_model import resolve_model_path
   from models.tokenizer import LlamaTokenizer
-  dtype = jnp.dtype(dtype)
+  dtype = compute_dtype(dtype)
   path = resolve_model_path(name_or_path)
   if path.is_dir():
     from models.safetensors_loader import load_safetensors

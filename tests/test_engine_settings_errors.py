@@ -111,3 +111,22 @@ def test_an_engine_built_directly_refuses_a_pool_of_another_dtype():
   with pytest.raises(InvalidOptionError, match="bfloat16"):
     LazyEngine(config, model, CacheConfig(dtype="bfloat16", **pool))
   LazyEngine(config, model, CacheConfig(dtype="float8_e4m3fn", **pool))
+
+
+def test_a_model_in_a_dtype_the_engine_cannot_compute_in_is_refused():
+  import dataclasses
+
+  from flax import nnx
+
+  from lazyattn_jax.loading import load_model
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  with pytest.raises(InvalidOptionError, match="float64"):
+    load_model("smollm2-135m-instruct", "float64", progress=False)
+  config = dataclasses.replace(LlamaConfig.tiny(), max_position=64)
+  model = Llama(config, rngs=nnx.Rngs(0), dtype="float64")
+  pool = dict(num_pages=8, page_size=4, num_layers=config.num_layers,
+              num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+              max_docs=4, max_pages_per_doc=4)
+  with pytest.raises(InvalidOptionError, match="float64"):
+    LazyEngine(config, model, CacheConfig(dtype="float64", **pool))
