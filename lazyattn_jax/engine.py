@@ -173,7 +173,10 @@ class LazyEngine:
         model file or directory: an unsupported architecture (the message
         lists the supported ones) or tensor type (it names the tensor and
         the type); nothing is half-loaded.
-      FileNotFoundError: no such model file or directory.
+      lazyattn_jax.default_model.UnknownModelError (a ValueError): neither
+        a known model name nor an existing path.
+      FileNotFoundError: a model directory without its weights or
+        config.json.
     """
     from lazyattn_jax.loading import engine_arguments
     return cls(**engine_arguments(

@@ -177,7 +177,7 @@ class LlamaTokenizer:
     path = pathlib.Path(path)
     json_path = path / "tokenizer.json" if path.is_dir() else path
     if not json_path.is_file():
-      raise FileNotFoundError(f"path: no tokenizer.json at {json_path}")
+      raise FileNotFoundError(f"no tokenizer.json at {json_path}")
     folder = json_path.parent
     try:
       backend = tokenizers.Tokenizer.from_file(str(json_path))
