@@ -331,9 +331,12 @@ def _params_from_checkpoint(config: LlamaConfig,
                             progress: bool, sharding=None) -> dict:
   expected = expected_shapes(config, _HF_NAMES)
   # Older checkpoints store RoPE's inverse frequencies; they are recomputed.
+  # A tied model may also store its output matrix, which transformers
+  # ignores (the embedding is the output matrix).
+  ignored = (lambda name: name.endswith("rotary_emb.inv_freq") or
+             (config.tie_word_embeddings and name == _HF_NAMES.lm_head))
   check_tensors({name: file.shape(name) for name, file in tensors.items()
-                 if not name.endswith("rotary_emb.inv_freq")},
-                expected, directory)
+                 if not ignored(name)}, expected, directory)
   for name in expected:  # refuse before reading anything
     tensors[name].check_dtype(name)
   return load_params(config, _HF_NAMES, lambda name: tensors[name].get(name),

@@ -486,6 +486,21 @@ def test_only_model_safetensors_is_read_beside_other_files(tmp_path):
                                 params["embed_tokens"])
 
 
+def test_a_tied_checkpoint_may_store_its_output_matrix(tmp_path):
+  """transformers ignores a tied model's stored lm_head.weight; so do we."""
+  from safetensors.numpy import load_file, save_file
+  config, params = _source(True)
+  write_hf_checkpoint(tmp_path, config, params)
+  tensors = load_file(tmp_path / "model.safetensors")
+  tensors["lm_head.weight"] = np.zeros_like(
+      tensors["model.embed_tokens.weight"])
+  save_file(tensors, tmp_path / "model.safetensors")
+  loaded_config, model = load_safetensors(tmp_path)
+  assert loaded_config.tie_word_embeddings
+  np.testing.assert_array_equal(_logits(loaded_config, nnx.to_pure_dict(
+      split_model(model)[1])), _logits(config, params))
+
+
 def _broken_weights(directory, case):
   path = directory / "model.safetensors"
   data = path.read_bytes()
