@@ -103,7 +103,7 @@ def run_rag(args) -> int:
   if not args.query or not args.query.strip():
     raise UsageError("the query is empty")
   texts = [_read_document(p) for p in args.doc]
-  engine = _load_engine(args.model, args, **_quality(args))
+  engine = _text_engine("rag", args)
   from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
   try:
     # Per document: was it cached before this run?  generate's own doc_hits
@@ -116,6 +116,15 @@ def run_rag(args) -> int:
   print(f"\n[time to first token {result.ttft_s * 1000:.0f} ms; documents: "
         f"{_hits_line([os.path.basename(p) for p in args.doc], hits)}]")
   return 0
+
+
+def _text_engine(command: str, args):
+  """The engine of `command`, which reads and writes text."""
+  engine = _load_engine(args.model, args, **_quality(args))
+  if engine.tokenizer is None:
+    raise UsageError(f"lazyattn {command} needs a model with a tokenizer: "
+                     f"{args.model} has none (no tokenizer.json)")
+  return engine
 
 
 def _quality(args) -> dict:
@@ -137,7 +146,7 @@ def run_demo(args) -> int:
   """`lazyattn demo`: the packaged questions over the demo corpus."""
   corpus = load_demo_corpus()
   by_title = {d["title"]: d["text"] for d in corpus["documents"]}
-  engine = _load_engine(args.model, args, **_quality(args))
+  engine = _text_engine("demo", args)
   print(f"Demo corpus: {len(by_title)} documents; {len(corpus['questions'])} "
         f"questions reusing them in different orders.\n")
   # Compile on a first pass, then start again from an empty cache, so that the

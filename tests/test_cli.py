@@ -90,6 +90,28 @@ def _tiny_gguf(path):
   writer.close()
 
 
+def test_a_model_without_a_tokenizer_is_refused_in_one_line(files, tmp_path):
+  """rag reads text: a model without tokenizer.json is exit 2 and one
+  error line (after the weights' progress bar), not "pass token ids"."""
+  import dataclasses
+
+  from flax import nnx
+
+  from models.config import LlamaConfig
+  from models.llama import Llama, split_model
+  from tests.hf_fixtures import write_hf_checkpoint
+  config = dataclasses.replace(LlamaConfig.tiny(), max_position=512)
+  write_hf_checkpoint(tmp_path / "hf", config, nnx.to_pure_dict(split_model(
+      Llama(config, rngs=nnx.Rngs(0)))[1]))
+  proc = run_cli("rag", "--doc", str(files[0]), "--query", "q",
+                 "--cache-pages", "64", "--model", str(tmp_path / "hf"))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"lazyattn: error: lazyattn rag needs a model with a tokenizer: "
+      f"{tmp_path / 'hf'} has none (no tokenizer.json)")
+
+
 def _tiny_hf_config(directory):
   import json
   directory.mkdir()
