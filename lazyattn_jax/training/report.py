@@ -4,12 +4,13 @@ history (JSON) and a loss-curve PNG."""
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import sys
 import time
 
 from tqdm.auto import tqdm
-
 
 class History:
   """Per-step metrics of a run (a list of dicts with "step" and floats)."""
@@ -72,10 +73,27 @@ def plot_losses(history: History, path: str, title: str,
   return path
 
 
+def json_safe(value):
+  """`value` with every non-finite float (NaN, +-inf) as None.
+
+  json.dump writes those as bare NaN / Infinity, which strict JSON parsers
+  (jq, JavaScript, other languages) refuse; null is what they read."""
+  if isinstance(value, dict):
+    return {k: json_safe(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [json_safe(v) for v in value]
+  if isinstance(value, numbers.Real) and not isinstance(
+      value, numbers.Integral) and not math.isfinite(value):
+    return None
+  return value
+
+
 def write_log(path: str, settings: dict, history: History, **extra):
-  """The run's settings, extra facts and every step's metrics as JSON."""
+  """The run's settings, extra facts and every step's metrics as strict
+  JSON: a value that is not a finite number (no eval batches, a diverged
+  loss) is null."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  record = json_safe(dict(date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                          settings=settings, **extra, history=history.rows))
   with open(path, "w", encoding="utf-8") as f:
-    json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                   settings=settings, **extra, history=history.rows), f,
-              indent=1)
+    json.dump(record, f, indent=1, allow_nan=False)
