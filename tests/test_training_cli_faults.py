@@ -73,6 +73,57 @@ def _strict_json(path):
     return json.load(f, parse_constant=refuse)
 
 
+# Bug 1: negative seeds.
+
+def test_a_negative_seed_gives_its_own_fixed_order():
+  first = order.sample_indices(-1, 3, 4, 10)
+  assert first == order.sample_indices(-1, 3, 4, 10)
+  assert first != order.sample_indices(1, 3, 4, 10)
+  assert order.replacement_index(-7, 2, 1, 1, 50) == order.replacement_index(
+      -7, 2, 1, 1, 50)
+  np.testing.assert_array_equal(
+      order.full_attention_slots(-2**63, 5, 8, 0.5),
+      order.full_attention_slots(-2**63, 5, 8, 0.5))
+  # Seeds >= 0 keep the order they always had (resumed runs stay valid).
+  assert order.sample_indices(5, 0, 10, 10) == list(
+      np.random.default_rng([5, 0, 0]).permutation(10))
+  data = SyntheticFacts(10, 2, seed=-3)
+  assert data[4] == SyntheticFacts(10, 2, seed=-3)[4]
+
+
+def test_a_seed_outside_64_bits_is_refused(tmp_path, capsys):
+  for bad in (2**63, -2**63 - 1, True, 1.5):
+    with pytest.raises(TrainingInputError, match="seed"):
+      FinetuneConfig(seed=bad)
+    with pytest.raises(TrainingInputError, match="seed"):
+      SinkConfig(seed=bad)
+  assert FinetuneConfig(seed=-2**63).seed == -2**63
+  line = _finetune_error(capsys, "--out", str(tmp_path / "o"), "--model",
+                         str(tmp_path / "nope"), "--seed", str(2**63))
+  assert "seed must lie in" in line
+
+
+def test_the_sink_command_trains_with_a_negative_seed(tmp_path, model_dir):
+  """Also bug 4: without eval batches the eval KLs are null in the log."""
+  out = tmp_path / "sink"
+  assert sink_main(["--model", model_dir, "--out", str(out), "--steps", "1",
+                    "--batch-size", "2", "--preamble-len", "2",
+                    "--docs-per-question", "2", "--eval-batches", "0",
+                    "--seed", "-1", "--no-progress"]) == 0
+  log = _strict_json(out / "sink_log.json")
+  assert log["settings"]["seed"] == -1 and len(log["history"]) == 1
+  assert log["eval_kl"] == dict(no_preamble=None, initial_sink=None,
+                                trained_sink=None)
+
+
+def test_finetune_trains_with_a_negative_seed(tmp_path, model_dir, capsys):
+  assert cli.main(["finetune", "--model", model_dir, "--out",
+                   str(tmp_path / "ft"), "--steps", "1", "--batch-size", "2",
+                   "--docs-per-question", "2", "--seed", "-5",
+                   "--no-progress"]) == 0
+  assert "1/1 steps" in capsys.readouterr().out
+
+
 # Bug 4: non-finite values in the JSON log.
 
 def test_the_log_is_strict_json_with_null_for_non_finite_values(tmp_path):

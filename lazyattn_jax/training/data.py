@@ -25,6 +25,7 @@ import numpy as np
 
 from lazyattn_jax.training.errors import (DataUnavailableError,
                                           TrainingInputError)
+from lazyattn_jax.training.order import seed_entropy
 
 SOURCES = ("synthetic", "hotpotqa")
 
@@ -95,7 +96,7 @@ class SyntheticFacts:
   Args:
     size: number of samples.
     docs_per_question: k documents per sample; the answer is in one.
-    seed: generator seed.
+    seed: generator seed (any integer: `order.seed_entropy`).
   """
 
   def __init__(self, size: int = 100_000, docs_per_question: int = 4,
@@ -114,7 +115,7 @@ class SyntheticFacts:
   def __getitem__(self, index: int) -> Sample:
     if not 0 <= index < self.size:
       raise IndexError(index)
-    rng = np.random.default_rng([self.seed, index])
+    rng = np.random.default_rng([seed_entropy(self.seed), index])
     picks = rng.choice(len(FIRST) * len(LAST), size=self.k, replace=False)
     people = []
     for p in picks:

@@ -41,6 +41,7 @@ from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.export import EXPORT_DTYPES, export_model
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.optim import OptimizerConfig
+from lazyattn_jax.training.order import check_seed
 from lazyattn_jax.training.sink_file import check_sink
 
 
@@ -51,7 +52,7 @@ class FinetuneConfig:
   Attributes:
     steps: optimizer steps.
     batch_size: samples per step (a multiple of the devices).
-    seed: data order and layout seed.
+    seed: data order and layout seed, any 64-bit integer.
     full_share: share of samples laid out with full attention.
     kl_weight: weight of KL(teacher || student) on the answer tokens.
     ce_weight: weight of the answers' cross-entropy.
@@ -80,6 +81,7 @@ class FinetuneConfig:
                                                weight_decay=0.01)
 
   def __post_init__(self):
+    object.__setattr__(self, "seed", check_seed(self.seed))
     if self.steps < 1 or self.batch_size < 1 or self.checkpoint_every < 1:
       raise TrainingInputError("steps, batch_size and checkpoint_every must "
                                "be >= 1")

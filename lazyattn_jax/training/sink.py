@@ -38,6 +38,7 @@ from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.optim import OptimizerConfig
+from lazyattn_jax.training.order import check_seed
 from lazyattn_jax.training.sink_file import check_sink, save_sink
 
 GENERIC_TEXT = ("The following passage is one of several documents retrieved "
@@ -53,7 +54,7 @@ class SinkConfig:
     preamble_len: P, the number of sink vectors.
     steps: optimizer steps.
     batch_size: samples per step (a multiple of the devices).
-    seed: data order seed.
+    seed: data order seed, any 64-bit integer.
     init: "chat" (the chat prefix's first P token embeddings) or "text"
       (GENERIC_TEXT's).
     remat: recompute attention in the backward pass (less memory).
@@ -75,6 +76,7 @@ class SinkConfig:
                                                warmup_steps=20)
 
   def __post_init__(self):
+    object.__setattr__(self, "seed", check_seed(self.seed))
     if not 1 <= self.preamble_len <= 1024:
       raise TrainingInputError(f"preamble_len must lie in [1, 1024], got "
                                f"{self.preamble_len}")
