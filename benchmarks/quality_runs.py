@@ -83,6 +83,15 @@ def runs_from_args(args) -> list[Run]:
   return runs
 
 
+def check_model_name(name: str) -> None:
+  """UnknownModelError unless `name` is a model name or path
+  `load_model` would take.  The known names are not fetched here (that is
+  `load_model`'s work, with its progress bar); a path is only looked at."""
+  from lazyattn_jax.default_model import KNOWN_MODEL_NAMES, resolve_model_path
+  if str(name).strip().lower() not in KNOWN_MODEL_NAMES:
+    resolve_model_path(str(name))
+
+
 def route_options(options: dict) -> tuple[dict, dict, dict]:
   """(CacheConfig fields, Scheduler/RunnerConfig settings, LazyEngine
   keyword arguments) of a run's options; TypeError for an option nobody
@@ -149,6 +158,16 @@ def pages_for_batch(loaded, items, mode: str, *, page_size: int, batch: int,
   recompute, a preamble).  A smaller pool still works: requests then wait
   for each other's pages.
   """
+  needs = [pages + docs + 1 for pages, docs in request_pages(
+      loaded, items, mode, page_size=page_size, max_new_tokens=max_new_tokens)]
+  return max(1, sum(sorted(needs, reverse=True)[:batch]))
+
+
+def request_pages(loaded, items, mode: str, *, page_size: int,
+                  max_new_tokens: int) -> list[tuple[int, int]]:
+  """(pages, documents) of each item's request in `mode` without engine
+  options, as the engine counts its pages against the whole pool: a pool
+  smaller than the largest of these can serve no run of `mode`."""
   from lazyattn_jax.modes import make_mode
   from lazyattn_jax.requests import (TokenRequest, encode_documents,
                                      encode_request)
@@ -170,10 +189,11 @@ def pages_for_batch(loaded, items, mode: str, *, page_size: int, batch: int,
                                                   item.documents),
         sampling, (), leading)
     need = reuse.cache_needs(request)
-    pages = (sum(ceil_div(n, page_size) for n in need.lengths) +
+    entries = dict(zip(need.keys, need.lengths))  # a repeat is stored once
+    pages = (sum(ceil_div(n, page_size) for n in entries.values()) +
              ceil_div(need.private_tokens, page_size))
-    needs.append(pages + len(request.documents) + 1)
-  return max(1, sum(sorted(needs, reverse=True)[:batch]))
+    needs.append((pages, len(request.documents)))
+  return needs
 
 
 def generate_all(engine, items, sampling, batch: int, *, desc: str,

@@ -115,7 +115,7 @@ def hotpotqa_items(args):
                      questions_skipped=len(examples) - used)
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--dataset", choices=["synthetic", "hotpotqa"],
@@ -160,9 +160,15 @@ def parse_args(argv):
                  help="put every generated answer in the JSON")
   p.add_argument("--no-progress", dest="progress", action="store_false")
   p.add_argument("--out", default="", help="JSON report; the PNG goes beside")
+  return p
+
+
+def parse_args(argv, parser=None):
+  p = parser or build_parser()
   args = p.parse_args(argv)
   if args.max_new_tokens is None:
     args.max_new_tokens = 32 if args.dataset == "hotpotqa" else 24
+  check_values(p, args)
   try:
     runs = quality_runs.runs_from_args(args)
   except (ValueError, TypeError) as err:
@@ -175,18 +181,67 @@ def parse_args(argv):
   return args, runs
 
 
+def check_values(p, args) -> None:
+  """Values argparse's types do not check, as its one-line usage error
+  (exit 2) before any data or model loads: otherwise each ends in a
+  traceback deep in a run, or (--dtype float64) in a run of failed
+  answers scored as zeros."""
+  from lazyattn_jax import cli
+  from lazyattn_jax.loading import compute_dtype
+  from lazyattn_jax.training.data import FIRST, LAST
+  people = len(FIRST) * len(LAST)  # distinct made-up names
+  for flag, value, low in (("--batch", args.batch, 1),
+                           ("--page-size", args.page_size, 1),
+                           ("--max-new-tokens", args.max_new_tokens, 1),
+                           ("--num-pages", args.num_pages, 1)):
+    if value is not None and value < low:
+      p.error(f"{flag} must be >= {low}, got {value}")
+  if args.dataset == "synthetic":
+    if not 1 <= args.people <= people:
+      p.error(f"--people must lie in [1, {people}] (the made-up names), "
+              f"got {args.people}")
+    if not 1 <= args.docs_per_question <= args.people:
+      p.error(f"--docs-per-question must lie in [1, --people = "
+              f"{args.people}], got {args.docs_per_question}")
+  elif args.layout == "gold-sweep" and args.sweep_docs < 2:
+    p.error(f"--sweep-docs must be >= 2 (the two supporting paragraphs), "
+            f"got {args.sweep_docs}")
+  if args.impl not in cli.IMPLS:
+    p.error(f"--impl must be one of {', '.join(cli.IMPLS)}, got "
+            f"{args.impl!r}")
+  try:
+    cli._check_impl_backend(args.impl)  # gpu or tpu on another backend
+    compute_dtype(args.dtype, name="--dtype")
+    quality_runs.check_model_name(args.model)
+  except (cli.UsageError, ValueError) as err:  # InvalidOptionError,
+    p.error(str(err))                           # UnknownModelError
+
+
+def _load(p, name, dtype, progress):
+  """load_model, with a model that cannot be had or read as a usage error
+  (the checks before loading cannot open the files)."""
+  from lazyattn_jax.default_model import ModelUnavailableError
+  from lazyattn_jax.loading import load_model
+  from models.errors import ModelFormatError
+  try:
+    return load_model(name, dtype, progress)
+  except (ModelUnavailableError, ModelFormatError, OSError) as err:
+    p.error(f"cannot load the model {name}: "
+            f"{(str(err).splitlines() or [''])[0]}")
+
+
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  args, runs = parse_args(argv)
+  parser = build_parser()
+  args, runs = parse_args(argv, parser)
   import jax
-  from lazyattn_jax.loading import load_model
   if args.dataset == "hotpotqa":
     items, data_info = hotpotqa_items(args)
   else:
     items, data_info = synthetic_items(args)
   if not items:
     raise SystemExit("no questions to ask")
-  loaded = load_model(args.model, args.dtype, args.progress)
+  loaded = _load(parser, args.model, args.dtype, args.progress)
   pages = {}
 
   def pages_for_mode(mode):
@@ -198,6 +253,8 @@ def main(argv=None):
           max_new_tokens=args.max_new_tokens)
     return pages[mode]
 
+  if args.num_pages:
+    _check_num_pages(parser, args, loaded, items, runs)
   rows = quality_runs.run_all(loaded, runs, items, args, pages_for_mode)
   report = dict(
       dataset=args.dataset,
@@ -219,6 +276,18 @@ def main(argv=None):
     print(f"{r['label']} | {r['em']:.3f} | {r['f1']:.3f} | "
           f"{r['contained']:.3f} | {r['items']} | {r['seconds_per_item']:.2f}")
   return report
+
+
+def _check_num_pages(p, args, loaded, items, runs) -> None:
+  """--num-pages against the largest request of each mode (without engine
+  options, which may add pages)."""
+  for mode in dict.fromkeys(r.mode for r in runs):
+    need = max(pages for pages, _ in quality_runs.request_pages(
+        loaded, items, mode, page_size=args.page_size,
+        max_new_tokens=args.max_new_tokens))
+    if args.num_pages < need:
+      p.error(f"--num-pages {args.num_pages} is too small: a {mode} request "
+              f"needs up to {need} pages of {args.page_size} tokens")
 
 
 def _plot_xlabel(args) -> str:
