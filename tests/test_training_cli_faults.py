@@ -141,3 +141,23 @@ def test_the_log_is_strict_json_with_null_for_non_finite_values(tmp_path):
   assert log["eval_kl"] == dict(a=None, b=0.25)
   assert log["sizes"] == [1, None]
 
+
+# Bug 5: a time limit of zero or less.
+
+@pytest.mark.parametrize("minutes", ["0", "-1", "nan"])
+def test_the_sink_command_refuses_no_time(tmp_path, capsys, minutes):
+  line = _sink_error(capsys, "--model", str(tmp_path / "nope"), "--out",
+                     str(tmp_path / "out"), "--max-minutes", minutes)
+  assert line == "sink: error: --max-minutes must be > 0"
+  assert not (tmp_path / "out").exists()
+
+
+def test_the_trainers_refuse_no_time(tmp_path):
+  with pytest.raises(TrainingInputError, match="max_minutes must be > 0"):
+    train_sink(_trainable(), SyntheticFacts(8, 2),
+               SinkConfig(preamble_len=2, steps=1, batch_size=2),
+               max_minutes=0, progress=False)
+  with pytest.raises(TrainingInputError, match="max_minutes must be > 0"):
+    finetune(_trainable(), SyntheticFacts(8, 2), CONFIG, tmp_path / "ft",
+             max_minutes=-1.0, progress=False)
+  assert not (tmp_path / "ft").exists()

@@ -181,7 +181,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
       preamble is learned (`layout.preamble_ids` None, P > 0).
     devices: local devices for data parallelism (default all).
     stop_at: stop (with a checkpoint) once this many steps are done.
-    max_minutes: stop (with a checkpoint) after this much wall time.
+    max_minutes: stop (with a checkpoint) after this much wall time
+      (> 0).
     export: export the model at the end of the run, finished or stopped
       early (its safetensors metadata says which step and whether it
       finished).
@@ -200,6 +201,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
   if sink is not None:
     sink = jnp.asarray(check_sink(sink, hidden_size=model.config.hidden_size,
                                   preamble_len=layout.preamble_len))
+  if max_minutes is not None and not max_minutes > 0:
+    raise TrainingInputError(f"max_minutes must be > 0, got {max_minutes}")
   mesh = parallel.data_mesh(devices)
   parallel.check_batch_size(mesh, c.batch_size)
   optimizer = c.optimizer

@@ -172,13 +172,15 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
 
   Args:
     sink: a starting [P, D] array (default: `init_sink`).
-    max_minutes: stop after this much training wall time (the result then
-      has fewer steps in its history).
+    max_minutes: stop after this much training wall time, > 0 (the
+      result then has fewer steps in its history).
 
   Raises:
     TrainingInputError (SinkFormatError for a bad `sink`): bad settings.
   """
   c, model = config, trainable
+  if max_minutes is not None and not max_minutes > 0:
+    raise TrainingInputError(f"max_minutes must be > 0, got {max_minutes}")
   if sink is None:
     sink = init_sink(model, c.preamble_len, c.init)
   sink = check_sink(sink, hidden_size=model.config.hidden_size,
@@ -247,6 +249,10 @@ def run(args) -> dict:
   from lazyattn_jax.training.data import load_source
   from lazyattn_jax.training.model_io import check_dtype, load_trainable
   check_dtype(args.dtype)
+  # As `lazyattn finetune`: no time at all is a mistake, not a request for
+  # the untrained initial sink.
+  if args.max_minutes is not None and not args.max_minutes > 0:
+    raise TrainingInputError("--max-minutes must be > 0")
   config = SinkConfig(
       preamble_len=args.preamble_len, steps=args.steps,
       batch_size=args.batch_size, seed=args.seed, init=args.init,
