@@ -124,6 +124,54 @@ def test_finetune_trains_with_a_negative_seed(tmp_path, model_dir, capsys):
   assert "1/1 steps" in capsys.readouterr().out
 
 
+# Bug 3: resuming with another model.
+
+def test_resuming_with_a_model_of_another_size_is_refused(tmp_path):
+  # stop_at=0 checkpoints the initial state without compiling a step.
+  out, base = tmp_path / "out", _trainable()
+  finetune(base, SyntheticFacts(8, 2), CONFIG, out, stop_at=0,
+           progress=False, export=False)
+  # Same architecture and id ("in-memory", no file hash), wider MLP: the
+  # record must tell them apart before orbax restores any array.
+  with pytest.raises(TrainingInputError,
+                     match="holds a run with another recipe or model"):
+    finetune(_trainable(intermediate_size=96), SyntheticFacts(8, 2), CONFIG,
+             out, progress=False, export=False)
+  with pytest.raises(TrainingInputError, match=r"\(model differ\)"):
+    finetune(_trainable(qk_norm=True), SyntheticFacts(8, 2), CONFIG, out,
+             progress=False, export=False)
+  # The same model still resumes.
+  assert finetune(base, SyntheticFacts(8, 2), CONFIG, out, stop_at=0,
+                  progress=False, export=False).step == 0
+
+
+def test_resuming_the_command_with_another_model_is_one_line(
+    tmp_path, model_dir, capsys):
+  other = export_model(tmp_path / "other", tiny_config(num_layers=1),
+                       nnx.to_pure_dict(nnx.state(Llama(
+                           tiny_config(num_layers=1), rngs=nnx.Rngs(0)))),
+                       tiny_tokenizer())
+  args = ["--out", str(tmp_path / "out"), "--steps", "2", "--batch-size",
+          "2", "--docs-per-question", "2", "--stop-at-step", "1"]
+  assert cli.main(["finetune", "--model", model_dir, "--no-progress",
+                   *args]) == 0
+  capsys.readouterr()
+  line = _finetune_error(capsys, "--model", other, *args)
+  assert "holds a run with another recipe or model" in line
+
+
+def test_a_record_from_before_the_model_structure_still_resumes():
+  from lazyattn_jax.training.finetune import _recipe_differences
+  recipe = dict(config=dict(steps=2), model_sha256="a", model=dict(x=[1]))
+  old = dict(config=dict(steps=2), model_sha256="a")
+  assert _recipe_differences(old, recipe) == []
+  assert _recipe_differences(dict(old, model_sha256="b"), recipe) == [
+      "model_sha256"]
+  assert _recipe_differences(dict(recipe, model=dict(x=[2])), recipe) == [
+      "model"]
+  assert _recipe_differences(None, recipe) == sorted(recipe)
+
+
 # Bug 4: non-finite values in the JSON log.
 
 def test_the_log_is_strict_json_with_null_for_non_finite_values(tmp_path):

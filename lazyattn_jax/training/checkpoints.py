@@ -37,6 +37,13 @@ class Checkpoints:
         state=ocp.args.StandardSave(state),
         record=ocp.args.JsonSave(record)), force=True)
 
+  def record(self, step: int) -> dict:
+    """The JSON record of step `step` alone, without reading any array (so
+    it can be checked before the state is restored)."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        record=ocp.args.JsonRestore()))
+    return restored["record"]
+
   def restore(self, step: int, template):
     """(state, record) of step `step`, arrays laid out like `template`."""
     abstract = jax.tree.map(

@@ -40,6 +40,7 @@ from lazyattn_jax.training.checkpoints import Checkpoints
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.export import EXPORT_DTYPES, export_model
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
+from lazyattn_jax.training.model_io import model_signature
 from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.order import check_seed
 from lazyattn_jax.training.sink_file import check_sink
@@ -143,6 +144,19 @@ def _initial_state(params, tx, compute: str):
   return dict(params=params, opt_state=tx.init(params)), teacher
 
 
+def _recipe_differences(saved, recipe: dict) -> list[str]:
+  """The keys of `recipe` in which a checkpoint's saved recipe differs
+  (all of them when it has none)."""
+  if not isinstance(saved, dict):
+    return sorted(recipe)
+  keys = set(recipe) | set(saved)
+  if "model" not in saved:
+    # Written before records held the model's structure: the weights' hash
+    # and id still identify a loaded model, so such a run still resumes.
+    keys.discard("model")
+  return sorted(k for k in keys if saved.get(k) != recipe.get(k))
+
+
 @dataclasses.dataclass
 class FinetuneResult:
   """What `finetune` returns.
@@ -189,7 +203,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
 
   Raises:
     TrainingInputError: bad settings, a sink that does not fit, or a
-      checkpoint in out_dir made with another recipe or model.
+      checkpoint in out_dir made with another recipe or model (checked
+      before any training).
   """
   c, model = config, trainable
   layout = c.layout
@@ -205,21 +220,12 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
     raise TrainingInputError(f"max_minutes must be > 0, got {max_minutes}")
   mesh = parallel.data_mesh(devices)
   parallel.check_batch_size(mesh, c.batch_size)
-  optimizer = c.optimizer
-  tx, step_fn = _train_step(model.functions, optimizer, c.kl_weight,
-                            c.ce_weight, c.remat)
-  schedule = jax.jit(optimizer.schedule())  # one compile, not one per op
-  builder = BatchBuilder(source, model.tokenizer, model.config.vocab_size,
-                         layout, batch_size=c.batch_size, seed=c.seed,
-                         full_share=c.full_share, max_len=c.max_len)
   compute = jnp.dtype(model.functions.dtype)
-  state, teacher = parallel.replicate(
-      _initial_state(model.params, tx, compute.name), mesh)
-  sink = None if sink is None else parallel.replicate(sink, mesh)
   recipe = dict(config=c.recipe(), model_sha256=model.sha256,
-                model_id=model.model_id, dtype=compute.name,
+                model_id=model.model_id, model=model_signature(model),
+                dtype=compute.name,
                 sink_sha256=None if sink is None else hashlib.sha256(
-                    np.asarray(jax.device_get(sink)).tobytes()).hexdigest())
+                    np.asarray(sink).tobytes()).hexdigest())
 
   os.makedirs(out_dir, exist_ok=True)
   checkpoints = Checkpoints(os.path.join(out_dir, "checkpoints"),
@@ -228,11 +234,29 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
   try:
     latest = checkpoints.latest_step()
     if latest is not None:
-      state, record = checkpoints.restore(latest, state)
-      if record.get("recipe") != recipe:
+      # The JSON record first: restoring another model's arrays into this
+      # state fails inside orbax (tree or shape mismatch) before the
+      # recipes could be compared.
+      record = checkpoints.record(latest)
+      differ = _recipe_differences(record.get("recipe") if isinstance(
+          record, dict) else None, recipe)
+      if differ:
         raise TrainingInputError(
             f"{checkpoints.directory} holds a run with another recipe or "
-            "model; use a new output directory or the same settings")
+            f"model ({', '.join(differ)} differ); use a new output "
+            "directory or the same settings")
+    optimizer = c.optimizer
+    tx, step_fn = _train_step(model.functions, optimizer, c.kl_weight,
+                              c.ce_weight, c.remat)
+    schedule = jax.jit(optimizer.schedule())  # one compile, not one per op
+    builder = BatchBuilder(source, model.tokenizer, model.config.vocab_size,
+                           layout, batch_size=c.batch_size, seed=c.seed,
+                           full_share=c.full_share, max_len=c.max_len)
+    state, teacher = parallel.replicate(
+        _initial_state(model.params, tx, compute.name), mesh)
+    sink = None if sink is None else parallel.replicate(sink, mesh)
+    if latest is not None:
+      state, record = checkpoints.restore(latest, state)
       history, start = report.History(record["history"]), latest
     started, done = time.monotonic(), start
     save = lambda n: checkpoints.save(n, state, dict(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import pathlib
 
 import jax
@@ -39,6 +40,21 @@ class TrainableModel:
   model_id: str
   sha256: str
   source: str
+
+
+def model_signature(trainable) -> dict:
+  """What identifies the model's architecture and sizes, JSON-able: its
+  config and every weight's shape.  A run's record holds it, so a resume
+  with another model is refused even where the weights carry no file
+  hash (`from_model`), e.g. the same architecture at another size."""
+  config = trainable.config
+  fields = (dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+            else dict(vars(config)))
+  shapes = {jax.tree_util.keystr(path): list(jnp.shape(leaf)) for path, leaf
+            in jax.tree_util.tree_leaves_with_path(trainable.params)}
+  return json.loads(json.dumps(dict(architecture=type(config).__name__,
+                                    config=fields, shapes=shapes),
+                               default=str))
 
 
 def functions_for(config, dtype) -> ModelFunctions:
