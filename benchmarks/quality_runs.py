@@ -74,7 +74,11 @@ def runs_from_args(args) -> list[Run]:
   for run in runs:
     if run.mode not in MODES:
       raise ValueError(f"mode must be one of {tuple(MODES)}, got {run.mode!r}")
-    route_options(run.options)  # unknown options fail before any work
+    try:  # bad options fail before any work
+      check_run(run, args.page_size)
+    except (ValueError, TypeError) as err:
+      kind = TypeError if isinstance(err, TypeError) else ValueError
+      raise kind(f"run {run.label!r}: {err}") from None
   labels = [r.label for r in runs]
   if len(set(labels)) != len(labels):
     raise ValueError(f"run labels must differ, got {labels}")
@@ -90,6 +94,28 @@ def check_model_name(name: str) -> None:
   from lazyattn_jax.default_model import KNOWN_MODEL_NAMES, resolve_model_path
   if str(name).strip().lower() not in KNOWN_MODEL_NAMES:
     resolve_model_path(str(name))
+
+
+def check_run(run: Run, page_size: int) -> None:
+  """What can be checked of a run before any model loads, so that a bad
+  later run fails before the earlier ones spend their time: its options
+  are taken by someone (`route_options`), each config takes its values,
+  its mode takes its quality options, and its model= names a model.
+  Raises ValueError (InvalidOptionError, UnknownModelError) or TypeError."""
+  from lazyattn_jax.cache_config import CacheConfig
+  from lazyattn_jax.config import split_settings
+  from lazyattn_jax.modes import check_quality
+  cache, settings, extra = route_options(run.options)
+  # The model's shape is not known yet: a one-page pool of one-wide layers
+  # stands in for it, to check the values of the run's own fields.
+  dataclasses.replace(CacheConfig(
+      num_pages=1, page_size=page_size, num_layers=1, num_kv_heads=1,
+      head_dim=1, dtype="float32", max_pages_per_doc=1), **cache)
+  split_settings(None, None, settings)
+  check_quality(run.mode, cache.get("page_size", page_size),
+                extra.get("quality"))
+  if run.options.get("model"):
+    check_model_name(run.options["model"])
 
 
 def route_options(options: dict) -> tuple[dict, dict, dict]:
@@ -293,49 +319,90 @@ class CompileClock:
     return False
 
 
-def run_all(loaded, runs, items, args, pages_for_mode):
+class RunFailedError(Exception):
+  """A run failed: `rows` are the JSON rows of the runs that finished before
+  it, for the report; the message is one line naming the run."""
+
+  def __init__(self, label: str, error: BaseException, rows: list):
+    first = (str(error).splitlines() or [""])[0]
+    super().__init__(f"run {label!r} failed after {len(rows)} finished "
+                     f"run(s): {type(error).__name__}: {first}")
+    self.rows = rows
+
+
+def check_vocabularies(loaded, runs, models: dict) -> None:
+  """ValueError for a run whose model (`models[name]` of its `model`
+  option, loaded before the first run starts) takes other tokens than
+  `loaded`: the pool is sized from `loaded`'s tokens."""
+  for run in runs:
+    model = run_model(run, loaded, models)
+    if model.config.vocab_size != loaded.config.vocab_size:
+      raise ValueError(
+          f"run {run.label!r}: model {run.options['model']} has a vocabulary "
+          f"of {model.config.vocab_size} tokens, --model's has "
+          f"{loaded.config.vocab_size}")
+
+
+def run_model(run: Run, loaded, models: dict):
+  """The loaded model `run` runs on: its `model` option's, else --model's."""
+  name = run.options.get("model")
+  return models[str(name)] if name else loaded
+
+
+def check_engines(loaded, models: dict, runs, args, pages_for_mode) -> None:
+  """Builds and closes every run's engine before the first run starts:
+  what only the engine checks against the model (a mode refusing an
+  option, a pool dtype the model cannot compute with) then fails at once
+  instead of after the earlier runs.  Building costs a pool allocation,
+  not a compile."""
+  for run in runs:
+    make_engine(run_model(run, loaded, models), run,
+                num_pages=pages_for_mode(run.mode), page_size=args.page_size,
+                dtype=args.dtype, max_batch=args.batch,
+                impl=args.impl).close()
+
+
+def run_all(loaded, runs, items, args, pages_for_mode, models: dict):
   """Every run over the same items; returns the JSON rows.  A run with a
-  `model` option runs on that model (a name or path, loaded once, in
-  args.dtype) instead of `loaded`; it must take the same tokens (a
-  fine-tuned copy of the model, say), since the pool is sized from
-  `loaded`'s."""
-  from lazyattn_jax.loading import load_model
+  `model` option runs on `models[name]` (loaded in args.dtype; a
+  fine-tuned copy of `loaded`, say: `check_vocabularies`) instead of
+  `loaded`.  A run that fails raises RunFailedError holding the rows of
+  the runs before it, so that their results can still be reported."""
   from lazyattn_jax.sampling import SamplingParams
   sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                             temperature=0.0)
-  models = {}
   rows = []
   for run in runs:
-    model = loaded
-    if run.options.get("model"):
-      name = str(run.options["model"])
-      if name not in models:
-        models[name] = load_model(name, args.dtype, args.progress)
-      model = models[name]
-      if model.config.vocab_size != loaded.config.vocab_size:
-        raise ValueError(f"run {run.label!r}: model {name} has another "
-                         "vocabulary than --model")
-    engine = make_engine(model, run, num_pages=pages_for_mode(run.mode),
-                         page_size=args.page_size, dtype=args.dtype,
-                         max_batch=args.batch, impl=args.impl)
     try:
-      with CompileClock() as clock:
-        t0 = time.perf_counter()
-        results = generate_all(engine, items, sampling, args.batch,
-                               desc=run.label, progress=args.progress)
-        seconds = time.perf_counter() - t0
-    finally:
-      engine.close()  # frees its pool before the next run allocates one
-    rows.append(summarize_run(run, items, results, seconds,
-                              legacy_accuracy=args.dataset == "synthetic",
-                              predictions=args.save_predictions,
-                              last_gold=args.dataset == "hotpotqa"
-                              and args.layout == "dataset"))
-    rows[-1].update(compiles=clock.compiles,
-                    compile_seconds=round(clock.seconds, 2))
+      rows.append(_one_run(run_model(run, loaded, models), run, items, args,
+                           pages_for_mode, sampling))
+    except Exception as err:
+      raise RunFailedError(run.label, err, rows) from err
     row = {k: v for k, v in rows[-1].items() if k != "predictions"}
     print(json.dumps(row), flush=True)
   return rows
+
+
+def _one_run(model, run: Run, items, args, pages_for_mode, sampling) -> dict:
+  """The JSON row of `run` on `model`."""
+  engine = make_engine(model, run, num_pages=pages_for_mode(run.mode),
+                       page_size=args.page_size, dtype=args.dtype,
+                       max_batch=args.batch, impl=args.impl)
+  try:
+    with CompileClock() as clock:
+      t0 = time.perf_counter()
+      results = generate_all(engine, items, sampling, args.batch,
+                             desc=run.label, progress=args.progress)
+      seconds = time.perf_counter() - t0
+  finally:
+    engine.close()  # frees its pool before the next run allocates one
+  row = summarize_run(run, items, results, seconds,
+                      legacy_accuracy=args.dataset == "synthetic",
+                      predictions=args.save_predictions,
+                      last_gold=args.dataset == "hotpotqa"
+                      and args.layout == "dataset")
+  row.update(compiles=clock.compiles, compile_seconds=round(clock.seconds, 2))
+  return row
 
 
 METRIC_NAMES = {"f1": "F1", "em": "exact match",

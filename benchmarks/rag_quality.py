@@ -253,9 +253,26 @@ def main(argv=None):
           max_new_tokens=args.max_new_tokens)
     return pages[mode]
 
-  if args.num_pages:
-    _check_num_pages(parser, args, loaded, items, runs)
-  rows = quality_runs.run_all(loaded, runs, items, args, pages_for_mode)
+  # Everything about every run that can be checked before the first one
+  # starts: a bad last run must not cost the earlier runs' time.
+  try:
+    models = {}
+    for name in dict.fromkeys(str(r.options["model"]) for r in runs
+                              if r.options.get("model")):
+      models[name] = _load(parser, name, args.dtype, args.progress)
+    quality_runs.check_vocabularies(loaded, runs, models)
+    if args.num_pages:
+      _check_num_pages(parser, args, loaded, items, runs)
+    quality_runs.check_engines(loaded, models, runs, args, pages_for_mode)
+  except (ValueError, TypeError) as err:
+    parser.error((str(err).splitlines() or [type(err).__name__])[0])
+  failure = None
+  try:
+    rows = quality_runs.run_all(loaded, runs, items, args, pages_for_mode,
+                                models)
+  except quality_runs.RunFailedError as err:
+    # What finished is still reported; then one line and exit 1.
+    rows, failure = err.rows, str(err)
   report = dict(
       dataset=args.dataset,
       layout=args.layout if args.dataset == "hotpotqa" else "synthetic",
@@ -264,23 +281,30 @@ def main(argv=None):
       command=shlex.join(["python", "-m", "benchmarks.rag_quality", *argv]),
       args=vars(args), num_pages=pages or args.num_pages, **data_info,
       plot_metric=args.plot_metric, runs=rows)
+  if failure:
+    report["failed"] = failure
   if args.out:
-    report["plot"] = os.path.splitext(args.out)[0] + ".png"
+    if rows:
+      report["plot"] = os.path.splitext(args.out)[0] + ".png"
     with open(args.out, "w") as f:
       json.dump(report, f, indent=2)
-    quality_runs.plot_by_position(
-        rows, report["plot"], metric=args.plot_metric,
-        title=_plot_title(report, items), xlabel=_plot_xlabel(args))
+    if rows:
+      quality_runs.plot_by_position(
+          rows, report["plot"], metric=args.plot_metric,
+          title=_plot_title(report, items), xlabel=_plot_xlabel(args))
   print("run | EM | F1 | contained | items | s/item")
   for r in rows:
     print(f"{r['label']} | {r['em']:.3f} | {r['f1']:.3f} | "
           f"{r['contained']:.3f} | {r['items']} | {r['seconds_per_item']:.2f}")
+  if failure:
+    raise SystemExit(f"{parser.prog}: error: {failure}")
   return report
 
 
 def _check_num_pages(p, args, loaded, items, runs) -> None:
   """--num-pages against the largest request of each mode (without engine
-  options, which may add pages)."""
+  options, which may add pages; a run that then cannot fit fails alone,
+  the runs before it reported)."""
   for mode in dict.fromkeys(r.mode for r in runs):
     need = max(pages for pages, _ in quality_runs.request_pages(
         loaded, items, mode, page_size=args.page_size,

@@ -1,9 +1,14 @@
-"""benchmarks.rag_quality's checks of its arguments: bad values are
-argparse's one-line usage error (exit 2) before any model loads."""
+"""benchmarks.rag_quality's checks of its arguments and runs: bad values
+are argparse's one-line usage error (exit 2) before any model loads, a bad
+later run is refused before the first run starts, and a run that fails
+anyway leaves the report of the runs before it."""
+
+import json
 
 import pytest
 
-from benchmarks.rag_quality import parse_args
+from benchmarks import quality_runs
+from benchmarks.rag_quality import main, parse_args
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -21,6 +26,12 @@ from benchmarks.rag_quality import parse_args
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16"),
     (["--dataset", "hotpotqa", "--layout", "gold-sweep", "--sweep-docs",
       "1"], "--sweep-docs must be >= 2"),
+    (["--run", "lazy,model=/nonexistent"],
+     "run 'lazy model=\"/nonexistent\"': Unknown model '/nonexistent'"),
+    (["--modes", "lazy,full", "--engine-option", "recompute=true"],
+     "run 'full': QualityOptions apply to modes"),
+    (["--run", "lazy,impl=bogus"], "RunnerConfig.impl must be one of"),
+    (["--run", "lazy,eviction=mru"], "CacheConfig.eviction must be one of"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
   # parse_args alone: these must fail before any data or model loads.
@@ -29,3 +40,79 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
   assert info.value.code == 2
   err = capsys.readouterr().err
   assert message in err and "Traceback" not in err
+
+
+# --- checks that need a model: a tiny random one with SmolLM2's tokenizer ----
+@pytest.fixture(scope="module")
+def tiny_dirs(smollm2_gguf_path, tmp_path_factory):
+  """Two tiny HF directories: one with SmolLM2's tokenizer and vocabulary,
+  and one of another vocabulary."""
+  from flax import nnx
+  from models.config import LlamaConfig
+  from models.llama import Llama, split_model
+  from models.tokenizer import LlamaTokenizer
+  from tests.hf_fixtures import write_hf_checkpoint
+  tokenizer = LlamaTokenizer.from_gguf(smollm2_gguf_path)
+  dirs = []
+  for name, vocab in (("text", tokenizer.vocab_size), ("other", 256)):
+    config = LlamaConfig.tiny(vocab_size=vocab, max_position=2048)
+    params = nnx.to_pure_dict(split_model(Llama(config,
+                                                rngs=nnx.Rngs(0)))[1])
+    directory = tmp_path_factory.mktemp(f"tiny-{name}")
+    write_hf_checkpoint(directory, config, params)
+    dirs.append(directory)
+  (dirs[0] / "tokenizer.json").write_text(tokenizer.backend.to_str())
+  return dirs
+
+
+def _argv(model, out, *more):
+  return ["--model", str(model), "--questions", "2", "--max-new-tokens", "2",
+          "--batch", "2", "--impl", "xla", "--no-progress", "--out", str(out),
+          *more]
+
+
+@pytest.mark.parametrize("runs, message", [
+    # Only the engine sees the pool dtype against the model's.
+    (["--run", "lazy,dtype=bfloat16"], "does not match"),
+    (["--run", "lazy,model={other}"], "has a vocabulary of 256 tokens"),
+    (["--num-pages", "1"], "--num-pages 1 is too small: a full request"),
+])
+def test_a_bad_later_run_fails_before_the_first(tiny_dirs, tmp_path, runs,
+                                                message, capsys):
+  text, other = tiny_dirs
+  out = tmp_path / "r.json"
+  with pytest.raises(SystemExit) as info:
+    main(_argv(text, out, "--modes", "full",
+               *[r.format(other=other) for r in runs]))
+  assert info.value.code == 2
+  captured = capsys.readouterr()
+  assert message in captured.err and "Traceback" not in captured.err
+  assert '"label"' not in captured.out  # no run ran
+  assert not out.exists()
+
+
+def test_a_failed_run_keeps_the_report_of_the_runs_before(tiny_dirs,
+                                                          tmp_path, capsys):
+  """A pool that fits every mode's largest request passes the checks, but
+  first-page recompute needs more pages: that run fails in the middle."""
+  from benchmarks.rag_quality import synthetic_items
+  from lazyattn_jax.loading import load_model
+  text, _ = tiny_dirs
+  out = tmp_path / "r.json"
+  argv = _argv(text, out, "--modes", "full",
+               "--run", "lazy,recompute=true,label=recompute")
+  args, _ = parse_args(argv)
+  items, _ = synthetic_items(args)
+  loaded = load_model(str(text), "float32", False)
+  pages = max(p for mode in ("full", "lazy")
+              for p, _ in quality_runs.request_pages(
+                  loaded, items, mode, page_size=16, max_new_tokens=2))
+  with pytest.raises(SystemExit) as info:
+    main([*argv, "--num-pages", str(pages)])
+  assert "run 'recompute' failed after 1 finished run(s): " \
+         "CacheCapacityError" in str(info.value.code)
+  report = json.loads(out.read_text())
+  assert [r["label"] for r in report["runs"]] == ["full"]
+  assert report["failed"].startswith("run 'recompute' failed")
+  assert out.with_suffix(".png").exists()
+  assert "Traceback" not in capsys.readouterr().err
