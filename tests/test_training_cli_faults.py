@@ -124,6 +124,47 @@ def test_finetune_trains_with_a_negative_seed(tmp_path, model_dir, capsys):
   assert "1/1 steps" in capsys.readouterr().out
 
 
+# Bug 2: an output path that cannot be written.
+
+def test_an_out_that_is_a_file_is_refused_before_loading(tmp_path, capsys):
+  taken = tmp_path / "taken.txt"
+  taken.write_text("x")
+  nope = str(tmp_path / "nope")
+  line = _finetune_error(capsys, "--model", nope, "--out", str(taken))
+  assert f"output directory {taken} exists and is not a directory" in line
+  line = _sink_error(capsys, "--model", nope, "--out", str(taken))
+  assert f"output directory {taken} exists and is not a directory" in line
+  line = _sink_error(capsys, "--model", nope, "--out",
+                     str(taken / "below"))
+  assert "cannot create the output directory" in line
+  # An output file of the run that is a directory.
+  (tmp_path / "out" / "sink_log.json").mkdir(parents=True)
+  line = _sink_error(capsys, "--model", nope, "--out", str(tmp_path / "out"))
+  assert "sink_log.json is a directory" in line
+  (tmp_path / "ft").mkdir()
+  (tmp_path / "ft" / "checkpoints").write_text("x")
+  line = _finetune_error(capsys, "--model", nope, "--out",
+                         str(tmp_path / "ft"))
+  assert "checkpoints is not a directory" in line
+
+
+def test_finetune_refuses_an_out_that_is_a_file(tmp_path):
+  taken = tmp_path / "taken"
+  taken.write_text("x")
+  with pytest.raises(errors.OutputPathError, match="is not a directory"):
+    finetune(_trainable(), SyntheticFacts(8, 2), CONFIG, taken,
+             progress=False)
+
+
+def test_write_failures_under_the_output_are_one_line_errors(tmp_path):
+  with pytest.raises(errors.OutputPathError, match="No space left"):
+    with report.output_errors(tmp_path):
+      raise OSError(28, "No space left on device", str(tmp_path / "a.json"))
+  with pytest.raises(PermissionError):  # not about the output: unchanged
+    with report.output_errors(tmp_path / "out"):
+      raise PermissionError(13, "Permission denied", str(tmp_path / "b"))
+
+
 # Bug 3: resuming with another model.
 
 def test_resuming_with_a_model_of_another_size_is_refused(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from lazyattn_jax.errors import LazyAttnError
 
 __all__ = ["TrainingError", "TrainingInputError", "SinkFormatError",
-           "DataUnavailableError"]
+           "OutputPathError", "DataUnavailableError"]
 
 
 class TrainingError(LazyAttnError):
@@ -25,6 +25,11 @@ class TrainingInputError(TrainingError, ValueError):
 class SinkFormatError(TrainingInputError):
   """A learned-sink file or array that is not a float32 [P, D] "sink" of the
   expected width, or not a readable safetensors file."""
+
+
+class OutputPathError(TrainingInputError):
+  """An output directory that cannot be made or written: a file in its
+  place, no permission, or a write under it that failed."""
 
 
 class DataUnavailableError(TrainingError, RuntimeError):

@@ -204,7 +204,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
   Raises:
     TrainingInputError: bad settings, a sink that does not fit, or a
       checkpoint in out_dir made with another recipe or model (checked
-      before any training).
+      before any training); OutputPathError (one) when out_dir cannot be
+      made or written.
   """
   c, model = config, trainable
   layout = c.layout
@@ -227,7 +228,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
                 sink_sha256=None if sink is None else hashlib.sha256(
                     np.asarray(sink).tobytes()).hexdigest())
 
-  os.makedirs(out_dir, exist_ok=True)
+  report.prepare_output_dir(out_dir, files=("log.json", "loss.png"),
+                            dirs=("checkpoints", "model"))
   checkpoints = Checkpoints(os.path.join(out_dir, "checkpoints"),
                             c.keep_checkpoints)
   history, start = report.History(), 0

@@ -114,6 +114,7 @@ def run(args) -> int:
   from lazyattn_jax.training.data import load_source
   from lazyattn_jax.training.finetune import finetune
   from lazyattn_jax.training.model_io import load_trainable
+  from lazyattn_jax.training.report import output_errors, prepare_output_dir
   _check(args)
   config_from_args(args)  # refuse bad settings before loading anything
   try:
@@ -123,15 +124,21 @@ def run(args) -> int:
     raise TrainingInputError(
         f"lazyattn finetune needs the train extra ({e.name} is missing): "
         "pip install 'lazyattn-jax[train]'") from None
+  # Before loading anything: a bad --out costs nothing (finetune checks
+  # it again for callers of the Python API).
+  prepare_output_dir(args.out, files=("log.json", "loss.png"),
+                     dirs=("checkpoints", "model"))
   source = load_source(args.data, seed=args.seed + 1,
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
   layout, sink = _layout(args, model.tokenizer, model.config.hidden_size)
   started = time.time()
-  result = finetune(model, source, config_from_args(args, layout), args.out,
-                    sink=sink, devices=args.devices,
-                    stop_at=args.stop_at_step, max_minutes=args.max_minutes,
-                    progress=not args.no_progress)
+  with output_errors(args.out):
+    result = finetune(model, source, config_from_args(args, layout), args.out,
+                      sink=sink, devices=args.devices,
+                      stop_at=args.stop_at_step,
+                      max_minutes=args.max_minutes,
+                      progress=not args.no_progress)
   rows = result.history.rows
   last = rows[-1] if rows else {}
   step_s = float(np.median([r["step_s"] for r in rows[1:]])) if len(

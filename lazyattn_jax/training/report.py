@@ -1,8 +1,10 @@
 """What a training run shows and leaves behind: a progress bar, the loss
-history (JSON) and a loss-curve PNG."""
+history (JSON) and a loss-curve PNG, in an output directory made (and
+checked) before the run does any work."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -11,6 +13,64 @@ import sys
 import time
 
 from tqdm.auto import tqdm
+
+from lazyattn_jax.training.errors import OutputPathError
+
+
+def prepare_output_dir(path, *, files=(), dirs=()) -> str:
+  """Creates the output directory `path` (and its parents) and checks that
+  the run can write its `files` and `dirs` there; returns the path.
+
+  Called before any training, so a bad path costs nothing rather than a
+  finished run whose results cannot be written.
+
+  Raises:
+    OutputPathError: `path` is a file or cannot be made or written, or one
+      of `files` is a directory, or one of `dirs` is not one.
+  """
+  path = os.fspath(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise OutputPathError(f"output directory {path} exists and is not a "
+                          "directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise OutputPathError(f"cannot create the output directory {path}: "
+                          f"{e.strerror or e}") from e
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise OutputPathError(f"output directory {path} is not writable")
+  for name in files:
+    if os.path.isdir(os.path.join(path, name)):
+      raise OutputPathError(f"{os.path.join(path, name)} is a directory; the "
+                            "run writes a file there")
+  for name in dirs:
+    target = os.path.join(path, name)
+    if os.path.exists(target) and not os.path.isdir(target):
+      raise OutputPathError(f"{target} is not a directory; the run writes a "
+                            "directory there")
+  return path
+
+
+@contextlib.contextmanager
+def output_errors(path):
+  """Turns an OSError about a file under the output directory `path` (a
+  full disk, a file removed or made read-only during the run) into an
+  OutputPathError, which the command lines report in one line; other
+  OSErrors pass unchanged."""
+  root = os.path.realpath(os.fspath(path))
+  try:
+    yield
+  except OSError as e:
+    names = [n for n in (e.filename, e.filename2) if n is not None]
+    if not any(_under(os.path.realpath(os.fspath(n)), root) for n in names):
+      raise
+    raise OutputPathError(f"writing {names[0]} failed: {e.strerror or e}"
+                          ) from e
+
+
+def _under(path: str, root: str) -> bool:
+  return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
 
 class History:
   """Per-step metrics of a run (a list of dicts with "step" and floats)."""

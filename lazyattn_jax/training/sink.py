@@ -44,6 +44,7 @@ from lazyattn_jax.training.sink_file import check_sink, save_sink
 GENERIC_TEXT = ("The following passage is one of several documents retrieved "
                 "to answer a question. Read it carefully.")
 INITS = ("chat", "text")
+OUTPUT_FILES = ("sink.safetensors", "sink_loss.png", "sink_log.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +262,9 @@ def run(args) -> dict:
       optimizer=OptimizerConfig(learning_rate=args.lr,
                                 warmup_steps=args.warmup_steps,
                                 clip_norm=args.clip_norm))
+  # Made and checked before loading anything: the results are written
+  # only after training, and a bad --out must not cost a finished run.
+  report.prepare_output_dir(args.out, files=OUTPUT_FILES)
   source = load_source(args.data, seed=args.seed + 1,
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
@@ -268,7 +272,18 @@ def run(args) -> dict:
   result = train_sink(model, source, config, max_minutes=args.max_minutes,
                       progress=not args.no_progress)
   seconds = time.time() - started
-  os.makedirs(args.out, exist_ok=True)
+  with report.output_errors(args.out):
+    path = _write_outputs(args, config, model, result, seconds)
+  times = [r["step_s"] for r in result.history.rows[1:]]
+  summary = dict(sink=path, seconds=round(seconds, 1),
+                 median_step_s=round(float(np.median(times)), 4) if times
+                 else None, **result.eval_kl)
+  print(summary)
+  return summary
+
+
+def _write_outputs(args, config, model, result, seconds) -> str:
+  """Writes OUTPUT_FILES under args.out; returns the sink file's path."""
   metadata = dict(model=args.model, model_id=model.model_id,
                   model_sha256=model.sha256,
                   steps=len(result.history.rows),
@@ -286,12 +301,7 @@ def run(args) -> dict:
                    seconds=seconds, devices=[str(d) for d in jax.devices()],
                    peak_memory_bytes=parallel.peak_memory_bytes(
                        parallel.data_mesh(args.devices)))
-  times = [r["step_s"] for r in result.history.rows[1:]]
-  summary = dict(sink=path, seconds=round(seconds, 1),
-                 median_step_s=round(float(np.median(times)), 4) if times
-                 else None, **result.eval_kl)
-  print(summary)
-  return summary
+  return path
 
 
 def main(argv=None) -> int:
