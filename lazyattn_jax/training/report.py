@@ -126,7 +126,8 @@ def plot_losses(history: History, path: str, title: str,
   ax.set_yscale("log")
   ax.set_title(title)
   ax.grid(True, alpha=0.3)
-  ax.legend()
+  if ax.get_legend_handles_labels()[1]:  # a run of 0 steps has no curve
+    ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
