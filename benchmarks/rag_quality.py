@@ -210,7 +210,7 @@ def check_values(p, args) -> None:
     p.error(f"--impl must be one of {', '.join(cli.IMPLS)}, got "
             f"{args.impl!r}")
   try:
-    cli._check_impl_backend(args.impl)  # gpu or tpu on another backend
+    cli.check_impl_backend(args.impl)  # gpu or tpu on another backend
     compute_dtype(args.dtype, name="--dtype")
     quality_runs.check_model_name(args.model)
   except (cli.UsageError, ValueError) as err:  # InvalidOptionError,

@@ -319,7 +319,7 @@ def _check_arguments(args):
     raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got "
                      f"{args.impl!r}")
   _check_dtypes(args)
-  _check_impl_backend(args.impl)
+  check_impl_backend(args.impl)
 
 
 def _check_dtypes(args):
@@ -337,7 +337,7 @@ def _check_dtypes(args):
     raise UsageError(_first_line(e)) from None
 
 
-def _check_impl_backend(impl: str):
+def check_impl_backend(impl: str):
   """--impl gpu or tpu on another backend fails in every step's compile
   (Pallas runs only interpreted there), so it is refused up front.  The
   Python API keeps accepting it: its steps may be lowered for another
