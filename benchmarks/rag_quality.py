@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from benchmarks import quality_runs
+from benchmarks import quality_loop, quality_runs
 
 # One set of made-up people for the benchmark and the training generator.
 from lazyattn_jax.training.data import CITIES, FIRST, JOBS, LAST, PETS
@@ -260,17 +260,17 @@ def main(argv=None):
     for name in dict.fromkeys(str(r.options["model"]) for r in runs
                               if r.options.get("model")):
       models[name] = _load(parser, name, args.dtype, args.progress)
-    quality_runs.check_vocabularies(loaded, runs, models)
+    quality_loop.check_vocabularies(loaded, runs, models)
     if args.num_pages:
       _check_num_pages(parser, args, loaded, items, runs)
-    quality_runs.check_engines(loaded, models, runs, args, pages_for_mode)
+    quality_loop.check_engines(loaded, models, runs, args, pages_for_mode)
   except (ValueError, TypeError) as err:
     parser.error((str(err).splitlines() or [type(err).__name__])[0])
   failure = None
   try:
-    rows = quality_runs.run_all(loaded, runs, items, args, pages_for_mode,
+    rows = quality_loop.run_all(loaded, runs, items, args, pages_for_mode,
                                 models)
-  except quality_runs.RunFailedError as err:
+  except quality_loop.RunFailedError as err:
     # What finished is still reported; then one line and exit 1.
     rows, failure = err.rows, str(err)
   report = dict(
