@@ -26,6 +26,7 @@ from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.sink import SinkConfig, main as sink_main
 from lazyattn_jax.training.sink import train_sink
 from models.llama import Llama
+from tests.test_training_cli import model_dir  # noqa: F401 - the fixture
 from tests.training_helpers import tiny_config, tiny_tokenizer
 
 CONFIG = FinetuneConfig(steps=2, batch_size=2, checkpoint_every=1,
@@ -36,15 +37,6 @@ CONFIG = FinetuneConfig(steps=2, batch_size=2, checkpoint_every=1,
 def _trainable(**overrides):
   return from_model(Llama(tiny_config(**overrides), rngs=nnx.Rngs(0)),
                     tiny_tokenizer())
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  """The tiny model and tokenizer as a safetensors directory."""
-  path = tmp_path_factory.mktemp("tiny_model")
-  model = Llama(tiny_config(), rngs=nnx.Rngs(0))
-  return export_model(path, model.config, nnx.to_pure_dict(nnx.state(model)),
-                      tiny_tokenizer())
 
 
 def _finetune_error(capsys, *args) -> str:
