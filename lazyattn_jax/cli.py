@@ -26,6 +26,7 @@ from lazyattn_jax.cache_config import COMPUTE_DTYPES, FLOAT8_POOL
 from lazyattn_jax.errors import RequestFailedError
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 # Attention implementations (pallas_kernels.lazy_attention's impl argument).
 IMPLS = ("auto", "xla", "gpu", "tpu")
 # The impls that need JAX's backend of the same name; "auto" and "xla" run
@@ -374,6 +375,12 @@ def main(argv=None) -> int:
     print(f"lazyattn: error: generation failed: {str(e).splitlines()[0]}",
           file=sys.stderr)
     return 1
+  except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+    resume = (f"; the same command resumes from the last checkpoint under "
+              f"{args.out}, if one was written"
+              if args.command == "finetune" else "")
+    print(f"lazyattn: interrupted{resume}", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -183,6 +183,25 @@ def test_a_failed_generation_is_one_line_and_exit_1(monkeypatch, capsys):
   assert err == "lazyattn: error: generation failed: RuntimeError: device lost\n"
 
 
+@pytest.mark.parametrize("command", ["rag", "finetune"])
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path,
+                                         command):
+  from lazyattn_jax import cli
+  from lazyattn_jax.training import finetune_cli
+
+  def interrupted(args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(cli, "run_rag", interrupted)
+  monkeypatch.setattr(finetune_cli, "run", interrupted)
+  argv = (["rag", "--doc", "x.txt", "--query", "q"] if command == "rag" else
+          ["finetune", "--out", str(tmp_path / "ft")])
+  assert cli.main(argv) == 130
+  err = capsys.readouterr().err
+  assert err.startswith("lazyattn: interrupted") and err.count("\n") == 1
+  if command == "finetune":
+    assert f"resumes from the last checkpoint under {tmp_path / 'ft'}" in err
+
+
 def test_quality_flags_become_engine_settings(tmp_path):
   import numpy as np
   from lazyattn_jax.cli import build_parser
