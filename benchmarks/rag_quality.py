@@ -187,7 +187,7 @@ def check_values(p, args) -> None:
   traceback deep in a run, or (--dtype float64) in a run of failed
   answers scored as zeros."""
   from lazyattn_jax import cli
-  from lazyattn_jax.loading import compute_dtype
+  from lazyattn_jax.cache_config import check_compute_dtype
   from lazyattn_jax.training.data import FIRST, LAST
   people = len(FIRST) * len(LAST)  # distinct made-up names
   for flag, value, low in (("--batch", args.batch, 1),
@@ -211,7 +211,7 @@ def check_values(p, args) -> None:
             f"{args.impl!r}")
   try:
     cli.check_impl_backend(args.impl)  # gpu or tpu on another backend
-    compute_dtype(args.dtype, name="--dtype")
+    check_compute_dtype(args.dtype, name="--dtype")
     quality_runs.check_model_name(args.model)
   except (cli.UsageError, ValueError) as err:  # InvalidOptionError,
     p.error(str(err))                           # UnknownModelError

@@ -16,8 +16,8 @@ import numpy as np
 from lazyattn_jax.errors import InvalidOptionError
 
 __all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
-           "FLOAT8_POOL", "COMPUTE_DTYPES", "check_matches_model",
-           "check_pool_dtype"]
+           "FLOAT8_POOL", "COMPUTE_DTYPES", "check_compute_dtype",
+           "check_matches_model", "check_pool_dtype"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -155,6 +155,21 @@ class CacheConfig:
             self.page_size, self.head_dim)
 
 
+def check_compute_dtype(dtype, name: str = "dtype"):
+  """`dtype` as a `jnp.dtype` the model can compute in (one of
+  COMPUTE_DTYPES); InvalidOptionError naming setting `name` and the value
+  otherwise (jnp.dtype itself raises TypeError for a name it does not
+  know, and would take int32 or float64)."""
+  try:
+    parsed = jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    parsed = None
+  if parsed is None or parsed.name not in COMPUTE_DTYPES:
+    raise InvalidOptionError(f"{name} must be one of "
+                             f"{', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
+  return parsed
+
+
 def check_pool_dtype(pool_dtype, compute_dtype, *, pool_name: str = "kv_dtype",
                      compute_name: str = "dtype") -> None:
   """Raises InvalidOptionError unless a KV pool in `pool_dtype` can serve a
@@ -189,10 +204,7 @@ def check_matches_model(cache_config: CacheConfig, config, *,
   InvalidOptionError for a pool dtype that cannot serve it
   (`check_pool_dtype`)."""
   if compute_dtype is not None:
-    if jnp.dtype(compute_dtype).name not in COMPUTE_DTYPES:
-      raise InvalidOptionError(
-          f"the model computes in {jnp.dtype(compute_dtype).name}; the "
-          f"engine takes models in {', '.join(COMPUTE_DTYPES)}")
+    check_compute_dtype(compute_dtype, name="the model's compute dtype")
     check_pool_dtype(cache_config.dtype, compute_dtype,
                      pool_name="cache_config.dtype",
                      compute_name="the model's compute dtype")

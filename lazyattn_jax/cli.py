@@ -328,9 +328,9 @@ def _check_dtypes(args):
   than the compute dtype or float8 builds an engine that cannot generate."""
   from lazyattn_jax.cache_config import check_pool_dtype
   from lazyattn_jax.errors import InvalidOptionError
-  from lazyattn_jax.loading import compute_dtype
+  from lazyattn_jax.cache_config import check_compute_dtype
   try:
-    dtype = compute_dtype(args.dtype, name="--dtype")
+    dtype = check_compute_dtype(args.dtype, name="--dtype")
     if args.kv_dtype is not None:
       check_pool_dtype(args.kv_dtype, dtype, pool_name="--kv-dtype",
                        compute_name="--dtype")

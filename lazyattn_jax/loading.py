@@ -8,7 +8,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from lazyattn_jax.cache_config import (COMPUTE_DTYPES, CacheConfig,
+from lazyattn_jax.cache_config import (CacheConfig, check_compute_dtype,
                                        check_pool_dtype)
 from lazyattn_jax.errors import InvalidOptionError
 
@@ -34,7 +34,7 @@ def load_model(name_or_path: str, dtype, progress: bool,
   into each device's shard of them."""
   from lazyattn_jax.default_model import resolve_model_path
   from models.tokenizer import LlamaTokenizer
-  dtype = compute_dtype(dtype)
+  dtype = check_compute_dtype(dtype)
   path = resolve_model_path(name_or_path)
   if path.is_dir():
     from models.safetensors_loader import load_safetensors
@@ -51,21 +51,6 @@ def load_model(name_or_path: str, dtype, progress: bool,
   tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
   return LoadedModel(config, model, tokenizer,
                      f"gguf:{path.name}:{path.stat().st_size}")
-
-
-def compute_dtype(dtype, name: str = "dtype"):
-  """`dtype` as a `jnp.dtype` the model can compute in (one of
-  COMPUTE_DTYPES); InvalidOptionError naming setting `name` and the value
-  otherwise (jnp.dtype itself raises TypeError for a name it does not
-  know, and would take int32 or float64)."""
-  try:
-    parsed = jnp.dtype(dtype)
-  except (TypeError, ValueError):
-    parsed = None
-  if parsed is None or parsed.name not in COMPUTE_DTYPES:
-    raise InvalidOptionError(f"{name} must be one of "
-                             f"{', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
-  return parsed
 
 
 def check_pool_size(num_pages, page_size) -> None:
@@ -106,7 +91,7 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
                                             pop_quality_fields, split_quality,
                                             with_fields)
   from lazyattn_jax.sharding import tensor_parallel_for
-  dtype = compute_dtype(dtype)
+  dtype = check_compute_dtype(dtype)
   if cache_config is None:
     check_pool_size(num_pages, page_size)
     if kv_dtype is not None:
