@@ -46,6 +46,10 @@ from lazyattn_jax.training.order import check_seed
 from lazyattn_jax.training.sink_file import check_sink
 
 
+# What a run writes under its output directory.
+OUTPUT_FILES, OUTPUT_DIRS = ("log.json", "loss.png"), ("checkpoints", "model")
+
+
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
   """The recipe of a fine-tuning run (a resumed run must use the same).
@@ -228,8 +232,7 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
                 sink_sha256=None if sink is None else hashlib.sha256(
                     np.asarray(sink).tobytes()).hexdigest())
 
-  report.prepare_output_dir(out_dir, files=("log.json", "loss.png"),
-                            dirs=("checkpoints", "model"))
+  report.prepare_output_dir(out_dir, files=OUTPUT_FILES, dirs=OUTPUT_DIRS)
   checkpoints = Checkpoints(os.path.join(out_dir, "checkpoints"),
                             c.keep_checkpoints)
   history, start = report.History(), 0

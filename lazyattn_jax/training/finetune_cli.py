@@ -112,7 +112,8 @@ def _layout(args, tokenizer, hidden_size):
 def run(args) -> int:
   """Runs `lazyattn finetune` with parsed `args`; returns the exit status."""
   from lazyattn_jax.training.data import load_source
-  from lazyattn_jax.training.finetune import finetune
+  from lazyattn_jax.training.finetune import (OUTPUT_DIRS, OUTPUT_FILES,
+                                              finetune)
   from lazyattn_jax.training.model_io import load_trainable
   from lazyattn_jax.training.report import output_errors, prepare_output_dir
   _check(args)
@@ -126,8 +127,7 @@ def run(args) -> int:
         "pip install 'lazyattn-jax[train]'") from None
   # Before loading anything: a bad --out costs nothing (finetune checks
   # it again for callers of the Python API).
-  prepare_output_dir(args.out, files=("log.json", "loss.png"),
-                     dirs=("checkpoints", "model"))
+  prepare_output_dir(args.out, files=OUTPUT_FILES, dirs=OUTPUT_DIRS)
   source = load_source(args.data, seed=args.seed + 1,
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
