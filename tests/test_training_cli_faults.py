@@ -242,3 +242,27 @@ def test_the_trainers_refuse_no_time(tmp_path):
     finetune(_trainable(), SyntheticFacts(8, 2), CONFIG, tmp_path / "ft",
              max_minutes=-1.0, progress=False)
   assert not (tmp_path / "ft").exists()
+
+
+def test_a_config_field_added_later_keeps_existing_signatures():
+  # A field added to LlamaConfig with a default that keeps the old
+  # behaviour must not make runs recorded before it refuse to resume.
+  import dataclasses
+  from lazyattn_jax.training.model_io import model_signature
+  from models.config import LlamaConfig
+
+  @dataclasses.dataclass(frozen=True)
+  class Extended(LlamaConfig):
+    new_option: bool = False
+
+  base = _trainable()
+  extended = dataclasses.replace(base, config=Extended(
+      **{f.name: getattr(base.config, f.name)
+         for f in dataclasses.fields(base.config)}))
+  signature = model_signature(base)
+  assert {k: v for k, v in model_signature(extended).items()
+          if k != "architecture"} == {k: v for k, v in signature.items()
+                                      if k != "architecture"}
+  # A field set away from its default is still part of the signature.
+  assert signature != model_signature(dataclasses.replace(
+      base, config=dataclasses.replace(base.config, qk_norm=True)))

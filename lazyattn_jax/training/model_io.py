@@ -46,15 +46,36 @@ def model_signature(trainable) -> dict:
   """What identifies the model's architecture and sizes, JSON-able: its
   config and every weight's shape.  A run's record holds it, so a resume
   with another model is refused even where the weights carry no file
-  hash (`from_model`), e.g. the same architecture at another size."""
+  hash (`from_model`), e.g. the same architecture at another size.
+
+  A dataclass config records only the fields that differ from their
+  defaults: a field added to the config later, with a default that keeps
+  the old behaviour, leaves the signatures of existing runs unchanged."""
   config = trainable.config
-  fields = (dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+  fields = (_changed_fields(config) if dataclasses.is_dataclass(config)
             else dict(vars(config)))
   shapes = {jax.tree_util.keystr(path): list(jnp.shape(leaf)) for path, leaf
             in jax.tree_util.tree_leaves_with_path(trainable.params)}
   return json.loads(json.dumps(dict(architecture=type(config).__name__,
                                     config=fields, shapes=shapes),
                                default=str))
+
+
+def _changed_fields(config) -> dict:
+  """`config`'s fields without a default or set to another value."""
+  changed = {}
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.default is not dataclasses.MISSING:
+      default = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+      default = field.default_factory()
+    else:
+      default = dataclasses.MISSING
+    if default is dataclasses.MISSING or value != default:
+      changed[field.name] = (dataclasses.asdict(value)
+                             if dataclasses.is_dataclass(value) else value)
+  return changed
 
 
 def functions_for(config, dtype) -> ModelFunctions:
