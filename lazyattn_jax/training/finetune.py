@@ -189,7 +189,8 @@ class FinetuneResult:
 def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
              sink=None, devices: int | None = None,
              stop_at: int | None = None, max_minutes: float | None = None,
-             progress: bool = True, export: bool = True) -> FinetuneResult:
+             should_stop=None, progress: bool = True,
+             export: bool = True) -> FinetuneResult:
   """Fine-tunes `trainable` (a model_io.TrainableModel) on `source`.
 
   Args:
@@ -201,6 +202,9 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
     stop_at: stop (with a checkpoint) once this many steps are done.
     max_minutes: stop (with a checkpoint) after this much wall time
       (> 0).
+    should_stop: a callable checked before each step; once it returns
+      True the run stops (with a checkpoint), e.g.
+      `interrupt.stop_on_interrupt`'s request.
     export: export the model at the end of the run, finished or stopped
       early (its safetensors metadata says which step and whether it
       finished).
@@ -271,7 +275,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
       for i in range(start, c.steps):
         if (stop_at is not None and i >= stop_at) or (
             max_minutes is not None and
-            time.monotonic() - started > 60 * max_minutes):
+            time.monotonic() - started > 60 * max_minutes) or (
+                should_stop is not None and should_stop()):
           break
         batch = batch or builder.batch(i)
         state, metrics = step_fn(

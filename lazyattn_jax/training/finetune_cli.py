@@ -114,6 +114,8 @@ def run(args) -> int:
   from lazyattn_jax.training.data import load_source
   from lazyattn_jax.training.finetune import (OUTPUT_DIRS, OUTPUT_FILES,
                                               finetune)
+  from lazyattn_jax.training.interrupt import (EXIT_INTERRUPTED,
+                                               stop_on_interrupt)
   from lazyattn_jax.training.model_io import load_trainable
   from lazyattn_jax.training.report import output_errors, prepare_output_dir
   _check(args)
@@ -133,11 +135,11 @@ def run(args) -> int:
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
   layout, sink = _layout(args, model.tokenizer, model.config.hidden_size)
   started = time.time()
-  with output_errors(args.out):
+  with output_errors(args.out), stop_on_interrupt("finetune") as interrupted:
     result = finetune(model, source, config_from_args(args, layout), args.out,
                       sink=sink, devices=args.devices,
                       stop_at=args.stop_at_step,
-                      max_minutes=args.max_minutes,
+                      max_minutes=args.max_minutes, should_stop=interrupted,
                       progress=not args.no_progress)
   rows = result.history.rows
   last = rows[-1] if rows else {}
@@ -156,4 +158,4 @@ def run(args) -> int:
     print(f"stopped early; the model so far (step {result.step}): "
           f"{result.export_dir}\nrun the same command again to resume from "
           f"{os.path.join(args.out, 'checkpoints')}")
-  return 0
+  return EXIT_INTERRUPTED if interrupted() else 0

@@ -37,6 +37,7 @@ from lazyattn_jax.training import parallel, report
 from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
+from lazyattn_jax.training.interrupt import EXIT_INTERRUPTED, stop_on_interrupt
 from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.order import check_seed
 from lazyattn_jax.training.sink_file import check_sink, save_sink
@@ -166,7 +167,7 @@ class SinkResult:
 
 
 def train_sink(trainable, source, config: SinkConfig, *, sink=None,
-               max_minutes: float | None = None,
+               max_minutes: float | None = None, should_stop=None,
                progress: bool = True) -> SinkResult:
   """Trains a sink for `trainable` (a model_io.TrainableModel, frozen) on
   `source` (a data.DataSource).
@@ -175,6 +176,8 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
     sink: a starting [P, D] array (default: `init_sink`).
     max_minutes: stop after this much training wall time, > 0 (the
       result then has fewer steps in its history).
+    should_stop: a callable checked before each step; once it returns
+      True training stops, as when `max_minutes` is up.
 
   Raises:
     TrainingInputError (SinkFormatError for a bad `sink`): bad settings.
@@ -207,8 +210,9 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
     batch, tick = train.batch(0), time.perf_counter()
     started = time.monotonic()
     for i in range(c.steps):
-      if max_minutes is not None and (
-          time.monotonic() - started > 60 * max_minutes):
+      if (max_minutes is not None and
+          time.monotonic() - started > 60 * max_minutes) or (
+              should_stop is not None and should_stop()):
         break
       current, opt_state, metrics = step(
           current, opt_state, params,
@@ -269,8 +273,10 @@ def run(args) -> dict:
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
   started = time.time()
-  result = train_sink(model, source, config, max_minutes=args.max_minutes,
-                      progress=not args.no_progress)
+  with stop_on_interrupt("sink") as interrupted:
+    result = train_sink(model, source, config, max_minutes=args.max_minutes,
+                        should_stop=interrupted,
+                        progress=not args.no_progress)
   seconds = time.time() - started
   with report.output_errors(args.out):
     path = _write_outputs(args, config, model, result, seconds)
@@ -278,6 +284,8 @@ def run(args) -> dict:
   summary = dict(sink=path, seconds=round(seconds, 1),
                  median_step_s=round(float(np.median(times)), 4) if times
                  else None, **result.eval_kl)
+  if interrupted():
+    summary["interrupted_at_step"] = len(result.history.rows)
   print(summary)
   return summary
 
@@ -308,11 +316,14 @@ def main(argv=None) -> int:
   from lazyattn_jax.training.cli_errors import USER_ERRORS, first_line
   args = build_parser().parse_args(argv)
   try:
-    run(args)
+    summary = run(args)
   except USER_ERRORS as e:
     print(f"sink: error: {first_line(e)}", file=sys.stderr)
     return 2
-  return 0
+  except KeyboardInterrupt:  # a second Ctrl-C, or one before training
+    print("sink: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+  return EXIT_INTERRUPTED if "interrupted_at_step" in summary else 0
 
 
 if __name__ == "__main__":
