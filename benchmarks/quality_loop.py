@@ -44,17 +44,39 @@ def run_model(run: Run, loaded, models: dict):
   return models[str(name)] if name else loaded
 
 
-def check_engines(loaded, models: dict, runs, args, pages_for_mode) -> None:
-  """Builds and closes every run's engine before the first run starts:
-  what only the engine checks against the model (a mode refusing an
-  option, a pool dtype the model cannot compute with) then fails at once
-  instead of after the earlier runs.  Building costs a pool allocation,
-  not a compile."""
+def check_engines(loaded, models: dict, runs, items, args,
+                  pages_for_mode) -> None:
+  """Builds every run's engine and prepares every item on it (validation
+  only), then closes it, before the first run starts: what only the engine
+  checks (a mode refusing an option, a pool dtype the model cannot compute
+  with, a request that its pool cannot hold once the run's options add
+  pages) then fails at once instead of after the earlier runs.  Building
+  costs a pool allocation and preparing the tokenizing, not a compile.
+  Raises ValueError naming the run."""
+  from lazyattn_jax.errors import LazyAttnError
+  sampling = _sampling(args)
   for run in runs:
-    make_engine(run_model(run, loaded, models), run,
-                num_pages=pages_for_mode(run.mode), page_size=args.page_size,
-                dtype=args.dtype, max_batch=args.batch,
-                impl=args.impl).close()
+    pages = pages_for_mode(run.mode)
+    engine = make_engine(run_model(run, loaded, models), run,
+                         num_pages=pages, page_size=args.page_size,
+                         dtype=args.dtype, max_batch=args.batch,
+                         impl=args.impl)
+    try:
+      for i, item in enumerate(items):
+        engine.prepare(item.query, list(item.documents), sampling)
+    except LazyAttnError as err:
+      pool = (f"--num-pages {pages} is too small for it"
+              if args.num_pages else f"its pool of {pages} pages")
+      raise ValueError(f"run {run.label!r}, question {i}: {err} ({pool})"
+                       ) from err
+    finally:
+      engine.close()
+
+
+def _sampling(args):
+  """Greedy decoding of at most --max-new-tokens, as every run uses."""
+  from lazyattn_jax.sampling import SamplingParams
+  return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
 
 
 def run_all(loaded, runs, items, args, pages_for_mode, models: dict):
@@ -63,9 +85,7 @@ def run_all(loaded, runs, items, args, pages_for_mode, models: dict):
   fine-tuned copy of `loaded`, say: `check_vocabularies`) instead of
   `loaded`.  A run that fails raises RunFailedError holding the rows of
   the runs before it, so that their results can still be reported."""
-  from lazyattn_jax.sampling import SamplingParams
-  sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
-                            temperature=0.0)
+  sampling = _sampling(args)
   rows = []
   for run in runs:
     try:

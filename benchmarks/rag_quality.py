@@ -261,9 +261,8 @@ def main(argv=None):
                               if r.options.get("model")):
       models[name] = _load(parser, name, args.dtype, args.progress)
     quality_loop.check_vocabularies(loaded, runs, models)
-    if args.num_pages:
-      _check_num_pages(parser, args, loaded, items, runs)
-    quality_loop.check_engines(loaded, models, runs, args, pages_for_mode)
+    quality_loop.check_engines(loaded, models, runs, items, args,
+                               pages_for_mode)
   except (ValueError, TypeError) as err:
     parser.error((str(err).splitlines() or [type(err).__name__])[0])
   failure = None
@@ -299,19 +298,6 @@ def main(argv=None):
   if failure:
     raise SystemExit(f"{parser.prog}: error: {failure}")
   return report
-
-
-def _check_num_pages(p, args, loaded, items, runs) -> None:
-  """--num-pages against the largest request of each mode (without engine
-  options, which may add pages; a run that then cannot fit fails alone,
-  the runs before it reported)."""
-  for mode in dict.fromkeys(r.mode for r in runs):
-    need = max(pages for pages, _ in quality_runs.request_pages(
-        loaded, items, mode, page_size=args.page_size,
-        max_new_tokens=args.max_new_tokens))
-    if args.num_pages < need:
-      p.error(f"--num-pages {args.num_pages} is too small: a {mode} request "
-              f"needs up to {need} pages of {args.page_size} tokens")
 
 
 def _plot_xlabel(args) -> str:

@@ -4,6 +4,7 @@ later run is refused before the first run starts, and a run that fails
 anyway leaves the report of the runs before it."""
 
 import json
+import re
 
 import pytest
 
@@ -75,7 +76,7 @@ def _argv(model, out, *more):
     # Only the engine sees the pool dtype against the model's.
     (["--run", "lazy,dtype=bfloat16"], "does not match"),
     (["--run", "lazy,model={other}"], "has a vocabulary of 256 tokens"),
-    (["--num-pages", "1"], "--num-pages 1 is too small: a full request"),
+    (["--num-pages", "1"], "--num-pages 1 is too small"),
 ])
 def test_a_bad_later_run_fails_before_the_first(tiny_dirs, tmp_path, runs,
                                                 message, capsys):
@@ -91,10 +92,10 @@ def test_a_bad_later_run_fails_before_the_first(tiny_dirs, tmp_path, runs,
   assert not out.exists()
 
 
-def test_a_failed_run_keeps_the_report_of_the_runs_before(tiny_dirs,
-                                                          tmp_path, capsys):
-  """A pool that fits every mode's largest request passes the checks, but
-  first-page recompute needs more pages: that run fails in the middle."""
+def test_options_that_add_pages_are_counted_before_the_first_run(
+    tiny_dirs, tmp_path, capsys):
+  """A pool that fits every mode's largest request without options, while
+  first-page recompute needs more pages: refused before any run."""
   from benchmarks.rag_quality import synthetic_items
   from lazyattn_jax.loading import load_model
   text, _ = tiny_dirs
@@ -109,10 +110,36 @@ def test_a_failed_run_keeps_the_report_of_the_runs_before(tiny_dirs,
                   loaded, items, mode, page_size=16, max_new_tokens=2))
   with pytest.raises(SystemExit) as info:
     main([*argv, "--num-pages", str(pages)])
-  assert "run 'recompute' failed after 1 finished run(s): " \
-         "CacheCapacityError" in str(info.value.code)
+  assert info.value.code == 2
+  captured = capsys.readouterr()
+  assert re.search(r"run 'recompute', question \d+: request needs \d+ "
+                   "pages", captured.err)
+  assert f"--num-pages {pages} is too small for it" in captured.err
+  assert '"label"' not in captured.out and not out.exists()
+
+
+def test_a_failed_run_keeps_the_report_of_the_runs_before(
+    tiny_dirs, tmp_path, capsys, monkeypatch):
+  """A run that fails in the middle (here its request loop) after passing
+  every check: the report holds the runs before it."""
+  from benchmarks import quality_loop
+  text, _ = tiny_dirs
+  out = tmp_path / "r.json"
+  original = quality_loop.generate_all
+
+  def fail_the_second_run(engine, items, sampling, batch, *, desc, progress):
+    if desc == "broken":
+      raise RuntimeError("device lost")
+    return original(engine, items, sampling, batch, desc=desc,
+                    progress=progress)
+
+  monkeypatch.setattr(quality_loop, "generate_all", fail_the_second_run)
+  with pytest.raises(SystemExit) as info:
+    main(_argv(text, out, "--modes", "full", "--run", "lazy,label=broken"))
+  assert "run 'broken' failed after 1 finished run(s): " \
+         "RuntimeError: device lost" in str(info.value.code)
   report = json.loads(out.read_text())
   assert [r["label"] for r in report["runs"]] == ["full"]
-  assert report["failed"].startswith("run 'recompute' failed")
+  assert report["failed"].startswith("run 'broken' failed")
   assert out.with_suffix(".png").exists()
   assert "Traceback" not in capsys.readouterr().err
