@@ -75,9 +75,11 @@ def encode_in_batches(engine, documents, batch_size: int | None,
                       progress: bool) -> list[bool]:
   """Checks and encodes documents at most `batch_size` at a time (None:
   the engine's max_batch), each batch under the engine's lock (rounds may
-  run in between); per document, whether it was cached already.  Returns
-  once the device has written them (the encode calls themselves do not
-  wait), so a caller timing it times the work."""
+  run in between); per document, whether it was cached already when the
+  call began (a repeat says what its first occurrence says, whichever
+  batches they fall in).  Returns once the device has written them (the
+  encode calls themselves do not wait), so a caller timing it times the
+  work."""
   import jax
   from tqdm.auto import tqdm
   if batch_size is None:
@@ -102,7 +104,10 @@ def encode_in_batches(engine, documents, batch_size: int | None,
       bar.update(len(chunk))
   with engine._lock:
     jax.block_until_ready(engine.rounds.state)
-  return hits
+  first = {}
+  for doc, hit in zip(token_docs, hits):
+    first.setdefault(doc, hit)
+  return [first[doc] for doc in token_docs]
 
 
 def batches_that_fit(token_docs, batch_size: int, *, page_size: int,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from lazyattn_jax.cache_config import check_matches_model
 from lazyattn_jax.cache_state import CacheConfig
@@ -295,7 +295,7 @@ class LazyEngine:
     """The finished result of `request_id` (taken out: a second call
     returns None), or None while it is still in flight or unknown."""
     with self._lock:
-      return self.scheduler.finished.pop(request_id, None)
+      return self.scheduler.pop_result(request_id)
 
   def generate(self, query, documents=(), sampling: SamplingParams | None = None,
                **sampling_overrides) -> GenerationResult:
@@ -330,6 +330,11 @@ class LazyEngine:
     nothing.  A request the engine fails to serve comes back with
     finish_reason "error"; the others are unaffected.
     """
+    if isinstance(requests, (Request, str)) or not isinstance(
+        requests, Iterable):
+      raise InvalidRequestError(
+          f"generate_batch takes a sequence of Request items, got "
+          f"{type(requests).__name__}")
     validated = []
     for i, r in enumerate(requests):
       if not isinstance(r, Request):
@@ -374,7 +379,8 @@ class LazyEngine:
     Text documents are tokenized exactly as `generate` tokenizes them, so a
     later request finds them.  Works while requests are in flight: it runs
     between scheduling rounds, where every live request's documents are
-    already encoded.  Returns, per document, whether it was already cached.
+    already encoded.  Returns, per document, whether it was cached when
+    the call began.
     Raises CacheCapacityError if a batch cannot fit beside what live
     requests hold.
     """

@@ -140,6 +140,10 @@ def _token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
         f"{what} must be text or a sequence of token ids, got "
         f"{type(tokens).__name__}")
   if isinstance(tokens, np.ndarray):
+    if tokens.ndim != 1:
+      raise InvalidRequestError(
+          f"{what} must be a 1-D array of token ids, got shape "
+          f"{tokens.shape}")
     tokens = tokens.tolist()
   # Plain ints are the common case: checked and copied by C loops (this
   # runs for every document of every request, between the engine's steps).

@@ -87,6 +87,11 @@ class Scheduler:
   def add(self, request_id: int, request: TokenRequest, arrived: float):
     self.waiting.append((request_id, request, arrived))
 
+  def pop_result(self, request_id: int) -> GenerationResult | None:
+    if not _can_name_a_request(request_id):
+      return None
+    return self.finished.pop(request_id, None)
+
   def has_work(self) -> bool:
     return bool(self.waiting or self.live)
 
@@ -94,6 +99,8 @@ class Scheduler:
     return [live for live in self.live if not live.done]
 
   def tokens_so_far(self, request_id: int) -> list[int]:
+    if not _can_name_a_request(request_id):
+      return []
     if request_id in self.finished:
       return self.finished[request_id].token_ids
     for live in self.live:
@@ -331,3 +338,13 @@ class Scheduler:
 
 def _describe(error: BaseException) -> str:
   return f"{type(error).__name__}: {error}"
+
+
+def _can_name_a_request(request_id) -> bool:
+  """False for an unhashable id, which names no request (a lookup would
+  raise TypeError)."""
+  try:
+    hash(request_id)
+  except TypeError:
+    return False
+  return True

@@ -271,6 +271,11 @@ def test_bad_sampling_overrides_are_refused_at_submit(model_and_config, fields,
     ([5, 6], [[1, 2.5]], "document 0 must hold integer token ids"),
     ([5, 6], "abc", "documents must be a list"),
     ([5, 6], 3, "documents must be a list"),
+    (np.array(5), [[1, 2]], r"query must be a 1-D array of token ids, got "
+                            r"shape \(\)"),
+    ([5, 6], [np.array(1)], "document 0 must be a 1-D array"),
+    ([5, 6], [np.array([[1, 2]])], r"document 0 must be a 1-D array of "
+                                   r"token ids, got shape \(1, 2\)"),
 ])
 def test_wrong_input_types_are_invalid_requests(model_and_config, query,
                                                 documents, match):
@@ -280,6 +285,37 @@ def test_wrong_input_types_are_invalid_requests(model_and_config, query,
   with pytest.raises(InvalidRequestError, match=match):
     engine.generate_batch([Request(query, documents, greedy(2))])
   assert not engine.has_work()
+
+
+def test_calls_given_the_wrong_container_are_refused_or_find_nothing(
+    model_and_config):
+  engine = make_engine(model_and_config, num_pages=40)
+  with pytest.raises(InvalidRequestError, match="a sequence of Request items"
+                     ", got Request"):
+    engine.generate_batch(Request([5, 6], [[1, 2]], greedy(2)))
+  with pytest.raises(InvalidRequestError, match="document 0 must be a 1-D"):
+    engine.encode_documents([np.array(3)])
+  # A finished result held, so the lookups do hash the id.
+  request_id = engine.submit([5, 6], [[1, 2]], greedy(2))
+  while engine.has_work():
+    engine.step()
+  assert engine.tokens_so_far([request_id]) == []
+  assert engine.pop_result([request_id]) is None
+  assert engine.pop_result(request_id).finish_reason == "length"
+  assert not engine.has_work()
+
+
+def test_encode_documents_flags_a_repeat_as_its_first_occurrence(
+    model_and_config):
+  """Whether each document was cached when the call began, however the
+  call is cut into batches (a repeat in a later batch is not a hit)."""
+  a, b, c = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13, 14]
+  for batch_size in (None, 1, 2, 3):
+    engine = make_engine(model_and_config, num_pages=40)
+    engine.encode_documents([c])
+    assert engine.encode_documents([a, b, a, c, c],
+                                   batch_size=batch_size) == [
+        False, False, False, True, True], batch_size
 
 
 def test_sampling_must_be_sampling_params(model_and_config):
