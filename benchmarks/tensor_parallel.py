@@ -224,7 +224,17 @@ def print_rows(rows, file=sys.stdout):
 def main(argv=None):
   args = parse_args(argv)
   import jax
+  from lazyattn_jax.errors import TensorParallelError
+  from lazyattn_jax.sharding import tensor_parallel_for
   config, dtype = model_config(args.model)
+  vocab = {"auto": None, "on": True, "off": False}[args.vocab_parallel]
+  for n in args.tp_list:  # every count before the first run spends time
+    try:
+      tensor_parallel_for(config, tensor_parallel=n, vocab_parallel=vocab)
+    except TensorParallelError as e:
+      print(f"benchmarks.tensor_parallel: error: --tensor-parallel {n}: {e}",
+            file=sys.stderr)
+      raise SystemExit(2) from None
   measured = rag_serving.make_trace(args, config.vocab_size,
                                     args.num_requests, args.seed + 2)
   warm = (measured if args.warmup_requests < 0 else rag_serving.make_trace(

@@ -6,6 +6,7 @@ Hashable, so it can be a jit static argument.  The state it describes is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -17,7 +18,7 @@ from lazyattn_jax.errors import InvalidOptionError
 
 __all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
            "FLOAT8_POOL", "COMPUTE_DTYPES", "check_compute_dtype",
-           "check_matches_model", "check_pool_dtype"]
+           "check_matches_model", "check_pool_dtype", "out_of_memory_errors"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -215,3 +216,22 @@ def check_matches_model(cache_config: CacheConfig, config, *,
   if mismatched:
     raise ValueError("cache_config does not match the model: " +
                      ", ".join(mismatched))
+
+
+@contextlib.contextmanager
+def out_of_memory_errors(cache_config: CacheConfig):
+  """Turns running out of host or device memory while the cache is
+  allocated (a MemoryError, an XLA RESOURCE_EXHAUSTED) into an
+  InvalidOptionError naming the pool's size: too many pages, or pages too
+  large, is a setting to change, not a crash."""
+  try:
+    yield
+  except (MemoryError, jax.errors.JaxRuntimeError) as e:
+    if not (isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)):
+      raise
+    c = cache_config
+    raise InvalidOptionError(
+        f"the cache does not fit in memory: {c.num_pages} pages of "
+        f"{c.page_size} tokens ({c.pool_bytes / 2**30:.1f} GiB of K and V) "
+        f"and {c.max_docs} document slots; choose fewer or smaller pages "
+        f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None

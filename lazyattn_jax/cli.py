@@ -201,7 +201,8 @@ def run_serve(args) -> int:
       quality = dict(quality=None)
     else:
       quality = {}
-    scheduler = {**INTERACTIVE_SETTINGS, **chosen(args, ENGINE_OPTIONS)}
+    start = {} if args.plain_rounds else INTERACTIVE_SETTINGS
+    scheduler = {**start, **chosen(args, ENGINE_OPTIONS)}
     engine = _load_engine(args.model, args, mode=args.mode,
                           page_size=args.page_size,
                           **quality, **scheduler)
@@ -241,6 +242,10 @@ def _add_serve_parser(sub, common):
       "scheduling", "the engine's SchedulerConfig; unset ones take "
       "SchedulerConfig.interactive()'s settings (decode during prefill, "
       "for time to first token), then SchedulerConfig's defaults")
+  engine.add_argument("--plain-rounds", action="store_true",
+                      help="unset ones take SchedulerConfig's defaults, as "
+                           "the Python API does (plain rounds, for the most "
+                           "tokens/s)")
   add_config_options(engine, SchedulerConfig, ENGINE_OPTIONS,
                      use_defaults=False, shown_defaults=INTERACTIVE_SETTINGS)
   add_config_options(serve, ServerConfig, SERVER_OPTIONS)

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Iterable, Sequence
 
-from lazyattn_jax.cache_config import check_matches_model
+from lazyattn_jax.cache_config import check_matches_model, out_of_memory_errors
 from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.completion import (encode_in_batches, run_to_completion,
                                      stream_text)
@@ -105,14 +105,16 @@ class LazyEngine:
                            max_doc_tokens=cache_config.max_doc_tokens)
     self.scheduler_config = scheduler or SchedulerConfig()
     self.runner_config = runner or RunnerConfig()
-    self.cache = PagedKVCache(cache_config)
-    self.runner = ModelRunner(model, self.runner_config,
-                              cache_config.num_pages, cache_config.page_size,
-                              tensor_parallel=self.tensor_parallel)
-    self.scheduler = Scheduler(
-        self.scheduler_config, self._mode, self.cache,
-        tokenizer.decode if tokenizer is not None else None)
-    self.rounds = RoundExecutor(self.scheduler, self.runner, cache_config)
+    with out_of_memory_errors(cache_config):
+      self.cache = PagedKVCache(cache_config)
+      self.runner = ModelRunner(model, self.runner_config,
+                                cache_config.num_pages,
+                                cache_config.page_size,
+                                tensor_parallel=self.tensor_parallel)
+      self.scheduler = Scheduler(
+          self.scheduler_config, self._mode, self.cache,
+          tokenizer.decode if tokenizer is not None else None)
+      self.rounds = RoundExecutor(self.scheduler, self.runner, cache_config)
     self.validator = RequestValidator(
         tokenizer, config.vocab_size, config.max_position, cache_config,
         self._mode, default_stop_ids(tokenizer, config))

@@ -68,7 +68,12 @@ def default_cache_config(config, dtype, num_pages: int,
   """A pool of `num_pages` pages for `config` in `dtype` (the compute dtype,
   or "float8_e4m3fn": `CacheConfig.pool_bytes` counts its scales): a
   quarter as many document slots, and documents up to half the pool (or the
-  model's context)."""
+  model's context).  InvalidOptionError for pages longer than the model's
+  context, which no request could fill."""
+  if page_size > config.max_position:
+    raise InvalidOptionError(
+        f"page_size {page_size} is longer than the model's context "
+        f"({config.max_position} positions)")
   max_doc_pages = max(1, min(num_pages // 2, config.max_position // page_size))
   return CacheConfig(
       num_pages=num_pages, page_size=page_size,

@@ -19,7 +19,8 @@ import pytest
 
 from lazyattn_jax.engine import Request
 from lazyattn_jax.errors import (CacheCapacityError, EngineClosedError,
-                                 InvalidRequestError, RequestFailedError)
+                                 InvalidOptionError, InvalidRequestError,
+                                 RequestFailedError)
 from lazyattn_jax.sampling import SamplingParams
 from tests.test_engine import (PAGE, greedy, make_engine,  # noqa: F401
                                model_and_config, random_tokens)
@@ -316,6 +317,48 @@ def test_encode_documents_flags_a_repeat_as_its_first_occurrence(
     assert engine.encode_documents([a, b, a, c, c],
                                    batch_size=batch_size) == [
         False, False, False, True, True], batch_size
+
+
+@pytest.mark.parametrize("error", [
+    MemoryError("Unable to allocate 23.8 GiB for an array"),
+    jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory allocating 26214400000 bytes."),
+])
+def test_a_cache_too_large_for_memory_is_an_option_error(
+    model_and_config, monkeypatch, error):
+  import lazyattn_jax.engine as engine_module
+
+  def out_of_memory(config):
+    raise error
+
+  monkeypatch.setattr(engine_module, "PagedKVCache", out_of_memory)
+  with pytest.raises(InvalidOptionError,
+                     match=r"the cache does not fit in memory: 40 pages of "
+                           rf"{PAGE} tokens \(.* GiB of K and V\)"):
+    make_engine(model_and_config, num_pages=40)
+
+
+def test_other_runtime_errors_while_allocating_pass_through(
+    model_and_config, monkeypatch):
+  import lazyattn_jax.engine as engine_module
+
+  def broken(config):
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  monkeypatch.setattr(engine_module, "PagedKVCache", broken)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    make_engine(model_and_config, num_pages=40)
+
+
+def test_pages_longer_than_the_context_are_refused():
+  from lazyattn_jax.loading import default_cache_config
+  from tests.training_helpers import tiny_config
+  config = tiny_config()
+  with pytest.raises(InvalidOptionError, match=rf"page_size "
+                     rf"{config.max_position + 1} is longer than the model's"):
+    default_cache_config(config, "float32", 16, config.max_position + 1)
+  assert default_cache_config(config, "float32", 16,
+                              config.max_position).max_pages_per_doc == 1
 
 
 def test_sampling_must_be_sampling_params(model_and_config):

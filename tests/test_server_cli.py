@@ -68,6 +68,25 @@ def test_serve_passes_scheduler_settings_to_the_engine(argv, settings,
   assert engine_settings == {**INTERACTIVE_SETTINGS, **settings}
 
 
+def test_plain_rounds_serve_as_the_python_api_does(monkeypatch):
+  """--plain-rounds: SchedulerConfig's defaults, with the ones given."""
+  from lazyattn_jax.config import SchedulerConfig
+  import lazyattn_jax.cli as cli
+  seen = {}
+
+  def load(model, args, **kwargs):
+    seen.update(SchedulerConfig(**{k: v for k, v in kwargs.items()
+                                   if k in cli.ENGINE_OPTIONS}).__dict__)
+    raise cli.UsageError("stop here")
+
+  monkeypatch.setattr(cli, "_load_engine", load)
+  assert main(["serve", "--model", "m", "--plain-rounds"]) == 2
+  assert seen == SchedulerConfig().__dict__
+  assert main(["serve", "--model", "m", "--plain-rounds", "--max-batch",
+               "3"]) == 2
+  assert seen == SchedulerConfig(max_batch=3).__dict__
+
+
 @pytest.fixture(scope="module")
 def model_dir(text_model, tmp_path_factory):
   """A HF-style directory of the tiny text model."""
@@ -83,6 +102,29 @@ def model_dir(text_model, tmp_path_factory):
   (directory / "tokenizer_config.json").write_text(json.dumps(
       {"chat_template": tokenizer.chat_template, "eos_token": eos}))
   return directory
+
+
+def test_pool_settings_that_cannot_work_exit_2_with_one_line(
+    model_dir, capsys, monkeypatch):
+  """Pages longer than the model's context, and a pool the memory cannot
+  hold (as XLA reports it), after the model loaded: one line, no server."""
+  import lazyattn_jax.engine as engine_module
+  import jax
+  assert main(["serve", "--model", str(model_dir), "--impl", "xla",
+               "--page-size", "100000"]) == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and "page_size 100000 is longer than the " \
+      "model's" in err.strip().splitlines()[-1], err
+
+  def out_of_memory(config):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+  monkeypatch.setattr(engine_module, "PagedKVCache", out_of_memory)
+  assert main(["serve", "--model", str(model_dir), "--impl", "xla",
+               "--num-pages", "64"]) == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and "the cache does not fit in memory: 64 " \
+      "pages" in err.strip().splitlines()[-1], err
 
 
 def _free_port() -> int:

@@ -216,6 +216,21 @@ def test_op_kind_drops_only_the_numeric_suffix():
   assert op_kind("cublas-gemm.2") == "cublas-gemm"
 
 
+def test_benchmark_refuses_device_counts_it_cannot_use_in_one_line():
+  """Every count is checked before the first run: heads that do not
+  divide, and more devices than JAX sees, after a count that works."""
+  for counts, want in (("1,3", "--tensor-parallel 3: 8 query heads do not "
+                                "divide over 3 devices"),
+                       ("1,4", "--tensor-parallel 4: ")):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tensor_parallel", "--model",
+         "tiny", "--tensor-parallel", counts, "--no-progress"], cwd=ROOT,
+        env=_env(2), capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and want in lines[-1], lines
+
+
 @pytest.mark.slow
 def test_benchmark_runs_one_and_two_devices_side_by_side(tmp_path):
   out = tmp_path / "tp.json"
