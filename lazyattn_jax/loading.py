@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,7 @@ def load_model(name_or_path: str, dtype, progress: bool,
   (the file's LlamaConfig -> a models.sharding.TensorParallel or None),
   into each device's shard of them."""
   from lazyattn_jax.default_model import resolve_model_path
-  from models.tokenizer import LlamaTokenizer
+  from models.tokenizer import LlamaTokenizer, UnsupportedTokenizerError
   dtype = check_compute_dtype(dtype)
   path = resolve_model_path(name_or_path)
   if path.is_dir():
@@ -48,7 +49,11 @@ def load_model(name_or_path: str, dtype, progress: bool,
   config, model, metadata = load_gguf(path, dtype=dtype, progress=progress,
                                       sharding=sharding)
   # From the metadata already read: parsing the file again costs seconds.
-  tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
+  try:
+    tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
+  except UnsupportedTokenizerError as e:  # SentencePiece (Llama 2, Mistral)
+    warnings.warn(f"{path.name}: {e}", stacklevel=2)
+    tokenizer = None
   return LoadedModel(config, model, tokenizer,
                      f"gguf:{path.name}:{path.stat().st_size}")
 

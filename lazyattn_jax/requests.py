@@ -110,15 +110,44 @@ class GenerationResult:
 def chat_parts(tokenizer, user_text: str) -> tuple[list[int], list[int]]:
   """(shared chat prefix ids, query ids) for a one-turn chat.
 
-  Without a chat template the prefix is empty and the query is the plain text.
+  Without a chat template the prefix is BOS where the model expects one
+  (else empty) and the query is the plain text.  Raises ValueError where
+  the template refuses the conversation (its `raise_exception`).
   """
   if tokenizer.chat_template is None:
-    return [], tokenizer.encode(user_text)
-  rendered = tokenizer.render_chat([{"role": "user", "content": _SENTINEL}])
-  if rendered.count(_SENTINEL) != 1:
+    bos = tokenizer.bos_token_id
+    return ([bos] if tokenizer.add_bos_token and bos is not None else [],
+            tokenizer.encode(user_text))
+  parts = split_at_user_text(tokenizer, [], user_text)
+  if parts is None:
     return [], tokenizer.chat_prompt(user_text)
-  before, after = rendered.split(_SENTINEL)
-  return tokenizer.encode(before), tokenizer.encode(user_text + after)
+  before, rest = parts
+  return tokenizer.encode(before), tokenizer.encode(rest)
+
+
+def split_at_user_text(tokenizer, history: list[dict], user_text: str
+                       ) -> tuple[str, str] | None:
+  """The chat template's text for `history` then a user turn of
+  `user_text`, cut where that turn's words start: (the text before them,
+  the words as the template writes them (its filters applied, Llama 3's
+  `trim` say) and the rest), or None where the template does not write a
+  fixed text before them.  Raises ValueError where the template refuses
+  the conversation."""
+  import jinja2
+  try:
+    marked = tokenizer.render_chat(
+        history + [{"role": "user", "content": _SENTINEL}])
+    whole = tokenizer.render_chat(
+        history + [{"role": "user", "content": user_text}])
+  except jinja2.TemplateError as e:
+    raise ValueError(f"the model's chat template refuses this "
+                     f"conversation: {e}") from None
+  if marked.count(_SENTINEL) != 1:
+    return None
+  before = marked.split(_SENTINEL)[0]
+  if not whole.startswith(before):
+    return None
+  return before, whole[len(before):]
 
 
 def chat_prefix(tokenizer) -> list[int]:
@@ -198,7 +227,10 @@ def encode_request(tokenizer, query, documents, vocab_size: int):
     raise InvalidRequestError("a text query needs a tokenizer; pass token ids")
   if not query.strip():
     raise InvalidRequestError("query is empty")
-  prefix, query_ids = chat_parts(tokenizer, query)
+  try:
+    prefix, query_ids = chat_parts(tokenizer, query)
+  except ValueError as e:  # the chat template refused it
+    raise InvalidRequestError(str(e)) from None
   query_ids = _token_ids(query_ids, "query", vocab_size)
   if prefix:
     return query_ids, [_token_ids(prefix, "chat prefix", vocab_size)] + docs, 1

@@ -23,7 +23,7 @@ import dataclasses
 from models.errors import ModelFormatError
 
 __all__ = ["Architecture", "ARCHITECTURES", "architecture_from_gguf",
-           "architecture_from_hf"]
+           "architecture_from_hf", "supported_gguf_architectures"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,11 @@ def architecture_from_hf(model_type, path: str) -> Architecture:
   return found
 
 
+def supported_gguf_architectures() -> str:
+  """The GGUF `general.architecture` names this project loads, listed."""
+  return ", ".join(_GGUF_ARCHITECTURES)
+
+
 def architecture_from_gguf(name, path: str) -> Architecture:
   """The family of a GGUF file's `general.architecture`.
 
@@ -83,6 +88,6 @@ def architecture_from_gguf(name, path: str) -> Architecture:
   if found is None:
     raise ModelFormatError(
         f"{path}: general.architecture is {name!r}, which is not supported; "
-        f"supported GGUF architectures: {', '.join(_GGUF_ARCHITECTURES)} "
+        f"supported GGUF architectures: {supported_gguf_architectures()} "
         "(Mistral files are 'llama')")
   return found

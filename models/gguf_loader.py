@@ -30,7 +30,8 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from models.architectures import Architecture, architecture_from_gguf
+from models.architectures import (Architecture, architecture_from_gguf,
+                                  supported_gguf_architectures)
 from models.config import LlamaConfig
 from models.errors import ModelFormatError
 from models.gguf_metadata import GgufMetadata, open_gguf, read_gguf_metadata
@@ -160,6 +161,11 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
       value = value[0]
     return int(value)
 
+  experts = get("expert_count")
+  if experts not in (None, 0):
+    raise ModelFormatError(
+        f"{path}: {arch}.expert_count = {experts}: mixture-of-experts models "
+        f"are not supported (dense {supported_gguf_architectures()} are)")
   hidden = int(get("embedding_length", required=True))
   num_heads = single("attention.head_count",
                      get("attention.head_count", required=True))
@@ -189,6 +195,13 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
     raise ModelFormatError(f"{path}: {arch}.rope.scaling.type = "
                            f"{scaling_type!r} is not supported (plain and "
                            "Llama-3 RoPE are)")
+  # Without a type, llama.cpp applies a factor as linear scaling.
+  for key in ("rope.scaling.factor", "rope.scale_linear"):
+    factor = get(key)
+    if scaling_type in (None, "") and factor not in (None, 0, 1, 0.0, 1.0):
+      raise ModelFormatError(
+          f"{path}: {arch}.{key} = {factor} asks for linear RoPE scaling, "
+          "which is not supported (plain and Llama-3 RoPE are)")
   context_length = int(get("context_length", 8192))
   rope_scaling = None
   if _ROPE_FREQS in tensors:

@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import (AddedToken, Regex, decoders, models, normalizers,
                         pre_tokenizers)
 
-from models.errors import UnsupportedTokenizerError
+from models.errors import ModelFormatError, UnsupportedTokenizerError
 
 # llama.cpp's token types (gguf.TokenType), from tokenizer.ggml.token_type.
 _TOKEN_TYPE_CONTROL = 3
@@ -125,6 +125,7 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     UnsupportedTokenizerError: not a byte-level BPE (`tokenizer.ggml.model`
       "gpt2") with a known pre-tokenizer, or metadata it cannot rebuild
       exactly.
+    ModelFormatError: merges that name tokens the vocabulary lacks.
   """
   model_type = meta.get("tokenizer.ggml.model")
   if model_type != "gpt2":
@@ -160,9 +161,13 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
       raise UnsupportedTokenizerError(f"malformed merge {merge!r}")
     pairs.append((left, right))
 
-  backend = tokenizers.Tokenizer(models.BPE(
-      vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-      ignore_merges=spec.ignore_merges))
+  try:
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+        ignore_merges=spec.ignore_merges))
+  except Exception as e:  # the Rust library's: a merge of unknown tokens
+    raise ModelFormatError(
+        f"tokenizer.ggml.merges cannot be built: {e}") from None
   if spec.nfc:
     backend.normalizer = normalizers.NFC()
   backend.pre_tokenizer = _pre_tokenizer(spec)

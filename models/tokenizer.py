@@ -130,7 +130,10 @@ class LlamaTokenizer:
     Raises:
       UnsupportedTokenizerError: the file's tokenizer is not a byte-level BPE
         (`tokenizer.ggml.model` "gpt2") with a known pre-tokenizer.
-      ModelFormatError: a path that is not a readable GGUF file.
+      ModelFormatError: a path that is not a readable GGUF file, or
+        tokenizer metadata that contradicts itself (merges of tokens the
+        vocabulary lacks, a special id outside it, a chat template that
+        does not compile).
     """
     if isinstance(path_or_reader, (str, os.PathLike)):
       from models.gguf_metadata import open_gguf
@@ -144,19 +147,24 @@ class LlamaTokenizer:
     """Builds the tokenizer from GGUF `tokenizer.*` metadata values.
 
     Raises:
-      UnsupportedTokenizerError: as `from_gguf`.
+      UnsupportedTokenizerError, ModelFormatError: as `from_gguf`.
     """
     backend = bpe_from_gguf_metadata(meta)
     extra_stops = _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
     extra_stops += _as_id_list(meta.get("tokenizer.ggml.eom_token_id"))
-    return cls(backend,
-               bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-               eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-               pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-               extra_stop_token_ids=extra_stops,
-               chat_template=meta.get("tokenizer.chat_template"),
-               add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token",
-                                           False)))
+    try:
+      return cls(backend,
+                 bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                 eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                 pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+                 extra_stop_token_ids=extra_stops,
+                 chat_template=meta.get("tokenizer.chat_template"),
+                 add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token",
+                                             False)))
+    except ValueError as e:  # a special id outside the vocabulary
+      if isinstance(e, ModelFormatError):
+        raise
+      raise ModelFormatError(f"GGUF tokenizer metadata: {e}") from None
 
   @classmethod
   def from_tokenizer_json(cls, path: str | os.PathLike) -> "LlamaTokenizer":

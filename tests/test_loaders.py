@@ -25,6 +25,7 @@ from tests.hf_fixtures import write_hf_checkpoint
 
 Q = gguf.GGMLQuantizationType
 TOKENS = [f"tok{i}" for i in range(256)]
+TOKENS[3:8] = ["t", "o", "to", "k", "tok"]  # what MERGES make
 MERGES = ["t o", "to k"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>"
                  "{{ m['content'] }}{% endfor %}")
@@ -85,12 +86,15 @@ def _llama3_rope_freqs(config) -> np.ndarray:
 
 
 def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
-                     rope_freqs=None, uint_fields=None, replace=None):
+                     rope_freqs=None, uint_fields=None, replace=None,
+                     float_fields=None, tokenizer_model="gpt2",
+                     merges=MERGES):
   """Writes `params` as llama.cpp would (HF [out, in] rows, Q/K permuted).
 
-  `uint_fields` overrides integer metadata (key -> value), and `replace`
-  writes other float32 data (tensor name -> array) under a tensor's name:
-  to make broken files.
+  `uint_fields` and `float_fields` override or add metadata (key -> value),
+  `tokenizer_model` and `merges` are the tokenizer's, and `replace` writes
+  other float32 data (tensor name -> array) under a tensor's name: to make
+  broken files.
 
   Returns the weights a correct loader must produce: each matrix quantized
   and dequantized by gguf itself, in our layout and row order.
@@ -114,11 +118,13 @@ def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
     writer.add_uint32("llama.attention.value_length", c.head_dim)
   writer.add_float32("llama.rope.freq_base", c.rope_theta)
   writer.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-  writer.add_string("tokenizer.ggml.model", "gpt2")
+  for key, value in (float_fields or {}).items():
+    writer.add_float32(key, value)
+  writer.add_string("tokenizer.ggml.model", tokenizer_model)
   writer.add_string("tokenizer.ggml.pre", "smollm")
   writer.add_array("tokenizer.ggml.tokens", TOKENS)
   writer.add_array("tokenizer.ggml.token_type", [3, 3, 3] + [1] * 253)
-  writer.add_array("tokenizer.ggml.merges", MERGES)
+  writer.add_array("tokenizer.ggml.merges", list(merges))
   writer.add_bool("tokenizer.ggml.add_bos_token", False)
   writer.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
 

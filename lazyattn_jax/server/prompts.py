@@ -17,12 +17,11 @@ import dataclasses
 import secrets
 
 from lazyattn_jax.errors import InvalidRequestError
+from lazyattn_jax.requests import split_at_user_text
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.server.errors import bad_request
 
 MAX_STOP_STRINGS = 16
-# Marks where the last user message goes in a rendered conversation.
-_SENTINEL = "\u0000lazyattn-last-user-message\u0000"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,18 +131,19 @@ def chat_query(messages, tokenizer) -> Query:
   conversation = [{"role": "system" if m.role == "developer" else m.role,
                    "content": text}
                   for m, text in zip(messages[:-1], texts[:-1])]
-  rendered = tokenizer.render_chat(
-      conversation + [{"role": "user", "content": _SENTINEL}])
-  if rendered.count(_SENTINEL) != 1:
-    raise bad_request("this model's chat template cannot place documents in "
-                      "a conversation: send one user message",
-                      param="messages")
-  before, after = rendered.split(_SENTINEL)
   if not texts[-1].strip():
     raise bad_request(f"messages[{len(messages) - 1}].content is empty",
                       param=f"messages[{len(messages) - 1}].content")
-  return Query(tokenizer.encode(texts[-1] + after),
-               tokenizer.encode(before) or None)
+  try:
+    parts = split_at_user_text(tokenizer, conversation, texts[-1])
+  except ValueError as e:  # the template's raise_exception
+    raise bad_request(str(e), param="messages") from None
+  if parts is None:
+    raise bad_request("this model's chat template cannot place documents in "
+                      "a conversation: send one user message",
+                      param="messages")
+  before, rest = parts
+  return Query(tokenizer.encode(rest), tokenizer.encode(before) or None)
 
 
 def completion_query(prompt, tokenizer) -> Query:

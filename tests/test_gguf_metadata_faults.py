@@ -1,0 +1,78 @@
+"""GGUF metadata the loaders refuse or work around: a tokenizer the project
+cannot rebuild (SentencePiece: Llama 2, Mistral) leaves a token-id model,
+while linear RoPE scaling, mixture-of-experts and self-contradicting
+tokenizer metadata are ModelFormatErrors naming what is wrong."""
+
+import gguf
+import numpy as np
+import pytest
+
+from lazyattn_jax.loading import load_model
+from models.errors import ModelFormatError
+from models.gguf_loader import load_gguf
+from tests.test_loaders import _source, write_llama_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+def _write(tmp_path, **kwargs):
+  config, params = _source(False)
+  path = tmp_path / "m.gguf"
+  write_llama_gguf(path, config, params, Q.F32, **kwargs)
+  return path
+
+
+def test_the_fixture_gguf_loads_with_its_tokenizer(tmp_path):
+  loaded = load_model(str(_write(tmp_path)), "float32", False)
+  assert loaded.tokenizer is not None
+  assert loaded.tokenizer.encode("tok") == [7]
+
+
+def test_a_sentencepiece_gguf_loads_for_token_ids_with_a_warning(tmp_path):
+  path = _write(tmp_path, tokenizer_model="llama")
+  with pytest.warns(UserWarning, match="tokenizer.ggml.model is 'llama'; "
+                    "only byte-level BPE"):
+    loaded = load_model(str(path), "float32", False)
+  assert loaded.tokenizer is None
+  from lazyattn_jax import LazyEngine
+  with pytest.warns(UserWarning):
+    engine = LazyEngine.from_pretrained(str(path), num_pages=32, impl="xla",
+                                        max_batch=1, progress=False)
+  result = engine.generate([5, 6, 7], [[1, 2, 3]], max_new_tokens=2)
+  assert len(result.token_ids) >= 1 and result.text is None
+
+
+@pytest.mark.parametrize("key", ["llama.rope.scaling.factor",
+                                 "llama.rope.scale_linear"])
+def test_a_linear_rope_factor_without_a_type_is_refused(tmp_path, key):
+  # llama.cpp applies such a factor as linear scaling: loading it as plain
+  # RoPE would put every position in the wrong place.
+  with pytest.raises(ModelFormatError, match=rf"{key} = 4.0 asks for linear "
+                     "RoPE scaling, which is not supported"):
+    load_gguf(_write(tmp_path, float_fields={key: 4.0}))
+  load_gguf(_write(tmp_path, float_fields={key: 1.0}))  # no scaling: fine
+
+
+def test_a_mixture_of_experts_gguf_names_what_is_supported(tmp_path):
+  with pytest.raises(ModelFormatError, match=r"llama.expert_count = 8: "
+                     r"mixture-of-experts models are not supported \(dense "
+                     r"llama, qwen2, qwen3 are\)"):
+    load_gguf(_write(tmp_path, uint_fields={"llama.expert_count": 8}))
+
+
+def test_merges_of_unknown_tokens_are_a_model_format_error(tmp_path):
+  path = _write(tmp_path, merges=["t o", "to notatoken"])
+  with pytest.raises(ModelFormatError, match="tokenizer.ggml.merges cannot "
+                     "be built: .*notatoken"):
+    load_model(str(path), "float32", False)
+
+
+@pytest.mark.parametrize("key, message", [
+    ("tokenizer.ggml.eos_token_id", "eos_token_id=99999 is outside"),
+    ("tokenizer.ggml.eot_token_id", "stop token id 99999 is outside"),
+])
+def test_a_special_id_outside_the_vocabulary_is_a_model_format_error(
+    tmp_path, key, message):
+  path = _write(tmp_path, uint_fields={key: 99999})
+  with pytest.raises(ModelFormatError, match=message):
+    load_model(str(path), "float32", False)
