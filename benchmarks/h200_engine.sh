@@ -56,11 +56,11 @@
 #           device time by op (benchmarks/plan_profile.py) (issue 16, parts
 #           1 and 4 as whole calls; ~200 s).
 #   levers - the opt-in levers for the shuffled-page bars of issue 16
-#           (rotate_ahead, l2_prefetch): their GPU tests, then the decode at
-#           B64 / ctx 8192 and the prefill at the 512-token chunk, each
-#           against the default on shuffled pages (LEVERS_LAYOUT=documents
-#           for the other layout, LEVERS_TESTS=0 to skip the tests on a
-#           machine that has run them; up to 590 s).
+#           (rotate_ahead, l2_prefetch; neither kept, benchmarks/RESULTS.md):
+#           the decode at B64 / ctx 8192 and the prefill at the 512-token
+#           chunk, each against the default on shuffled pages
+#           (LEVERS_LAYOUT=documents for the other layout, LEVERS_TESTS=1 to
+#           run their GPU tests first, 140 s more; up to 520 s without).
 #   mixedstep - a mixed step against its parts, alone and chained, at
 #           MIXEDSTEP_TOKENS document tokens per call (benchmarks/mixed_step.py;
 #           ~70 s).
@@ -204,17 +204,17 @@ for part in $parts; do
         --variants k128w2s2-qreg-sched,k128w2s2-qreg-csrec-sched 2>&1 | grep -v Warning \
         | tee "$out/mgpu_prefill_wholecall.txt" | tail -30 ;;
     levers)
-      if [ "${LEVERS_TESTS:-1}" != 0 ]; then
+      if [ "${LEVERS_TESTS:-0}" != 0 ]; then
         timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider \
           tests/test_l2_prefetch.py tests/test_gpu_decode_blocks.py \
           -k "rotate_ahead or prefetch or segment_steps" 2>&1 | tail -3 \
           | tee "$out/levers_tests.txt"
       fi
-      timeout 240 python3 -m benchmarks.kernels --decode-only --no-baselines \
+      timeout 310 python3 -m benchmarks.kernels --decode-only --no-baselines \
         --no-triton-decode --decode-shapes 64x8192 --page-layout ${LEVERS_LAYOUT:-pages} \
-        --mosaic-variants k128s2-blocks-rope,k128s2-blocks-rope-ahead,k128s2-blocks-rope-l2pf,k128s2-blocks-rope-ahead-l2pf \
-        --time-budget 180 --json "$out/levers_decode.json" 2>&1 | grep -v Warning \
-        | grep "decode  \|PASS\|MISS"
+        --mosaic-variants k128s2-blocks-rope,k128s2-blocks-rope-ahead,k128s2-blocks-rope-l2pf \
+        --time-budget 240 --json "$out/levers_decode.json" 2>&1 | grep -v Warning \
+        | grep "B64/ctx8192\|PASS\|MISS" | tee "$out/levers_decode.txt"
       timeout 200 python3 -m benchmarks.mgpu_prefill_check --skip-parity \
         --variants k128w2s2-qreg-csrec-sched,k128w2s2-qreg-csrec-sched-l2pf \
         --shapes chunk512 --page-layout ${LEVERS_LAYOUT:-pages} --tables 3 \

@@ -71,7 +71,8 @@ class MgpuDecodeBlockSizes:
       block's K copy is waited for, from that page's shift read from the
       plan in global memory a step earlier, so it overlaps the copy; else
       after the wait, before the block's Q K^T, where it delays the K
-      slot's release.  The same result, bit for bit.
+      slot's release.  The same result, bit for bit; on the H200 no
+      faster (docs/kernels.md), so off by default.
     dependent_launch: as `MgpuBlockSizes.dependent_launch`: the decode
       kernel waits for the kernel before it before its first global read,
       so jax >= 0.11 launches it with programmatic dependent launch; the
