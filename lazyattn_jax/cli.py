@@ -24,9 +24,9 @@ from importlib import resources
 
 from lazyattn_jax.cache_config import COMPUTE_DTYPES, FLOAT8_POOL
 from lazyattn_jax.errors import RequestFailedError
-from lazyattn_jax.training.interrupt import EXIT_INTERRUPTED
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 # Attention implementations (pallas_kernels.lazy_attention's impl argument).
 IMPLS = ("auto", "xla", "gpu", "tpu")
 # The impls that need JAX's backend of the same name; "auto" and "xla" run

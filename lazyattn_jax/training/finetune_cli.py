@@ -114,8 +114,8 @@ def run(args) -> int:
   from lazyattn_jax.training.data import load_source
   from lazyattn_jax.training.finetune import (OUTPUT_DIRS, OUTPUT_FILES,
                                               finetune)
-  from lazyattn_jax.training.interrupt import (EXIT_INTERRUPTED,
-                                               stop_on_interrupt)
+  from lazyattn_jax.cli import EXIT_INTERRUPTED
+  from lazyattn_jax.training.interrupt import stop_on_interrupt
   from lazyattn_jax.training.model_io import load_trainable
   from lazyattn_jax.training.report import output_errors, prepare_output_dir
   _check(args)

@@ -13,8 +13,6 @@ import signal
 import sys
 import threading
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
-
 
 class StopRequest:
   """Callable flag: True once a stop was asked for."""

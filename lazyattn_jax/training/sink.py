@@ -37,7 +37,7 @@ from lazyattn_jax.training import parallel, report
 from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
-from lazyattn_jax.training.interrupt import EXIT_INTERRUPTED, stop_on_interrupt
+from lazyattn_jax.training.interrupt import stop_on_interrupt
 from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.order import check_seed
 from lazyattn_jax.training.sink_file import check_sink, save_sink
@@ -313,6 +313,7 @@ def _write_outputs(args, config, model, result, seconds) -> str:
 
 
 def main(argv=None) -> int:
+  from lazyattn_jax.cli import EXIT_INTERRUPTED
   from lazyattn_jax.training.cli_errors import USER_ERRORS, first_line
   args = build_parser().parse_args(argv)
   try:
