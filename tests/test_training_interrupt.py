@@ -7,16 +7,13 @@ import signal
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from lazyattn_jax import cli
 from lazyattn_jax.training import sink as sink_module
 from lazyattn_jax.training.batch import BatchBuilder
-from lazyattn_jax.training.export import export_model
 from lazyattn_jax.training.interrupt import stop_on_interrupt
 from lazyattn_jax.training.sink_file import load_sink
-from models.llama import Llama
-from tests.training_helpers import tiny_config, tiny_tokenizer
+from tests.test_training_cli import model_dir  # noqa: F401
 
 
 def test_first_sigint_asks_to_stop_and_a_second_interrupts(capsys):
@@ -29,14 +26,6 @@ def test_first_sigint_asks_to_stop_and_a_second_interrupts(capsys):
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
   assert signal.getsignal(signal.SIGINT) is before
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  path = tmp_path_factory.mktemp("tiny_model")
-  model = Llama(tiny_config(), rngs=nnx.Rngs(0))
-  return export_model(path, model.config, nnx.to_pure_dict(nnx.state(model)),
-                      tiny_tokenizer())
 
 
 @pytest.fixture
