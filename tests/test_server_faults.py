@@ -77,6 +77,9 @@ BAD_REQUESTS = {
     "too many stop strings": ("completions",
                               completion_body(stop=["x"] * 17), 400, "stop"),
     "echo": ("completions", completion_body(echo=True), 400, "echo"),
+    # 0 still asks for the sampled tokens' own logprobs.
+    "logprobs of 0": ("completions", completion_body(logprobs=0), 400,
+                      "logprobs"),
 }
 
 
@@ -359,6 +362,38 @@ def test_documents_post_fits_the_pool_and_registers_only_what_it_encoded(
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "cache_busy"
     assert len(app.state.registry) == registered
+
+
+def test_a_wrong_method_is_405_with_allow(server):
+  _, url = server
+  response = httpx.delete(url + "/v1/documents", timeout=30)
+  assert response.status_code == 405
+  assert response.headers.get("allow") == "POST"
+  assert response.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_documents_post_refuses_more_documents_than_it_remembers(text_model):
+  """Registered one by one, the first ids would be forgotten by the last:
+  the call is refused before anything is encoded or registered."""
+  with serving(make_engine(text_model, num_pages=64),
+               max_registered_documents=3) as (app, url):
+    docs = [f"Document number {i} about bridges." for i in range(5)]
+    response = httpx.post(url + "/v1/documents", json={"documents": docs},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "documents"
+    assert "5 different documents in one call; the server remembers at " \
+        "most 3" in error["message"]
+    assert len(app.state.registry) == 0
+    # Repeats count once; three different documents fit.
+    response = httpx.post(url + "/v1/documents",
+                          json={"documents": docs[:3] + docs[:2]}, timeout=60)
+    assert response.status_code == 200, response.text
+    for entry in response.json()["data"]:
+      used = httpx.post(url + "/v1/completions", json=completion_body(
+          documents=[{"id": entry["id"]}], max_tokens=1), timeout=60)
+      assert used.status_code == 200, used.text
 
 
 def test_null_means_the_default(server):

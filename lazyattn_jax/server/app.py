@@ -83,7 +83,7 @@ def create_app(engine, config: ServerConfig | None = None, *,
     kind = "not_found_error" if error.status_code == 404 else (
         "invalid_request_error")
     return error_response(APIError(error.status_code, str(error.detail),
-                                   type=kind))
+                                   type=kind, headers=error.headers))
 
   @app.exception_handler(ClientDisconnect)
   async def client_left(_request, _error):
@@ -119,6 +119,12 @@ def create_app(engine, config: ServerConfig | None = None, *,
                                               documents)
     except (InvalidRequestError, CacheCapacityError) as error:
       raise bad_request(str(error), param="documents") from None
+    if len(set(map(tuple, tokens))) > registry.capacity:
+      # Registered one by one, the first would be forgotten by the last.
+      raise bad_request(
+          f"{len(set(map(tuple, tokens)))} different documents in one call; "
+          f"the server remembers at most {registry.capacity} "
+          f"(--max-registered-documents)", param="documents")
     hits = [False] * len(tokens)
     if engine.mode in ("lazy", "block"):  # modes that cache whole documents
       try:

@@ -55,7 +55,9 @@ def check_unsupported(body, chat: bool):
          body.response_format.get("type") == "text",
          "only the text response format is supported")]
   else:
-    neutral += [("logprobs", not body.logprobs, "logprobs are not supported"),
+    # logprobs=0 still asks for the sampled tokens' own logprobs.
+    neutral += [("logprobs", body.logprobs is None,
+                 "logprobs are not supported"),
                 ("echo", not body.echo, "echo is not supported"),
                 ("suffix", body.suffix is None, "suffix is not supported"),
                 ("best_of", body.best_of in (None, 1),
