@@ -152,19 +152,15 @@ class LlamaTokenizer:
     backend = bpe_from_gguf_metadata(meta)
     extra_stops = _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
     extra_stops += _as_id_list(meta.get("tokenizer.ggml.eom_token_id"))
-    try:
-      return cls(backend,
-                 bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                 eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-                 pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-                 extra_stop_token_ids=extra_stops,
-                 chat_template=meta.get("tokenizer.chat_template"),
-                 add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token",
-                                             False)))
-    except ValueError as e:  # a special id outside the vocabulary
-      if isinstance(e, ModelFormatError):
-        raise
-      raise ModelFormatError(f"GGUF tokenizer metadata: {e}") from None
+    return cls._from_file("GGUF tokenizer metadata", backend,
+                          bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                          eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                          pad_token_id=meta.get(
+                              "tokenizer.ggml.padding_token_id"),
+                          extra_stop_token_ids=extra_stops,
+                          chat_template=meta.get("tokenizer.chat_template"),
+                          add_bos_token=bool(meta.get(
+                              "tokenizer.ggml.add_bos_token", False)))
 
   @classmethod
   def from_tokenizer_json(cls, path: str | os.PathLike) -> "LlamaTokenizer":
@@ -180,7 +176,8 @@ class LlamaTokenizer:
     Raises:
       FileNotFoundError: no tokenizer.json there.
       ModelFormatError: an unreadable tokenizer.json or JSON file beside it,
-        or a chat template that does not compile.
+        a chat template that does not compile, or a special or stop id
+        outside the vocabulary.
     """
     path = pathlib.Path(path)
     json_path = path / "tokenizer.json" if path.is_dir() else path
@@ -213,13 +210,26 @@ class LlamaTokenizer:
     eos = token_id("eos_token")
     if eos is None and extra_stops:
       eos = extra_stops[0]
-    return cls(backend,
-               bos_token_id=token_id("bos_token"),
-               eos_token_id=eos,
-               pad_token_id=token_id("pad_token"),
-               extra_stop_token_ids=extra_stops,
-               chat_template=template or None,
-               add_bos_token=bool(config.get("add_bos_token", False)))
+    return cls._from_file(str(folder), backend,
+                          bos_token_id=token_id("bos_token"),
+                          eos_token_id=eos,
+                          pad_token_id=token_id("pad_token"),
+                          extra_stop_token_ids=extra_stops,
+                          chat_template=template or None,
+                          add_bos_token=bool(config.get("add_bos_token",
+                                                        False)))
+
+  @classmethod
+  def _from_file(cls, source: str, backend, **settings) -> "LlamaTokenizer":
+    """`cls(backend, **settings)` read from `source`: a setting the
+    constructor refuses (a special or stop id outside the vocabulary) is
+    the file's fault, a ModelFormatError naming it."""
+    try:
+      return cls(backend, **settings)
+    except ModelFormatError:  # a chat template that does not compile
+      raise
+    except ValueError as e:
+      raise ModelFormatError(f"{source}: {e}") from None
 
   # --- encoding and decoding -----------------------------------------------
 

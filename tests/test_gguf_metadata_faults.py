@@ -1,7 +1,10 @@
 """GGUF metadata the loaders refuse or work around: a tokenizer the project
 cannot rebuild (SentencePiece: Llama 2, Mistral) leaves a token-id model,
 while linear RoPE scaling, mixture-of-experts and self-contradicting
-tokenizer metadata are ModelFormatErrors naming what is wrong."""
+tokenizer metadata are ModelFormatErrors naming what is wrong (and so is
+an out-of-vocabulary stop id in a model directory's config.json)."""
+
+import re
 
 import gguf
 import numpy as np
@@ -76,3 +79,16 @@ def test_a_special_id_outside_the_vocabulary_is_a_model_format_error(
   path = _write(tmp_path, uint_fields={key: 99999})
   with pytest.raises(ModelFormatError, match=message):
     load_model(str(path), "float32", False)
+
+
+def test_a_stop_id_outside_the_vocabulary_in_a_model_directory(tmp_path):
+  # The tokenizer.json path has the same twin: config.json's eos_token_id.
+  import json
+  from models.tokenizer import LlamaTokenizer
+  from tests.training_helpers import tiny_tokenizer
+  (tmp_path / "tokenizer.json").write_text(tiny_tokenizer().backend.to_str())
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 99999}))
+  # Without an eos_token in tokenizer_config.json the first stop id is EOS.
+  with pytest.raises(ModelFormatError, match=re.escape(
+      f"{tmp_path}: eos_token_id=99999 is outside the vocabulary")):
+    LlamaTokenizer.from_tokenizer_json(tmp_path)
