@@ -331,9 +331,8 @@ def _check_arguments(args):
 def _check_dtypes(args):
   """--dtype and --kv-dtype, before the model loads: a pool dtype other
   than the compute dtype or float8 builds an engine that cannot generate."""
-  from lazyattn_jax.cache_config import check_pool_dtype
+  from lazyattn_jax.cache_config import check_compute_dtype, check_pool_dtype
   from lazyattn_jax.errors import InvalidOptionError
-  from lazyattn_jax.cache_config import check_compute_dtype
   try:
     dtype = check_compute_dtype(args.dtype, name="--dtype")
     if args.kv_dtype is not None:

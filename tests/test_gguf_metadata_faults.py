@@ -7,7 +7,6 @@ an out-of-vocabulary stop id in a model directory's config.json)."""
 import re
 
 import gguf
-import numpy as np
 import pytest
 
 from lazyattn_jax.loading import load_model

@@ -119,10 +119,11 @@ def create_app(engine, config: ServerConfig | None = None, *,
                                               documents)
     except (InvalidRequestError, CacheCapacityError) as error:
       raise bad_request(str(error), param="documents") from None
-    if len(set(map(tuple, tokens))) > registry.capacity:
+    distinct = len(set(tokens))  # token tuples, as the validator gives
+    if distinct > registry.capacity:
       # Registered one by one, the first would be forgotten by the last.
       raise bad_request(
-          f"{len(set(map(tuple, tokens)))} different documents in one call; "
+          f"{distinct} different documents in one call; "
           f"the server remembers at most {registry.capacity} "
           f"(--max-registered-documents)", param="documents")
     hits = [False] * len(tokens)
