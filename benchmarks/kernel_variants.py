@@ -95,6 +95,11 @@ MOSAIC_DECODE_VARIANTS = {
     "k128s2-blocks-rope-l2pf": _blocks_rope(l2_prefetch=True),
     "k128s2-blocks-rope-ahead-l2pf": _blocks_rope(rotate_ahead=True,
                                                   l2_prefetch=True),
+    # The default with a rotation's cos / sin computed one value a thread
+    # (MgpuDecodeBlockSizes.compact_cos_sin); and with rotate_ahead too.
+    "k128s2-blocks-rope-compactcs": _blocks_rope(compact_cos_sin=True),
+    "k128s2-blocks-rope-compactcs-ahead": _blocks_rope(compact_cos_sin=True,
+                                                       rotate_ahead=True),
     # The default form at 64-key steps: a deeper ring in the same bytes,
     # one CTA per item or persistent (128-key persistent steps do not fit).
     "k64s4-blocks-rope": _blocks_rope(block_kv=64, num_stages=4),

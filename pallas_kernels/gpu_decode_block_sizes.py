@@ -14,6 +14,7 @@ from jax import lax
 
 from pallas_kernels.gpu_block_sizes import (MIN_BLOCKS_PER_SPLIT, WG_ROWS,
                                             ring_bytes)
+from pallas_kernels.gpu_mgpu_lanes import LANES
 from pallas_kernels.rope import NUM_TURN_CHUNKS
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,12 @@ class MgpuDecodeBlockSizes:
       kernel waits for the kernel before it before its first global read,
       so jax >= 0.11 launches it with programmatic dependent launch; the
       plan kernel lets it launch at its start.
+    compact_cos_sin: with `rope_in_kernel`, a rotation's H cos and sin
+      values are computed one a thread (laid out over the warpgroup's 128
+      threads) and read back from shared memory, instead of each thread
+      computing the 16 columns it holds in the WGMMA layout (every column
+      in 32 threads).  The same values, in float32 with the same range
+      reduction; it takes work off the compute warpgroup at each shift.
   """
 
   # 128-key steps and two stages (all that fits beside the float32 query
@@ -97,6 +104,7 @@ class MgpuDecodeBlockSizes:
   plan_in_kernel: bool | None = None
   rotate_ahead: bool = False
   dependent_launch: bool = False
+  compact_cos_sin: bool = False
 
   def __post_init__(self):
     if self.rope_in_kernel and not self.steps_by_block:
@@ -107,6 +115,8 @@ class MgpuDecodeBlockSizes:
                               or self.fields_in_kernel):
       raise ValueError("rotate_ahead needs rope_in_kernel=True and "
                        "fields_in_kernel=False")
+    if self.compact_cos_sin and not self.rope_in_kernel:
+      raise ValueError("compact_cos_sin needs rope_in_kernel=True")
     if self.float8_operand not in ("float16", "query"):
       raise ValueError(f"float8_operand must be 'float16' or 'query', got "
                        f"{self.float8_operand!r}")
@@ -118,6 +128,14 @@ class MgpuDecodeBlockSizes:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
     if self.kv_splits is not None and self.kv_splits < 1:
       raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
+
+
+def shift_cos_sin_shape(head_dim: int) -> tuple[int, int]:
+  """`compact_cos_sin`: one rotation's cos / sin, one value a thread, as
+  rows of H/2: cos in the even rows, sin in the odd (two rows at H 128,
+  four at H 64)."""
+  half = head_dim // 2
+  return (LANES // half, half)
 
 
 def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
@@ -139,6 +157,9 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
     pages = 1
   cos_sin_pages = block_sizes.num_stages * (pages - 1) * head_dim * 4
   turn_chunks = NUM_TURN_CHUNKS * head_dim // 2 * 4
+  if block_sizes.compact_cos_sin:  # each column in every row of one
+    # rotation's cos / sin, and those
+    turn_chunks = (NUM_TURN_CHUNKS + 1) * LANES * 4
   scores = (WG_ROWS * block_sizes.block_kv * 4 if block_sizes.steps_by_block
             else 0)
   # fields_in_kernel: a record slot holds four 128-byte field chunks, not

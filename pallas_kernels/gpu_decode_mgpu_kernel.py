@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -38,7 +39,8 @@ from pallas_kernels import gpu_common as common
 from pallas_kernels.gpu_block_sizes import WG_ROWS
 from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
                                                    mgpu_decode_num_ctas,
-                                                   mgpu_decode_work_item)
+                                                   mgpu_decode_work_item,
+                                                   shift_cos_sin_shape)
 # The warpgroups' registers per thread (setmaxnreg) as in prefill.
 from pallas_kernels.gpu_mgpu_float8 import (
     CONVERTER_REGISTERS, convert_work_items, load_page_scales, step_scales)
@@ -73,7 +75,8 @@ def _kernel(
     cs_ref,  # f32 [B, M, 2, H/2]: cos / sin of each segment's shift
     q_pos_ref,  # int32 [B]: q_pos, PADDING_ROW for padding rows
     page_offset_ref,  # int32 [1]: added to every physical page id
-    chunks_ref,  # int32 [6, H/2]: RoPE turn chunks (rope_in_kernel)
+    chunks_ref,  # int32 [6, H/2]: RoPE turn chunks (rope_in_kernel;
+    #              compact_cos_sin: [6, R, H/2], shift_cos_sin_shape)
     # Operands.
     q_ref,  # f32 [B, K, 64, H]: R(q_pos) q * sm_scale * log2(e), G rows
     k_ref,  # [K, pages * P, H], 16-bit or float8_e4m3fn
@@ -107,6 +110,9 @@ def _kernel(
   # With float8 the converter frees a K slot before the compute warpgroup
   # has used its cos/sin: their ring is twice as deep, as the records'.
   cs_stages = cs_smem.shape[0]
+  # compact_cos_sin: one rotation's cos / sin, written by the compute
+  # warpgroup
+  compact_cs = cs_smem.at[0] if cfg.compact_cos_sin else None
   if cfg.dependent_launch and not interpret:  # before any global read
     plgpu.griddepcontrol_wait()
   page_offset = page_offset_ref[0]
@@ -177,7 +183,7 @@ def _kernel(
         if cfg.rotate_ahead:  # before the wait; the next page read early
           rotated = rotate_ahead(ops, carried[1:], carried[0], q_tile,
                                  q16_smem=q16_smem, chunks_smem=chunks_smem,
-                                 dtype=dtype)
+                                 dtype=dtype, cos_sin_smem=compact_cs)
           carried = (rotated, *first_page(first + i + 1))
         # The record ring is twice as deep as the K/V ring: the record is
         # read after the K slot is released (mask, V fix-up); see the
@@ -200,7 +206,8 @@ def _kernel(
               cs_smem=cs_smem.at[lax.rem(ring, cs_stages)],
               chunks_smem=chunks_smem, s_smem=s_smem, layout=layout,
               page_size=page_size, rope_in_kernel=cfg.rope_in_kernel,
-              dtype=dtype, rotated_ahead=cfg.rotate_ahead)
+              dtype=dtype, rotated_ahead=cfg.rotate_ahead,
+              compact_cos_sin=cfg.compact_cos_sin)
           plgpu.barrier_arrive(k_free.at[slot])
           carried = (rotated, *carried[1:])
         elif quantized:
@@ -360,7 +367,11 @@ def mgpu_decode_kernel(q_tile, k_pages, v_pages, n_steps, records, cos_sin,
   if block_sizes.rope_in_kernel:
     if rope is None:
       raise ValueError("rope_in_kernel needs the rope")
-    chunks = jnp.asarray(rope.turn_chunks(head_dim)[:, :half])
+    chunks = rope.turn_chunks(head_dim)[:, :half]  # (its halves repeat)
+    if block_sizes.compact_cos_sin:  # each column in every row
+      chunks = np.repeat(chunks[:, None, :],
+                         shift_cos_sin_shape(head_dim)[0], axis=1)
+    chunks = jnp.asarray(chunks)
   else:  # unused
     chunks = jnp.zeros((NUM_TURN_CHUNKS, half), jnp.int32)
   scratch = decode_scratch(block_sizes, head_dim=head_dim,

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu_block_sizes import WG_ROWS
-from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
+from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
+                                                   shift_cos_sin_shape)
 from pallas_kernels.gpu_mgpu_float8 import float8_scratch, ring_transforms
 
 
@@ -18,7 +19,8 @@ def decode_scratch(block_sizes: MgpuDecodeBlockSizes, *, head_dim: int,
                    query_buffers: int, chunks_shape, quantized: bool):
   """The decode kernel's scratch types: the f32 query tiles (and partial
   output), the rotated 16-bit query (`dtype`), the K / V ring (`kv_dtype`),
-  records of `record_width` int32, cos / sin, m / l, the RoPE turn chunks
+  records of `record_width` int32, cos / sin (`compact_cos_sin`: the
+  rotation's, else from the plan or an unused placeholder), m / l, the RoPE turn chunks
   (`chunks_shape`), their barriers, then (float8) the widened K / V tiles
   or (steps_by_block) a block's f32 scores."""
   stages, block_kv = block_sizes.num_stages, block_sizes.block_kv
@@ -33,6 +35,10 @@ def decode_scratch(block_sizes: MgpuDecodeBlockSizes, *, head_dim: int,
   # computed in the kernel) an unused placeholder.
   cs_pages = ((1,) if block_sizes.rope_in_kernel else
               (ppb,) if block_sizes.steps_by_block else ())
+  cos_sin_shape = ((2 if quantized else 1) * stages, *cs_pages, 2,
+                   head_dim // 2)
+  if block_sizes.compact_cos_sin:  # one rotation's, written by the kernel
+    cos_sin_shape = (1, *shift_cos_sin_shape(head_dim))
   scratch = [
       plgpu.SMEM((query_buffers, WG_ROWS, head_dim), jnp.float32,
                  transforms=tiled32),
@@ -40,8 +46,7 @@ def decode_scratch(block_sizes: MgpuDecodeBlockSizes, *, head_dim: int,
       plgpu.SMEM((stages, block_kv, head_dim), kv_dtype, transforms=ring),
       plgpu.SMEM((stages, block_kv, head_dim), kv_dtype, transforms=ring),
       plgpu.SMEM((2 * stages, record_width), jnp.int32),
-      plgpu.SMEM(((2 if quantized else 1) * stages,
-                  *cs_pages, 2, head_dim // 2), jnp.float32),
+      plgpu.SMEM(cos_sin_shape, jnp.float32),
       plgpu.SMEM((2, WG_ROWS), jnp.float32),
       plgpu.SMEM(chunks_shape, jnp.int32),
       plgpu.Barrier(num_arrivals=1, num_barriers=query_buffers),  # queries

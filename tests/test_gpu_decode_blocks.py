@@ -31,6 +31,9 @@ FIELDS = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
 # A block's first rotation before its K copy is waited for.
 ROTATE_AHEAD = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
                                     rotate_ahead=True)
+# A rotation's cos / sin computed one value a thread.
+COMPACT = MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                               compact_cos_sin=True)
 
 
 def test_block_records():
@@ -71,8 +74,12 @@ def test_block_records():
      MgpuDecodeBlockSizes(block_kv=64, persistent=True, steps_by_block=True,
                           rope_in_kernel=True)),
     (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, ROTATE_AHEAD),
+    (64, 32, 8, 128, 16, 512, jnp.bfloat16, LLAMA3, COMPACT),
+    (2, 9, 3, 64, 8, 30, jnp.float16, PLAIN,
+     dataclasses.replace(COMPACT, block_kv=64, rotate_ahead=True)),
 ], ids=["bench", "small_splits3", "bench_persistent", "bench_rope_in_kernel",
-        "small_persistent_rope_in_kernel", "bench_rotate_ahead"])
+        "small_persistent_rope_in_kernel", "bench_rotate_ahead",
+        "bench_compact_cos_sin", "small_compact_cos_sin_rotate_ahead"])
 def test_export_lowers_for_cuda(case):
   check_export(case)
 
@@ -211,6 +218,38 @@ def test_rotate_ahead_is_bit_for_bit_the_rotation_after_the_wait():
   _check(ahead, lazy, PLAIN)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("head_dim,rotate_ahead", [(64, False), (128, True)])
+def test_compact_cos_sin_is_bit_for_bit_the_per_column_cos_sin(
+    head_dim, rotate_ahead):
+  """Documents of 24 keys at shifts up to 2^20, so shifts change inside
+  64-key blocks and at their starts; two splits.  The cos / sin computed one
+  value a thread (two rows of H/2 at H 128, four at H 64) give the same
+  output, bit for bit, as each thread computing its columns."""
+  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=5, doc_len=24,
+                          q_len=1, num_heads=4, num_kv_heads=2,
+                          head_dim=head_dim, page_size=8)
+  base = 2**20
+  lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
+                             page_pos=lazy.page_pos + base,
+                             page_shift=lazy.page_shift + base)
+  bs = dataclasses.replace(COMPACT, block_kv=64, kv_splits=2,
+                           rotate_ahead=rotate_ahead)
+  call = lambda sizes: np.asarray(_call(
+      lazy, rope=LLAMA3, block_sizes=sizes, interpret=True).astype(
+          jnp.float32))
+  compact = call(bs)
+  np.testing.assert_array_equal(
+      compact, call(dataclasses.replace(bs, compact_cos_sin=False)))
+  _check(compact, lazy, LLAMA3)
+
+
+def test_compact_cos_sin_needs_the_rope_in_the_kernel():
+  with pytest.raises(ValueError,
+                     match="compact_cos_sin needs rope_in_kernel=True"):
+    MgpuDecodeBlockSizes(steps_by_block=True, compact_cos_sin=True)
+
+
 @pytest.mark.parametrize("fields,rope_in_kernel", [(True, True),
                                                    (False, False)])
 def test_rotate_ahead_needs_the_rope_in_the_kernel_and_the_plan_records(
@@ -227,10 +266,12 @@ def test_rotate_ahead_needs_the_rope_in_the_kernel_and_the_plan_records(
     MgpuDecodeBlockSizes(block_kv=64, persistent=True, num_ctas=7,
                          kv_splits=2, steps_by_block=True),
     ROPE_IN_KERNEL, FIELDS, ROTATE_AHEAD,
-    dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=3)],
+    dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=3), COMPACT,
+    dataclasses.replace(COMPACT, fields_in_kernel=True, block_kv=64)],
                          ids=["default", "k64_splits3", "persistent",
                               "rope_in_kernel", "fields_in_kernel",
-                              "rotate_ahead", "rotate_ahead_k64_splits3"])
+                              "rotate_ahead", "rotate_ahead_k64_splits3",
+                              "compact_cos_sin", "compact_cos_sin_fields"])
 def test_parity_gpu(block_sizes):
   lazy = _ragged_case(144, batch=5, num_heads=32, num_kv_heads=8,
                       head_dim=128, page_size=16, dtype=jnp.bfloat16,
@@ -253,6 +294,8 @@ def test_matches_the_segment_steps_on_the_benchmark_layout():
       *args, rope=LLAMA3, sm_scale=jnp.float32(128 ** -0.5),
       block_sizes=bs).astype(jnp.float32))
   segments = call(MgpuDecodeBlockSizes())
-  for sizes in (BLOCKS, ROPE_IN_KERNEL, FIELDS, ROTATE_AHEAD):
+  for sizes in (BLOCKS, ROPE_IN_KERNEL, FIELDS, ROTATE_AHEAD, COMPACT):
     np.testing.assert_allclose(call(sizes), segments, rtol=2e-2, atol=2e-2)
     _check(call(sizes), lazy, LLAMA3)
+  # The same cos / sin, computed one value a thread: the same output.
+  np.testing.assert_array_equal(call(COMPACT), call(ROPE_IN_KERNEL))
