@@ -271,11 +271,11 @@ class LazyEngine:
 
   def submit_prepared(self, request: TokenRequest, *,
                       arrival_time: float | None = None) -> int:
-    """Queues a request made by this engine's `prepare`; returns its id."""
-    if not isinstance(request, TokenRequest):
-      raise InvalidRequestError(
-          f"submit_prepared takes the TokenRequest of prepare(), got "
-          f"{type(request).__name__}")
+    """Queues a request made by `prepare` (this engine's, or one of the
+    same model and cache on another process); returns its id.  It is
+    checked again against this engine, so one made by hand or for another
+    model raises what `submit` raises and queues nothing."""
+    request = self.validator.check(request)
     with self._lock:
       return self._enqueue(request, arrival_time)
 

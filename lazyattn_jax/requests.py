@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -299,6 +300,9 @@ class RequestValidator:
     self.cache_config = cache_config
     self.mode = mode
     self.default_stop_ids = default_stop_ids
+    # The requests `validate` returned and that are still alive: `check`
+    # passes them as they are (it runs between the engine's steps).
+    self._issued = weakref.WeakValueDictionary()
 
   def validate(self, query, documents=(), sampling=None,
                overrides: dict | None = None) -> TokenRequest:
@@ -317,8 +321,55 @@ class RequestValidator:
     preamble = self.mode.preamble
     if leading and preamble is not None and preamble.from_chat:
       docs, leading = docs[leading:], 0  # the chat prefix is the preamble
-    prompt = self.mode.preamble_tokens + sum(map(len, docs)) + len(query)
-    total = prompt + sampling.max_new_tokens
+    request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
+                           leading)
+    self._check_positions(request)
+    self._check_capacity(request)
+    self._issued[id(request)] = request
+    return request
+
+  def check(self, request) -> TokenRequest:
+    """A TokenRequest made elsewhere (by hand, or by `validate` on another
+    process or engine) checked against this engine as `validate` checks
+    its own: token and stop ids in the vocabulary, positions, the cache.
+    Returns it with its ids as tuples; raises InvalidRequestError or
+    CacheCapacityError."""
+    if self._issued.get(id(request)) is request:
+      return request
+    if not isinstance(request, TokenRequest):
+      raise InvalidRequestError(
+          f"expected the TokenRequest of prepare(), got "
+          f"{type(request).__name__}")
+    sampling = request.sampling
+    if not isinstance(sampling, SamplingParams):
+      raise InvalidRequestError(
+          f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not _is_token_sequence(request.documents):
+      raise InvalidRequestError(
+          f"documents must be a sequence of token-id sequences, got "
+          f"{type(request.documents).__name__}")
+    docs = tuple(_token_ids(d, f"document {i}", self.vocab_size)
+                 for i, d in enumerate(request.documents))
+    leading = request.leading
+    if (isinstance(leading, bool) or not isinstance(leading, numbers.Integral)
+        or not 0 <= leading <= len(docs)):
+      raise InvalidRequestError(
+          f"leading must count documents in [0, {len(docs)}], got "
+          f"{leading!r}")
+    stop_ids = request.stop_ids
+    stop_ids = (() if _is_token_sequence(stop_ids) and len(stop_ids) == 0
+                else _token_ids(stop_ids, "stop_ids", self.vocab_size))
+    request = TokenRequest(
+        _token_ids(request.query, "query", self.vocab_size), docs, sampling,
+        stop_ids, int(leading))
+    self._check_positions(request)
+    self._check_capacity(request)
+    return request
+
+  def _check_positions(self, request: TokenRequest):
+    prompt = (self.mode.preamble_tokens + sum(map(len, request.documents)) +
+              len(request.query))
+    total = prompt + request.sampling.max_new_tokens
     if prompt >= self.max_position:  # no room for even one new token
       raise InvalidRequestError(
           f"prompt needs {prompt} positions (preamble + documents + query) "
@@ -328,10 +379,6 @@ class RequestValidator:
       raise InvalidRequestError(
           f"request needs {total} positions (preamble + documents + query + "
           f"max_new_tokens) but the model allows {self.max_position}")
-    request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
-                           leading)
-    self._check_capacity(request)
-    return request
 
   def documents(self, documents) -> list[tuple[int, ...]]:
     """Documents alone, tokenized and checked as `validate` does them."""

@@ -1,0 +1,69 @@
+"""`LazyEngine.submit_prepared` with a request it did not make: one made by
+hand, sent over a wire (lists for tuples), or by another engine's `prepare`
+(another vocabulary, a longer context, a larger pool) is checked against
+this engine as `prepare` checks its own: a typed error, nothing queued."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
+from tests.test_engine import (greedy, make_engine,  # noqa: F401
+                               model_and_config, random_tokens)
+from tests.test_engine_faults import assert_pages_accounted_for
+
+
+@pytest.fixture(scope="module")
+def request_parts(model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(7)
+  docs = [random_tokens(rng, n, config.vocab_size) for n in (9, 11)]
+  return random_tokens(rng, 5, config.vocab_size), docs
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: {"query": (10**6,)}, r"query has token ids outside \[0, "),
+    (lambda r: {"query": (1.5,)}, "query must hold integer token ids"),
+    (lambda r: {"documents": ((1, 2), ())}, "document 1 is empty"),
+    (lambda r: {"documents": "abc"}, "documents must be a sequence"),
+    (lambda r: {"stop_ids": (-1,)}, "stop_ids has token ids outside"),
+    (lambda r: {"leading": 3}, r"leading must count documents in \[0, 2\]"),
+    (lambda r: {"sampling": None}, "sampling must be a SamplingParams"),
+    (lambda r: {"query": r.query * 200}, "positions"),
+    (lambda r: {"documents": tuple((i + 1,) * 8 for i in range(40))},
+     "pages but the whole pool has"),
+], ids=["vocab", "float", "empty-doc", "text-docs", "stop-ids", "leading",
+        "sampling", "context", "pool"])
+def test_a_bad_request_made_elsewhere_is_refused(model_and_config,
+                                                 request_parts, change,
+                                                 message):
+  query, docs = request_parts
+  engine = make_engine(model_and_config, num_pages=12)
+  prepared = engine.prepare(query, docs, greedy(6))
+  bad = dataclasses.replace(prepared, **change(prepared))
+  with pytest.raises((InvalidRequestError, CacheCapacityError),
+                     match=message):
+    engine.submit_prepared(bad)
+  assert not engine.has_work()
+  assert engine.request_counts() == {"waiting": 0, "running": 0}
+
+
+def test_a_request_sent_as_lists_is_served(model_and_config, request_parts):
+  """Lists where prepare makes tuples (a request that went over a wire)
+  give the same tokens as submit."""
+  query, docs = request_parts
+  engine = make_engine(model_and_config, num_pages=12)
+  prepared = engine.prepare(query, docs, greedy(6))
+  as_lists = dataclasses.replace(
+      prepared, query=list(prepared.query),
+      documents=[list(d) for d in prepared.documents],
+      stop_ids=list(prepared.stop_ids))
+  request_id = engine.submit_prepared(as_lists)
+  while engine.has_work():
+    engine.step()
+  want = make_engine(model_and_config).generate(query, docs, greedy(6))
+  assert engine.pop_result(request_id).token_ids == want.token_ids
+  assert_pages_accounted_for(engine)
