@@ -372,6 +372,22 @@ def test_a_wrong_method_is_405_with_allow(server):
   assert response.json()["error"]["message"] == "Method Not Allowed"
 
 
+def test_unknown_routes_are_not_counted_as_rejected_requests(server):
+  """404 / 405 from the router are not API requests refused; a request of
+  the API refused is."""
+  _, url = server
+  rejected = lambda status: metric(
+      httpx.get(url + "/metrics", timeout=30).text,
+      f'lazyattn_rejected_requests_total{{status="{status}"}}')
+  before = rejected(404), rejected(405), rejected(400)
+  assert httpx.get(url + "/wp-admin", timeout=30).status_code == 404
+  assert httpx.delete(url + "/v1/documents", timeout=30).status_code == 405
+  assert httpx.post(url + "/v1/completions", json={"prompt": 3},
+                    timeout=30).status_code == 400
+  assert (rejected(404), rejected(405), rejected(400)) == (
+      before[0], before[1], before[2] + 1)
+
+
 def test_documents_post_refuses_more_documents_than_it_remembers(text_model):
   """Registered one by one, the first ids would be forgotten by the last:
   the call is refused before anything is encoded or registered."""

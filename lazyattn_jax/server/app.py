@@ -69,8 +69,9 @@ def create_app(engine, config: ServerConfig | None = None, *,
   app.state.metrics = metrics
   app.state.registry = registry
 
-  def error_response(error: APIError) -> JSONResponse:
-    metrics.observe_rejected(error.status)
+  def error_response(error: APIError, *, count: bool = True) -> JSONResponse:
+    if count:
+      metrics.observe_rejected(error.status)
     return JSONResponse(error.body(), status_code=error.status,
                         headers=error.headers)
 
@@ -80,10 +81,14 @@ def create_app(engine, config: ServerConfig | None = None, *,
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(_request, error: StarletteHTTPException):
+    # The router's answers (no such route, a wrong method): not requests of
+    # the API refused, so not counted as rejected (a scanner's probes would
+    # swamp the counter).
     kind = "not_found_error" if error.status_code == 404 else (
         "invalid_request_error")
     return error_response(APIError(error.status_code, str(error.detail),
-                                   type=kind, headers=error.headers))
+                                   type=kind, headers=error.headers),
+                          count=False)
 
   @app.exception_handler(ClientDisconnect)
   async def client_left(_request, _error):
