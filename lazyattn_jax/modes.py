@@ -111,6 +111,13 @@ class ReuseMode(abc.ABC):
     """Positions the preamble takes at the start of every request."""
     return 0 if self.preamble is None else len(self.preamble)
 
+  @property
+  def learned_preamble_positions(self) -> int:
+    """Positions of a learned preamble (input vectors, not tokens: not
+    counted among a request's prompt tokens); 0 for a chat preamble."""
+    learned = self.preamble is not None and self.preamble.embeddings is not None
+    return len(self.preamble) if learned else 0
+
   def documents_to_encode(self, request: TokenRequest, admission
                           ) -> list[EncodeJob]:
     """The cache entries this request's admission inserted and that must be

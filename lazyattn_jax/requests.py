@@ -72,10 +72,13 @@ class GenerationResult:
     finish_reason: "stop" (a stop token), "length" (max_new_tokens),
       "error" (the engine failed while serving it; see `error`) or
       "cancelled" (`LazyEngine.cancel`).
-    prompt_tokens: preamble (QualityOptions), document and query tokens.
+    prompt_tokens: preamble (QualityOptions), document and query tokens
+      (a learned preamble's positions are vectors, not tokens, and not
+      counted).
     prefill_tokens_computed: tokens prefilled for this request: the
-      documents (and preamble) its admission encoded, its recomputed first
-      pages (QualityOptions.recompute) and its query.
+      documents (and a chat preamble) its admission encoded, its recomputed
+      first pages (QualityOptions.recompute) and its query.  The engine's
+      `stats` count all work, a learned preamble's positions included.
     prefill_tokens_before_first_token: tokens the engine prefilled in this
       request's admission round, for it and for other requests, before its
       first token came out: its wait in that round, measured in work rather

@@ -35,7 +35,8 @@ class LiveRequest:
   admission: object  # paged_cache.Admission
   layout: object  # modes.RequestLayout
   submitted_at: float
-  prefill_tokens: int  # its own prefill plus the documents it encodes
+  prefill_tokens: int  # its own prefill plus the documents it encodes (a
+  #                      learned preamble's positions not counted)
   tokens: list[int] = dataclasses.field(default_factory=list)
   first_token_at: float = 0.0
   prefill_tokens_before_first: int = 0  # the round's work before its first token
@@ -160,9 +161,12 @@ class Scheduler:
         continue
       state = admitted
       own = sum(len(job.tokens) for job in to_encode) + len(layout.prefill)
+      # A learned preamble's positions are work, not the request's tokens.
+      learned = sum(len(job.tokens) for job in to_encode
+                    if job.embeddings is not None)
       self.waiting.popleft()
       new.append(LiveRequest(request_id, request, admission, layout,
-                             submitted, own))
+                             submitted, own - learned))
       round_tokens += own
     return state
 
@@ -307,7 +311,8 @@ class Scheduler:
         request_id=request_id, token_ids=[], doc_hits=[False] * (
             len(request.documents) - request.leading),
         ttft_s=0.0, latency_s=now - submitted, finish_reason=reason,
-        prompt_tokens=(self.mode.preamble_tokens +
+        prompt_tokens=(self.mode.preamble_tokens -
+                       self.mode.learned_preamble_positions +
                        sum(map(len, request.documents)) + len(request.query)),
         prefill_tokens_computed=0, error=error,
         text="" if self.detokenize is not None else None)
@@ -325,7 +330,8 @@ class Scheduler:
         ttft_s=(live.first_token_at - live.submitted_at
                 if live.first_token_at else 0.0),
         latency_s=end - live.submitted_at, finish_reason=reason,
-        prompt_tokens=live.layout.query_start + len(request.query),
+        prompt_tokens=(live.layout.query_start + len(request.query) -
+                       self.mode.learned_preamble_positions),
         prefill_tokens_computed=live.prefill_tokens,
         prefill_tokens_before_first_token=live.prefill_tokens_before_first,
         first_logits=live.first_logits,

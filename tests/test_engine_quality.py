@@ -82,8 +82,14 @@ def test_engine_equals_the_dense_layout(model_and_config, docs, id_queries,
     lens = [DOC_LENS[n] for n in names]
     own = recomputed_tokens(lens, k) + len(ids)
     encoded = sum(DOC_LENS[n] for n in set(names) - seen)
-    assert result.prefill_tokens_computed == own + encoded + (
-        0 if i else len(engine._mode.preamble or ()))
+    # The preamble once, in the first request's tokens where it is tokens
+    # (a learned one's positions are not).
+    first = 0 if i else len(engine._mode.preamble or ()) - (
+        engine._mode.learned_preamble_positions)
+    assert result.prefill_tokens_computed == own + encoded + first
+    assert result.prompt_tokens == (
+        sum(lens) + len(ids) + len(engine._mode.preamble or ()) -
+        engine._mode.learned_preamble_positions)
     work += own
     heads = [0] + [min(k, n) for n in lens[1:]]
     copies += sum(ceil_div(n, PAGE) - ceil_div(h, PAGE)
