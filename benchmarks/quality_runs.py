@@ -228,7 +228,8 @@ def generate_all(engine, items, sampling, batch: int, *, desc: str,
   Everything is validated before anything runs, so a bad item fails the
   run at once rather than after an hour.
   """
-  from tqdm.auto import tqdm
+  from lazyattn_jax.progress import progress_bar_class
+  tqdm = progress_bar_class()
   prepared = [engine.prepare(item.query, list(item.documents), sampling)
               for item in items]
   results = [None] * len(items)

@@ -81,7 +81,8 @@ def encode_in_batches(engine, documents, batch_size: int | None,
   encode calls themselves do not wait), so a caller timing it times the
   work."""
   import jax
-  from tqdm.auto import tqdm
+  from lazyattn_jax.progress import progress_bar_class
+  tqdm = progress_bar_class()
   if batch_size is None:
     batch_size = engine.scheduler_config.max_batch
   elif (isinstance(batch_size, bool) or not isinstance(batch_size, int)

@@ -30,7 +30,9 @@ import threading
 import zipfile
 from collections.abc import Callable, Sequence
 
-from tqdm.auto import tqdm
+from lazyattn_jax.progress import progress_bar_class
+
+tqdm = progress_bar_class()
 
 _COPY_CHUNK_BYTES = 1 << 20
 

@@ -12,9 +12,10 @@ import os
 import sys
 import time
 
-from tqdm.auto import tqdm
-
+from lazyattn_jax.progress import progress_bar_class
 from lazyattn_jax.training.errors import OutputPathError
+
+tqdm = progress_bar_class()
 
 
 def prepare_output_dir(path, *, files=(), dirs=()) -> str:
