@@ -125,7 +125,8 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     UnsupportedTokenizerError: not a byte-level BPE (`tokenizer.ggml.model`
       "gpt2") with a known pre-tokenizer, or metadata it cannot rebuild
       exactly.
-    ModelFormatError: merges that name tokens the vocabulary lacks.
+    ModelFormatError: merges that are not two tokens and a space, or that
+      name tokens the vocabulary lacks.
   """
   model_type = meta.get("tokenizer.ggml.model")
   if model_type != "gpt2":
@@ -157,8 +158,10 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
   pairs = []
   for merge in merges:
     left, sep, right = merge.partition(" ")
-    if not sep or " " in right:
-      raise UnsupportedTokenizerError(f"malformed merge {merge!r}")
+    if not sep or " " in right:  # a damaged file, not another tokenizer
+      raise ModelFormatError(
+          f"tokenizer.ggml.merges holds a malformed merge {merge!r} (two "
+          f"tokens and one space expected)")
     pairs.append((left, right))
 
   try:

@@ -69,6 +69,15 @@ def test_merges_of_unknown_tokens_are_a_model_format_error(tmp_path):
     load_model(str(path), "float32", False)
 
 
+@pytest.mark.parametrize("merge", ["to", "t o x"])
+def test_a_malformed_merge_is_a_model_format_error(tmp_path, merge):
+  """A damaged file, like merges of unknown tokens: not loaded as a model
+  without a tokenizer."""
+  path = _write(tmp_path, merges=["t o", merge])
+  with pytest.raises(ModelFormatError, match="malformed merge"):
+    load_model(str(path), "float32", False)
+
+
 @pytest.mark.parametrize("key, message", [
     ("tokenizer.ggml.eos_token_id", "eos_token_id=99999 is outside"),
     ("tokenizer.ggml.eot_token_id", "stop token id 99999 is outside"),
