@@ -36,9 +36,9 @@ from lazyattn_jax.model_runner import ModelRunner
 from lazyattn_jax.modes import make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
 from lazyattn_jax.quality_options import DEFAULT, QualityOptions, split_quality
-from lazyattn_jax.requests import (GenerationResult, Request, RequestValidator,
-                                   TokenRequest, arrival_time,
-                                   default_stop_ids)
+from lazyattn_jax.request_validator import RequestValidator
+from lazyattn_jax.requests import (GenerationResult, Request, TokenRequest,
+                                   arrival_time, default_stop_ids)
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler

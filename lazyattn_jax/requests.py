@@ -7,24 +7,19 @@ place by every request.  Documents follow it inside the user turn, each
 tokenized on its own (no BOS) and ended with a blank line; the query and the
 chat text after it (end of turn, assistant header) come last.
 
-`RequestValidator.validate` checks everything a request can get wrong before
-anything is queued, so the same condition always raises the same error and
-a refused request changes nothing: `InvalidRequestError` for bad input,
-`CacheCapacityError` for a request the cache as configured can never hold.
+What a request must satisfy for one engine: request_validator.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-import weakref
 from typing import Sequence
 
 import numpy as np
 
-from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
+from lazyattn_jax.errors import InvalidRequestError
 from lazyattn_jax.sampling import SamplingParams
-from pallas_kernels.sizes import ceil_div
 
 DOCUMENT_SEPARATOR = "\n\n"
 _SENTINEL = "\u0000lazyattn-user-text\u0000"
@@ -160,15 +155,15 @@ def chat_prefix(tokenizer) -> list[int]:
   return chat_parts(tokenizer, "")[0]
 
 
-def _is_token_sequence(value) -> bool:
+def is_token_sequence(value) -> bool:
   # bytes and bytearray are sequences of ints too, but never token ids.
   return (isinstance(value, (Sequence, np.ndarray)) and
           not isinstance(value, (str, bytes, bytearray)))
 
 
-def _token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
+def checked_token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
   """Checks a sequence of token ids: ints (not bools) in [0, vocab_size)."""
-  if not _is_token_sequence(tokens):
+  if not is_token_sequence(tokens):
     raise InvalidRequestError(
         f"{what} must be text or a sequence of token ids, got "
         f"{type(tokens).__name__}")
@@ -200,7 +195,7 @@ def _token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
 
 def encode_documents(tokenizer, documents, vocab_size: int):
   """Token ids of each document (text or ids), checked."""
-  if not _is_token_sequence(documents):
+  if not is_token_sequence(documents):
     raise InvalidRequestError(
         f"documents must be a list of documents, got "
         f"{type(documents).__name__}")
@@ -213,7 +208,7 @@ def encode_documents(tokenizer, documents, vocab_size: int):
         raise InvalidRequestError(f"document {i} is empty")
       # Document text is data: special-token spellings in it stay plain text.
       doc = tokenizer.encode(doc + DOCUMENT_SEPARATOR, parse_special=False)
-    docs.append(_token_ids(doc, f"document {i}", vocab_size))
+    docs.append(checked_token_ids(doc, f"document {i}", vocab_size))
   return docs
 
 
@@ -226,7 +221,7 @@ def encode_request(tokenizer, query, documents, vocab_size: int):
   """
   docs = encode_documents(tokenizer, documents, vocab_size)
   if not isinstance(query, str):
-    return _token_ids(query, "query", vocab_size), docs, 0
+    return checked_token_ids(query, "query", vocab_size), docs, 0
   if tokenizer is None:
     raise InvalidRequestError("a text query needs a tokenizer; pass token ids")
   if not query.strip():
@@ -235,9 +230,9 @@ def encode_request(tokenizer, query, documents, vocab_size: int):
     prefix, query_ids = chat_parts(tokenizer, query)
   except ValueError as e:  # the chat template refused it
     raise InvalidRequestError(str(e)) from None
-  query_ids = _token_ids(query_ids, "query", vocab_size)
+  query_ids = checked_token_ids(query_ids, "query", vocab_size)
   if prefix:
-    return query_ids, [_token_ids(prefix, "chat prefix", vocab_size)] + docs, 1
+    return query_ids, [checked_token_ids(prefix, "chat prefix", vocab_size)] + docs, 1
   return query_ids, docs, 0
 
 
@@ -260,160 +255,3 @@ def default_stop_ids(tokenizer, config) -> tuple[int, ...]:
   if eos is None:
     return ()
   return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-# --- validation ----------------------------------------------------------------
-
-
-def merge_sampling(sampling, overrides: dict) -> SamplingParams:
-  """`sampling` (default SamplingParams()) with keyword overrides applied;
-  an override of None keeps the field."""
-  if sampling is None:
-    sampling = SamplingParams()
-  if not isinstance(sampling, SamplingParams):
-    raise InvalidRequestError(
-        f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-  if overrides:
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-      raise InvalidRequestError(f"unknown sampling options {unknown}; "
-                                f"known: {sorted(fields)}")
-    sampling = dataclasses.replace(
-        sampling, **{k: v for k, v in overrides.items() if v is not None})
-  return sampling
-
-
-class RequestValidator:
-  """Everything a request must satisfy for one engine, checked at once.
-
-  Args:
-    tokenizer: a `models.tokenizer.LlamaTokenizer`, or None (ids only).
-    vocab_size, max_position: the model's.
-    cache_config: the paged pool's `CacheConfig`.
-    mode: the engine's `modes.ReuseMode` (what the request will occupy).
-    default_stop_ids: stop tokens when a request names none.
-  """
-
-  def __init__(self, tokenizer, vocab_size: int, max_position: int,
-               cache_config, mode, default_stop_ids: tuple[int, ...]):
-    self.tokenizer = tokenizer
-    self.vocab_size = vocab_size
-    self.max_position = max_position
-    self.cache_config = cache_config
-    self.mode = mode
-    self.default_stop_ids = default_stop_ids
-    # The requests `validate` returned and that are still alive: `check`
-    # passes them as they are (it runs between the engine's steps).
-    self._issued = weakref.WeakValueDictionary()
-
-  def validate(self, query, documents=(), sampling=None,
-               overrides: dict | None = None) -> TokenRequest:
-    """Returns the request in tokens; raises InvalidRequestError or
-    CacheCapacityError and changes nothing."""
-    sampling = merge_sampling(sampling, overrides or {})
-    stop_ids = sampling.stop_token_ids
-    if stop_ids is None:
-      stop_ids = self.default_stop_ids
-    bad = [t for t in stop_ids if not 0 <= t < self.vocab_size]
-    if bad:
-      raise InvalidRequestError(
-          f"stop_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
-    query, docs, leading = encode_request(self.tokenizer, query, documents,
-                                          self.vocab_size)
-    preamble = self.mode.preamble
-    if leading and preamble is not None and preamble.from_chat:
-      docs, leading = docs[leading:], 0  # the chat prefix is the preamble
-    request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
-                           leading)
-    self._check_positions(request)
-    self._check_capacity(request)
-    self._issued[id(request)] = request
-    return request
-
-  def check(self, request) -> TokenRequest:
-    """A TokenRequest made elsewhere (by hand, or by `validate` on another
-    process or engine) checked against this engine as `validate` checks
-    its own: token and stop ids in the vocabulary, positions, the cache.
-    Returns it with its ids as tuples; raises InvalidRequestError or
-    CacheCapacityError."""
-    if self._issued.get(id(request)) is request:
-      return request
-    if not isinstance(request, TokenRequest):
-      raise InvalidRequestError(
-          f"expected the TokenRequest of prepare(), got "
-          f"{type(request).__name__}")
-    sampling = request.sampling
-    if not isinstance(sampling, SamplingParams):
-      raise InvalidRequestError(
-          f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if not _is_token_sequence(request.documents):
-      raise InvalidRequestError(
-          f"documents must be a sequence of token-id sequences, got "
-          f"{type(request.documents).__name__}")
-    docs = tuple(_token_ids(d, f"document {i}", self.vocab_size)
-                 for i, d in enumerate(request.documents))
-    leading = request.leading
-    if (isinstance(leading, bool) or not isinstance(leading, numbers.Integral)
-        or not 0 <= leading <= len(docs)):
-      raise InvalidRequestError(
-          f"leading must count documents in [0, {len(docs)}], got "
-          f"{leading!r}")
-    stop_ids = request.stop_ids
-    stop_ids = (() if _is_token_sequence(stop_ids) and len(stop_ids) == 0
-                else _token_ids(stop_ids, "stop_ids", self.vocab_size))
-    request = TokenRequest(
-        _token_ids(request.query, "query", self.vocab_size), docs, sampling,
-        stop_ids, int(leading))
-    self._check_positions(request)
-    self._check_capacity(request)
-    return request
-
-  def _check_positions(self, request: TokenRequest):
-    prompt = (self.mode.preamble_tokens + sum(map(len, request.documents)) +
-              len(request.query))
-    total = prompt + request.sampling.max_new_tokens
-    if prompt >= self.max_position:  # no room for even one new token
-      raise InvalidRequestError(
-          f"prompt needs {prompt} positions (preamble + documents + query) "
-          f"and {total} with max_new_tokens, but the model allows "
-          f"{self.max_position}")
-    if total > self.max_position:
-      raise InvalidRequestError(
-          f"request needs {total} positions (preamble + documents + query + "
-          f"max_new_tokens) but the model allows {self.max_position}")
-
-  def documents(self, documents) -> list[tuple[int, ...]]:
-    """Documents alone, tokenized and checked as `validate` does them."""
-    docs = encode_documents(self.tokenizer, documents, self.vocab_size)
-    self._check_document_lengths(docs, leading=0)
-    return docs
-
-  def _check_document_lengths(self, documents, leading: int):
-    cfg = self.cache_config
-    for i, doc in enumerate(documents):
-      if len(doc) > cfg.max_doc_tokens:
-        name = "the chat prefix" if i < leading else f"document {i - leading}"
-        raise CacheCapacityError(
-            f"{name} has {len(doc)} tokens; the cache holds at most "
-            f"{cfg.max_doc_tokens} per document (max_pages_per_doc * "
-            f"page_size = {cfg.max_pages_per_doc} * {cfg.page_size})")
-
-  def _check_capacity(self, request: TokenRequest):
-    """What the request occupies in this mode against the whole cache."""
-    cfg = self.cache_config
-    if self.mode.has_document_step:  # documents are cached whole
-      self._check_document_lengths(request.documents, request.leading)
-    needs = self.mode.cache_needs(request)
-    entries = dict(zip(needs.keys, needs.lengths))
-    pages = (sum(ceil_div(n, cfg.page_size) for n in entries.values()) +
-             ceil_div(needs.private_tokens, cfg.page_size))
-    if pages > cfg.num_pages:
-      raise CacheCapacityError(
-          f"request needs {pages} pages but the whole pool has "
-          f"{cfg.num_pages}")
-    if len(entries) > cfg.max_docs:
-      raise CacheCapacityError(
-          f"request has {self.mode.describe_entries(request, len(entries))}; "
-          f"the cache holds at most {cfg.max_docs} entries "
-          f"(CacheConfig.max_docs)")

@@ -10,7 +10,8 @@ from lazyattn_jax.config import SchedulerConfig
 from lazyattn_jax.errors import CacheCapacityError
 from lazyattn_jax.modes import MODES, make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
-from lazyattn_jax.requests import RequestValidator, TokenRequest
+from lazyattn_jax.request_validator import RequestValidator
+from lazyattn_jax.requests import TokenRequest
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
 
