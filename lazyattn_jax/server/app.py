@@ -70,7 +70,7 @@ def create_app(engine, config: ServerConfig | None = None, *,
   app.state.registry = registry
 
   def error_response(error: APIError, *, count: bool = True) -> JSONResponse:
-    if count:
+    if count and not error.ended_request:
       metrics.observe_rejected(error.status)
     return JSONResponse(error.body(), status_code=error.status,
                         headers=error.headers)
@@ -155,7 +155,7 @@ def create_app(engine, config: ServerConfig | None = None, *,
             "data": [{"id": config.model_name, "object": "model",
                       "created": started, "owned_by": "lazyattn-jax"}]}
 
-  @app.get("/health")
+  @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes
   async def health():
     if not loop.alive:
       return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -163,6 +163,9 @@ def create_app(engine, config: ServerConfig | None = None, *,
 
   @app.get("/metrics")
   async def prometheus_metrics():
+    # The queue as it is now: the loop publishes only after a round, and a
+    # stalled round (a compile) is when the queue depth matters most.
+    metrics.observe_waiting(loop.queue_depth())
     return Response(metrics.render(), media_type=CONTENT_TYPE)
 
   return app

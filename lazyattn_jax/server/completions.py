@@ -158,7 +158,7 @@ class CompletionService:
     try:
       async for event in events:
         if isinstance(event, Failed):
-          raise _failure(event.error)
+          raise _failure(event)
         if isinstance(event, Finished):
           _check_ended_well(event.result)
           return event.result
@@ -179,7 +179,7 @@ class CompletionService:
             yield builder.chunk(event.text, event.token_ids)
           continue
         if isinstance(event, Failed):
-          yield sse(_failure(event.error).body())
+          yield sse(_failure(event).body())
           break
         result = event.result
         try:
@@ -196,19 +196,21 @@ class CompletionService:
 
 
 def _check_ended_well(result):
+  # The metrics counted the result by its finish reason already.
   if result.finish_reason == "error":
     raise server_error(f"the engine failed while serving the request: "
-                       f"{result.error}")
+                       f"{result.error}", ended_request=True)
   if result.finish_reason == "cancelled":
     raise unavailable("the request was cancelled: the server is shutting "
-                      "down")
+                      "down", ended_request=True)
 
 
-def _failure(error: BaseException) -> APIError:
-  """The answer to a request the loop could not serve (`Failed`)."""
-  if isinstance(error, LoopClosedError):
-    return unavailable(str(error))
-  return server_error(f"the request failed: {error}")
+def _failure(event) -> APIError:
+  """The answer to a request the loop could not serve (a `Failed`)."""
+  if isinstance(event.error, LoopClosedError):
+    return unavailable(str(event.error), ended_request=event.counted)
+  return server_error(f"the request failed: {event.error}",
+                      ended_request=event.counted)
 
 
 def _engine_field(message: str, query_field: str):

@@ -16,7 +16,7 @@ class ServerConfig:
       429 (requests being generated do not count).
     default_max_tokens: `max_tokens` of a request that gives none.
     drain_timeout_s: on shutdown, how long requests in flight may finish
-      before they are cancelled.
+      before they are cancelled (inf: as long as they take).
     max_registered_documents: documents `POST /v1/documents` remembers by
       id; the least recently used id is forgotten past this.
     retry_after_s: the `Retry-After` of a 429.

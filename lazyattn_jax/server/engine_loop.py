@@ -52,8 +52,11 @@ class Finished:
 
 @dataclasses.dataclass
 class Failed:
-  """The request could not be queued or the loop failed under it."""
+  """The request could not be queued or the loop failed under it.
+  `counted`: the loop's metrics already count it among ended requests (it
+  was queued, or cancelled before it ran), so its answer is no rejection."""
   error: BaseException
+  counted: bool = False
 
 
 class RequestHandle:
@@ -177,7 +180,8 @@ class EngineLoop:
         left = deadline - time.monotonic()
         if left <= 0:
           break
-        self._cond.wait(left)
+        # (an infinite drain waits in the longest steps a wait can take)
+        self._cond.wait(min(left, threading.TIMEOUT_MAX))
       for handle in self._inbox + list(self._active.values()):
         if not handle.cancelled:
           handle.cancelled = True
@@ -215,6 +219,9 @@ class EngineLoop:
       cancels, self._cancels = self._cancels, []
       calls, self._calls = self._calls, []
       self._engine_waiting += len(inbox)
+      # In flight from now, not from the round's end: a drain that starts
+      # during the round (a first one may compile for seconds) waits for them.
+      self._in_flight += len(inbox)
     for handle in cancels:
       self._cancel_now(handle)
     for handle in inbox:
@@ -236,7 +243,7 @@ class EngineLoop:
         self.metrics.observe_cancelled_before_queue()
       handle.post(Failed(LoopClosedError(
           "the request was cancelled before it ran: the server is shutting "
-          "down")))
+          "down"), counted=True))
       return
     try:
       handle.request_id = self.engine.submit_prepared(
@@ -305,8 +312,15 @@ class EngineLoop:
       self._take_tokens(handle, result.token_ids, final=True)
     output = handle.output
     if output is not None and output.stopped:
+      # The tokens past the stop string came out in the same round: the
+      # last kept token's time is estimated at the round's rate per token,
+      # not taken as the round's end (which inflated TPOT several-fold).
+      kept = output.tokens
+      latency = result.latency_s
+      if 1 <= kept < len(result.token_ids):
+        latency = result.ttft_s + (kept - 1) * result.decode_time_per_token_s
       result = dataclasses.replace(
-          result, token_ids=result.token_ids[:output.tokens],
+          result, token_ids=result.token_ids[:kept], latency_s=latency,
           text=output.text, finish_reason="stop")
     if self.metrics is not None:
       self.metrics.observe_result(result)
@@ -320,7 +334,9 @@ class EngineLoop:
         self.engine.pop_result(request_id)
       except Exception:  # noqa: BLE001 - the engine itself may be gone
         pass
-      handle.post(Failed(error))
+      if self.metrics is not None:
+        self.metrics.observe_failed()
+      handle.post(Failed(error, counted=True))
     with self._cond:
       inbox, self._inbox = self._inbox, []
     for handle in inbox:

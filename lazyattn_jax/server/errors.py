@@ -20,12 +20,17 @@ class APIError(Exception):
     param: the request field at fault, if one is.
     code: a short machine-readable reason.
     headers: extra response headers (Retry-After on 429).
+    ended_request: the answer to a request that was queued (or cancelled
+      before it ran): the metrics count it by its finish reason, not as a
+      rejection.
   """
 
   def __init__(self, status: int, message: str, *,
                type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None, headers: dict | None = None):
+               code: str | None = None, headers: dict | None = None,
+               ended_request: bool = False):
     super().__init__(message)
+    self.ended_request = ended_request
     self.status = status
     self.message = message
     self.type = type
@@ -54,13 +59,14 @@ def queue_full(retry_after_s: int) -> APIError:
                   headers={"Retry-After": str(retry_after_s)})
 
 
-def unavailable(message: str) -> APIError:
+def unavailable(message: str, ended_request: bool = False) -> APIError:
   return APIError(503, message, type="service_unavailable",
-                  code="shutting_down")
+                  code="shutting_down", ended_request=ended_request)
 
 
-def server_error(message: str) -> APIError:
-  return APIError(500, message, type="server_error", code="engine_error")
+def server_error(message: str, ended_request: bool = False) -> APIError:
+  return APIError(500, message, type="server_error", code="engine_error",
+                  ended_request=ended_request)
 
 
 def field_path(location) -> str:

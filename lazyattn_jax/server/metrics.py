@@ -103,12 +103,19 @@ class ServerMetrics:
   def observe_cancelled_before_queue(self):
     self.requests.labels("cancelled").inc()
 
+  def observe_failed(self):
+    """A queued request the engine loop failed under (its step raised)."""
+    self.requests.labels("error").inc()
+
   def observe_rejected(self, status: int):
     self.rejected.labels(str(status)).inc()
 
   def observe_queue(self, *, waiting: int, running: int):
     self.waiting.set(waiting)
     self.running.set(running)
+
+  def observe_waiting(self, waiting: int):
+    self.waiting.set(waiting)
 
   def observe_pool(self, stats: dict):
     """`PagedKVCache.stats` of the engine's pool."""
