@@ -159,8 +159,8 @@ def mgpu_decode_smem_bytes(block_sizes: MgpuDecodeBlockSizes,
     pages = 1
   cos_sin_pages = block_sizes.num_stages * (pages - 1) * head_dim * 4
   turn_chunks = NUM_TURN_CHUNKS * head_dim // 2 * 4
-  if block_sizes.compact_cos_sin:  # each column in every row of one
-    # rotation's cos / sin, and those
+  if block_sizes.compact_cos_sin:  # the chunks repeated over the rows of
+    # shift_cos_sin_shape, and one rotation's cos / sin
     turn_chunks = (NUM_TURN_CHUNKS + 1) * LANES * 4
   scores = (WG_ROWS * block_sizes.block_kv * 4 if block_sizes.steps_by_block
             else 0)

@@ -20,9 +20,9 @@ def decode_scratch(block_sizes: MgpuDecodeBlockSizes, *, head_dim: int,
   """The decode kernel's scratch types: the f32 query tiles (and partial
   output), the rotated 16-bit query (`dtype`), the K / V ring (`kv_dtype`),
   records of `record_width` int32, cos / sin (`compact_cos_sin`: the
-  rotation's, else from the plan or an unused placeholder), m / l, the RoPE turn chunks
-  (`chunks_shape`), their barriers, then (float8) the widened K / V tiles
-  or (steps_by_block) a block's f32 scores."""
+  rotation's; else from the plan, or an unused placeholder), m / l, the
+  RoPE turn chunks (`chunks_shape`), their barriers, then (float8) the
+  widened K / V tiles or (steps_by_block) a block's f32 scores."""
   stages, block_kv = block_sizes.num_stages, block_sizes.block_kv
   ppb = block_kv // page_size
   fields = block_sizes.fields_in_kernel
