@@ -15,10 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyattn_jax.errors import InvalidOptionError
+from pallas_kernels.lazy_attention import resolve_impl
+from pallas_kernels.tpu_page_metadata import tpu_page_size_need
 
 __all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
            "FLOAT8_POOL", "COMPUTE_DTYPES", "check_compute_dtype",
-           "check_matches_model", "check_pool_dtype", "out_of_memory_errors"]
+           "check_impl_page_size", "check_matches_model", "check_pool_dtype",
+           "out_of_memory_errors"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -195,6 +198,25 @@ def check_pool_dtype(pool_dtype, compute_dtype, *, pool_name: str = "kv_dtype",
       f"{compute.name}: the KV pool is in the compute dtype or "
       f"{FLOAT8_POOL}; give {pool_name} {compute.name} or {FLOAT8_POOL}"
       f"{other}")
+
+
+def check_impl_page_size(page_size: int, impl: str, *,
+                         name: str = "page_size") -> None:
+  """Raises InvalidOptionError naming setting `name` unless the attention
+  kernels that `impl` picks here (resolved as `lazy_attention` resolves
+  "auto") take pages of `page_size` tokens.  Only the TPU kernels refuse
+  some, and only when a step is traced: an engine would build, then fail
+  every request.  XLA takes any page size, and on a GPU the Triton kernels
+  run where the Mosaic GPU ones do not take it."""
+  resolved = resolve_impl(impl)
+  need = tpu_page_size_need(page_size) if resolved == "tpu" else None
+  if need is None:
+    return
+  picked = "" if impl == resolved else " (the TPU kernels on this TPU backend)"
+  raise InvalidOptionError(
+      f"{name} {page_size} does not suit impl {impl!r}{picked}: the TPU "
+      f"kernels need a page size that is {need}; choose such a page size, "
+      f"or impl 'xla'")
 
 
 def check_matches_model(cache_config: CacheConfig, config, *,

@@ -25,7 +25,9 @@ import threading
 import time
 from typing import Iterable, Sequence
 
-from lazyattn_jax.cache_config import check_matches_model, out_of_memory_errors
+from lazyattn_jax.cache_config import (check_impl_page_size,
+                                       check_matches_model,
+                                       out_of_memory_errors)
 from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.completion import (encode_in_batches, run_to_completion,
                                      stream_text)
@@ -67,7 +69,8 @@ class LazyEngine:
     scheduler: `SchedulerConfig` (batch size, decode steps per loop,
       prefill budgets, first-token groups).
     runner: `RunnerConfig` (attention implementation, pool carry, decode
-      layer unrolling).
+      layer unrolling); an implementation whose kernels do not take the
+      cache's page size raises InvalidOptionError.
     model_id: identifies the weights and tokenizer in document keys.
     tokenizer: a `models.tokenizer.LlamaTokenizer`; enables text in and out.
     quality: `QualityOptions` (lazy and block modes): a shared preamble
@@ -86,6 +89,9 @@ class LazyEngine:
                tokenizer=None, quality: QualityOptions | None = None,
                mesh=None, tensor_parallel: int | None = None,
                vocab_parallel: bool | None = None):
+    runner = runner or RunnerConfig()
+    check_impl_page_size(cache_config.page_size, runner.impl,
+                         name="cache_config.page_size")
     check_matches_model(cache_config, config,
                         compute_dtype=getattr(model, "dtype", None))
     tp = self.tensor_parallel = tensor_parallel_for(
@@ -104,7 +110,7 @@ class LazyEngine:
                            hidden_size=config.hidden_size,
                            max_doc_tokens=cache_config.max_doc_tokens)
     self.scheduler_config = scheduler or SchedulerConfig()
-    self.runner_config = runner or RunnerConfig()
+    self.runner_config = runner
     with out_of_memory_errors(cache_config):
       self.cache = PagedKVCache(cache_config)
       self.runner = ModelRunner(model, self.runner_config,

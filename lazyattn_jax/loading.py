@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyattn_jax.cache_config import (CacheConfig, check_compute_dtype,
-                                       check_pool_dtype)
+                                       check_impl_page_size, check_pool_dtype)
 from lazyattn_jax.errors import InvalidOptionError
 
 
@@ -124,6 +124,8 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
   scheduler, runner = split_settings(scheduler, runner, settings)
   page = cache_config.page_size if cache_config is not None else page_size
   check_quality(mode, page, quality)
+  check_impl_page_size(page, runner.impl, name="cache_config.page_size"
+                       if cache_config is not None else "page_size")
   parallel = dict(mesh=mesh, tensor_parallel=tensor_parallel,
                   vocab_parallel=vocab_parallel)
   loaded = load_model(name_or_path, dtype, progress,

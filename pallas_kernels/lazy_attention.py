@@ -107,9 +107,11 @@ def check_lazy_attention_shapes(q, k_pages, v_pages, page_table, page_pos,
   if num_heads % num_kv_heads:
     raise ValueError(f"q heads ({num_heads}) must be a multiple of k_pages "
                      f"heads ({num_kv_heads})")
-  if page_table.ndim != 2 or page_table.shape[0] != batch:
-    raise ValueError(f"page_table must be [B={batch}, M], got shape "
-                     f"{page_table.shape}")
+  # M == 0 would leave the softmax an empty axis to reduce.
+  if page_table.ndim != 2 or page_table.shape[0] != batch or not (
+      page_table.shape[1]):
+    raise ValueError(f"page_table must be [B={batch}, M] with M >= 1 logical "
+                     f"pages, got shape {page_table.shape}")
   for name, arr in (("page_table", page_table), ("page_pos", page_pos),
                     ("page_shift", page_shift), ("page_len", page_len)):
     if arr.shape != page_table.shape:
@@ -294,12 +296,13 @@ def plan_lazy_attention(q, k_pages, page_table, page_pos, page_shift,
     An opaque plan, or None where the kernel that `lazy_attention` picks for
     these inputs has no plan (the xla and tpu impls, the Triton kernels:
     non-Hopper GPUs, float32 pools, shapes the Mosaic GPU kernels do not
-    take); passing None as `plan` is always fine.
+    take; B == 0 or T == 0); passing None as `plan` is always fine.
   """
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
   impl = resolve_impl(impl)
-  if _gpu_kernel(impl, q, k_pages, interpret) != "mosaic":
+  if (_gpu_kernel(impl, q, k_pages, interpret) != "mosaic"
+      or not q.shape[0] * q.shape[1]):  # no kernel runs (lazy_attention)
     return None
   num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
   if q.shape[1] == 1:
@@ -353,7 +356,8 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
       converter warpgroup).
 
   Returns:
-    [B, T, N, H] in q's dtype.
+    [B, T, N, H] in q's dtype; with B == 0 or T == 0, that empty array from
+    every impl, made without running a kernel.  M == 0 raises ValueError.
   """
   if not isinstance(rope, RopeConfig):
     raise ValueError(f"rope must be a RopeConfig, got {type(rope).__name__}")
@@ -381,6 +385,8 @@ def lazy_attention(q, k_pages, v_pages, page_table, page_pos, page_shift,
     if type(plan).__name__ != want:
       raise ValueError(f"plan is a {type(plan).__name__}; T={q.shape[1]} "
                        f"needs a {want} from plan_lazy_attention with this q")
+  if not q.shape[0] * q.shape[1]:  # the kernels' tiling needs B, T >= 1
+    return jnp.zeros(q.shape, q.dtype)
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   sm_scale = jnp.asarray(sm_scale, jnp.float32)

@@ -27,8 +27,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.lazy_attention import ContractShapes
 from pallas_kernels.rope import cos_sin_from_chunks
-from pallas_kernels.tpu_page_metadata import (MAX_PAGE_SIZE, page_len_of,
-                                              page_shift_index_of)
+from pallas_kernels.tpu_page_metadata import (page_len_of,
+                                              page_shift_index_of,
+                                              tpu_page_size_need)
 
 # A slot position past any query limit (|positions| < 2^22 after validation).
 INVALID_SLOT_POS = 1 << 30
@@ -74,12 +75,10 @@ def sublane_rows(dtype) -> int:
 
 
 def check_page_size(page_size: int):
-  # Pages are folded into one [pages * P, H] matrix; Mosaic folds the page
-  # axis cheaply only when P is a multiple of the 8-row sublane tile.
-  if page_size % 8 or page_size > MAX_PAGE_SIZE:
-    raise ValueError(
-        f"impl='tpu' needs a k_pages page size that is a multiple of 8 (and at"
-        f" most {MAX_PAGE_SIZE}), got {page_size}")
+  need = tpu_page_size_need(page_size)
+  if need is not None:
+    raise ValueError(f"impl='tpu' needs a k_pages page size that is {need}, "
+                     f"got {page_size}")
 
 
 def pages_per_block(shapes: ContractShapes, kv_dtype, block_sizes, *,

@@ -5,8 +5,9 @@ operands: the page axis is padded to whole KV blocks, each page's valid-slot
 count and shift index are packed into one int32, and for every (row, KV
 block) the distinct page shifts are listed once, so that a kernel rotates
 the query once per distinct shift, not once per page.  Also here: how many
-KV blocks each program must visit (causal skipping), and the split of large
-batches into kernel calls whose metadata fits in SMEM.
+KV blocks each program must visit (causal skipping), the split of large
+batches into kernel calls whose metadata fits in SMEM, and the page sizes
+the kernels take.
 """
 
 from __future__ import annotations
@@ -25,6 +26,17 @@ NO_QUERY = -(1 << 30)
 _INFO_SHIFT_BITS = 16
 _INFO_LEN_MASK = (1 << _INFO_SHIFT_BITS) - 1
 MAX_PAGE_SIZE = _INFO_LEN_MASK
+
+
+def tpu_page_size_need(page_size: int) -> str | None:
+  """What the TPU kernels need of a page size that `page_size` lacks ("a
+  multiple of 8 ..."), or None where they take it.  The kernels check it at
+  trace time (tpu_common.check_page_size), the engine when it is built."""
+  # Pages are folded into one [pages * P, H] matrix; Mosaic folds the page
+  # axis cheaply only when P is a multiple of the 8-row sublane tile.
+  if page_size % 8 or page_size > MAX_PAGE_SIZE:
+    return f"a multiple of 8 (and at most {MAX_PAGE_SIZE})"
+  return None
 
 
 class PageMetadata(NamedTuple):

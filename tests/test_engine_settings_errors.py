@@ -130,3 +130,71 @@ def test_a_model_in_a_dtype_the_engine_cannot_compute_in_is_refused():
               max_docs=4, max_pages_per_doc=4)
   with pytest.raises(InvalidOptionError, match="float64"):
     LazyEngine(config, model, CacheConfig(dtype="float64", **pool))
+
+
+def _tpu_refusal(name, page_size, impl="tpu", picked=""):
+  return (f"{name} {page_size} does not suit impl {impl!r}{picked}: the TPU "
+          f"kernels need a page size that is a multiple of 8 (and at most "
+          f"65535); choose such a page size, or impl 'xla'")
+
+
+@pytest.mark.parametrize("page_size", [4, 12, 1 << 16])
+def test_a_page_size_the_tpu_kernels_refuse_is_refused_before_loading(
+    page_size):
+  # Such an engine used to build, then fail every request with the
+  # kernels' "impl='tpu' needs a k_pages page size that is a multiple of 8".
+  with pytest.raises(InvalidOptionError) as caught:
+    build(impl="tpu", page_size=page_size)
+  assert str(caught.value) == _tpu_refusal("page_size", page_size)
+  with pytest.raises(UnknownModelError):
+    build(impl="tpu", page_size=16)
+  # XLA takes any page size, and so does the GPU (where the Mosaic GPU
+  # kernels do not take it, the Triton kernels run); "auto" is XLA on CPU.
+  for impl in ("xla", "gpu", "auto"):
+    with pytest.raises(UnknownModelError):
+      build(impl=impl, page_size=page_size)
+  cache = dict(num_pages=8, page_size=page_size, num_layers=2,
+               num_kv_heads=2, head_dim=16, dtype="float32",
+               max_pages_per_doc=4)
+  with pytest.raises(InvalidOptionError) as caught:
+    build(impl="tpu", cache_config=CacheConfig(**cache))
+  assert str(caught.value) == _tpu_refusal("cache_config.page_size",
+                                           page_size)
+
+
+def test_an_engine_built_directly_refuses_a_page_size_its_kernels_refuse(
+    monkeypatch):
+  import dataclasses
+
+  import jax
+  from flax import nnx
+
+  from lazyattn_jax import engine as engine_module
+  from lazyattn_jax.config import RunnerConfig
+  from models.config import LlamaConfig
+  from models.llama import Llama
+  config = dataclasses.replace(LlamaConfig.tiny(), max_position=64)
+  model = Llama(config, rngs=nnx.Rngs(0))
+  cache = CacheConfig(num_pages=8, page_size=4, num_layers=config.num_layers,
+                      num_kv_heads=config.num_kv_heads,
+                      head_dim=config.head_dim, dtype="float32",
+                      max_docs=4, max_pages_per_doc=4)
+  made = []  # nothing is made when the engine refuses
+  with monkeypatch.context() as patch:
+    patch.setattr(engine_module, "PagedKVCache",
+                  lambda *a, **k: made.append(a))
+    with pytest.raises(InvalidOptionError) as caught:
+      LazyEngine(config, model, cache, runner=RunnerConfig(impl="tpu"))
+    assert str(caught.value) == _tpu_refusal("cache_config.page_size", 4)
+    # "auto" resolves as lazy_attention does: the TPU kernels on a TPU.
+    patch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(InvalidOptionError) as caught:
+      LazyEngine(config, model, cache)
+    assert str(caught.value) == _tpu_refusal(
+        "cache_config.page_size", 4, "auto",
+        " (the TPU kernels on this TPU backend)")
+  assert not made
+  for impl in ("gpu", "xla", "auto"):  # auto: XLA on CPU
+    LazyEngine(config, model, cache, runner=RunnerConfig(impl=impl))
+  LazyEngine(config, model, dataclasses.replace(cache, page_size=8),
+             runner=RunnerConfig(impl="tpu"))

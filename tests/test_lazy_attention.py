@@ -10,9 +10,11 @@ import pytest
 
 from pallas_kernels import (MAX_ROPE_POSITION, RopeConfig, lazy_attention,
                             lazy_attention_reference)
-from pallas_kernels.lazy_attention import resolve_impl
+from pallas_kernels.lazy_attention import (plan_lazy_attention,
+                                           resolve_impl)
 from pallas_kernels.rope import cos_sin_from_chunks
-from pallas_kernels.testing import make_case, numpy_truth, relative_error
+from pallas_kernels.testing import (make_case, numpy_truth, relative_error,
+                                    zero_args)
 from tests.rope_configs import LLAMA3, PLAIN
 
 
@@ -140,6 +142,39 @@ def test_bad_values_raise_outside_jit(name, value, match):
   args[i] = args[i].at[0, 0].set(value)
   with pytest.raises(ValueError, match=match):
     lazy_attention(*args, rope=PLAIN, impl="xla")
+
+
+@pytest.mark.parametrize("batch,q_len", [(2, 0), (0, 1), (0, 4)])
+@pytest.mark.parametrize("impl,interpret", [
+    ("xla", False), ("gpu", True), ("gpu", False)],
+    ids=["xla", "gpu-triton", "gpu-mosaic"])
+def test_no_batch_or_query_rows_give_an_empty_result(impl, interpret, batch,
+                                                     q_len):
+  # The XLA path's result; the GPU kernels and the Mosaic GPU plan raised
+  # ZeroDivisionError or jax errors (TPU: tests/test_tpu_kernels.py).  No
+  # kernel runs: on CPU the Mosaic GPU one (interpret=False) could not.
+  args = zero_args(batch=batch, q_len=q_len, num_heads=4, num_kv_heads=2,
+                   head_dim=64, num_pages=4, page_size=8, num_logical_pages=3,
+                   dtype=jnp.bfloat16)
+  plan = plan_lazy_attention(args[0], args[1], *args[3:], rope=PLAIN,
+                             impl=impl, interpret=interpret)
+  assert plan is None
+  attend = lambda *a: lazy_attention(*a, rope=PLAIN, impl=impl,
+                                     interpret=interpret, plan=plan)
+  for out in (attend(*args), jax.jit(attend)(*args)):
+    assert out.shape == (batch, q_len, 4, 64) and out.dtype == jnp.bfloat16
+
+
+def test_no_logical_pages_raise_value_error_naming_page_table():
+  # Was numpy's "zero-size array to reduction operation max which has no
+  # identity", from the softmax.
+  args = _good_args()
+  args[3:7] = [a[:, :0] for a in args[3:7]]
+  match = r"^page_table must be \[B=2, M\] with M >= 1 logical pages"
+  with pytest.raises(ValueError, match=match):
+    lazy_attention(*args, rope=PLAIN, impl="xla")
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda *a: lazy_attention(*a, rope=PLAIN, impl="xla"))(*args)
 
 
 def test_impl_and_rope_arguments_are_checked():

@@ -257,3 +257,39 @@ def test_page_size_must_fill_sublane_tiles():
   with pytest.raises(ValueError, match="page size"):
     lazy_decode_tpu(*args, rope=PLAIN, sm_scale=jnp.float32(0.125),
                     interpret=True)
+
+
+def _sized_args(batch, q_len, num_logical_pages, dtype=jnp.float32):
+  return zero_args(batch=batch, q_len=q_len, num_heads=4, num_kv_heads=2,
+                   head_dim=64, num_pages=4, page_size=8,
+                   num_logical_pages=num_logical_pages, dtype=dtype)
+
+
+@pytest.mark.parametrize("batch,q_len", [(2, 0), (0, 1), (0, 4), (0, 0)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                         ids=["f32", "bf16"])
+def test_no_batch_or_query_rows_give_the_empty_result_of_the_xla_path(
+    batch, q_len, dtype):
+  # T == 0 crashed in the prefill's tiling (round_up(q_len, 0)) and B == 0
+  # in the page metadata (reshape(0, -1)), both with ZeroDivisionError.
+  args = _sized_args(batch, q_len, 3, dtype)
+  want = lazy_attention(*args, rope=PLAIN, impl="xla")
+  attend = functools.partial(lazy_attention, rope=PLAIN, impl="tpu",
+                             interpret=pltpu.InterpretParams())
+  for out in (attend(*args), jax.jit(attend)(*args)):
+    assert out.shape == want.shape == (batch, q_len, 4, 64)
+    assert out.dtype == want.dtype == dtype
+
+
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "prefill"])
+def test_no_logical_pages_raise_value_error_naming_page_table(q_len):
+  # The TPU path raised numpy's "zero-size array to reduction operation
+  # max", as the XLA path did; both now name the argument.
+  args = _sized_args(2, q_len, 0)
+  for impl in ("tpu", "xla"):
+    with pytest.raises(ValueError,
+                       match=r"^page_table must be \[B=2, M\] with M >= 1 "
+                             r"logical pages, got shape \(2, 0\)$"):
+      lazy_attention(*args, rope=PLAIN, impl=impl,
+                     interpret=pltpu.InterpretParams() if impl == "tpu"
+                     else False)
