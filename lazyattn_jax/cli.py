@@ -209,11 +209,29 @@ def run_serve(args) -> int:
   except ValueError as e:  # a setting the server or the engine refuses
     raise UsageError(_first_line(e)) from None
   app = create_app(engine, server_config, close_engine=True)
-  print(f"Serving {server_config.model_name!r} ({args.mode} mode) on "
-        f"http://{args.host}:{args.port}/v1", flush=True)
-  DrainingServer(app, host=args.host, port=args.port,
+  show_server_logs(args.log_level)
+
+  def banner(port: int):  # once listening: the port the OS picked for 0
+    print(f"Serving {server_config.model_name!r} ({args.mode} mode) on "
+          f"http://{args.host}:{port}/v1", flush=True)
+  DrainingServer(app, on_listening=banner, host=args.host, port=args.port,
                  log_level=args.log_level).run()
   return 0
+
+
+def show_server_logs(level: str):
+  """The library's own log records (a failed step, a request's error) on
+  stderr at `level`, formatted as uvicorn's; without a handler Python
+  printed only warnings and worse, bare."""
+  import logging
+  logger = logging.getLogger("lazyattn_jax")
+  if not any(getattr(h, "lazyattn_serve", False) for h in logger.handlers):
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: "
+                                           "%(message)s"))
+    handler.lazyattn_serve = True
+    logger.addHandler(handler)
+  logger.setLevel(level.upper())
 
 
 def _add_serve_parser(sub, common):

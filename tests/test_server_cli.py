@@ -178,3 +178,50 @@ def test_serve_answers_over_http_and_stops_on_sigterm(model_dir):
   assert process.returncode in (0, -signal.SIGTERM), output
   assert "Traceback" not in output
   assert "Serving 'tiny' (lazy mode)" in output
+
+
+def test_serve_on_port_0_names_the_port_it_listens_on(model_dir):
+  """The banner comes once the server listens, with the port the OS picked
+  (it printed port 0); the library's own errors are logged at the
+  server's level."""
+  import re
+  process = subprocess.Popen(
+      [sys.executable, "-m", "lazyattn_jax.cli", "serve", "--model",
+       str(model_dir), "--port", "0", "--impl", "xla", "--num-pages", "64",
+       "--log-level", "warning"],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 180
+    for line in process.stdout:
+      if line.startswith("Serving"):
+        break
+      assert time.monotonic() < deadline, "no banner"
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
+    assert port != 0
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.head(url + "/health", timeout=10).status_code == 200
+  finally:
+    process.send_signal(signal.SIGTERM)
+    try:
+      process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      raise
+
+
+def test_serve_shows_the_library_log_at_its_level(capsys):
+  import logging
+  from lazyattn_jax.cli import show_server_logs
+  logger = logging.getLogger("lazyattn_jax")
+  before = list(logger.handlers), logger.level
+  try:
+    show_server_logs("warning")
+    show_server_logs("warning")  # once, however often it is called
+    logging.getLogger("lazyattn_jax.server").info("not shown")
+    logging.getLogger("lazyattn_jax.server").error("engine.step() failed")
+  finally:
+    logger.handlers[:] = before[0]
+    logger.setLevel(before[1])
+  err = capsys.readouterr().err
+  assert err == "ERROR:     lazyattn_jax.server: engine.step() failed\n"

@@ -29,14 +29,22 @@ class DrainingServer(uvicorn.Server):
 
   Args:
     app: the app (its `state.engine_loop` and `state.config` are used).
+    on_listening: called with the port the server listens on once it
+      does (the OS picks one for port 0), or None.
     **config: other `uvicorn.Config` arguments (host, port, log_level...).
   """
 
-  def __init__(self, app, **config):
+  def __init__(self, app, on_listening=None, **config):
     self._engine_loop = app.state.engine_loop
     self._drain_timeout_s = app.state.config.drain_timeout_s
+    self._on_listening = on_listening
     super().__init__(uvicorn.Config(
         app, timeout_graceful_shutdown=ANSWER_GRACE_S, **config))
+
+  async def startup(self, sockets=None):
+    await super().startup(sockets)
+    if self.started and self._on_listening is not None:
+      self._on_listening(self.servers[0].sockets[0].getsockname()[1])
 
   async def shutdown(self, sockets=None):
     drain = asyncio.ensure_future(asyncio.to_thread(
