@@ -187,6 +187,7 @@ def run_serve(args) -> int:
   from lazyattn_jax.cli_options import chosen
   from lazyattn_jax.config import INTERACTIVE_SETTINGS
   from lazyattn_jax.server import ServerConfig
+  from lazyattn_jax.server.log_output import show_server_logs
   try:
     from lazyattn_jax.server import create_app
     from lazyattn_jax.server.draining import DrainingServer
@@ -218,20 +219,6 @@ def run_serve(args) -> int:
                  log_level=args.log_level).run()
   return 0
 
-
-def show_server_logs(level: str):
-  """The library's own log records (a failed step, a request's error) on
-  stderr at `level`, formatted as uvicorn's; without a handler Python
-  printed only warnings and worse, bare."""
-  import logging
-  logger = logging.getLogger("lazyattn_jax")
-  if not any(getattr(h, "lazyattn_serve", False) for h in logger.handlers):
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: "
-                                           "%(message)s"))
-    handler.lazyattn_serve = True
-    logger.addHandler(handler)
-  logger.setLevel(level.upper())
 
 
 def _add_serve_parser(sub, common):

@@ -212,7 +212,7 @@ def test_serve_on_port_0_names_the_port_it_listens_on(model_dir):
 
 def test_serve_shows_the_library_log_at_its_level(capsys):
   import logging
-  from lazyattn_jax.cli import show_server_logs
+  from lazyattn_jax.server.log_output import show_server_logs
   logger = logging.getLogger("lazyattn_jax")
   before = list(logger.handlers), logger.level
   try:
