@@ -164,12 +164,12 @@ def test_parity_interpret_ragged(persistent, rope_in_kernel):
   _check(_call(lazy, rope=PLAIN, block_sizes=bs, interpret=True), lazy, PLAIN)
 
 
-def _documents_far_out(seed, *, num_docs, doc_len):
-  """Whole-page documents (pages of 8) of one row, decoded at q_pos past
-  them, everything moved 2^20 positions out."""
+def _documents_far_out(seed, *, num_docs, doc_len, head_dim=64):
+  """Documents (pages of 8) of one row, decoded at q_pos past them,
+  everything moved 2^20 positions out."""
   lazy = _doc_layout_case(np.random.default_rng(seed), num_docs=num_docs,
                           doc_len=doc_len, q_len=1, num_heads=4,
-                          num_kv_heads=2, head_dim=64, page_size=8)
+                          num_kv_heads=2, head_dim=head_dim, page_size=8)
   base = 2**20
   return dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
                              page_pos=lazy.page_pos + base,
@@ -209,13 +209,17 @@ def test_rotate_ahead_is_bit_for_bit_the_rotation_after_the_wait():
   lazy = _ragged_case(0, batch=3, num_heads=8, num_kv_heads=2, head_dim=64,
                       page_size=16, dtype=jnp.bfloat16, max_doc_len=150)
   bs = dataclasses.replace(ROTATE_AHEAD, block_kv=64, kv_splits=2)
-  call = lambda sizes: np.asarray(_call(
-      lazy, rope=PLAIN, block_sizes=sizes, interpret=True).astype(
-          jnp.float32))
-  ahead = call(bs)
+  ahead = _interpreted(lazy, PLAIN, bs)
   np.testing.assert_array_equal(
-      ahead, call(dataclasses.replace(bs, rotate_ahead=False)))
+      ahead, _interpreted(lazy, PLAIN,
+                          dataclasses.replace(bs, rotate_ahead=False)))
   _check(ahead, lazy, PLAIN)
+
+
+def _interpreted(lazy, rope, block_sizes):
+  """The decode's output in the Mosaic GPU interpreter, as float32."""
+  return np.asarray(_call(lazy, rope=rope, block_sizes=block_sizes,
+                          interpret=True).astype(jnp.float32))
 
 
 @needs_interpreter
@@ -226,21 +230,13 @@ def test_compact_cos_sin_is_bit_for_bit_the_per_column_cos_sin(
   64-key blocks and at their starts; two splits.  The cos / sin computed one
   value a thread (two rows of H/2 at H 128, four at H 64) give the same
   output, bit for bit, as each thread computing its columns."""
-  lazy = _doc_layout_case(np.random.default_rng(5), num_docs=5, doc_len=24,
-                          q_len=1, num_heads=4, num_kv_heads=2,
-                          head_dim=head_dim, page_size=8)
-  base = 2**20
-  lazy = dataclasses.replace(lazy, q_pos=lazy.q_pos + base,
-                             page_pos=lazy.page_pos + base,
-                             page_shift=lazy.page_shift + base)
+  lazy = _documents_far_out(5, num_docs=5, doc_len=24, head_dim=head_dim)
   bs = dataclasses.replace(COMPACT, block_kv=64, kv_splits=2,
                            rotate_ahead=rotate_ahead)
-  call = lambda sizes: np.asarray(_call(
-      lazy, rope=LLAMA3, block_sizes=sizes, interpret=True).astype(
-          jnp.float32))
-  compact = call(bs)
+  compact = _interpreted(lazy, LLAMA3, bs)
   np.testing.assert_array_equal(
-      compact, call(dataclasses.replace(bs, compact_cos_sin=False)))
+      compact, _interpreted(lazy, LLAMA3,
+                            dataclasses.replace(bs, compact_cos_sin=False)))
   _check(compact, lazy, LLAMA3)
 
 
