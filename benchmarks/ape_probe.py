@@ -47,7 +47,7 @@ def parse_settings(text: str) -> list[tuple[float, float]]:
   for item in text.split(","):
     t, _, s = item.partition(":")
     pair = (float(t), float(s or 1.0))
-    if min(pair) <= 0:
+    if not all(v > 0 for v in pair):  # NaN too
       raise ValueError(f"temperature and scale must be > 0, got {item!r}")
     out.append(pair)
   return out
@@ -99,7 +99,10 @@ def main(argv=None) -> int:
                  help="also every setting after the shipped sink")
   p.add_argument("--out", help="write the JSON report here")
   args = p.parse_args(argv)
-  settings = parse_settings(args.settings)
+  try:
+    settings = parse_settings(args.settings)
+  except ValueError as e:  # float("abc") too
+    p.error(f"--settings takes T:S pairs of numbers > 0: {e}")
 
   from lazyattn_jax.quality_options import shipped_sink_for
   from lazyattn_jax.training.model_io import load_trainable

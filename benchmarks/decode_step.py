@@ -97,6 +97,8 @@ def parse_args(argv=None):
   if min(args.batch, args.docs_per_request, args.doc_len, args.query_len,
          args.loops, args.decode_steps) < 1:
     p.error("sizes and counts must be >= 1")
+  if args.copy_mib < 1:
+    p.error(f"--copy-mib must be >= 1, got {args.copy_mib}")
   return args
 
 

@@ -61,6 +61,10 @@ def parse_args(argv=None):
     p.error(f"--prefill-tokens takes integers, got {args.prefill_tokens!r}")
   if not args.token_list or min(args.token_list) < args.doc_len:
     p.error("--prefill-tokens entries must be at least --doc-len")
+  uneven = [t for t in args.token_list if t % args.doc_len]
+  if uneven:  # whole documents are encoded: the count run must be recorded
+    p.error(f"--prefill-tokens entries must be multiples of --doc-len "
+            f"{args.doc_len} (whole documents), got {uneven[0]}")
   if min(args.batch, args.docs_per_request, args.doc_len, args.query_len,
          args.repeats, args.chain) < 1:
     p.error("sizes and counts must be >= 1")

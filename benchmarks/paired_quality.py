@@ -44,6 +44,31 @@ def item_scores(run: dict, metric: str) -> np.ndarray:
   return np.asarray(out)
 
 
+def pairing_error(run_a: dict, run_b: dict) -> str | None:
+  """Why two runs' predictions cannot be compared item by item, as one
+  line, or None: a run without predictions, none at all, different counts,
+  or the first item whose question (id, and position in a gold sweep)
+  differs between the runs."""
+  for run in (run_a, run_b):
+    if "predictions" not in run:
+      return (f"run {run['label']!r} has no predictions (run rag_quality "
+              f"with --save-predictions)")
+    if not run["predictions"]:
+      return f"run {run['label']!r} has no items in its predictions"
+  a, b = run_a["predictions"], run_b["predictions"]
+  if len(a) != len(b):
+    return (f"runs {run_a['label']!r} and {run_b['label']!r} answered "
+            f"{len(a)} and {len(b)} items: not the same items")
+  key = lambda p: (p.get("id"), p.get("position"))
+  for i, (pa, pb) in enumerate(zip(a, b)):
+    if key(pa) != key(pb):
+      return (f"item {i} differs: run {run_a['label']!r} has question "
+              f"{pa.get('id')!r} (position {pa.get('position')}), run "
+              f"{run_b['label']!r} has {pb.get('id')!r} (position "
+              f"{pb.get('position')}): not the same items")
+  return None
+
+
 def sign_test_p(wins_a: int, wins_b: int) -> float:
   """Exact two-sided sign test of a split of discordant items."""
   n = wins_a + wins_b
@@ -91,6 +116,9 @@ def main(argv=None):
     missing = [x for x in (label_a, label_b) if x not in runs]
     if missing:
       p.error(f"no run labelled {missing[0]!r}; runs: {sorted(runs)}")
+    error = pairing_error(runs[label_a], runs[label_b])
+    if error:
+      p.error(error)
     row = compare(item_scores(runs[label_a], args.metric),
                   item_scores(runs[label_b], args.metric))
     rows.append(dict(a=label_a, b=label_b, metric=args.metric, **row))

@@ -169,6 +169,8 @@ def parse_args(argv, parser=None):
   if args.max_new_tokens is None:
     args.max_new_tokens = 32 if args.dataset == "hotpotqa" else 24
   check_values(p, args)
+  if args.hotpotqa_json and not os.path.isfile(args.hotpotqa_json):
+    p.error(f"--hotpotqa-json: no such file: {args.hotpotqa_json}")
   try:
     runs = quality_runs.runs_from_args(args)
   except (ValueError, TypeError) as err:
@@ -193,7 +195,8 @@ def check_values(p, args) -> None:
   for flag, value, low in (("--batch", args.batch, 1),
                            ("--page-size", args.page_size, 1),
                            ("--max-new-tokens", args.max_new_tokens, 1),
-                           ("--num-pages", args.num_pages, 1)):
+                           ("--num-pages", args.num_pages, 1),
+                           ("--questions", args.questions, 1)):
     if value is not None and value < low:
       p.error(f"{flag} must be >= {low}, got {value}")
   if args.dataset == "synthetic":

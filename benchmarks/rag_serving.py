@@ -13,8 +13,12 @@ requests of the same popularity first (after every emptying, warm-up
 replays included) and measures from the cache they leave: the steady state
 of a server that has been running.
 
-Example (CPU smoke):
-  python -m benchmarks.rag_serving --model tiny --num-docs 24 --num-requests 16
+Every run's pool must hold its mode's largest request (block mode also
+copies the documents' pages); this is checked before the first run.
+
+Example (CPU smoke; half the corpus, so block mode's copies fit):
+  python -m benchmarks.rag_serving --model tiny --num-docs 24 --num-requests 16 \
+      --cache-fraction 0.5
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 
 import numpy as np
 
-from benchmarks import rag_serving_cli
+from benchmarks import rag_serving_checks, rag_serving_cli
 from benchmarks.rag_report import merge_rows, plot, print_table
 # The trace, model, engine and pool sizes; also imported from here by other
 # benchmarks and tests (decode_step.py, serve_load.py, tensor_parallel.py...).
@@ -50,10 +54,13 @@ def run_trace(engine, trace: Trace, args, progress=None):
     engine.submit(query, [trace.corpus[d] for d in docs], sampling,
                   arrival_time=arrival)
 
+  # Closed loop: at least one request in flight, so the loop below always
+  # has work until the trace is done (it never spins on an idle engine).
+  in_flight_limit = max(1, args.concurrency)
   if trace.arrivals is None:
-    for i in pending[:args.concurrency]:
+    for i in pending[:in_flight_limit]:
       submit(i)
-    pending = pending[args.concurrency:]
+    pending = pending[in_flight_limit:]
   while pending or engine.has_work():
     if trace.arrivals is not None:
       now = time.perf_counter() - start
@@ -72,6 +79,8 @@ def run_trace(engine, trace: Trace, args, progress=None):
       for _ in done:
         if pending:
           submit(pending.pop(0))
+      if pending and not engine.has_work():  # nothing in flight: top up
+        submit(pending.pop(0))
   return results, time.perf_counter() - start
 
 
@@ -234,6 +243,11 @@ def main(argv=None):
   warm = (measured if args.warmup_requests < 0 else
           make_trace(args, config.vocab_size, args.warmup_requests, args.seed + 1))
   base_pages = args.cache_pages or cache_pages_for(args, args.cache_fraction)
+  error = rag_serving_checks.pool_error(
+      args, config.hidden_size,
+      rag_serving_checks.planned_pools(args, config, dtype, base_pages))
+  if error:  # before the first run: a later mode must not lose the earlier
+    rag_serving_cli.usage_error(error, __doc__)
   cache_warmer = None
   if args.warm_cache_requests:
     closed = argparse.Namespace(**vars(args))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from benchmarks import rag_serving_checks
 from lazyattn_jax.modes import MODES
 
 # The quality options a run can add beside each mode (--quality-runs).
@@ -15,6 +16,18 @@ QUALITY_RUNS = ("recompute", "sink", "sink+recompute")
 def parse_args(argv=None, description: str | None = None):
   """The benchmark's options (`python -m benchmarks.rag_serving --help`),
   checked; `description` heads the help text."""
+  p = build_parser(description)
+  args = p.parse_args(argv)
+  return _checked(p, args)
+
+
+def usage_error(message: str, description: str | None = None):
+  """Exits as a bad option value does (usage, one error line, status 2):
+  for problems found after parsing but before any run."""
+  build_parser(description).error(message)
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="tiny",
@@ -122,7 +135,10 @@ def parse_args(argv=None, description: str | None = None):
                       "(the row's `profile`)")
   p.add_argument("--pool-as-bits", action="store_true",
                  help="carry a 16-bit KV pool as uint16 through the layer loop")
-  args = p.parse_args(argv)
+  return p
+
+
+def _checked(p, args):
   modes = [m for m in args.modes.split(",") if m]
   bad = [m for m in modes if m not in MODES]
   if bad:
@@ -136,6 +152,9 @@ def parse_args(argv=None, description: str | None = None):
     p.error(f"--warm-cache-requests must be >= 0, got "
             f"{args.warm_cache_requests}")
   args.mode_list = modes
+  error = rag_serving_checks.check_values(args)
+  if error:
+    p.error(error)
   for path in (args.out, args.plot_dir and os.path.join(args.plot_dir, "x")):
     if path:  # before any work: a bad path must not lose a finished run
       directory = os.path.dirname(os.path.abspath(path))

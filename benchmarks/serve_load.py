@@ -95,6 +95,11 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="", help="JSON report path")
   args = p.parse_args(argv)
+  if not 0.0 <= args.bad_fraction < 1.0:  # 1.0 leaves no good request
+    p.error(f"--bad-fraction must be in [0, 1), got {args.bad_fraction}")
+  if not args.rate > 0:
+    p.error(f"--rate must be > 0 (Poisson arrivals per second), got "
+            f"{args.rate}")
   # Settings benchmarks.rag_serving's engine builder reads.
   args.prefill_tokens_per_step = 0
   args.pool_as_bits = False
@@ -142,7 +147,6 @@ def make_requests(args, engine, tokenizer):
   """The trace: per request its HTTP body, its kind, its arrival and what
   the engine is given for the same request (query, documents)."""
   from benchmarks.rag_serving import make_trace
-  args.rate = args.rate or 1.0
   trace = make_trace(args, engine.config.vocab_size, args.num_requests,
                      args.seed + 1)
   rng = np.random.default_rng(args.seed + 2)
@@ -370,9 +374,9 @@ def main(argv=None) -> int:
   if args.direct:
     warm_up(engine, requests, args.warmup_requests)
     report["direct"] = direct_run(engine, requests)
-    report["http_vs_direct_throughput"] = (
-        report["http"]["throughput_tok_s"] /
-        report["direct"]["throughput_tok_s"])
+    direct = report["direct"]["throughput_tok_s"]
+    report["http_vs_direct_throughput"] = (  # None: no good request ran
+        report["http"]["throughput_tok_s"] / direct if direct else None)
   print(json.dumps(report, indent=1))
   if args.out:
     with open(args.out, "w") as f:

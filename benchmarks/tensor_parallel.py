@@ -16,8 +16,10 @@ communication share of device time is read from the trace
 FFN 28672, random bf16 weights (140 GB: two H200s or more), the pool sized
 from the memory left on the devices (`--pool-memory-fraction`).
 
-Every other option is `benchmarks.rag_serving`'s (given after these ones
-they override the paper-like defaults).  Examples:
+The options of `benchmarks.rag_serving` that shape one run (corpus,
+trace, pool, scheduler, kernels, --modes, --out) apply too (given after
+these ones they override the paper-like defaults); its extra runs, sweeps,
+merging and plots (NOT_RUN_HERE) are refused.  Examples:
   python -m benchmarks.tensor_parallel --tensor-parallel 1,2 --out tp.json
   python -m benchmarks.tensor_parallel --model llama3-70b-shape \\
       --tensor-parallel 2 --profile-dir /tmp/tp70 --out tp70.json
@@ -32,7 +34,7 @@ import json
 import sys
 import time
 
-from benchmarks import rag_serving
+from benchmarks import rag_serving, rag_serving_checks
 
 PAPER_LOAD = ["--num-docs", "2000", "--docs-per-request", "8", "--doc-len",
               "512", "--query-len", "64", "--output-len", "64", "--zipf", "1.1",
@@ -40,6 +42,10 @@ PAPER_LOAD = ["--num-docs", "2000", "--docs-per-request", "8", "--doc-len",
               "64", "--cache-fraction", "0.2", "--decode-steps", "16",
               "--modes", "lazy"]
 MODELS = ("tiny", "llama3-8b-shape", "llama3-70b-shape")
+# Options of benchmarks.rag_serving this benchmark accepts but does not run.
+NOT_RUN_HERE = ("sweep_rates", "sweep_cache_fractions", "kv_dtypes",
+                "quality_runs", "decode_during_prefill_runs",
+                "decode_during_prefill_only", "skip_base", "merge", "plot_dir")
 
 
 def model_config(name: str):
@@ -83,6 +89,12 @@ def parse_args(argv=None):
     p.print_help()
     raise SystemExit(0)
   args = rag_serving.parse_args(PAPER_LOAD + rest)
+  defaults = rag_serving.parse_args(PAPER_LOAD)
+  ignored = ["--" + n.replace("_", "-") for n in NOT_RUN_HERE
+             if getattr(args, n) != getattr(defaults, n)]
+  if ignored:
+    p.error(f"{', '.join(ignored)}: options of benchmarks.rag_serving that "
+            f"benchmarks.tensor_parallel does not run; leave them out")
   for name, value in vars(own).items():
     setattr(args, name, value)
   try:
@@ -191,7 +203,10 @@ def run_one(args, config, dtype, n: int, measured, warm, cache_warmer):
           tensor_parallel=n, model_build_s=build_s,
           kv_replicas=tp.kv_replicas if tp else 1,
           vocab_parallel=bool(tp and tp.vocab_parallel),
-          decode_step_s=stats.decode_seconds / max(stats.decode_steps, 1),
+          # None: no decode step ran (--output-len 1: prefill gives the
+          # only token), so there is no step time to compare.
+          decode_step_s=(stats.decode_seconds / stats.decode_steps
+                         if stats.decode_steps else None),
           weights_gb_per_device=memory.get("weights_bytes_per_device",
                                            memory["weights_bytes"]) / 1e9,
           kv_pool_gb_per_device=memory.get("kv_pool_bytes_per_device",
@@ -235,6 +250,16 @@ def main(argv=None):
       print(f"benchmarks.tensor_parallel: error: --tensor-parallel {n}: {e}",
             file=sys.stderr)
       raise SystemExit(2) from None
+  if args.pool_memory_fraction <= 0:  # the same pool at every count
+    pages = args.cache_pages or rag_serving.cache_pages_for(
+        args, args.cache_fraction)
+    error = rag_serving_checks.pool_error(
+        args, config.hidden_size,
+        [(mode, "", pages, "--cache-fraction or --cache-pages")
+         for mode in args.mode_list])
+    if error:
+      print(f"benchmarks.tensor_parallel: error: {error}", file=sys.stderr)
+      raise SystemExit(2)
   measured = rag_serving.make_trace(args, config.vocab_size,
                                     args.num_requests, args.seed + 2)
   warm = (measured if args.warmup_requests < 0 else rag_serving.make_trace(
@@ -252,7 +277,9 @@ def main(argv=None):
   base = {r["mode"]: r for r in rows if r["tensor_parallel"] == args.tp_list[0]}
   for r in rows:  # against the first device count of the list
     ref = base.get(r["mode"])
-    r["decode_step_speedup"] = ref["decode_step_s"] / r["decode_step_s"]
+    r["decode_step_speedup"] = (ref["decode_step_s"] / r["decode_step_s"]
+                                if ref["decode_step_s"] and r["decode_step_s"]
+                                else None)
     r["throughput_ratio"] = r["throughput_tok_s"] / ref["throughput_tok_s"]
   report = dict(device=str(jax.devices()[0].device_kind),
                 devices=jax.device_count(), jax=jax.__version__,
@@ -260,6 +287,10 @@ def main(argv=None):
                 command="python -m benchmarks.tensor_parallel " +
                 " ".join(argv if argv is not None else sys.argv[1:]),
                 runs=rows)
+  if any(r["decode_step_s"] is None for r in rows):
+    print("benchmarks.tensor_parallel: no decode step ran in some rows "
+          "(--output-len 1?): their decode_step_s and decode_step_speedup "
+          "are null", file=sys.stderr)
   text = json.dumps(report, indent=2, default=str)
   if args.out:
     with open(args.out, "w") as f:

@@ -72,3 +72,47 @@ def test_cli_writes_each_comparison(tmp_path, capsys):
   with pytest.raises(SystemExit):
     paired_quality.main([str(path), "--compare", "base", "nope"])
   assert "no run labelled 'nope'" in capsys.readouterr().err
+
+
+def _pairing_refused(tmp_path, capsys, runs, message):
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(dict(runs=runs)))
+  with pytest.raises(SystemExit) as exit_info:
+    paired_quality.main([str(path), "--compare", "a", "b"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert message in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def _item(qid, text="Paris", position=0):
+  return dict(id=qid, position=position, answer="Paris", text=text)
+
+
+@pytest.mark.parametrize("runs, message", [
+    ([dict(label="a", mode="lazy"), dict(label="b", mode="full")],
+     "run 'a' has no predictions (run rag_quality with --save-predictions)"),
+    ([dict(label="a", predictions=[]), dict(label="b", predictions=[])],
+     "run 'a' has no items in its predictions"),
+    ([dict(label="a", predictions=[_item("1"), _item("2")]),
+      dict(label="b", predictions=[_item("1")])],
+     "runs 'a' and 'b' answered 2 and 1 items"),
+    ([dict(label="a", predictions=[_item("1"), _item("2")]),
+      dict(label="b", predictions=[_item("1"), _item("8")])],
+     "item 1 differs: run 'a' has question '2' (position 0), run 'b' has "
+     "'8'"),
+    ([dict(label="a", predictions=[_item("1", position=0)]),
+      dict(label="b", predictions=[_item("1", position=3)])],
+     "item 0 differs"),
+])
+def test_unpaired_runs_are_one_line_errors(tmp_path, capsys, runs, message):
+  _pairing_refused(tmp_path, capsys, runs, message)
+
+
+def test_paired_runs_still_compare(tmp_path):
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(dict(runs=[
+      dict(label="a", predictions=[_item("1"), _item("2", "x")]),
+      dict(label="b", predictions=[_item("1", "x"), _item("2")])])))
+  rows = paired_quality.main([str(path), "--compare", "a", "b", "--metric",
+                              "accuracy"])
+  assert rows[0]["items"] == 2 and rows[0]["diff"] == 0.0

@@ -1,0 +1,71 @@
+"""Bad option values of the smaller benchmark command lines (mixed_step,
+decode_step, serve_load, rag_quality, ape_probe): a one-line usage error
+(exit 2) before any work, never a traceback or a silently changed value."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import (ape_probe, decode_step, mixed_step, rag_quality,
+                        serve_load)
+
+
+def _refused(capsys, parse, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    parse(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert message in err.strip().splitlines()[-1], err
+  assert "Traceback" not in err
+
+
+MIXED = ["--model", "tiny", "--doc-len", "16", "--batch", "2"]
+
+
+def test_mixed_step_refuses_partial_documents(capsys):
+  _refused(capsys, mixed_step.parse_args, MIXED + ["--prefill-tokens", "40,24"],
+           "--prefill-tokens entries must be multiples of --doc-len 16 "
+           "(whole documents), got 40")
+  args = mixed_step.parse_args(MIXED + ["--prefill-tokens", "32,48"])
+  assert args.token_list == [32, 48]
+
+
+def test_decode_step_refuses_no_copy(capsys):
+  _refused(capsys, decode_step.parse_args, ["--copy-mib", "0"],
+           "--copy-mib must be >= 1, got 0")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bad-fraction", "1.0"], "--bad-fraction must be in [0, 1), got 1.0"),
+    (["--bad-fraction", "-0.1"], "--bad-fraction must be in [0, 1)"),
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--rate", "-3"], "--rate must be > 0"),
+])
+def test_serve_load_refuses_values_it_cannot_run(capsys, argv, message):
+  _refused(capsys, serve_load.parse_args, argv, message)
+
+
+def test_serve_load_keeps_its_rate():
+  assert serve_load.parse_args(["--rate", "0.5"]).rate == 0.5
+
+
+@pytest.mark.parametrize("questions", ["0", "-2"])
+def test_rag_quality_needs_a_question(capsys, questions):
+  _refused(capsys, rag_quality.parse_args, ["--questions", questions],
+           f"--questions must be >= 1, got {questions}")
+
+
+def test_rag_quality_refuses_a_missing_hotpotqa_file(capsys, tmp_path):
+  missing = tmp_path / "none.json"
+  _refused(capsys, rag_quality.parse_args,
+           ["--dataset", "hotpotqa", "--hotpotqa-json", str(missing)],
+           f"--hotpotqa-json: no such file: {missing}")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ("abc", "--settings takes T:S pairs"),
+    ("1:0", "must be > 0, got '1:0'"),
+    ("1:nan", "must be > 0"),
+])
+def test_ape_probe_refuses_bad_settings(capsys, settings, message):
+  _refused(capsys, ape_probe.main, ["--settings", settings], message)

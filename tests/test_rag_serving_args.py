@@ -1,0 +1,168 @@
+"""Option checks of the benchmark command lines built on rag_serving
+(rag_serving_cli, rag_serving_checks, tensor_parallel) and the closed
+loop they share: a bad value is a one-line usage error (exit 2) before any
+work starts, and nothing runs for ever or loses a finished run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import rag_serving, rag_serving_checks, tensor_parallel
+from benchmarks.rag_serving_cli import parse_args
+
+
+def _refused(capsys, parse, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    parse(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert message in err.strip().splitlines()[-1], err
+  assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+    (["--output-len", "0"], "--output-len must be >= 1"),
+    (["--num-docs", "0"], "--num-docs must be >= 1"),
+    (["--doc-len", "0"], "--doc-len must be >= 1"),
+    (["--query-len", "0"], "--query-len must be >= 1"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--decode-steps", "0"], "--decode-steps must be >= 1"),
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1"),
+    (["--sink-len", "0"], "--sink-len must be >= 1"),
+    (["--page-size", "-8"], "--page-size must be >= 1"),
+    (["--cache-pages", "-5"], "--cache-pages must be >= 0, got -5"),
+    (["--rate", "-1"], "--rate must be >= 0"),
+    (["--group-tokens", "-1"], "--group-tokens must be >= 0"),
+    (["--impl", "bogus"], "--impl must be one of"),
+    (["--kv-dtype", "float8"], "--kv-dtype must be among"),
+    (["--kv-dtypes", "float8_e4m3fn,float8"], "got 'float8'"),
+    (["--num-docs", "4", "--docs-per-request", "8"],
+     "--docs-per-request 8 is more than --num-docs 4"),
+    (["--sweep-rates", "1,abc"], "--sweep-rates takes comma-separated "
+                                 "numbers, got 'abc'"),
+    (["--sweep-rates", "-2"], "--sweep-rates values must be >= 0"),
+    (["--sweep-cache-fractions", "0"], "--sweep-cache-fractions values "
+                                       "must be > 0"),
+    (["--modes", ""], "--modes names no mode"),
+    (["--modes", ","], "--modes names no mode"),
+])
+def test_bad_values_are_one_line_usage_errors(capsys, argv, message):
+  _refused(capsys, parse_args, argv, message)
+
+
+def test_good_values_pass():
+  args = parse_args(["--kv-dtypes", "float8_e4m3fn", "--sweep-rates", "0,2.5",
+                     "--impl", "xla", "--kv-dtype", "float32"])
+  assert args.kv_dtypes == ["float8_e4m3fn"] and args.sweep_rates == "0,2.5"
+
+
+def test_merge_refuses_a_report_and_missing_files(capsys, tmp_path):
+  report = tmp_path / "r.json"
+  report.write_text(json.dumps(dict(runs=[], sweeps={}), indent=2))
+  _refused(capsys, parse_args, ["--merge", str(report)],
+           "line 1 is not a run's row")
+  _refused(capsys, parse_args, ["--merge", str(tmp_path / "no.jsonl")],
+           "--merge cannot read")
+  rows = tmp_path / "a.partial.jsonl"
+  rows.write_text(json.dumps(dict(kind="base", mode="lazy")) + "\n")
+  assert parse_args(["--merge", str(rows)]).merge == [str(rows)]
+
+
+class _FakeEngine:
+  """Finishes each request one step after it is submitted."""
+
+  def __init__(self):
+    self.in_flight, self.steps = [], 0
+
+  def submit(self, query, docs, sampling, arrival_time=None):
+    self.in_flight.append(query)
+
+  def has_work(self):
+    return bool(self.in_flight)
+
+  def step(self):
+    self.steps += 1
+    assert self.steps < 100, "the loop spins"
+    done, self.in_flight = self.in_flight, []
+    return done
+
+
+@pytest.mark.parametrize("concurrency", [0, 1, 3])
+def test_closed_loop_never_spins_with_nothing_in_flight(concurrency):
+  trace = rag_serving.Trace([[1]], [([i + 1], [0]) for i in range(5)], None)
+  args = argparse.Namespace(output_len=1, concurrency=concurrency)
+  results, _ = rag_serving.run_trace(_FakeEngine(), trace, args)
+  assert sorted(results) == [[i + 1] for i in range(5)]
+
+
+DOC_EXAMPLE = ["--model", "tiny", "--num-docs", "24", "--num-requests", "16"]
+
+
+def _tiny_hidden_size():
+  from models.config import LlamaConfig
+  return LlamaConfig.tiny().hidden_size
+
+
+def test_largest_request_counts_block_copies():
+  args = parse_args(DOC_EXAMPLE)
+  hidden = _tiny_hidden_size()
+  # 4 documents of 2 pages, 1 page of query + answer; block copies too.
+  assert rag_serving_checks.largest_request_pages(args, "lazy", hidden) == 9
+  assert rag_serving_checks.largest_request_pages(args, "block", hidden) == 17
+  pools = rag_serving_checks.planned_pools(args, None, "float32", 16)
+  error = rag_serving_checks.pool_error(args, hidden, pools)
+  assert error.startswith("mode block: the largest request needs 17 pages "
+                          "but the pool has 16; raise --cache-fraction")
+
+
+def test_docstring_example_fits_and_a_pool_too_small_stops_before_any_run(
+    capsys, monkeypatch):
+  line = [l for l in rag_serving.__doc__.splitlines()
+          if "--num-docs 24" in l][0]
+  assert "--cache-fraction 0.5" in rag_serving.__doc__
+  args = parse_args(DOC_EXAMPLE + ["--cache-fraction", "0.5"])
+  pages = rag_serving.cache_pages_for(args, args.cache_fraction)
+  assert rag_serving_checks.pool_error(
+      args, _tiny_hidden_size(),
+      rag_serving_checks.planned_pools(args, None, "float32", pages)) is None
+  assert line
+  ran = []
+  monkeypatch.setattr(rag_serving, "run_mode", lambda *a, **k: ran.append(a))
+  _refused(capsys, rag_serving.main, DOC_EXAMPLE + ["--no-progress"],
+           "mode block: the largest request needs 17 pages")
+  assert not ran
+
+
+def test_tensor_parallel_refuses_rag_serving_options_it_does_not_run(capsys):
+  _refused(capsys, tensor_parallel.parse_args,
+           ["--model", "tiny", "--sweep-rates", "5", "--kv-dtypes",
+            "float8_e4m3fn", "--decode-during-prefill-only"],
+           "--sweep-rates, --kv-dtypes, --decode-during-prefill-only: "
+           "options of benchmarks.rag_serving that")
+  args = tensor_parallel.parse_args(["--model", "tiny", "--num-docs", "24"])
+  assert args.num_docs == 24
+  assert "are refused" in tensor_parallel.__doc__
+
+
+def test_tensor_parallel_without_decode_steps_still_writes_its_report(
+    tmp_path, monkeypatch, capsys):
+  out = tmp_path / "tp.json"
+
+  def run_one(args, config, dtype, n, measured, warm, cache_warmer):
+    return [dict(mode="lazy", tensor_parallel=n, decode_step_s=None,
+                 decode_tok_s=0.0, throughput_tok_s=10.0, ttft_p50_s=0.1,
+                 weights_gb_per_device=0.0, kv_pool_gb_per_device=0.0,
+                 cache_pages=8)]
+  monkeypatch.setattr(tensor_parallel, "run_one", run_one)
+  tensor_parallel.main(["--model", "tiny", "--tensor-parallel", "1",
+                        "--num-docs", "12", "--docs-per-request", "2",
+                        "--doc-len", "16", "--output-len", "1",
+                        "--cache-fraction", "1.0", "--out", str(out)])
+  row = json.loads(out.read_text())["runs"][0]
+  assert row["decode_step_s"] is None and row["decode_step_speedup"] is None
+  assert "no decode step ran" in capsys.readouterr().err
