@@ -24,9 +24,12 @@ reading one input) needs none of this.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 
 import jax
 import numpy as np
+
+from lazyattn_jax.errors import CacheCapacityError
 
 __all__ = ["Lockstep"]
 
@@ -57,8 +60,12 @@ class Lockstep:
   `encode_documents` and `step` as on the engine; on the others call
   `follow()`.  Each `step` first sends the leader's calls since the last
   round to every process, which make them in the same order, then every
-  process runs the round.  Results (and request ids) are the leader's;
-  followers compute the same ones and drop them.
+  process runs the round.  Results (and request ids) are the leader's,
+  held by its engine until `engine.pop_result` takes them; followers
+  compute the same ones and drop them.  Bad input raises on the leader
+  before any process sees it; an error every process meets alike (a batch
+  of documents the pool cannot take now) raises on the leader, and the
+  followers go on.  After `close()` the leader's calls raise.
 
   Args:
     engine: this process's `LazyEngine` (built the same way everywhere).
@@ -68,11 +75,15 @@ class Lockstep:
     self.engine = engine
     self.leader = jax.process_index() == 0
     self._calls: list[tuple] = []
+    self._closed = False
 
   def _leader_only(self, name: str):
     if not self.leader:
       raise RuntimeError(f"Lockstep.{name} is for process 0; process "
                          f"{jax.process_index()} calls follow()")
+    if self._closed:  # the followers have returned: a send would hang
+      raise RuntimeError(f"Lockstep.{name} after close(): the followers "
+                         f"have stopped")
 
   # --- process 0 -------------------------------------------------------------
   def submit(self, query, documents=(), sampling=None, **overrides) -> int:
@@ -82,11 +93,14 @@ class Lockstep:
     return self.submit_prepared(
         self.engine.prepare(query, documents, sampling, **overrides))
 
-  def submit_prepared(self, request) -> int:
+  def submit_prepared(self, request, *,
+                      arrival_time: float | None = None) -> int:
     """Queues a `LazyEngine.prepare` result; returns its id (the same on
-    every process: ids count submissions, which every process replays)."""
+    every process: ids count submissions, which every process replays).
+    `arrival_time` as `LazyEngine.submit`'s (the leader's clock)."""
     self._leader_only("submit_prepared")
-    request_id = self.engine.submit_prepared(request)
+    request_id = self.engine.submit_prepared(request,
+                                             arrival_time=arrival_time)
     self._calls.append(("submit_prepared", request))
     return request_id
 
@@ -106,16 +120,23 @@ class Lockstep:
 
   def encode_documents(self, documents) -> list[bool]:
     """Encodes documents on every process now (calls made before it are
-    sent first, as they came first)."""
+    sent first, as they came first).  They are checked and tokenized here
+    first, so bad input raises before any process sees it, and every
+    process encodes the same token ids (an iterator is read once)."""
     self._leader_only("encode_documents")
-    self._send(self._calls + [("encode_documents", list(documents))])
+    if isinstance(documents, Iterator):
+      documents = list(documents)
+    tokens = self.engine.validator.documents(documents)
+    self._send(self._calls + [("encode_documents", tokens)])
     self._calls = []
-    return self.engine.encode_documents(documents)
+    return self.engine.encode_documents(tokens)
 
   def close(self):
-    """Lets the followers' `follow()` return."""
+    """Lets the followers' `follow()` return; the leader's calls raise
+    from now on."""
     self._leader_only("close")
     self._send(_STOP)
+    self._closed = True
 
   def _send(self, message):
     if jax.process_count() > 1:
@@ -139,8 +160,12 @@ class Lockstep:
         elif name == "cancel":
           self.engine.cancel(argument)
         else:  # encode_documents ends its message: no round follows
-          self.engine.encode_documents(argument)
+          try:
+            self.engine.encode_documents(argument)
+          except CacheCapacityError:
+            pass  # the leader met it too, at the same batch, and raised it
           run_round = False
       if run_round:
-        self.engine.step()
+        for result in self.engine.step():  # the leader's to report
+          self.engine.pop_result(result.request_id)
         rounds += 1
