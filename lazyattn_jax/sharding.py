@@ -41,7 +41,17 @@ def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
     raise TensorParallelError(
         f"tensor_parallel={tensor_parallel} needs {tensor_parallel} devices; "
         f"JAX sees {len(devices)} ({devices[0].platform})")
-  return Mesh(np.array(devices[:tensor_parallel]), (TP_AXIS,))
+  chosen = devices[:tensor_parallel]
+  held = sorted({d.process_index for d in chosen})
+  if len(held) < jax.process_count():
+    # Every process runs the engine; one whose devices the mesh lacks fails
+    # every request (its arrays are not addressable there).
+    raise TensorParallelError(
+        f"tensor_parallel={tensor_parallel} takes devices of process(es) "
+        f"{held} only, but {jax.process_count()} processes run the engine: "
+        f"the mesh must hold devices of every process (tensor_parallel="
+        f"{len(devices)} takes them all)")
+  return Mesh(np.array(chosen), (TP_AXIS,))
 
 
 def _mesh_axis(mesh: Mesh) -> str:

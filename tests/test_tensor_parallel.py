@@ -137,6 +137,19 @@ def test_typed_errors_for_bad_settings():
   assert isinstance(error, LazyAttnError) and isinstance(error, ValueError)
 
 
+def test_a_mesh_must_hold_every_process(monkeypatch):
+  """Under jax.distributed every process runs the engine: a mesh of one
+  process's devices left the other failing every request."""
+  import types
+  fake = [types.SimpleNamespace(process_index=p, platform="cpu")
+          for p in (0, 0, 1, 1)]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(TensorParallelError,
+                     match=r"devices of process\(es\) \[0\] only, but 2 "
+                     r"processes run the engine.*tensor_parallel=4"):
+    make_mesh(2, devices=fake)
+
+
 def test_vocab_parallel_auto_and_a_one_device_mesh():
   """auto splits the vocabulary only where it divides; a mesh of one device
   is a valid (trivial) split, tensor_parallel 1 is no split at all."""
