@@ -122,6 +122,15 @@ class CacheConfig:
       raise ValueError("CacheConfig.dtype: the only 8-bit pool is "
                        f"float8_e4m3fn, got {dtype.name}")
     object.__setattr__(self, "dtype", dtype.name)
+    if self.pool_sharding is not None:
+      # The engine's steps keep only a split of axis 0 (another came back
+      # replicated, and a float8 pool's scales could not follow it).
+      shard = self.pool_sharding.shard_shape(self.pool_shape)
+      if tuple(shard[1:]) != self.pool_shape[1:]:
+        raise ValueError(
+            f"CacheConfig.pool_sharding may split the pool's axis 0 (KV "
+            f"heads) only; its shard of the {list(self.pool_shape)} pool "
+            f"is {list(shard)}")
 
   @property
   def quantized(self) -> bool:

@@ -44,3 +44,22 @@ def test_tables_stay_on_the_host_and_the_pool_on_its_device(mode,
   assert _devices((state.k, state.v)) == {other}
   engine.close()
   assert all(len(r.token_ids) == 5 for r in results)
+
+
+def test_a_pool_sharding_may_split_the_kv_heads_only():
+  """Another split came back replicated from the first step (a float8
+  pool failed inside JAX): it is refused when the config is made."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import numpy as np
+  from lazyattn_jax.cache_state import CacheConfig
+  from tests.multi_device import needs_devices
+  needs_devices(2)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  config = dict(num_pages=8, page_size=4, num_layers=2, num_kv_heads=2,
+                head_dim=8, dtype="float32", max_pages_per_doc=4)
+  CacheConfig(**config, pool_sharding=NamedSharding(mesh, P("x")))
+  with pytest.raises(ValueError, match=r"may split the pool's axis 0 \(KV "
+                     r"heads\) only; its shard of the \[2, 2, 8, 4, 8\] pool "
+                     r"is \[2, 2, 8, 4, 4\]"):
+    CacheConfig(**config, pool_sharding=NamedSharding(
+        mesh, P(None, None, None, None, "x")))
