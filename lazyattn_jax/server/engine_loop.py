@@ -313,8 +313,8 @@ class EngineLoop:
     output = handle.output
     if output is not None and output.stopped:
       # The tokens past the stop string came out in the same round: the
-      # last kept token's time is estimated at the round's rate per token,
-      # not taken as the round's end (which inflated TPOT several-fold).
+      # last kept token's time is estimated at the round's rate per token;
+      # the round's end would charge the dropped tokens' time to the kept.
       kept = output.tokens
       latency = result.latency_s
       if 1 <= kept < len(result.token_ids):
