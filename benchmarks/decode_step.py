@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from benchmarks import rag_serving
+from benchmarks import rag_serving, rag_serving_checks
 from pallas_kernels.sizes import ceil_div
 
 MODELS = ("tiny", "llama3-8b-shape")
@@ -76,6 +76,17 @@ def add_workload_arguments(p):
   p.add_argument("--seed", type=int, default=0)
 
 
+def check_workload(p, args):
+  """Refuses (p.error: one usage line, exit 2) workload options the run's
+  settings could not take, before any work: --impl and --kv-dtype as
+  rag_serving checks them, and the page size."""
+  error = rag_serving_checks.kernel_error(args.impl, args.kv_dtype)
+  if error:
+    p.error(error)
+  if args.page_size < 1:
+    p.error(f"--page-size must be >= 1, got {args.page_size}")
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,6 +100,7 @@ def parse_args(argv=None):
   p.add_argument("--profile-dir", default="")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
+  check_workload(p, args)
   args.variant_list = [v for v in args.variants.split(",") if v]
   bad = [v for v in args.variant_list if v not in VARIANTS]
   if bad or not args.variant_list:

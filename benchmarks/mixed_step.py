@@ -55,6 +55,11 @@ def parse_args(argv=None):
                       "calls of each kind, the busiest functions first")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
+  decode_step.check_workload(p, args)
+  # Before --prefill-tokens: its checks divide by --doc-len.
+  if min(args.batch, args.docs_per_request, args.doc_len, args.query_len,
+         args.repeats, args.chain) < 1:
+    p.error("sizes and counts must be >= 1")
   try:
     args.token_list = [int(t) for t in args.prefill_tokens.split(",") if t]
   except ValueError:
@@ -65,9 +70,6 @@ def parse_args(argv=None):
   if uneven:  # whole documents are encoded: the count run must be recorded
     p.error(f"--prefill-tokens entries must be multiples of --doc-len "
             f"{args.doc_len} (whole documents), got {uneven[0]}")
-  if min(args.batch, args.docs_per_request, args.doc_len, args.query_len,
-         args.repeats, args.chain) < 1:
-    p.error("sizes and counts must be >= 1")
   # decode_step's engine settings read these.
   args.decode_steps, args.loops = 1, 1
   return args

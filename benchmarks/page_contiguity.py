@@ -8,14 +8,24 @@ are depends on the request's layout (documents that do not fill whole
 blocks share blocks), on the cache's allocator (`page_allocation.py`) and
 on how fragmented the pool has become.
 
-This drives the engine, in one mode, through rag_serving's trace (its
-options: model, corpus, pool, concurrency, warm cache; `run_trace`), and
-reads the page rows of every decode call's requests (each call is
-`--decode-steps` steps).  It prints the share of their blocks whose pages
-are consecutive, over the measured trace, and the share of cached
-documents whose pages are consecutive at the end.  The layout depends on
-neither the device nor the model's size, so the tiny model on a CPU
-measures the paper-like load.
+This drives one engine, in the one mode of `--modes`, through
+rag_serving's trace (`run_trace`): first `--warm-cache-requests` requests,
+then the measured `--num-requests`, on the same cache.  It reads the page
+rows of every decode call's requests in the measured trace (each call is
+`--decode-steps` steps) and prints the share of their blocks whose pages
+are consecutive, and the share of cached documents whose pages are
+consecutive at the end.  The layout depends on neither the device nor the
+model's size, so the tiny model on a CPU measures the paper-like load.
+
+Of rag_serving's options, those of the model, corpus, trace (--rate
+included: both traces arrive at that rate), pool, scheduler and kernels
+apply, and --out; there is no warm-up replay, no progress bar
+(--no-progress changes nothing) and no plot, and only the base run: the
+options of rag_serving's other runs and outputs (NOT_RUN_HERE:
+--warmup-requests, --kv-dtypes, --quality-runs, --sink-len, sweeps,
+decode-during-prefill runs, --skip-base, --merge, --plot-dir,
+--profile-replay-dir) are refused, as is a pool too small for the mode's
+largest request, before any work.
 
 Example (the paper-like load's cache, 20% pool, on CPU, about a minute):
   python -m benchmarks.page_contiguity --model tiny --num-docs 2000 \\
@@ -31,13 +41,17 @@ import sys
 
 import numpy as np
 
-from benchmarks import rag_serving
-from benchmarks.rag_serving_cli import parse_args
+from benchmarks import rag_serving, rag_serving_checks, rag_serving_cli
 from pallas_kernels.gpu_decode_block_sizes import MgpuDecodeBlockSizes
 from pallas_kernels.testing import contiguous_block_count
 
 # Keys per step of the default Mosaic GPU kernels (prefill's is the same).
 KERNEL_BLOCK_KEYS = MgpuDecodeBlockSizes().block_kv
+# Options of benchmarks.rag_serving this benchmark accepts but does not run.
+NOT_RUN_HERE = ("warmup_requests", "kv_dtypes", "quality_runs", "sink_len",
+                "sweep_rates", "sweep_cache_fractions",
+                "decode_during_prefill_runs", "decode_during_prefill_only",
+                "skip_base", "merge", "plot_dir", "profile_replay_dir")
 
 
 class BlockTally:
@@ -88,19 +102,37 @@ def count_decoded_rows(engine, tally: BlockTally):
   runner.decode, runner.decode_riders = counted_decode, counted_riders
 
 
+def parse_args(argv=None):
+  """rag_serving's options (rag_serving_cli.py), checked, less those this
+  benchmark does not run (NOT_RUN_HERE), with one mode; a refused one is
+  a one-line usage error (exit 2)."""
+  args = rag_serving_cli.parse_args(argv, description=__doc__)
+  error = rag_serving_checks.not_run_error(
+      args, rag_serving_cli.parse_args([]), NOT_RUN_HERE,
+      "benchmarks.page_contiguity")
+  if not error and len(args.mode_list) != 1:
+    error = f"--modes takes one mode here, got {args.modes!r}"
+  if error:
+    rag_serving_cli.usage_error(error, __doc__)
+  return args
+
+
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = parse_args(argv, description=__doc__)
-  if len(args.mode_list) != 1:
-    raise SystemExit("--modes takes one mode here")
+  args = parse_args(argv)
   block_pages = max(1, KERNEL_BLOCK_KEYS // args.page_size)
   config, model, dtype = rag_serving.build_model(args)
+  pages = args.cache_pages or rag_serving.cache_pages_for(
+      args, args.cache_fraction)
+  error = rag_serving_checks.pool_error(
+      args, config.hidden_size,
+      [(args.mode_list[0], "", pages, "--cache-fraction or --cache-pages")])
+  if error:  # before the warm-cache trace spends its time
+    rag_serving_cli.usage_error(error, __doc__)
   measured = rag_serving.make_trace(args, config.vocab_size,
                                     args.num_requests, args.seed + 2)
   warmer = rag_serving.make_trace(args, config.vocab_size,
                                   args.warm_cache_requests, args.seed + 3)
-  pages = args.cache_pages or rag_serving.cache_pages_for(
-      args, args.cache_fraction)
   engine = rag_serving.make_engine(args, config, model, dtype,
                                    args.mode_list[0], pages)
   try:

@@ -1,7 +1,9 @@
 """Checks of the RAG serving benchmark's options (rag_serving_cli.py) made
-before any work starts: option values (`check_values`, at parse time) and
-whether every planned run's pool can hold that mode's largest request
-(`pool_error`, once the model's shape is known)."""
+before any work starts: option values (`check_values`, at parse time; its
+`kernel_error` part also in decode_step and mixed_step), options a
+benchmark built on them never runs (`not_run_error`: tensor_parallel,
+page_contiguity), and whether every planned run's pool can hold that
+mode's largest request (`pool_error`, once the model's shape is known)."""
 
 from __future__ import annotations
 
@@ -40,8 +42,6 @@ def _number_list(text: str, flag: str, minimum: float, strict: bool):
 def check_values(args) -> str | None:
   """The first problem with the option values of `args` as one line, or
   None."""
-  from lazyattn_jax.cache_config import COMPUTE_DTYPES, FLOAT8_POOL
-  from pallas_kernels.lazy_attention import IMPLS
   for name in POSITIVE:
     if getattr(args, name) < 1:
       return f"{_flag(name)} must be >= 1, got {getattr(args, name)}"
@@ -53,13 +53,9 @@ def check_values(args) -> str | None:
   if args.docs_per_request > args.num_docs:
     return (f"--docs-per-request {args.docs_per_request} is more than "
             f"--num-docs {args.num_docs} (a request's documents differ)")
-  if args.impl not in IMPLS:
-    return f"--impl must be one of {IMPLS}, got {args.impl!r}"
-  pools = COMPUTE_DTYPES + (FLOAT8_POOL,)
-  for flag, dtype in ([("--kv-dtype", args.kv_dtype)] if args.kv_dtype else
-                      []) + [("--kv-dtypes", d) for d in args.kv_dtypes]:
-    if dtype not in pools:
-      return f"{flag} must be among {pools}, got {dtype!r}"
+  error = kernel_error(args.impl, args.kv_dtype, args.kv_dtypes)
+  if error:
+    return error
   for flag, text, minimum, strict in (
       ("--sweep-rates", args.sweep_rates, 0.0, False),
       ("--sweep-cache-fractions", args.sweep_cache_fractions, 0.0, True)):
@@ -69,6 +65,36 @@ def check_values(args) -> str | None:
   if not args.mode_list and not args.merge:
     return "--modes names no mode"
   return merge_error(args.merge)
+
+
+def kernel_error(impl: str, kv_dtype: str, kv_dtypes=()) -> str | None:
+  """The first problem with --impl, --kv-dtype (empty: the model's compute
+  dtype) and --kv-dtypes entries as one line, or None; also checked by
+  the benchmarks that take these options without the rest (decode_step,
+  mixed_step)."""
+  from lazyattn_jax.cache_config import COMPUTE_DTYPES, FLOAT8_POOL
+  from pallas_kernels.lazy_attention import IMPLS
+  if impl not in IMPLS:
+    return f"--impl must be one of {IMPLS}, got {impl!r}"
+  pools = COMPUTE_DTYPES + (FLOAT8_POOL,)
+  for flag, dtype in ([("--kv-dtype", kv_dtype)] if kv_dtype else
+                      []) + [("--kv-dtypes", d) for d in kv_dtypes]:
+    if dtype not in pools:
+      return f"{flag} must be among {pools}, got {dtype!r}"
+  return None
+
+
+def not_run_error(args, defaults, names, program: str) -> str | None:
+  """One line naming the options of `names` (attribute names) whose value
+  in `args` differs from `defaults` (the same command line's values when
+  they are left out), for a benchmark (`program`) that parses rag_serving's
+  options but never runs those: they are refused, not ignored.  None when
+  every one is left at its default."""
+  given = [_flag(n) for n in names if getattr(args, n) != getattr(defaults, n)]
+  if not given:
+    return None
+  return (f"{', '.join(given)}: options of benchmarks.rag_serving that "
+          f"{program} does not run; leave them out")
 
 
 def merge_error(paths) -> str | None:

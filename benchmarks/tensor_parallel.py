@@ -14,7 +14,10 @@ communication share of device time is read from the trace
 
 `--model llama3-70b-shape`: 80 layers, hidden 8192, 64 query / 8 KV heads,
 FFN 28672, random bf16 weights (140 GB: two H200s or more), the pool sized
-from the memory left on the devices (`--pool-memory-fraction`).
+from the memory left on the devices (`--pool-memory-fraction`).  Every
+count's pool must hold each mode's largest request: a pool from
+--cache-fraction is checked before the first run, one from device memory
+once that count's weights are placed, before its first run.
 
 The options of `benchmarks.rag_serving` that shape one run (corpus,
 trace, pool, scheduler, kernels, --modes, --out) apply too (given after
@@ -44,7 +47,7 @@ PAPER_LOAD = ["--num-docs", "2000", "--docs-per-request", "8", "--doc-len",
 MODELS = ("tiny", "llama3-8b-shape", "llama3-70b-shape")
 # Options of benchmarks.rag_serving this benchmark accepts but does not run.
 NOT_RUN_HERE = ("sweep_rates", "sweep_cache_fractions", "kv_dtypes",
-                "quality_runs", "decode_during_prefill_runs",
+                "quality_runs", "sink_len", "decode_during_prefill_runs",
                 "decode_during_prefill_only", "skip_base", "merge", "plot_dir")
 
 
@@ -90,11 +93,10 @@ def parse_args(argv=None):
     raise SystemExit(0)
   args = rag_serving.parse_args(PAPER_LOAD + rest)
   defaults = rag_serving.parse_args(PAPER_LOAD)
-  ignored = ["--" + n.replace("_", "-") for n in NOT_RUN_HERE
-             if getattr(args, n) != getattr(defaults, n)]
-  if ignored:
-    p.error(f"{', '.join(ignored)}: options of benchmarks.rag_serving that "
-            f"benchmarks.tensor_parallel does not run; leave them out")
+  error = rag_serving_checks.not_run_error(args, defaults, NOT_RUN_HERE,
+                                          "benchmarks.tensor_parallel")
+  if error:
+    p.error(error)
   for name, value in vars(own).items():
     setattr(args, name, value)
   try:
@@ -121,9 +123,10 @@ def _free_bytes(engine_devices) -> int | None:
   return min(free)
 
 
-def pool_pages(args, config, dtype, tp, devices) -> int:
-  """Pages of the pool: --cache-fraction of the corpus, or a fraction of the
-  memory the weights left on the devices."""
+def pool_pages(args, config, dtype, tp, devices) -> tuple[int, str]:
+  """Pages of the pool, and the option to raise for more: --cache-fraction
+  of the corpus, or --pool-memory-fraction of the memory the weights left
+  on the devices (where JAX can say how much; not on CPU)."""
   import jax.numpy as jnp
   if args.pool_memory_fraction > 0:
     free = _free_bytes(devices)
@@ -135,9 +138,10 @@ def pool_pages(args, config, dtype, tp, devices) -> int:
                   config.head_dim * kv_dtype.itemsize)
       if kv_dtype == jnp.float8_e4m3fn:  # a float32 scale per head and layer
         per_page += 2 * config.num_layers * heads * 4
-      return int(args.pool_memory_fraction * free // per_page)
-  return args.cache_pages or rag_serving.cache_pages_for(args,
-                                                         args.cache_fraction)
+      return (int(args.pool_memory_fraction * free // per_page),
+              "--pool-memory-fraction")
+  return (args.cache_pages or rag_serving.cache_pages_for(
+      args, args.cache_fraction), "--cache-fraction or --cache-pages")
 
 
 def profile_decode(engine, trace, args, directory: str) -> dict:
@@ -175,6 +179,11 @@ def profile_decode(engine, trace, args, directory: str) -> dict:
               top_kinds=breakdown["by_kind"], top_ops=breakdown["by_op"])
 
 
+class PoolTooSmall(Exception):
+  """A count's pool, sized from device memory, cannot hold a mode's largest
+  request (one line: main reports it as a usage error)."""
+
+
 def run_one(args, config, dtype, n: int, measured, warm, cache_warmer):
   """Rows (one per mode) at `n` devices; frees its model before returning."""
   import jax
@@ -188,7 +197,15 @@ def run_one(args, config, dtype, n: int, measured, warm, cache_warmer):
   jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))
   build_s = time.perf_counter() - started
   devices = list(tp.mesh.devices.flat) if tp else [jax.devices()[0]]
-  pages = pool_pages(args, config, dtype, tp, devices)
+  pages, option = pool_pages(args, config, dtype, tp, devices)
+  # With --pool-memory-fraction the pages are known only now (the memory
+  # the weights left, or --cache-fraction's where JAX cannot say, as on
+  # CPU): checked before this count's first run.
+  error = rag_serving_checks.pool_error(
+      args, config.hidden_size,
+      [(mode, "", pages, option) for mode in args.mode_list])
+  if error:
+    raise PoolTooSmall(f"--tensor-parallel {n}: {error}")
   rows = []
   for mode in args.mode_list:
     engine = rag_serving.make_engine(args, config, model, dtype, mode, pages,
@@ -273,7 +290,11 @@ def main(argv=None):
                                           args.seed + 3)
   rows = []
   for n in args.tp_list:
-    rows += run_one(args, config, dtype, n, measured, warm, cache_warmer)
+    try:
+      rows += run_one(args, config, dtype, n, measured, warm, cache_warmer)
+    except PoolTooSmall as e:  # earlier counts' rows went to stderr
+      print(f"benchmarks.tensor_parallel: error: {e}", file=sys.stderr)
+      raise SystemExit(2) from None
   base = {r["mode"]: r for r in rows if r["tensor_parallel"] == args.tp_list[0]}
   for r in rows:  # against the first device count of the list
     ref = base.get(r["mode"])

@@ -1,6 +1,7 @@
 """Bad option values of the smaller benchmark command lines (mixed_step,
 decode_step, serve_load, rag_quality, ape_probe): a one-line usage error
-(exit 2) before any work, never a traceback or a silently changed value."""
+(exit 2) when the options are parsed, before any work, never a traceback
+or a silently changed value."""
 
 from __future__ import annotations
 
@@ -28,6 +29,34 @@ def test_mixed_step_refuses_partial_documents(capsys):
            "(whole documents), got 40")
   args = mixed_step.parse_args(MIXED + ["--prefill-tokens", "32,48"])
   assert args.token_list == [32, 48]
+
+
+@pytest.mark.parametrize("parse", [decode_step.parse_args,
+                                   mixed_step.parse_args])
+@pytest.mark.parametrize("argv, message", [
+    (["--impl", "bogus"], "--impl must be one of ('auto', 'xla', 'gpu', "
+                          "'tpu'), got 'bogus'"),
+    (["--kv-dtype", "float8"], "--kv-dtype must be among"),
+    (["--page-size", "0"], "--page-size must be >= 1, got 0"),
+])
+def test_kernel_and_pool_options_are_checked_when_parsed(capsys, parse, argv,
+                                                         message):
+  """As rag_serving checks them (rag_serving_checks.kernel_error), before
+  the model is built, not when the run's settings are."""
+  _refused(capsys, parse, MIXED + argv, message)
+
+
+@pytest.mark.parametrize("parse", [decode_step.parse_args,
+                                   mixed_step.parse_args])
+def test_good_kernel_and_pool_options_pass(parse):
+  args = parse(MIXED + ["--impl", "xla", "--kv-dtype", "float8_e4m3fn"])
+  assert (args.impl, args.kv_dtype) == ("xla", "float8_e4m3fn")
+
+
+def test_mixed_step_refuses_empty_documents_in_one_line(capsys):
+  """--doc-len 0 was a ZeroDivisionError of the --prefill-tokens checks."""
+  _refused(capsys, mixed_step.parse_args, ["--doc-len", "0"],
+           "sizes and counts must be >= 1")
 
 
 def test_decode_step_refuses_no_copy(capsys):

@@ -144,9 +144,55 @@ def test_tensor_parallel_refuses_rag_serving_options_it_does_not_run(capsys):
             "float8_e4m3fn", "--decode-during-prefill-only"],
            "--sweep-rates, --kv-dtypes, --decode-during-prefill-only: "
            "options of benchmarks.rag_serving that")
+  _refused(capsys, tensor_parallel.parse_args,
+           ["--model", "tiny", "--sink-len", "4"],
+           "--sink-len: options of benchmarks.rag_serving that "
+           "benchmarks.tensor_parallel does not run")
   args = tensor_parallel.parse_args(["--model", "tiny", "--num-docs", "24"])
   assert args.num_docs == 24
   assert "are refused" in tensor_parallel.__doc__
+
+
+# 2 documents of 1 page and 64 + 64 tokens of query and answer (the paper
+# load's): tensor_parallel's lazy requests need 10 pages.
+TP_SMALL = ["--model", "tiny", "--tensor-parallel", "1", "--num-docs", "12",
+            "--docs-per-request", "2", "--doc-len", "16", "--no-progress"]
+
+
+def _no_engine(monkeypatch):
+  ran = []
+  monkeypatch.setattr(rag_serving, "make_engine",
+                      lambda *a, **k: ran.append(a) or 1 / 0)
+  return ran
+
+
+def test_tensor_parallel_checks_a_pool_sized_from_device_memory(
+    capsys, monkeypatch):
+  """Once the weights are placed and the pages known, before any run."""
+  config, _ = tensor_parallel.model_config("tiny")
+  per_page = (2 * config.num_layers * config.num_kv_heads * 16 *
+              config.head_dim * 4)  # float32 pages of 16 tokens
+  monkeypatch.setattr(tensor_parallel, "_free_bytes",
+                      lambda devices: 12 * per_page)
+  ran = _no_engine(monkeypatch)
+  _refused(capsys, tensor_parallel.main,
+           TP_SMALL + ["--pool-memory-fraction", "0.5"],
+           "--tensor-parallel 1: mode lazy: the largest request needs 10 "
+           "pages but the pool has 6; raise --pool-memory-fraction")
+  assert not ran
+
+
+def test_tensor_parallel_checks_the_pool_it_falls_back_to(capsys,
+                                                         monkeypatch):
+  """Where JAX cannot say the free memory (CPU) the pool is
+  --cache-fraction's even with --pool-memory-fraction: checked too."""
+  ran = _no_engine(monkeypatch)
+  _refused(capsys, tensor_parallel.main,
+           TP_SMALL + ["--pool-memory-fraction", "0.5", "--cache-pages", "4"],
+           "--tensor-parallel 1: mode lazy: the largest request needs 10 "
+           "pages but the pool has 4; raise --cache-fraction or "
+           "--cache-pages")
+  assert not ran
 
 
 def test_tensor_parallel_without_decode_steps_still_writes_its_report(
