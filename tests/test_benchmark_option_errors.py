@@ -9,22 +9,14 @@ import pytest
 
 from benchmarks import (ape_probe, decode_step, mixed_step, rag_quality,
                         serve_load)
-
-
-def _refused(capsys, parse, argv, message):
-  with pytest.raises(SystemExit) as exit_info:
-    parse(argv)
-  assert exit_info.value.code == 2
-  err = capsys.readouterr().err
-  assert message in err.strip().splitlines()[-1], err
-  assert "Traceback" not in err
+from tests.usage_errors import assert_refused
 
 
 MIXED = ["--model", "tiny", "--doc-len", "16", "--batch", "2"]
 
 
 def test_mixed_step_refuses_partial_documents(capsys):
-  _refused(capsys, mixed_step.parse_args, MIXED + ["--prefill-tokens", "40,24"],
+  assert_refused(capsys, mixed_step.parse_args, MIXED + ["--prefill-tokens", "40,24"],
            "--prefill-tokens entries must be multiples of --doc-len 16 "
            "(whole documents), got 40")
   args = mixed_step.parse_args(MIXED + ["--prefill-tokens", "32,48"])
@@ -43,7 +35,7 @@ def test_kernel_and_pool_options_are_checked_when_parsed(capsys, parse, argv,
                                                          message):
   """As rag_serving checks them (rag_serving_checks.kernel_error), before
   the model is built, not when the run's settings are."""
-  _refused(capsys, parse, MIXED + argv, message)
+  assert_refused(capsys, parse, MIXED + argv, message)
 
 
 @pytest.mark.parametrize("parse", [decode_step.parse_args,
@@ -55,12 +47,12 @@ def test_good_kernel_and_pool_options_pass(parse):
 
 def test_mixed_step_refuses_empty_documents_in_one_line(capsys):
   """--doc-len 0 was a ZeroDivisionError of the --prefill-tokens checks."""
-  _refused(capsys, mixed_step.parse_args, ["--doc-len", "0"],
+  assert_refused(capsys, mixed_step.parse_args, ["--doc-len", "0"],
            "sizes and counts must be >= 1")
 
 
 def test_decode_step_refuses_no_copy(capsys):
-  _refused(capsys, decode_step.parse_args, ["--copy-mib", "0"],
+  assert_refused(capsys, decode_step.parse_args, ["--copy-mib", "0"],
            "--copy-mib must be >= 1, got 0")
 
 
@@ -71,7 +63,7 @@ def test_decode_step_refuses_no_copy(capsys):
     (["--rate", "-3"], "--rate must be > 0"),
 ])
 def test_serve_load_refuses_values_it_cannot_run(capsys, argv, message):
-  _refused(capsys, serve_load.parse_args, argv, message)
+  assert_refused(capsys, serve_load.parse_args, argv, message)
 
 
 def test_serve_load_keeps_its_rate():
@@ -80,13 +72,13 @@ def test_serve_load_keeps_its_rate():
 
 @pytest.mark.parametrize("questions", ["0", "-2"])
 def test_rag_quality_needs_a_question(capsys, questions):
-  _refused(capsys, rag_quality.parse_args, ["--questions", questions],
+  assert_refused(capsys, rag_quality.parse_args, ["--questions", questions],
            f"--questions must be >= 1, got {questions}")
 
 
 def test_rag_quality_refuses_a_missing_hotpotqa_file(capsys, tmp_path):
   missing = tmp_path / "none.json"
-  _refused(capsys, rag_quality.parse_args,
+  assert_refused(capsys, rag_quality.parse_args,
            ["--dataset", "hotpotqa", "--hotpotqa-json", str(missing)],
            f"--hotpotqa-json: no such file: {missing}")
 
@@ -97,4 +89,4 @@ def test_rag_quality_refuses_a_missing_hotpotqa_file(capsys, tmp_path):
     ("1:nan", "must be > 0"),
 ])
 def test_ape_probe_refuses_bad_settings(capsys, settings, message):
-  _refused(capsys, ape_probe.main, ["--settings", settings], message)
+  assert_refused(capsys, ape_probe.main, ["--settings", settings], message)

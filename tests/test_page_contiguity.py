@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import page_contiguity
 from lazyattn_jax.layout import PageRow
+from tests.usage_errors import assert_refused
 
 
 def test_block_tally_counts_consecutive_blocks_of_each_row():
@@ -49,17 +50,8 @@ def test_tiny_run_counts_every_decoded_block(tmp_path, capsys):
   assert report["consecutive_documents"] == report["cached_documents"] > 0
 
 
-def _refused(capsys, call, argv, message):
-  with pytest.raises(SystemExit) as exit_info:
-    call(argv)
-  assert exit_info.value.code == 2
-  err = capsys.readouterr().err
-  assert message in err.strip().splitlines()[-1], err
-  assert "Traceback" not in err
-
-
-def test_more_than_one_mode_is_refused(capsys):
-  _refused(capsys, page_contiguity.main,
+def test_more_than_one_mode_isassert_refused(capsys):
+  assert_refused(capsys, page_contiguity.main,
            ["--model", "tiny", "--modes", "lazy,block"],
            "--modes takes one mode here, got 'lazy,block'")
 
@@ -70,9 +62,9 @@ def test_more_than_one_mode_is_refused(capsys):
     ["--sweep-cache-fractions", "0.5"], ["--decode-during-prefill-runs"],
     ["--decode-during-prefill-only"], ["--skip-base"],
     ["--plot-dir", "plots"], ["--profile-replay-dir", "prof"]])
-def test_rag_serving_options_it_never_runs_are_refused(capsys, argv):
+def test_rag_serving_options_it_never_runs_areassert_refused(capsys, argv):
   """Each was accepted and ignored: the run was not the one asked for."""
-  _refused(capsys, page_contiguity.parse_args, ["--modes", "lazy"] + argv,
+  assert_refused(capsys, page_contiguity.parse_args, ["--modes", "lazy"] + argv,
            f"{argv[0]}: options of benchmarks.rag_serving that "
            "benchmarks.page_contiguity does not run; leave them out")
 
@@ -81,7 +73,7 @@ def test_refused_options_are_named_together_and_in_the_docstring(capsys,
                                                                  tmp_path):
   rows = tmp_path / "a.partial.jsonl"
   rows.write_text(json.dumps(dict(kind="base", mode="lazy")) + "\n")
-  _refused(capsys, page_contiguity.parse_args,
+  assert_refused(capsys, page_contiguity.parse_args,
            ["--modes", "lazy", "--sink-len", "4", "--merge", str(rows)],
            "--sink-len, --merge: options of benchmarks.rag_serving that")
   for name in page_contiguity.NOT_RUN_HERE:
@@ -101,7 +93,7 @@ def test_a_pool_too_small_stops_before_any_run(capsys, monkeypatch):
   ran = []
   monkeypatch.setattr(page_contiguity.rag_serving, "make_engine",
                       lambda *a, **k: ran.append(a))
-  _refused(capsys, page_contiguity.main,
+  assert_refused(capsys, page_contiguity.main,
            ["--model", "tiny", "--modes", "lazy", "--cache-pages", "4"],
            "mode lazy: the largest request needs 9 pages but the pool has "
            "4; raise --cache-fraction or --cache-pages")

@@ -12,15 +12,7 @@ import pytest
 
 from benchmarks import rag_serving, rag_serving_checks, tensor_parallel
 from benchmarks.rag_serving_cli import parse_args
-
-
-def _refused(capsys, parse, argv, message):
-  with pytest.raises(SystemExit) as exit_info:
-    parse(argv)
-  assert exit_info.value.code == 2
-  err = capsys.readouterr().err
-  assert message in err.strip().splitlines()[-1], err
-  assert "Traceback" not in err
+from tests.usage_errors import assert_refused
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -52,7 +44,7 @@ def _refused(capsys, parse, argv, message):
     (["--modes", ","], "--modes names no mode"),
 ])
 def test_bad_values_are_one_line_usage_errors(capsys, argv, message):
-  _refused(capsys, parse_args, argv, message)
+  assert_refused(capsys, parse_args, argv, message)
 
 
 def test_good_values_pass():
@@ -64,9 +56,9 @@ def test_good_values_pass():
 def test_merge_refuses_a_report_and_missing_files(capsys, tmp_path):
   report = tmp_path / "r.json"
   report.write_text(json.dumps(dict(runs=[], sweeps={}), indent=2))
-  _refused(capsys, parse_args, ["--merge", str(report)],
+  assert_refused(capsys, parse_args, ["--merge", str(report)],
            "line 1 is not a run's row")
-  _refused(capsys, parse_args, ["--merge", str(tmp_path / "no.jsonl")],
+  assert_refused(capsys, parse_args, ["--merge", str(tmp_path / "no.jsonl")],
            "--merge cannot read")
   rows = tmp_path / "a.partial.jsonl"
   rows.write_text(json.dumps(dict(kind="base", mode="lazy")) + "\n")
@@ -133,18 +125,18 @@ def test_docstring_example_fits_and_a_pool_too_small_stops_before_any_run(
   assert line
   ran = []
   monkeypatch.setattr(rag_serving, "run_mode", lambda *a, **k: ran.append(a))
-  _refused(capsys, rag_serving.main, DOC_EXAMPLE + ["--no-progress"],
+  assert_refused(capsys, rag_serving.main, DOC_EXAMPLE + ["--no-progress"],
            "mode block: the largest request needs 17 pages")
   assert not ran
 
 
 def test_tensor_parallel_refuses_rag_serving_options_it_does_not_run(capsys):
-  _refused(capsys, tensor_parallel.parse_args,
+  assert_refused(capsys, tensor_parallel.parse_args,
            ["--model", "tiny", "--sweep-rates", "5", "--kv-dtypes",
             "float8_e4m3fn", "--decode-during-prefill-only"],
            "--sweep-rates, --kv-dtypes, --decode-during-prefill-only: "
            "options of benchmarks.rag_serving that")
-  _refused(capsys, tensor_parallel.parse_args,
+  assert_refused(capsys, tensor_parallel.parse_args,
            ["--model", "tiny", "--sink-len", "4"],
            "--sink-len: options of benchmarks.rag_serving that "
            "benchmarks.tensor_parallel does not run")
@@ -175,7 +167,7 @@ def test_tensor_parallel_checks_a_pool_sized_from_device_memory(
   monkeypatch.setattr(tensor_parallel, "_free_bytes",
                       lambda devices: 12 * per_page)
   ran = _no_engine(monkeypatch)
-  _refused(capsys, tensor_parallel.main,
+  assert_refused(capsys, tensor_parallel.main,
            TP_SMALL + ["--pool-memory-fraction", "0.5"],
            "--tensor-parallel 1: mode lazy: the largest request needs 10 "
            "pages but the pool has 6; raise --pool-memory-fraction")
@@ -187,7 +179,7 @@ def test_tensor_parallel_checks_the_pool_it_falls_back_to(capsys,
   """Where JAX cannot say the free memory (CPU) the pool is
   --cache-fraction's even with --pool-memory-fraction: checked too."""
   ran = _no_engine(monkeypatch)
-  _refused(capsys, tensor_parallel.main,
+  assert_refused(capsys, tensor_parallel.main,
            TP_SMALL + ["--pool-memory-fraction", "0.5", "--cache-pages", "4"],
            "--tensor-parallel 1: mode lazy: the largest request needs 10 "
            "pages but the pool has 4; raise --cache-fraction or "
