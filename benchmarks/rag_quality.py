@@ -169,12 +169,13 @@ def parse_args(argv, parser=None):
   if args.max_new_tokens is None:
     args.max_new_tokens = 32 if args.dataset == "hotpotqa" else 24
   check_values(p, args)
-  if args.hotpotqa_json and not os.path.isfile(args.hotpotqa_json):
-    p.error(f"--hotpotqa-json: no such file: {args.hotpotqa_json}")
   try:
     runs = quality_runs.runs_from_args(args)
   except (ValueError, TypeError) as err:
     p.error(str(err))
+  # Checked last: a bad option is named first, whatever the file.
+  if args.hotpotqa_json and not os.path.isfile(args.hotpotqa_json):
+    p.error(f"--hotpotqa-json: no such file: {args.hotpotqa_json}")
   if args.out:
     try:  # before any work: a bad path must not cost a whole run
       os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
