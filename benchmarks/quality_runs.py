@@ -197,7 +197,6 @@ def request_pages(loaded, items, mode: str, *, page_size: int,
   from lazyattn_jax.requests import (TokenRequest, encode_documents,
                                      encode_request)
   from lazyattn_jax.sampling import SamplingParams
-  from pallas_kernels.sizes import ceil_div
   tokenizer, vocab = loaded.tokenizer, loaded.config.vocab_size
   reuse = make_mode(mode, page_size, loaded.model_id)
   sampling = SamplingParams(max_new_tokens=max_new_tokens)
@@ -213,11 +212,8 @@ def request_pages(loaded, items, mode: str, *, page_size: int,
         tuple(query), tuple(leading_docs) + tuple(doc_ids[t] for t in
                                                   item.documents),
         sampling, (), leading)
-    need = reuse.cache_needs(request)
-    entries = dict(zip(need.keys, need.lengths))  # a repeat is stored once
-    pages = (sum(ceil_div(n, page_size) for n in entries.values()) +
-             ceil_div(need.private_tokens, page_size))
-    needs.append((pages, len(request.documents)))
+    needs.append((reuse.cache_needs(request).pages(page_size),
+                  len(request.documents)))
   return needs
 
 

@@ -140,10 +140,7 @@ def largest_request_pages(args, mode: str, hidden_size: int,
                for i in range(args.docs_per_request))
   request = TokenRequest((1,) * args.query_len, docs,
                          SamplingParams(max_new_tokens=args.output_len))
-  needs = reuse.cache_needs(request)
-  entries = dict(zip(needs.keys, needs.lengths))
-  return (sum(ceil_div(n, page) for n in entries.values()) +
-          ceil_div(needs.private_tokens, page))
+  return reuse.cache_needs(request).pages(page)
 
 
 def pool_error(args, hidden_size: int, pools) -> str | None:

@@ -43,6 +43,16 @@ class CacheNeeds:
   lengths: list[int]
   private_tokens: int
 
+  @property
+  def entries(self) -> dict:
+    """Length of each distinct entry (a repeated key is stored once)."""
+    return dict(zip(self.keys, self.lengths))
+
+  def pages(self, page_size: int) -> int:
+    """Pool pages the request takes at most: every entry, then its own."""
+    return (sum(ceil_div(n, page_size) for n in self.entries.values()) +
+            ceil_div(self.private_tokens, page_size))
+
 
 @dataclasses.dataclass
 class RequestLayout:

@@ -16,7 +16,6 @@ from lazyattn_jax.requests import (TokenRequest, checked_token_ids,
                                    encode_documents, encode_request,
                                    is_token_sequence)
 from lazyattn_jax.sampling import SamplingParams
-from pallas_kernels.sizes import ceil_div
 
 
 def merge_sampling(sampling, overrides: dict) -> SamplingParams:
@@ -159,9 +158,8 @@ class RequestValidator:
     if self.mode.has_document_step:  # documents are cached whole
       self._check_document_lengths(request.documents, request.leading)
     needs = self.mode.cache_needs(request)
-    entries = dict(zip(needs.keys, needs.lengths))
-    pages = (sum(ceil_div(n, cfg.page_size) for n in entries.values()) +
-             ceil_div(needs.private_tokens, cfg.page_size))
+    entries = needs.entries
+    pages = needs.pages(cfg.page_size)
     if pages > cfg.num_pages:
       raise CacheCapacityError(
           f"request needs {pages} pages but the whole pool has "
