@@ -38,11 +38,18 @@ def lazy_attention_reference(q, k_pages, v_pages, page_table, page_pos,
 
   Returns:
     [B, T, N, H] in q.dtype; padding rows and rows with no visible key are 0.
+    B == 0 or T == 0 gives that empty array, and M == 0 raises ValueError,
+    as `lazy_attention` does.
   """
   batch, q_len, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   num_logical_pages = page_table.shape[1]
+  if not num_logical_pages:
+    raise ValueError(f"page_table must be [B={batch}, M] with M >= 1 logical "
+                     f"pages, got shape {page_table.shape}")
+  if not batch or not q_len:
+    return jnp.zeros(q.shape, q.dtype)
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
   if is_quantized(k_pages.dtype):

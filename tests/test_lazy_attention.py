@@ -165,6 +165,16 @@ def test_no_batch_or_query_rows_give_an_empty_result(impl, interpret, batch,
     assert out.shape == (batch, q_len, 4, 64) and out.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("batch,q_len", [(2, 0), (0, 1), (0, 4)])
+def test_reference_gives_the_same_empty_result(batch, q_len):
+  # The oracle raised ZeroDivisionError on these shapes.
+  args = zero_args(batch=batch, q_len=q_len, num_heads=4, num_kv_heads=2,
+                   head_dim=64, num_pages=4, page_size=8, num_logical_pages=3,
+                   dtype=jnp.bfloat16)
+  out = lazy_attention_reference(*args, rope=PLAIN)
+  assert out.shape == (batch, q_len, 4, 64) and out.dtype == jnp.bfloat16
+
+
 def test_no_logical_pages_raise_value_error_naming_page_table():
   # Was numpy's "zero-size array to reduction operation max which has no
   # identity", from the softmax.
@@ -175,6 +185,8 @@ def test_no_logical_pages_raise_value_error_naming_page_table():
     lazy_attention(*args, rope=PLAIN, impl="xla")
   with pytest.raises(ValueError, match=match):
     jax.jit(lambda *a: lazy_attention(*a, rope=PLAIN, impl="xla"))(*args)
+  with pytest.raises(ValueError, match=match):
+    lazy_attention_reference(*args, rope=PLAIN)
 
 
 def test_impl_and_rope_arguments_are_checked():
