@@ -288,13 +288,16 @@ def main(argv=None):
     cache_warmer = rag_serving.make_trace(closed, config.vocab_size,
                                           args.warm_cache_requests,
                                           args.seed + 3)
-  rows = []
+  rows, error = [], None
   for n in args.tp_list:
     try:
       rows += run_one(args, config, dtype, n, measured, warm, cache_warmer)
-    except PoolTooSmall as e:  # earlier counts' rows went to stderr
-      print(f"benchmarks.tensor_parallel: error: {e}", file=sys.stderr)
-      raise SystemExit(2) from None
+    except PoolTooSmall as e:
+      error = str(e)
+      break
+  if error and not rows:
+    print(f"benchmarks.tensor_parallel: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
   base = {r["mode"]: r for r in rows if r["tensor_parallel"] == args.tp_list[0]}
   for r in rows:  # against the first device count of the list
     ref = base.get(r["mode"])
@@ -308,6 +311,8 @@ def main(argv=None):
                 command="python -m benchmarks.tensor_parallel " +
                 " ".join(argv if argv is not None else sys.argv[1:]),
                 runs=rows)
+  if error:  # the counts measured before it are kept
+    report["error"] = error
   if any(r["decode_step_s"] is None for r in rows):
     print("benchmarks.tensor_parallel: no decode step ran in some rows "
           "(--output-len 1?): their decode_step_s and decode_step_speedup "
@@ -317,6 +322,10 @@ def main(argv=None):
     with open(args.out, "w") as f:
       f.write(text)
   print_rows(rows)
+  if error:
+    print(f"benchmarks.tensor_parallel: error: {error} (the report holds the "
+          f"counts measured before it)", file=sys.stderr)
+    raise SystemExit(2)
   return report
 
 

@@ -280,3 +280,36 @@ def test_benchmark_runs_one_and_two_devices_side_by_side(tmp_path):
   assert runs[1]["decode_step_speedup"] == 1.0
   # The same weights and trace at both counts: the same documents hit.
   assert runs[1]["doc_hit_rate"] == runs[2]["doc_hit_rate"]
+
+
+def test_benchmark_keeps_the_counts_measured_before_a_pool_too_small(
+    tmp_path, monkeypatch, capsys):
+  """A count whose memory-sized pool cannot hold a request ends the run;
+  the counts measured before it go into the report (they were only in
+  stderr)."""
+  from benchmarks import tensor_parallel
+  real, sizes = tensor_parallel.pool_pages, []
+
+  def pool_pages(*args):
+    pages, option = real(*args)
+    sizes.append(pages if not sizes else 1)
+    return sizes[-1], option
+
+  monkeypatch.setattr(tensor_parallel, "pool_pages", pool_pages)
+  out = tmp_path / "tp.json"
+  with pytest.raises(SystemExit) as exit_info:
+    tensor_parallel.main([
+        "--model", "tiny", "--tensor-parallel", "1,1",
+        "--pool-memory-fraction", "0.5", "--num-docs", "8",
+        "--docs-per-request", "2", "--doc-len", "16", "--query-len", "4",
+        "--output-len", "2", "--num-requests", "2", "--warmup-requests", "1",
+        "--concurrency", "2", "--max-batch", "2", "--decode-steps", "2",
+        "--cache-fraction", "1.0", "--add-working-pages", "--page-size", "8",
+        "--out", str(out), "--no-progress"])
+  assert exit_info.value.code == 2
+  report = json.loads(out.read_text())
+  assert [r["tensor_parallel"] for r in report["runs"]] == [1]
+  assert report["error"].startswith("--tensor-parallel 1: ")
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("benchmarks.tensor_parallel: error: "
+                            "--tensor-parallel 1: ")
