@@ -89,7 +89,7 @@ def count_decoded_rows(engine, tally: BlockTally):
   """Shows `tally` the rows of every decode call of this engine's runner
   (and of every run of decode riders), before it runs."""
   runner = engine.runner
-  decode, decode_riders = runner.decode, runner.decode_riders
+  decode, decode_riders = runner.decode_async, runner.decode_riders
 
   def counted_decode(state, requests, *args, **kwargs):
     tally.add_rows(r.layout.row for r in requests)
@@ -99,7 +99,7 @@ def count_decoded_rows(engine, tally: BlockTally):
     tally.add_rows(r.layout.row for r in requests)
     return decode_riders(requests, *args, **kwargs)
 
-  runner.decode, runner.decode_riders = counted_decode, counted_riders
+  runner.decode_async, runner.decode_riders = counted_decode, counted_riders
 
 
 def parse_args(argv=None):

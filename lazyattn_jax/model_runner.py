@@ -277,6 +277,14 @@ class ModelRunner:
     Returns (state, tokens i32[B, num_steps], emitted bool[B, num_steps],
     done bool[B]) on host, row b for requests[b].
     """
+    state, fetch = self.decode_async(state, requests, batch, num_steps)
+    return (state, *fetch())
+
+  def decode_async(self, state, requests, batch: int, num_steps: int):
+    """`decode` without waiting for the device: returns (state, fetch),
+    fetch() -> (tokens, emitted, done) on host.  The caller keeps the new
+    state before it waits, so an error or interrupt while waiting does not
+    leave it holding the pool this call donated."""
     carry, pages, sampling, limits = pack_decode(requests, batch)
     any_sampled = sampling_needs_sort(sampling[0])
     self._note("decode", state.k, pages, limits, num_steps=num_steps,
@@ -289,9 +297,9 @@ class ModelRunner:
         pool_as_bits=self.config.pool_as_bits,
         layer_unroll=self.config.decode_layer_unroll,
         tensor_parallel=self.tensor_parallel, any_sampled=any_sampled)
-    state = state.replace(k=k, v=v)
-    out, emitted, done = jax.device_get((out, emitted, carry[4]))
-    return state, out, emitted, done
+    done = carry[4]
+    return (state.replace(k=k, v=v),
+            lambda: jax.device_get((out, emitted, done)))
 
   # --- mixed -------------------------------------------------------------------
   def decode_riders(self, requests, batch: int,

@@ -303,8 +303,9 @@ class RoundExecutor:
         r.request.sampling.max_new_tokens - len(r.tokens) for r in decoding))
     started = time.perf_counter()
     try:
-      self.state, out, emitted, done = self.runner.decode(
+      self.state, fetch = self.runner.decode_async(
           self.state, decoding, cfg.max_batch, steps)
+      out, emitted, done = fetch()
     except BaseException as error:
       self._fail(decoding, error, prefilled=True)
       if not isinstance(error, Exception):
@@ -323,9 +324,11 @@ class RoundExecutor:
                  type(error).__name__, error)
     if pool_lost(self.state):
       self._riders_run = None  # everyone fails below, riders included
+      # Finished requests need no KV: they end as they would have.
+      self.scheduler.take_finished(self.state, release=False)
       failed = {id(r) for r in requests}
-      everyone = requests + [r for r in self.scheduler.live
-                             if id(r) not in failed]
+      everyone = [r for r in requests if not r.done] + [
+          r for r in self.scheduler.live if id(r) not in failed]
       self.scheduler.fail(self.state, everyone, error, release=False)
       self.state = init_cache_state(self.cache_config)
       return

@@ -253,17 +253,27 @@ class Scheduler:
   # --- endings ------------------------------------------------------------------
   def retire(self, state):
     """Releases finished requests; returns (state, results of this step)."""
-    finished, still = [], []
+    state = self.take_finished(state)
+    finished, self._unreported = self._unreported, []
+    return state, finished
+
+  def take_finished(self, state, *, release: bool = True):
+    """Takes finished requests out of `live`, their results kept for the
+    next `retire`; returns the new state.  `release=False` when the cache
+    is being rebuilt (its pool was lost): their tokens are all out, so they
+    end as they would have, with nothing left to release."""
+    still = []
     for live in self.live:
       if not live.done:
         still.append(live)
         continue
-      state = self.cache.finish(state, live.admission)
+      if release:
+        state = self.cache.finish(state, live.admission)
       stopped = live.tokens and live.tokens[-1] in live.request.stop_ids
-      finished.append(self._result(live, "stop" if stopped else "length"))
+      self._unreported.append(
+          self._result(live, "stop" if stopped else "length"))
     self.live = still
-    finished, self._unreported = self._unreported + finished, []
-    return state, finished
+    return state
 
   def fail(self, state, requests: list[LiveRequest], error: BaseException, *,
            prefilled: bool = False, release: bool = True):

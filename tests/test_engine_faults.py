@@ -102,7 +102,9 @@ STAGES = {
     # The first group's tokens are fetched after the second group's calls
     # are dispatched: both groups fail.
     "first-token fetch": ("runner", "prefill_async", 1),
-    "decode": ("runner", "decode", 1),
+    "decode": ("runner", "decode_async", 1),
+    # The decode loop ran; reading its tokens back fails.
+    "decode fetch": ("runner", "decode_async", 1),
 }
 
 
@@ -130,7 +132,7 @@ def test_a_fault_in_any_stage_rolls_the_round_back(model_and_config, corpus,
         plans[0].q_pos[0] != 0 or mode in ("prefix", "full"))
   if stage == "copies":
     when = lambda state, copies: bool(copies)
-  kind = FetchFault if stage == "first-token fetch" else Fault
+  kind = FetchFault if stage in ("first-token fetch", "decode fetch") else Fault
   fault = kind(monkeypatch, getattr(engine, owner), name, at, when)
   requests = round_requests(corpus)
   results = engine.generate_batch(requests)
@@ -189,7 +191,7 @@ def test_generate_raises_request_failed_and_the_engine_goes_on(
     model_and_config, corpus, monkeypatch):
   docs, queries = corpus
   engine = make_engine(model_and_config)
-  Fault(monkeypatch, engine.runner, "decode")
+  Fault(monkeypatch, engine.runner, "decode_async")
   with pytest.raises(RequestFailedError, match="injected fault") as info:
     engine.generate(queries[0], [docs["a"]], greedy(4))
   assert info.value.result.finish_reason == "error"
@@ -205,18 +207,72 @@ def test_a_lost_pool_is_rebuilt_and_every_live_request_fails(
   docs, queries = corpus
   engine = make_engine(model_and_config)
   engine.generate(queries[0], [docs["a"]], greedy(2))
-  original = engine.runner.decode
+  original = engine.runner.decode_async
 
   def consume_then_fail(state, *args):
     state.k.delete()
     raise RuntimeError("device failure")
-  monkeypatch.setattr(engine.runner, "decode", consume_then_fail)
+  monkeypatch.setattr(engine.runner, "decode_async", consume_then_fail)
   (result,) = engine.generate_batch([Request(tuple(queries[1]),
                                              (tuple(docs["b"]),), greedy(3))])
   assert result.finish_reason == "error"
-  monkeypatch.setattr(engine.runner, "decode", original)
+  monkeypatch.setattr(engine.runner, "decode_async", original)
   again = engine.generate(queries[0], [docs["a"]], greedy(2))
   assert again.doc_hits == [False]  # the cache was rebuilt empty
+  assert_pages_accounted_for(engine)
+
+
+def test_a_lost_pool_does_not_fail_requests_already_finished(
+    model_and_config, corpus, monkeypatch):
+  """A request done at its first token needs no KV: when the same round's
+  decode loses the pool, it ends as it would have (it came back an error)."""
+  docs, queries = corpus
+  engine = make_engine(model_and_config)
+  short = engine.submit(queries[0], [docs["a"]], greedy(1))
+  long_running = engine.submit(queries[1], [docs["a"]], greedy(6))
+
+  def consume_then_fail(state, *args):
+    state.k.delete()
+    raise RuntimeError("device failure")
+  monkeypatch.setattr(engine.runner, "decode_async", consume_then_fail)
+  ended = {r.request_id: r for r in engine.step()}
+  monkeypatch.undo()
+  assert ended[long_running].finish_reason == "error"
+  alone = make_engine(model_and_config).generate(queries[0], [docs["a"]],
+                                                 greedy(1))
+  assert ended[short].finish_reason == "length"
+  assert ended[short].token_ids == alone.token_ids
+  assert engine.generate(queries[0], [docs["a"]], greedy(2)).doc_hits == [
+      False]  # the cache was rebuilt empty
+  assert_pages_accounted_for(engine)
+
+
+def test_an_interrupt_while_decode_tokens_are_read_keeps_the_cache(
+    model_and_config, corpus, monkeypatch):
+  """Ctrl-C while a decode loop's tokens come back: the loop's requests end
+  (the interrupt propagates), but the new pool was kept, so the cached
+  documents stay (the cache was rebuilt empty and every request failed)."""
+  docs, queries = corpus
+  engine = make_engine(model_and_config)
+  engine.generate(queries[0], [docs["a"]], greedy(2))
+  other = engine.submit(queries[1], [docs["a"]], greedy(20))
+  engine.step()
+  decode_async = engine.runner.decode_async
+
+  def interrupted(*args, **kwargs):
+    state, _ = decode_async(*args, **kwargs)
+
+    def fetch():
+      raise KeyboardInterrupt
+    return state, fetch
+  monkeypatch.setattr(engine.runner, "decode_async", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    engine.generate(queries[2], [docs["a"]], greedy(10))
+  monkeypatch.undo()
+  ended = engine.step()  # the interrupted request and the other one
+  assert other in [r.request_id for r in ended] and len(ended) == 2
+  assert {r.finish_reason for r in ended} == {"error"}
+  assert engine.generate(queries[0], [docs["a"]], greedy(2)).doc_hits == [True]
   assert_pages_accounted_for(engine)
 
 
