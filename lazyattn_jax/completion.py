@@ -63,9 +63,8 @@ def stream_text(engine, request, arrival: float):
     raise
   if result.finish_reason == "error":
     raise RequestFailedError(result.error, result)
-  if len(result.token_ids) > sent:
-    decoder.push(result.token_ids[sent:])
-  tail = decoder.finish()
+  # Tokens the last round gave (another caller's step may have ended it).
+  tail = decoder.push(result.token_ids[sent:]) + decoder.finish()
   if tail:
     yield tail
   return result

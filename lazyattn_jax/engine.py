@@ -40,7 +40,8 @@ from lazyattn_jax.paged_cache import PagedKVCache
 from lazyattn_jax.quality_options import DEFAULT, QualityOptions, split_quality
 from lazyattn_jax.request_validator import RequestValidator
 from lazyattn_jax.requests import (GenerationResult, Request, TokenRequest,
-                                   arrival_time, default_stop_ids)
+                                   arrival_time, default_stop_ids,
+                                   text_vocab_limit)
 from lazyattn_jax.rounds import EngineStats, RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
@@ -116,7 +117,9 @@ class LazyEngine:
       self.runner = ModelRunner(model, self.runner_config,
                                 cache_config.num_pages,
                                 cache_config.page_size,
-                                tensor_parallel=self.tensor_parallel)
+                                tensor_parallel=self.tensor_parallel,
+                                vocab_limit=text_vocab_limit(tokenizer,
+                                                             config))
       self.scheduler = Scheduler(
           self.scheduler_config, self._mode, self.cache,
           tokenizer.decode if tokenizer is not None else None)

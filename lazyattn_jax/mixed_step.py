@@ -33,11 +33,11 @@ from models.paged_inputs import PagedAttentionInputs
 
 @step_jit(static_argnames=("graphdef", "impl", "pool_as_bits", "layer_unroll",
                            "tensor_parallel", "decode_sampled",
-                           "prefill_sampled"),
+                           "prefill_sampled", "vocab_limit"),
           donate_argnums=(1, 2))
 def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
                 pool_as_bits=False, layer_unroll=1, tensor_parallel=None,
-                decode_sampled=True, prefill_sampled=True):
+                decode_sampled=True, prefill_sampled=True, vocab_limit=None):
   """One mixed step.
 
   decode: (carry, pages, sampling, limits) of B_d decode rows as
@@ -46,6 +46,7 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
   prefill: (tokens i32[B_p, T], inputs, logits_index i32[B_p], sampling).
   decode_sampled, prefill_sampled: whether any row of the part samples
     (`sample_tokens`' any_sampled).
+  vocab_limit: ids from it on are never drawn (`sample_tokens`).
   Returns (decode logits f32[B_d, V], next tokens i32[B_d], live bool[B_d]
   (the rows that decoded in this step), the decode carry after the step
   (as `_decode_loop` returns it), prefill logits f32[B_p, V], first tokens
@@ -68,12 +69,12 @@ def _mixed_step(params, k_cache, v_cache, decode, prefill, *, graphdef, impl,
   # Decode rows draw token number `generated` of their stream, as in the
   # decode loop; a first token is draw 0, as in `_prefill_step`.
   nxt = sample_tokens(decode_logits, *decode_sampling, generated,
-                      any_sampled=decode_sampled)
+                      any_sampled=decode_sampled, vocab_limit=vocab_limit)
   carry, live = advance_carry((tokens, pos, written, generated, done), nxt,
                               limits)
   first = sample_tokens(prefill_logits, *prefill_sampling,
                         jnp.zeros_like(logits_index),
-                        any_sampled=prefill_sampled)
+                        any_sampled=prefill_sampled, vocab_limit=vocab_limit)
   return (decode_logits, nxt, live, carry, prefill_logits, first, k_cache,
           v_cache)
 
@@ -258,7 +259,8 @@ def run_mixed_step(runner, state, riders: DecodeRiders | None, rows, plans,
           # Decode rows ride in every mixed step, so the layer scan unrolls
           # as the decode loop's does.
           layer_unroll=runner.config.decode_layer_unroll,
-          tensor_parallel=runner.tensor_parallel, **sampled))
+          tensor_parallel=runner.tensor_parallel,
+          vocab_limit=runner.vocab_limit, **sampled))
   if riders is not None:
     riders.advanced(carry, nxt, live)
   for array in (prefill_logits, first):

@@ -36,11 +36,12 @@ from pallas_kernels.sizes import next_power_of_two
 
 
 @step_jit(static_argnames=("graphdef", "impl", "pool_as_bits",
-                           "tensor_parallel", "any_sampled"),
+                           "tensor_parallel", "any_sampled", "vocab_limit"),
           donate_argnums=(1, 2))
 def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                   sampling, embeddings=None, *, graphdef, impl,
-                  pool_as_bits=False, tensor_parallel=None, any_sampled=True):
+                  pool_as_bits=False, tensor_parallel=None, any_sampled=True,
+                  vocab_limit=None):
   model = nnx.merge(graphdef, params)
   logits, k_cache, v_cache = model(tokens, k_cache, v_cache, inputs,
                                    impl=impl, logits_index=logits_index,
@@ -49,17 +50,20 @@ def _prefill_step(params, k_cache, v_cache, tokens, inputs, logits_index,
                                    tensor_parallel=tensor_parallel)
   temperature, top_k, top_p, seed = sampling
   first = sample_tokens(logits, temperature, top_k, top_p, seed,
-                        jnp.zeros_like(seed), any_sampled=any_sampled)
+                        jnp.zeros_like(seed), any_sampled=any_sampled,
+                        vocab_limit=vocab_limit)
   return logits, first, k_cache, v_cache
 
 
 @step_jit(gpu_options=DECODE_GPU_OPTIONS,
           static_argnames=("graphdef", "impl", "num_steps", "pool_as_bits",
-                           "layer_unroll", "tensor_parallel", "any_sampled"),
+                           "layer_unroll", "tensor_parallel", "any_sampled",
+                           "vocab_limit"),
           donate_argnums=(1, 2))
 def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
                  graphdef, impl, num_steps, pool_as_bits=False,
-                 layer_unroll=1, tensor_parallel=None, any_sampled=True):
+                 layer_unroll=1, tensor_parallel=None, any_sampled=True,
+                 vocab_limit=None):
   """`num_steps` decode steps of B rows in one compiled loop.
 
   carry: (tokens i32[B] last token, pos i32[B] its logical position,
@@ -69,6 +73,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
           private_start i32[B] logical index of the first query page).
   limits: (max_new i32[B], stop_ids i32[B, S] padded with -1).
   any_sampled: False when no row samples (`sample_tokens`).
+  vocab_limit: ids from it on are never drawn (`sample_tokens`).
   Returns (k, v, carry, tokens i32[B, num_steps], emitted bool[B, num_steps]).
   """
   model = nnx.merge(graphdef, params)
@@ -87,7 +92,7 @@ def _decode_loop(params, k_cache, v_cache, carry, pages, sampling, limits, *,
         pool_as_bits=pool_as_bits, unroll=layer_unroll,
         tensor_parallel=tensor_parallel)
     nxt = sample_tokens(logits, temperature, top_k, top_p, seed, generated,
-                        any_sampled=any_sampled)
+                        any_sampled=any_sampled, vocab_limit=vocab_limit)
     carry, live = advance_carry(carry, nxt, limits)
     return (k_cache, v_cache, carry), (nxt, live)
 
@@ -112,12 +117,16 @@ class ModelRunner:
     tensor_parallel: a `models.sharding.TensorParallel` when the model's
       weights and the pool lie on a mesh (`lazyattn_jax.sharding`); the
       steps' small inputs are then put whole on every device.
+    vocab_limit: token ids from it on are never drawn (those of a padded
+      embedding that the tokenizer has no text for); None: every id.
   """
 
   def __init__(self, model, config: RunnerConfig, num_pages: int,
-               page_size: int, tensor_parallel=None):
+               page_size: int, tensor_parallel=None,
+               vocab_limit: int | None = None):
     self.graphdef, self.params = nnx.split(model)
     self.tensor_parallel = tensor_parallel
+    self.vocab_limit = vocab_limit
     self.config = config
     self.rope = model.config.rope
     self.num_pages = num_pages
@@ -230,7 +239,8 @@ class ModelRunner:
         self.params, state.k, state.v, tokens, inputs, logits_index,
         sampling, vectors, graphdef=self.graphdef,
         impl=self.config.impl, pool_as_bits=self.config.pool_as_bits,
-        tensor_parallel=self.tensor_parallel, any_sampled=any_sampled)
+        tensor_parallel=self.tensor_parallel, any_sampled=any_sampled,
+        vocab_limit=self.vocab_limit)
     return state.replace(k=k, v=v), logits, first
 
   def encode_documents(self, state, jobs, *, pieces=None):
@@ -296,7 +306,8 @@ class ModelRunner:
         graphdef=self.graphdef, impl=self.config.impl, num_steps=num_steps,
         pool_as_bits=self.config.pool_as_bits,
         layer_unroll=self.config.decode_layer_unroll,
-        tensor_parallel=self.tensor_parallel, any_sampled=any_sampled)
+        tensor_parallel=self.tensor_parallel, any_sampled=any_sampled,
+        vocab_limit=self.vocab_limit)
     done = carry[4]
     return (state.replace(k=k, v=v),
             lambda: jax.device_get((out, emitted, done)))

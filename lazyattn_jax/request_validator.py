@@ -104,7 +104,8 @@ class RequestValidator:
       raise InvalidRequestError(
           f"documents must be a sequence of token-id sequences, got "
           f"{type(request.documents).__name__}")
-    docs = tuple(checked_token_ids(d, f"document {i}", self.vocab_size)
+    docs = tuple(checked_token_ids(d, f"document {i}", self.vocab_size,
+                                   text_ok=False)
                  for i, d in enumerate(request.documents))
     leading = request.leading
     if (isinstance(leading, bool) or not isinstance(leading, numbers.Integral)
@@ -114,10 +115,12 @@ class RequestValidator:
           f"{leading!r}")
     stop_ids = request.stop_ids
     stop_ids = (() if is_token_sequence(stop_ids) and len(stop_ids) == 0
-                else checked_token_ids(stop_ids, "stop_ids", self.vocab_size))
+                else checked_token_ids(stop_ids, "stop_ids", self.vocab_size,
+                                       text_ok=False))
     request = TokenRequest(
-        checked_token_ids(request.query, "query", self.vocab_size), docs, sampling,
-        stop_ids, int(leading))
+        checked_token_ids(request.query, "query", self.vocab_size,
+                          text_ok=False), docs, sampling, stop_ids,
+        int(leading))
     self._check_positions(request)
     self._check_capacity(request)
     return request

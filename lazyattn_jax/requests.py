@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import time
 from typing import Sequence
 
 import numpy as np
@@ -161,12 +162,15 @@ def is_token_sequence(value) -> bool:
           not isinstance(value, (str, bytes, bytearray)))
 
 
-def checked_token_ids(tokens, what: str, vocab_size: int) -> tuple[int, ...]:
-  """Checks a sequence of token ids: ints (not bools) in [0, vocab_size)."""
+def checked_token_ids(tokens, what: str, vocab_size: int, *,
+                      text_ok: bool = True) -> tuple[int, ...]:
+  """Checks a sequence of token ids: ints (not bools) in [0, vocab_size).
+  `text_ok`: the caller would have taken text instead (the message says
+  so)."""
   if not is_token_sequence(tokens):
     raise InvalidRequestError(
-        f"{what} must be text or a sequence of token ids, got "
-        f"{type(tokens).__name__}")
+        f"{what} must be {'text or ' if text_ok else ''}a sequence of token "
+        f"ids, got {type(tokens).__name__}")
   if isinstance(tokens, np.ndarray):
     if tokens.ndim != 1:
       raise InvalidRequestError(
@@ -244,7 +248,22 @@ def arrival_time(value) -> float:
     raise InvalidRequestError(
         f"arrival_time must be a finite time.perf_counter() value, got "
         f"{value!r}")
+  now = time.perf_counter()
+  if value > now:  # a time.time() value, say: TTFT would come out negative
+    raise InvalidRequestError(
+        f"arrival_time {value!r} is later than now (time.perf_counter() is "
+        f"{now!r}); give the time.perf_counter() value when the request "
+        f"arrived")
   return float(value)
+
+
+def text_vocab_limit(tokenizer, config) -> int | None:
+  """The first token id the model may not generate: its tokenizer's size
+  where the embedding has more rows (padding, as in Qwen2's checkpoints),
+  whose ids no text shows; None when every id may be drawn (or the
+  tokenizer does not say its size)."""
+  size = getattr(tokenizer, "vocab_size", None)
+  return size if size is not None and size < config.vocab_size else None
 
 
 def default_stop_ids(tokenizer, config) -> tuple[int, ...]:

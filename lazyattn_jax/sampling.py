@@ -64,7 +64,8 @@ class SamplingParams:
       raise InvalidRequestError(f"top_p must lie in (0, 1], got {self.top_p!r}")
     if self.stop_token_ids is not None:
       if isinstance(self.stop_token_ids, (str, bytes, bytearray)) or not (
-          isinstance(self.stop_token_ids, Iterable)):
+          isinstance(self.stop_token_ids, Iterable)) or getattr(
+              self.stop_token_ids, "ndim", None) == 0:  # a 0-d array
         raise InvalidRequestError(
             "stop_token_ids must be a sequence of token ids or None, got "
             f"{type(self.stop_token_ids).__name__}")
@@ -101,7 +102,7 @@ def _real(name: str, value) -> float:
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seed, step, *,
-                  any_sampled: bool = True):
+                  any_sampled: bool = True, vocab_limit: int | None = None):
   """Samples one token per row.
 
   Args:
@@ -115,10 +116,16 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, step, *,
       the batch then takes the argmax with no sort.  The caller knows it on
       the host (`sampling_needs_sort`); deciding it in the program would
       take a conditional, which on GPU makes the host wait for the device.
+    vocab_limit: static; ids from it on are never drawn (a model whose
+      embedding has padding rows past its tokenizer's last token, as
+      Qwen2's: no text could show them).  None: every id.
 
   Returns:
     int32[B] token ids.
   """
+  if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+    ids = jnp.arange(logits.shape[-1])[None, :]
+    logits = jnp.where(ids < vocab_limit, logits, -jnp.inf)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if not any_sampled:
     return greedy
@@ -140,7 +147,10 @@ def _sample_sorted(logits, temperature, top_k, top_p, seed, step):
   top-k and top-p (both prefix cuts of the sorted order)."""
   vocab = logits.shape[-1]
   safe_temp = jnp.where(temperature > 0, temperature, 1.0)
-  scaled = logits / safe_temp[:, None]
+  # From the row's maximum down, so a tiny temperature cannot push logits
+  # to +inf (whose softmax is NaN, which drew the lowest such id).
+  scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / safe_temp[
+      :, None]
   order = jnp.argsort(-scaled, axis=-1)
   sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
   rank = jnp.arange(vocab)[None, :]

@@ -267,11 +267,12 @@ class Scheduler:
       if not live.done:
         still.append(live)
         continue
+      stopped = live.tokens and live.tokens[-1] in live.request.stop_ids
+      # The result first: if making it fails, nothing was released.
+      result = self._result(live, "stop" if stopped else "length")
       if release:
         state = self.cache.finish(state, live.admission)
-      stopped = live.tokens and live.tokens[-1] in live.request.stop_ids
-      self._unreported.append(
-          self._result(live, "stop" if stopped else "length"))
+      self._unreported.append(result)
     self.live = still
     return state
 
@@ -307,9 +308,10 @@ class Scheduler:
         return state, True
     for live in self.live:
       if live.request_id == request_id:
+        result = self._result(live, "cancelled")  # first, as in take_finished
         self.live.remove(live)
         state = self.cache.finish(state, live.admission)
-        self._unreported.append(self._result(live, "cancelled"))
+        self._unreported.append(result)
         return state, True
     return state, False
 

@@ -287,6 +287,7 @@ BAD_SAMPLING = [
     (dict(stop_token_ids=[2**31]), "stop_token_ids"),
     (dict(stop_token_ids=[1.5]), "stop_token_ids"),
     (dict(stop_token_ids="12"), "stop_token_ids"),
+    (dict(stop_token_ids=np.array(5)), "stop_token_ids"),  # was TypeError
 ]
 
 

@@ -3,6 +3,7 @@ a typed error naming it, and the engine goes on unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 
@@ -18,9 +19,15 @@ from tests.test_engine_faults import assert_pages_accounted_for
 
 
 @pytest.mark.parametrize("arrival", ["yesterday", object(), True,
-                                     math.nan, math.inf, [1.0]])
+                                     math.nan, math.inf, [1.0], "future",
+                                     "epoch"])
 def test_a_bad_arrival_time_is_refused_and_changes_nothing(model_and_config,
                                                            arrival):
+  import time
+  # Later than now: TTFT came out negative (by 1.8e9 s for a time.time()).
+  arrival = {"future": time.perf_counter() + 100,
+             "epoch": time.time()}.get(arrival, arrival) if isinstance(
+                 arrival, str) else arrival
   engine = make_engine(model_and_config)
   want = engine.generate([5, 6], [[1, 2, 3]], greedy(3)).token_ids
   with pytest.raises(InvalidRequestError, match="arrival_time"):
@@ -79,6 +86,50 @@ def test_a_stream_dropped_before_its_first_piece_leaves_nothing(text_model):
   pieces = engine.generate_stream("Who built the bridge?", max_new_tokens=4)
   assert "".join(pieces) == engine.generate("Who built the bridge?",
                                             max_new_tokens=4).text
+
+
+def test_a_stream_ended_by_another_callers_step_yields_its_whole_text(
+    text_model):
+  """Another caller's step (a thread's generate(), a server loop, a second
+  stream) may end the request: the tokens of that last round were dropped
+  from the stream."""
+  from tests.server_helpers import make_engine as make_text_engine
+  engine = make_text_engine(text_model)
+  stream = engine.generate_stream("Tell me a story.", max_new_tokens=12,
+                                  stop_token_ids=())
+  pieces = [next(stream)]
+  while engine.has_work():
+    engine.step()
+  try:
+    while True:
+      pieces.append(next(stream))
+  except StopIteration as stop:
+    result = stop.value
+  assert len(result.token_ids) == 12
+  assert "".join(pieces) == result.text
+
+
+def test_a_padded_embedding_never_generates_ids_without_text(text_model):
+  """A model with more embedding rows than its tokenizer has tokens (Qwen2's
+  checkpoints) drew a padding id: every text result then raised ValueError,
+  and the engine, failing in each round, wedged with pages held."""
+  from flax import nnx
+  from models.llama import Llama
+  from tests.server_helpers import make_engine as make_text_engine
+  config, _, tokenizer = text_model
+  padded = dataclasses.replace(config, vocab_size=tokenizer.vocab_size + 64)
+  model = Llama(padded, rngs=nnx.Rngs(0))
+  head = np.asarray(model.lm_head[...]).copy()
+  head[:, tokenizer.vocab_size + 10] = 50.0  # the largest logit, always
+  model.lm_head[...] = head
+  engine = make_text_engine((padded, model, tokenizer))
+  for sampling in (dict(), dict(temperature=1.0, seed=3)):
+    result = engine.generate("Who built the bridge?", max_new_tokens=6,
+                             stop_token_ids=(), **sampling)
+    assert len(result.token_ids) == 6
+    assert max(result.token_ids) < tokenizer.vocab_size
+    assert result.text == tokenizer.decode(result.token_ids)
+  assert_pages_accounted_for(engine)
 
 
 def test_seeds_that_differ_only_in_high_bits_draw_different_streams(

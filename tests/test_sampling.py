@@ -81,3 +81,29 @@ def test_an_all_greedy_batch_sorts_nothing_and_nothing_branches():
       np.argmax(np.asarray(logits), axis=-1))
   assert not sampling_needs_sort(temperature)
   assert sampling_needs_sort(np.array([0.0, 0.7, 0.0], np.float32))
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-20, 1e-37, 1e-44])
+def test_a_tiny_temperature_draws_the_argmax(temperature):
+  """logits / T overflowed to +inf for several ids; their softmax was NaN
+  and the draw fell to the lowest of them (id 3 here, not 10)."""
+  logits = jnp.zeros((1, VOCAB)).at[0, 10].set(45.0).at[0, 3].set(40.0)
+  params = _params(1, temperature=temperature)
+  assert int(sample_tokens(logits, *params)[0]) == 10
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 50.0])
+def test_ids_past_the_vocab_limit_are_never_drawn(temperature):
+  """A padded embedding (Qwen2: 151,936 rows, 151,665 tokens) has ids no
+  text shows; drawn, they failed the request's text.  Here the padding ids
+  hold the largest logits."""
+  logits = _logits(64).at[:, 50:].add(30.0)
+  params = _params(64, temperature=temperature)
+  tokens = np.asarray(jax.jit(functools.partial(
+      sample_tokens, vocab_limit=50))(logits, *params))
+  assert tokens.max() < 50
+  want = np.argmax(np.asarray(logits)[:, :50], axis=-1)
+  if temperature == 0.0:
+    np.testing.assert_array_equal(tokens, want)
+  unlimited = np.asarray(sample_tokens(logits, *params))
+  assert (unlimited >= 50).any()  # the padding is drawn without the limit

@@ -27,6 +27,9 @@ def request_parts(model_and_config):
 @pytest.mark.parametrize("change,message", [
     (lambda r: {"query": (10**6,)}, r"query has token ids outside \[0, "),
     (lambda r: {"query": (1.5,)}, "query must hold integer token ids"),
+    # A prepared request holds ids only (the message offered text).
+    (lambda r: {"query": "hello"},
+     "^query must be a sequence of token ids, got str$"),
     (lambda r: {"documents": ((1, 2), ())}, "document 1 is empty"),
     (lambda r: {"documents": "abc"}, "documents must be a sequence"),
     (lambda r: {"stop_ids": (-1,)}, "stop_ids has token ids outside"),
@@ -35,7 +38,7 @@ def request_parts(model_and_config):
     (lambda r: {"query": r.query * 200}, "positions"),
     (lambda r: {"documents": tuple((i + 1,) * 8 for i in range(40))},
      "pages but the whole pool has"),
-], ids=["vocab", "float", "empty-doc", "text-docs", "stop-ids", "leading",
+], ids=["vocab", "float", "text-query", "empty-doc", "text-docs", "stop-ids", "leading",
         "sampling", "context", "pool"])
 def test_a_bad_request_made_elsewhere_is_refused(model_and_config,
                                                  request_parts, change,
