@@ -262,18 +262,16 @@ class Scheduler:
     next `retire`; returns the new state.  `release=False` when the cache
     is being rebuilt (its pool was lost): their tokens are all out, so they
     end as they would have, with nothing left to release."""
-    still = []
-    for live in self.live:
-      if not live.done:
-        still.append(live)
-        continue
-      stopped = live.tokens and live.tokens[-1] in live.request.stop_ids
-      # The result first: if making it fails, nothing was released.
-      result = self._result(live, "stop" if stopped else "length")
-      if release:
+    finished = [live for live in self.live if live.done]
+    # The results first: if making one fails, nothing was released.
+    results = [self._result(live, "stop" if live.tokens and live.tokens[-1]
+                            in live.request.stop_ids else "length")
+               for live in finished]
+    if release:
+      for live in finished:
         state = self.cache.finish(state, live.admission)
-      self._unreported.append(result)
-    self.live = still
+    self.live = [live for live in self.live if not live.done]
+    self._unreported += results
     return state
 
   def fail(self, state, requests: list[LiveRequest], error: BaseException, *,
@@ -308,7 +306,7 @@ class Scheduler:
         return state, True
     for live in self.live:
       if live.request_id == request_id:
-        result = self._result(live, "cancelled")  # first, as in take_finished
+        result = self._result(live, "cancelled")  # first, as take_finished
         self.live.remove(live)
         state = self.cache.finish(state, live.admission)
         self._unreported.append(result)
