@@ -36,7 +36,9 @@ class LlamaConfig:
     rms_norm_eps: epsilon of every RMSNorm.
     tie_word_embeddings: the output projection is the embedding table.
     max_position: longest logical position the model is used at.
-    bos_token_id, eos_token_id: optional special ids (informational).
+    bos_token_id: optional special id (informational).
+    eos_token_id: the end-of-sequence id, a tuple of them where the model
+      has several (each stops generation), or None.
     attention_bias: the Q, K and V projections add a bias (Qwen2).
     qk_norm: each head of Q and K goes through its own RMSNorm (weights of
       size head_dim, shared by the heads) before RoPE (Qwen3).
@@ -55,7 +57,7 @@ class LlamaConfig:
   tie_word_embeddings: bool = False
   max_position: int = 8192
   bos_token_id: int | None = None
-  eos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
   attention_bias: bool = False
   qk_norm: bool = False
 
@@ -93,8 +95,13 @@ class LlamaConfig:
       raise ValueError(
           "LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, got "
           f"{type(self.rope_scaling).__name__}")
-    for name in ("bos_token_id", "eos_token_id"):
-      value = getattr(self, name)
+    if isinstance(self.eos_token_id, tuple) and not self.eos_token_id:
+      raise ValueError("LlamaConfig.eos_token_id must be an id, a non-empty "
+                       "tuple of ids, or None, got ()")
+    eos = (self.eos_token_id if isinstance(self.eos_token_id, tuple)
+           else (self.eos_token_id,))
+    for name, value in ([("bos_token_id", self.bos_token_id)] +
+                        [("eos_token_id", v) for v in eos]):
       if value is not None and not 0 <= value < self.vocab_size:
         raise ValueError(
             f"LlamaConfig.{name} must lie in [0, {self.vocab_size}), got "

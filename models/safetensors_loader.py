@@ -2,8 +2,7 @@
 supported architecture (`models.architectures`: llama, mistral, qwen2, qwen3).
 
 Handles one `*.safetensors` file or many, with `model.safetensors.index.json`
-when sharded, and both spellings of the RoPE settings (`rope_theta` +
-`rope_scaling` of transformers 4, `rope_parameters` of transformers 5).
+when sharded; config.json is read by `models.hf_config`.
 
 Tensors are read one at a time straight from the files (numpy memmap, with
 ml_dtypes for bfloat16, which numpy itself cannot name) and written into
@@ -23,12 +22,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from models.architectures import Architecture, architecture_from_hf
-from models.config import Llama3RopeScaling, LlamaConfig
+from models.config import LlamaConfig
 from models.errors import ModelFileNotFoundError, ModelFormatError
+from models.hf_config import config_from_hf, load_hf_config
 from models.llama import Llama, llama_from_params
 from models.weights import (CheckpointNames, check_tensors, expected_shapes,
                             load_params)
+
+# config_from_hf is re-exported: callers import it from here.
+__all__ = ["config_from_hf", "load_safetensors"]
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -55,139 +57,6 @@ _HF_NAMES = CheckpointNames(
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
                 "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
                 "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _rope_type(settings: dict):
-  return settings.get("rope_type", settings.get("type", "default"))
-
-
-def _rope_settings(hf: dict,
-                   path: str) -> tuple[float, Llama3RopeScaling | None]:
-  """(rope_theta, Llama-3 scaling or None) from an HF config dict."""
-  params = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-  # A config may carry both spellings (transformers v5's rope_parameters,
-  # v4's rope_scaling); a scaling named in either applies.
-  kinds = {name: _rope_type(d) for name, d in
-           (("rope_parameters", params), ("rope_scaling", scaling))}
-  scaled = {name: kind for name, kind in kinds.items()
-            if kind not in (None, "default")}
-  if not scaled:
-    return float(theta), None
-  if len(set(scaled.values())) > 1:
-    raise ModelFormatError(f"{path}: rope_parameters and rope_scaling name "
-                           f"different RoPE types ({kinds})")
-  settings = ({**scaling, **params} if "rope_parameters" in scaled
-              else {**params, **scaling})
-  rope_type = next(iter(scaled.values()))
-  if rope_type != "llama3":
-    raise ModelFormatError(f"{path}: rope type {rope_type!r} is not "
-                           "supported (plain and 'llama3' RoPE are)")
-  return float(theta), Llama3RopeScaling(
-      factor=float(settings["factor"]),
-      low_freq_factor=float(settings.get("low_freq_factor", 1.0)),
-      high_freq_factor=float(settings.get("high_freq_factor", 4.0)),
-      original_max_position=int(settings.get(
-          "original_max_position_embeddings", 8192)))
-
-
-def _single_token_id(value) -> int | None:
-  if isinstance(value, list):
-    value = value[0] if value else None
-  return None if value is None else int(value)
-
-
-def _sliding_window(hf: dict, model_type: str) -> int | None:
-  """The attention window of a sliding-window model, or None.
-
-  Mistral's `sliding_window` is in force whenever it is set; Qwen's only with
-  `use_sliding_window` (or a layer of type "sliding_attention").
-  """
-  window = hf.get("sliding_window")
-  if window is None:
-    return None
-  if (model_type == "mistral" or hf.get("use_sliding_window") or
-      "sliding_attention" in (hf.get("layer_types") or ())):
-    return int(window)
-  return None
-
-
-def _max_position(hf: dict, model_type: str, requested: int | None,
-                  path: str) -> int:
-  """The model's positions, limited to its attention window if it has one:
-  within the window, full attention (which the kernels compute) and
-  sliding-window attention are the same function."""
-  window = _sliding_window(hf, model_type)
-  if window is not None and requested is not None and requested > window:
-    raise ModelFormatError(
-        f"{path}: max_position {requested} exceeds the model's sliding "
-        f"window of {window} tokens; sliding-window attention is not "
-        "supported beyond the window")
-  configured = int(requested or hf.get("max_position_embeddings", 8192))
-  return configured if window is None else min(configured, window)
-
-
-def _check_unsupported_flags(hf: dict, family: Architecture, path: str):
-  if hf.get("mlp_bias"):
-    raise ModelFormatError(f"{path}: mlp_bias=true is not supported")
-  # HF's attention_bias also puts a bias on the output projection, which
-  # this model does not have; Qwen2's Q/K/V biases come with its family.
-  if hf.get("attention_bias"):
-    raise ModelFormatError(f"{path}: attention_bias=true is not supported "
-                           f"for model_type {family.name!r}")
-
-
-def config_from_hf(hf: dict, path: str = "config.json",
-                   max_position: int | None = None) -> LlamaConfig:
-  """LlamaConfig from the dict of an HF `config.json` of a supported
-  architecture (a missing `model_type` means llama).
-
-  Raises:
-    ModelFormatError: not a supported configuration (message says why; an
-      unsupported model type lists the supported ones).
-  """
-  if not isinstance(hf, dict):
-    raise ModelFormatError(f"{path}: expected a JSON object, got "
-                           f"{type(hf).__name__}")
-  family = architecture_from_hf(hf.get("model_type", "llama"), path)
-  _check_unsupported_flags(hf, family, path)
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ModelFormatError(f"{path}: hidden_act {hf['hidden_act']!r} is not "
-                           "supported (only 'silu')")
-  try:
-    num_heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    theta, scaling = _rope_settings(hf, path)
-    eos = _single_token_id(hf.get("eos_token_id"))
-    bos = _single_token_id(hf.get("bos_token_id"))
-    vocab = int(hf["vocab_size"])
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hidden // num_heads),
-        intermediate_size=int(hf["intermediate_size"]),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position=_max_position(hf, family.name, max_position, path),
-        bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
-        eos_token_id=eos if eos is not None and 0 <= eos < vocab else None,
-        attention_bias=family.attention_bias,
-        qk_norm=family.qk_norm,
-    )
-  except KeyError as e:
-    raise ModelFormatError(f"{path}: missing field {e.args[0]!r}") from e
-  except ModelFormatError:
-    raise
-  except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
-    # LlamaConfig's own checks, or a field of the wrong type.
-    raise ModelFormatError(f"{path}: unsupported model configuration: {e}"
-                           ) from e
 
 
 class _SafetensorsFile:
@@ -325,20 +194,44 @@ def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
   return by_tensor
 
 
+def _check_tied_lm_head(tensors: dict[str, _SafetensorsFile],
+                        directory: str):
+  """Refuses a tied checkpoint whose stored lm_head.weight is not its
+  embedding: transformers 4 would ignore that matrix and transformers 5
+  unties the model to use it, so which model was meant is unknowable."""
+  embed, head = _HF_NAMES.embed_tokens, _HF_NAMES.lm_head
+  tensors[head].check_dtype(head)
+  a, b = tensors[embed].get(embed), tensors[head].get(head)
+  # Compared block by block: the memmapped tensors are read from disk, and
+  # no full-size temporary is made.
+  rows = max(1, (1 << 22) // max(1, math.prod(a.shape[1:])))
+  same = a.shape == b.shape and all(
+      np.array_equal(a[i:i + rows], b[i:i + rows])
+      for i in range(0, a.shape[0], rows))
+  if not same:
+    raise ModelFormatError(
+        f"{directory}: config.json sets tie_word_embeddings=true, but the "
+        f"checkpoint also stores {head!r}, which differs from {embed!r}; "
+        "set tie_word_embeddings to false to use the stored lm_head, or "
+        "remove it to tie the output to the embedding")
+
+
 def _params_from_checkpoint(config: LlamaConfig,
                             tensors: dict[str, _SafetensorsFile],
                             directory: str, param_dtype,
                             progress: bool, sharding=None) -> dict:
   expected = expected_shapes(config, _HF_NAMES)
   # Older checkpoints store RoPE's inverse frequencies; they are recomputed.
-  # A tied model may also store its output matrix, which transformers
-  # ignores (the embedding is the output matrix).
+  # A tied model may also store its output matrix, a copy of the embedding
+  # (checked below).
   ignored = (lambda name: name.endswith("rotary_emb.inv_freq") or
              (config.tie_word_embeddings and name == _HF_NAMES.lm_head))
   check_tensors({name: file.shape(name) for name, file in tensors.items()
                  if not ignored(name)}, expected, directory)
   for name in expected:  # refuse before reading anything
     tensors[name].check_dtype(name)
+  if config.tie_word_embeddings and _HF_NAMES.lm_head in tensors:
+    _check_tied_lm_head(tensors, directory)
   return load_params(config, _HF_NAMES, lambda name: tensors[name].get(name),
                      param_dtype=param_dtype, progress=progress,
                      description="Loading safetensors weights",
@@ -385,15 +278,7 @@ def load_safetensors(directory, *, dtype=jnp.float32, param_dtype=None,
   if not os.path.isdir(directory):
     raise ModelFileNotFoundError(
         f"checkpoint directory not found: {directory}")
-  config_path = os.path.join(directory, "config.json")
-  if not os.path.isfile(config_path):
-    raise ModelFileNotFoundError(f"{directory}: no config.json")
-  try:
-    with open(config_path, encoding="utf-8") as f:
-      hf = json.load(f)
-  except ValueError as e:  # JSON or UTF-8 errors
-    raise ModelFormatError(f"{config_path}: not valid JSON ({e})") from e
-  config = config_from_hf(hf, config_path, max_position)
+  config = load_hf_config(directory, max_position)
   tensors = _open_checkpoint(directory)
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
   placement = sharding(config) if sharding is not None else None

@@ -368,18 +368,25 @@ def test_config_from_hf_both_rope_spellings():
       scaling, rope_type="llama3", rope_theta=500000.0)))
   assert v4 == v5
   assert v4.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 1024)
-  assert v4.head_dim == 16 and v4.eos_token_id == 2
+  assert v4.head_dim == 16 and v4.eos_token_id == (2, 3)
   plain = config_from_hf(dict(base, rope_theta=10000.0))
   assert plain.rope_scaling is None and plain.rope_theta == 10000.0
-  # Both spellings, one of them plain: the scaling the other names applies.
+  # Both spellings: as in transformers 5, a non-empty rope_scaling is taken
+  # whole (theta too: without one there, the top-level one or 10000).
   both = config_from_hf(dict(
       base, rope_parameters=dict(rope_type="default", rope_theta=500000.0),
       rope_scaling=dict(scaling, rope_type="llama3")))
-  assert both == v4
+  assert both == v4.replace(rope_theta=10000.0)
+  assert config_from_hf(dict(
+      base, rope_parameters=dict(scaling, rope_type="llama3"),
+      rope_scaling=dict(rope_type="default"))) == plain
+  assert config_from_hf(dict(
+      base, rope_scaling={}, rope_parameters=dict(
+          scaling, rope_type="llama3", rope_theta=500000.0))) == v4
   with pytest.raises(ValueError, match="linear"):
     config_from_hf(dict(base, rope_parameters=dict(rope_type="default"),
                         rope_scaling=dict(type="linear", factor=2.0)))
-  with pytest.raises(ValueError, match="different RoPE types"):
+  with pytest.raises(ValueError, match="linear"):
     config_from_hf(dict(base, rope_parameters=dict(scaling, rope_type="llama3"),
                         rope_scaling=dict(type="linear", factor=2.0)))
   with pytest.raises(ValueError, match="yarn"):
@@ -493,18 +500,25 @@ def test_only_model_safetensors_is_read_beside_other_files(tmp_path):
 
 
 def test_a_tied_checkpoint_may_store_its_output_matrix(tmp_path):
-  """transformers ignores a tied model's stored lm_head.weight; so do we."""
+  """A tied model may store a copy of its embedding as lm_head.weight (as
+  torch checkpoints do); a different matrix there is refused, since
+  transformers 4 ignores it and transformers 5 unties the model for it."""
   from safetensors.numpy import load_file, save_file
   config, params = _source(True)
   write_hf_checkpoint(tmp_path, config, params)
   tensors = load_file(tmp_path / "model.safetensors")
-  tensors["lm_head.weight"] = np.zeros_like(
-      tensors["model.embed_tokens.weight"])
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
   save_file(tensors, tmp_path / "model.safetensors")
   loaded_config, model = load_safetensors(tmp_path)
   assert loaded_config.tie_word_embeddings
   np.testing.assert_array_equal(_logits(loaded_config, nnx.to_pure_dict(
       split_model(model)[1])), _logits(config, params))
+  tensors["lm_head.weight"] = np.zeros_like(tensors["lm_head.weight"])
+  save_file(tensors, tmp_path / "model.safetensors")
+  with pytest.raises(ModelFormatError, match="tie_word_embeddings=true.*"
+                     "'lm_head.weight', which differs from "
+                     "'model.embed_tokens.weight'"):
+    load_safetensors(tmp_path)
 
 
 def _broken_weights(directory, case):

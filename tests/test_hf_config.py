@@ -1,0 +1,242 @@
+"""config.json read as transformers reads it (`models.hf_config`): RoPE
+settings of either spelling, the defaults of fields a config leaves out
+(sliding window, KV heads, head_dim), every EOS id, and a tied checkpoint
+that also stores a different output matrix."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyattn_jax.requests import default_stop_ids
+from models.config import LlamaConfig
+from models.dense_reference import causal_mask, dense_forward
+from models.errors import ModelFormatError
+from models.hf_config import config_from_hf, load_hf_config
+from models.safetensors_loader import load_safetensors
+from tests.hf_arch_models import hf_model
+
+transformers = pytest.importorskip("transformers")
+
+_BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, max_position_embeddings=512)
+_LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
+               high_freq_factor=4.0, original_max_position_embeddings=64,
+               rope_theta=10000.0)
+_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=128)
+
+
+def _hf_config(tmp_path, hf: dict):
+  """transformers' reading of `hf` as a checkpoint's config.json."""
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  return transformers.AutoConfig.from_pretrained(tmp_path)
+
+
+def _no_orig(params):
+  return {k: v for k, v in params.items()
+          if k != "original_max_position_embeddings"}
+
+
+# Configs whose RoPE settings are spelled in more than one place.
+_ROPE_CASES = {
+    "llama3-without-original-max": dict(rope_parameters=_no_orig(_LLAMA3)),
+    "top-level-theta-beside-the-dicts": dict(
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        rope_theta=500000.0),
+    "rope-scaling-default-beside-llama3-parameters": dict(
+        rope_parameters=_LLAMA3,
+        rope_scaling=dict(rope_type="default", rope_theta=10000.0)),
+    "rope-scaling-wins-whole": dict(rope_parameters=_LLAMA3,
+                                    rope_scaling=_SCALING),
+    "rope-scaling-without-theta-takes-top-level": dict(
+        rope_theta=500000.0,
+        rope_parameters=dict(rope_type="default", rope_theta=20000.0),
+        rope_scaling=_no_orig(_SCALING)),
+    "top-level-original-max-wins": dict(
+        rope_parameters=_LLAMA3, original_max_position_embeddings=16),
+    "v4-spelling": dict(rope_theta=500000.0, rope_scaling=_SCALING),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROPE_CASES))
+def test_rope_settings_match_transformers(tmp_path, case):
+  hf = dict(_BASE, model_type="llama", **_ROPE_CASES[case])
+  hf_config = _hf_config(tmp_path, hf)
+  # What the rotary embedding does before it reads the settings (a
+  # top-level original_max_position_embeddings is applied only there).
+  hf_config.standardize_rope_params()
+  theirs = hf_config.rope_parameters
+  ours = config_from_hf(hf)
+  assert ours.rope_theta == theirs["rope_theta"]
+  if theirs["rope_type"] == "default":
+    assert ours.rope_scaling is None
+  else:
+    s = ours.rope_scaling
+    assert (s.factor, s.low_freq_factor, s.high_freq_factor,
+            s.original_max_position) == (
+                theirs["factor"], theirs["low_freq_factor"],
+                theirs["high_freq_factor"],
+                theirs["original_max_position_embeddings"])
+
+
+def _logits(model, tokens):
+  t = jnp.asarray([tokens], jnp.int32)
+  return np.asarray(dense_forward(model, t, jnp.arange(len(tokens))[None],
+                                  causal_mask(1, len(tokens))))[0]
+
+
+@pytest.mark.parametrize("case", ["llama3-without-original-max",
+                                  "top-level-theta-beside-the-dicts",
+                                  "rope-scaling-wins-whole",
+                                  "top-level-original-max-wins"])
+def test_rope_settings_give_transformers_logits(tmp_path, case):
+  torch = pytest.importorskip("torch")
+  model = hf_model("llama", rope_parameters=dict(_LLAMA3),
+                   max_position_embeddings=512)
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  for name in ("rope_parameters", "rope_scaling", "rope_theta"):
+    hf.pop(name, None)
+  (tmp_path / "config.json").write_text(json.dumps(
+      dict(hf, **_ROPE_CASES[case])))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, dtype=torch.float32).eval()
+  tokens = [int(t) for t in np.random.default_rng(2).integers(3, 256, 120)]
+  with torch.no_grad():
+    want = theirs(torch.tensor([tokens])).logits[0].numpy()
+  _, ours = load_safetensors(tmp_path)
+  np.testing.assert_allclose(_logits(ours, tokens), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type, changes, window", [
+    ("mistral", {}, 4096),  # left out: transformers' 4096
+    ("mistral", dict(sliding_window=None), None),
+    ("qwen2", dict(use_sliding_window=True), 4096),
+    ("qwen3", dict(use_sliding_window=True), 4096),
+    ("qwen2", {}, None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=256), 256),
+])
+def test_sliding_window_defaults_match_transformers(tmp_path, model_type,
+                                                    changes, window):
+  hf = dict(_BASE, model_type=model_type, max_position_embeddings=8192,
+            **changes)
+  assert _hf_config(tmp_path, hf).sliding_window == window
+  ours = config_from_hf(hf)
+  assert ours.max_position == (8192 if window is None else window)
+  if window is not None:
+    with pytest.raises(ModelFormatError,
+                       match=f"sliding window of {window} tokens"):
+      config_from_hf(hf, max_position=window + 1)
+
+
+@pytest.mark.parametrize("model_type, left_out, heads", [
+    ("llama", "num_key_value_heads", 4),
+    ("mistral", "num_key_value_heads", 16),
+    ("qwen2", "num_key_value_heads", 32),
+    ("qwen3", "num_key_value_heads", 32),
+    ("qwen3", "head_dim", 4),
+    ("mistral", "head_dim", 4),
+])
+def test_left_out_fields_take_transformers_defaults(tmp_path, model_type,
+                                                    left_out, heads):
+  hf = dict(_BASE, model_type=model_type, num_attention_heads=heads,
+            hidden_size=16 * heads)
+  hf.pop(left_out, None)
+  theirs = _hf_config(tmp_path, hf)
+  ours = config_from_hf(hf)
+  assert ours.num_kv_heads == theirs.num_key_value_heads
+  assert ours.head_dim == (getattr(theirs, "head_dim", None) or
+                           theirs.hidden_size // theirs.num_attention_heads)
+
+
+def test_a_left_out_field_whose_default_does_not_fit_says_so():
+  hf = dict(_BASE, model_type="qwen2")
+  del hf["num_key_value_heads"]
+  with pytest.raises(ModelFormatError) as err:
+    config_from_hf(hf)
+  message = str(err.value)
+  assert "multiple of num_kv_heads (32)" in message
+  assert "transformers' qwen2 defaults: num_key_value_heads=32" in message
+
+
+def test_mistral_without_kv_heads_gives_transformers_logits(tmp_path):
+  torch = pytest.importorskip("torch")
+  model = hf_model("mistral", hidden_size=128, num_attention_heads=16,
+                   num_key_value_heads=8)
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  del hf["num_key_value_heads"]
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  tokens = list(range(3, 40))
+  with torch.no_grad():
+    want = model(torch.tensor([tokens])).logits[0].numpy()
+  config, ours = load_safetensors(tmp_path)
+  assert config.num_kv_heads == 8
+  np.testing.assert_allclose(_logits(ours, tokens), want, atol=1e-4)
+
+
+def test_every_eos_id_stops_generation(tmp_path):
+  hf = dict(_BASE, eos_token_id=[2, 3])
+  assert config_from_hf(hf).eos_token_id == (2, 3)
+  assert config_from_hf(dict(hf, eos_token_id=[2])).eos_token_id == 2
+  # Ids outside the vocabulary are left out, as a single one always was.
+  assert config_from_hf(dict(hf, eos_token_id=[2, 999])).eos_token_id == 2
+  both = config_from_hf(hf, generation={"eos_token_id": [3, 7]})
+  assert both.eos_token_id == (2, 3, 7)
+  assert default_stop_ids(None, both) == (2, 3, 7)
+  assert hash(both) == hash(both.replace())
+  # From a directory: generation_config.json's ids too.
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  (tmp_path / "generation_config.json").write_text(json.dumps(
+      {"eos_token_id": 9}))
+  assert load_hf_config(str(tmp_path)).eos_token_id == (2, 3, 9)
+
+
+def test_eos_tuple_is_checked():
+  with pytest.raises(ValueError, match=r"eos_token_id must lie in \[0, 256\)"):
+    LlamaConfig.tiny(eos_token_id=(2, 256))
+  with pytest.raises(ValueError, match="non-empty tuple"):
+    LlamaConfig.tiny(eos_token_id=())
+  assert LlamaConfig.tiny(eos_token_id=(2, 5)).eos_token_id == (2, 5)
+
+
+def _tied_checkpoint_with_lm_head(tmp_path, differ: bool):
+  from safetensors.numpy import load_file, save_file
+  model = hf_model("llama")  # tied
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  path = str(tmp_path / "model.safetensors")
+  tensors = load_file(path)
+  embed = tensors["model.embed_tokens.weight"]
+  tensors["lm_head.weight"] = (embed + 1.0 if differ else embed.copy())
+  save_file(tensors, path, metadata={"format": "pt"})
+  return model
+
+
+def test_tied_checkpoint_with_a_different_lm_head_is_refused(tmp_path,
+                                                              monkeypatch):
+  import models.safetensors_loader as loader
+  _tied_checkpoint_with_lm_head(tmp_path, differ=True)
+  loaded = []
+  monkeypatch.setattr(loader, "load_params",
+                      lambda *args, **kwargs: loaded.append(1))
+  with pytest.raises(ModelFormatError) as err:
+    load_safetensors(tmp_path)
+  message = str(err.value)
+  for name in ("'lm_head.weight'", "'model.embed_tokens.weight'",
+               "tie_word_embeddings"):
+    assert name in message
+  assert loaded == []  # refused before any weight reached the device
+
+
+def test_tied_checkpoint_with_a_copy_of_the_embedding_loads(tmp_path):
+  torch = pytest.importorskip("torch")
+  model = _tied_checkpoint_with_lm_head(tmp_path, differ=False)
+  config, ours = load_safetensors(tmp_path)
+  assert config.tie_word_embeddings
+  tokens = list(range(3, 30))
+  with torch.no_grad():
+    want = model(torch.tensor([tokens])).logits[0].numpy()
+  np.testing.assert_allclose(_logits(ours, tokens), want, atol=1e-4)
