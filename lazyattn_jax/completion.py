@@ -32,7 +32,34 @@ def run_to_completion(engine, requests) -> list:
 
 
 def _abandon(engine, ids):
-  """Cancels and forgets requests whose caller is gone."""
+  """Cancels and forgets requests whose caller is gone.
+
+  A dropped stream's cleanup runs where Python's garbage collector runs
+  it: on whatever thread allocates, maybe one inside this engine's call,
+  in the middle of a round (which would then overwrite the state the
+  cancel released pages in), or one that must not wait for the lock.  So
+  unless the lock is free, the ids wait for the engine's next step
+  (`cancel_abandoned`)."""
+  lock = engine._lock
+  if lock._is_owned() or not lock.acquire(blocking=False):
+    engine._abandoned.extend(ids)
+    return
+  try:
+    _cancel_and_forget(engine, ids)
+  finally:
+    lock.release()
+
+
+def cancel_abandoned(engine):
+  """Cancels the requests `_abandon` left for later; the engine runs it,
+  under its lock, between rounds."""
+  ids = []
+  while engine._abandoned:
+    ids.append(engine._abandoned.popleft())
+  _cancel_and_forget(engine, ids)
+
+
+def _cancel_and_forget(engine, ids):
   for request_id in ids:
     try:
       engine.cancel(request_id)
@@ -74,9 +101,10 @@ def encode_in_batches(engine, documents, batch_size: int | None,
                       progress: bool) -> list[bool]:
   """Checks and encodes documents at most `batch_size` at a time (None:
   the engine's max_batch), each batch under the engine's lock (rounds may
-  run in between); per document, whether it was cached already when the
-  call began (a repeat says what its first occurrence says, whichever
-  batches they fall in).  Returns once the device has written them (the
+  run in between); per document, whether it was cached already when its
+  batch was encoded (another caller may cache it while earlier batches
+  are; a repeat says what its first occurrence says, whichever batches
+  they fall in).  Returns once the device has written them (the
   encode calls themselves do not wait), so a caller timing it times the
   work."""
   import jax

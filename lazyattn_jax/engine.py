@@ -20,6 +20,7 @@ See docs/design.md, "Engine".
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -29,8 +30,8 @@ from lazyattn_jax.cache_config import (check_impl_page_size,
                                        check_matches_model,
                                        out_of_memory_errors)
 from lazyattn_jax.cache_state import CacheConfig
-from lazyattn_jax.completion import (encode_in_batches, run_to_completion,
-                                     stream_text)
+from lazyattn_jax.completion import (cancel_abandoned, encode_in_batches,
+                                     run_to_completion, stream_text)
 from lazyattn_jax.config import RunnerConfig, SchedulerConfig
 from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
                                  RequestFailedError)
@@ -129,6 +130,7 @@ class LazyEngine:
         self._mode, default_stop_ids(tokenizer, config))
     self._ids = itertools.count()
     self._lock = threading.RLock()
+    self._abandoned = collections.deque()  # completion._abandon's
     self._closed = False
 
   @classmethod
@@ -381,7 +383,10 @@ class LazyEngine:
     """
     with self._lock:
       self._check_open()
-      return self.rounds.step()
+      cancel_abandoned(self)
+      results = self.rounds.step()
+      cancel_abandoned(self)  # streams dropped in it (by the GC, say)
+      return results
 
   # --- the cache ---------------------------------------------------------------------
   def encode_documents(self, documents, *, progress: bool = False,
@@ -393,7 +398,7 @@ class LazyEngine:
     later request finds them.  Works while requests are in flight: it runs
     between scheduling rounds, where every live request's documents are
     already encoded.  Returns, per document, whether it was cached when
-    the call began.
+    its batch was encoded (another caller may cache it meanwhile).
     Raises CacheCapacityError if a batch cannot fit beside what live
     requests hold.
     """

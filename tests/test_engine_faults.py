@@ -557,6 +557,36 @@ def test_closing_a_stream_early_cancels_its_request(model_and_config, corpus):
   assert "".join(full) == FakeChatTokenizer().decode(want.token_ids)
 
 
+def test_a_stream_the_gc_drops_inside_a_round_is_cancelled_after_it(
+    model_and_config, corpus, monkeypatch):
+  """A started stream dropped in a reference cycle is closed by the garbage
+  collector on whatever thread allocates: here inside another caller's
+  round.  Its cancel ran there, re-entrantly, and the round then overwrote
+  the state it had released pages in: they leaked for good (and under
+  threads the process could crash)."""
+  import gc
+  docs, queries = corpus
+  engine = engine_with_tokenizer(model_and_config, decode_steps=2)
+  stream = engine.generate_stream(queries[0], [docs["a"]], greedy(40))
+  next(stream)  # running, holding pages
+  cycle = [stream]
+  cycle.append(cycle)
+  del stream, cycle
+  admit = engine.cache.admit
+
+  def admit_then_collect(*args, **kwargs):
+    admitted = admit(*args, **kwargs)
+    gc.collect()  # as an allocation in the round may
+    return admitted
+  monkeypatch.setattr(engine.cache, "admit", admit_then_collect)
+  other = engine.generate(queries[1], [docs["a"]], greedy(4))
+  monkeypatch.undo()
+  assert other.finish_reason == "length"
+  assert not engine.has_work()
+  assert not engine.scheduler.finished  # no result nobody will pop
+  assert_pages_accounted_for(engine)
+
+
 @pytest.mark.slow
 def test_churn_soak_with_failing_steps(model_and_config):
   """Many requests through a small pool (documents evicted all the time),
