@@ -19,12 +19,12 @@ runs here as it runs there:
 
 from __future__ import annotations
 
-import json
 import os
 
 from models.architectures import Architecture, architecture_from_hf
 from models.config import Llama3RopeScaling, LlamaConfig
 from models.errors import ModelFileNotFoundError, ModelFormatError
+from models.json_files import read_json_object
 
 __all__ = ["config_from_hf", "load_hf_config"]
 
@@ -208,18 +208,6 @@ def config_from_hf(hf: dict, path: str = "config.json",
                            f"{note}") from e
 
 
-def _read_json(path: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
-  except ValueError as e:  # JSON or UTF-8 errors
-    raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
-  if not isinstance(value, dict):
-    raise ModelFormatError(f"{path}: expected a JSON object, got "
-                           f"{type(value).__name__}")
-  return value
-
-
 def load_hf_config(directory: str,
                    max_position: int | None = None) -> LlamaConfig:
   """The LlamaConfig of a checkpoint directory: its config.json, and the
@@ -232,8 +220,8 @@ def load_hf_config(directory: str,
   config_path = os.path.join(directory, "config.json")
   if not os.path.isfile(config_path):
     raise ModelFileNotFoundError(f"{directory}: no config.json")
-  hf = _read_json(config_path)
+  hf = read_json_object(config_path)
   generation_path = os.path.join(directory, "generation_config.json")
-  generation = (_read_json(generation_path)
+  generation = (read_json_object(generation_path)
                 if os.path.isfile(generation_path) else None)
   return config_from_hf(hf, config_path, max_position, generation)

@@ -13,7 +13,6 @@ added where `add_bos=True` asks for it or where the chat template writes it.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -23,6 +22,7 @@ import tokenizers
 
 from models.chat_template import compile_chat_template
 from models.errors import ModelFormatError, UnsupportedTokenizerError
+from models.json_files import read_json_object
 from models.gguf_tokenizer import bpe_from_gguf_metadata, read_gguf_fields
 
 __all__ = ["IncrementalDecoder", "LlamaTokenizer", "UnsupportedTokenizerError"]
@@ -40,20 +40,6 @@ def _special_token_content(value: Any) -> str | None:
   if isinstance(value, dict):
     return value.get("content")
   return value if isinstance(value, str) else None
-
-
-def _read_json(path: pathlib.Path) -> dict:
-  if not path.is_file():
-    return {}
-  try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
-  except ValueError as e:  # JSON or UTF-8 errors
-    raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
-  if not isinstance(value, dict):
-    raise ModelFormatError(f"{path}: expected a JSON object, got "
-                           f"{type(value).__name__}")
-  return value
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -189,7 +175,8 @@ class LlamaTokenizer:
     except Exception as e:  # the Rust library raises a bare Exception
       raise ModelFormatError(f"{json_path}: not a readable tokenizer.json "
                              f"({e})") from e
-    config = _read_json(folder / "tokenizer_config.json")
+    config = read_json_object(folder / "tokenizer_config.json",
+                              missing_ok=True)
 
     def token_id(key):
       content = _special_token_content(config.get(key))
@@ -202,11 +189,13 @@ class LlamaTokenizer:
     if (folder / "chat_template.jinja").is_file():
       template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     elif not template:
-      template = _read_json(folder / "chat_template.json").get("chat_template")
+      template = read_json_object(folder / "chat_template.json",
+                                  missing_ok=True).get("chat_template")
 
     extra_stops = []
     for name in ("generation_config.json", "config.json"):
-      extra_stops += _as_id_list(_read_json(folder / name).get("eos_token_id"))
+      extra_stops += _as_id_list(read_json_object(
+          folder / name, missing_ok=True).get("eos_token_id"))
     eos = token_id("eos_token")
     if eos is None and extra_stops:
       eos = extra_stops[0]
