@@ -203,7 +203,9 @@ def softmax_step(carry, scores, v, visible, v_scale=None, dtype=None):
   carry: (acc f32 [R, H], m f32 [R], l f32 [R]); scores f32 [R, block_k];
   v [block_k, H] in the KV dtype; visible bool [R, block_k].  float8 V:
   `v_scale` f32 [block_k] (page scale per column) and `dtype`, the compute
-  dtype V is widened to; P's columns are scaled instead of V's rows.
+  dtype V is widened to; P's columns are scaled instead of V's rows, each
+  row relative to its largest product (the row's unit, applied to the f32
+  result), so small scales cannot sink a float16 P below its range.
   """
   acc, m_prev, l_prev = carry
   dtype = v.dtype if dtype is None else dtype
@@ -213,10 +215,17 @@ def softmax_step(carry, scores, v, visible, v_scale=None, dtype=None):
   alpha = jnp.exp2(m_prev - m_next)
   p = jnp.exp2(scores - m_next[:, None])
   l_next = l_prev * alpha + jnp.sum(p, axis=1)
-  p_v = p if v_scale is None else p * v_scale[None, :]
-  pv = lax.dot_general(p_v.astype(dtype), v.astype(dtype),
+  unit = None
+  if v_scale is not None:
+    p = p * v_scale[None, :]
+    unit = jnp.max(p, axis=1)
+    unit = jnp.where(unit > 0, unit, 1.0)
+    p = p / unit[:, None]
+  pv = lax.dot_general(p.astype(dtype), v.astype(dtype),
                        (((1,), (0,)), ((), ())), precision=precision,
                        preferred_element_type=jnp.float32)
+  if unit is not None:
+    pv = pv * unit[:, None]
   return acc * alpha[:, None] + pv, m_next, l_next
 
 

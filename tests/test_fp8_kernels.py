@@ -37,7 +37,7 @@ from pallas_kernels.tpu_decode import lazy_decode_tpu
 from pallas_kernels.tpu_prefill import lazy_prefill_tpu
 from tests.rope_configs import LLAMA3, PLAIN
 
-TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 # Quantized against unquantized pages.  Each dequantized K and V element is
 # within 2^-4 of its value, relative (round to nearest with e4m3's 3-bit
 # mantissa; power-of-two scales keep normal values normal), and the rounding
@@ -61,11 +61,13 @@ class Case:
   max_doc_len: int = 20  # under 8: every document within one page
   base_position: int = 0
   rope: RopeConfig = PLAIN
+  v_magnitude: float = 1.0  # V's values are scaled by it
 
   @property
   def id(self):
     return (f"{self.impl}_T{self.q_len}_{self.dtype}_{self.heads[0]}-"
-            f"{self.heads[1]}_p{self.page_size}_doc{self.max_doc_len}")
+            f"{self.heads[1]}_p{self.page_size}_doc{self.max_doc_len}"
+            f"{'' if self.v_magnitude == 1 else f'_v{self.v_magnitude:g}'}")
 
 
 CASES = [
@@ -73,6 +75,11 @@ CASES = [
     Case("xla", 7, "bfloat16", max_doc_len=5, rope=LLAMA3),
     Case("gpu", 1, "bfloat16", base_position=2**20),
     Case("gpu", 7, "float32", heads=(8, 8), max_doc_len=6),
+    # Small V scales: P times the scale sank below float16's range (5e-2
+    # relative error); the Mosaic kernels and XLA were right.
+    Case("gpu", 1, "float16", v_magnitude=1e-4),
+    Case("gpu", 5, "float16", heads=(4, 2), v_magnitude=1e-4),
+    Case("xla", 5, "float16", heads=(4, 2), v_magnitude=1e-4),
     Case("tpu", 1, "float32", max_doc_len=7, rope=LLAMA3),
     Case("tpu", 7, "bfloat16", heads=(4, 4), page_size=16,
          base_position=60000),
@@ -91,12 +98,12 @@ def test_float8_pages_match_reference_and_unquantized_truth(case):
   # crc32, not hash(): str hashes change with each process (PYTHONHASHSEED),
   # so a failing case could not be run again.
   rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-  dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
   lazy = make_case(rng, batch=2, q_len=case.q_len, num_heads=case.heads[0],
                    num_kv_heads=case.heads[1], head_dim=case.head_dim,
-                   page_size=case.page_size, dtype=dtype,
+                   page_size=case.page_size, dtype=jnp.dtype(case.dtype),
                    max_doc_len=case.max_doc_len,
                    base_position=case.base_position)
+  lazy = dataclasses.replace(lazy, v_pages=lazy.v_pages * case.v_magnitude)
   fp8, k_scales, v_scales = quantize_case(lazy)
   assert fp8.k_pages.dtype == FP8_DTYPE
   out = lazy_attention(*fp8.args(), rope=case.rope, impl=case.impl,
