@@ -266,3 +266,109 @@ def test_a_config_field_added_later_keeps_existing_signatures():
   # A field set away from its default is still part of the signature.
   assert signature != model_signature(dataclasses.replace(
       base, config=dataclasses.replace(base.config, qk_norm=True)))
+
+
+# hunt17 bug 1: non-finite learning rate, weight decay and loss weights.
+
+@pytest.mark.parametrize("option,value", [
+    ("--weight-decay", "nan"), ("--weight-decay", "inf"), ("--lr", "inf"),
+    ("--kl-weight", "nan"), ("--ce-weight", "inf")])
+def test_non_finite_float_options_are_refused(tmp_path, capsys, option,
+                                              value):
+  line = _finetune_error(capsys, "--model", str(tmp_path / "nope"), "--out",
+                         str(tmp_path / "out"), option, value)
+  assert line == f"lazyattn: error: {option} must be finite, got {value}"
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("learning_rate", math.inf), ("weight_decay", math.nan),
+    ("weight_decay", math.inf)])
+def test_the_optimizer_refuses_non_finite_values(field, value):
+  with pytest.raises(TrainingInputError,
+                     match=f"{field} must be finite and "):
+    OptimizerConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("kl_weight", math.nan), ("ce_weight", math.nan),
+    ("kl_weight", math.inf), ("ce_weight", math.inf)])
+def test_the_recipe_refuses_non_finite_loss_weights(field, value):
+  with pytest.raises(TrainingInputError,
+                     match=f"{field} must be finite and >= 0"):
+    FinetuneConfig(**{field: value})
+
+
+# hunt17 bug 2: --stop-at-step below 0, and a stop before any step.
+
+def test_a_negative_stop_step_is_refused(tmp_path, capsys):
+  line = _finetune_error(capsys, "--model", str(tmp_path / "nope"), "--out",
+                         str(tmp_path / "out"), "--stop-at-step", "-5")
+  assert line == "lazyattn: error: --stop-at-step must be >= 0, got -5"
+  assert not (tmp_path / "out").exists()
+  with pytest.raises(TrainingInputError, match="stop_at must be >= 0"):
+    finetune(_trainable(), SyntheticFacts(8, 2), CONFIG, tmp_path / "ft",
+             stop_at=-1, progress=False)
+  assert not (tmp_path / "ft").exists()
+
+
+def test_a_stop_before_the_first_step_says_no_model_was_exported(
+    tmp_path, model_dir, capsys):
+  status = cli.main(["finetune", "--model", model_dir, "--out",
+                     str(tmp_path / "out"), "--steps", "2", "--batch-size",
+                     "2", "--docs-per-question", "2", "--no-progress",
+                     "--stop-at-step", "0"])
+  out = capsys.readouterr().out
+  assert status == 0
+  assert "the model so far (step 0): none exported" in out, out
+  assert "None" not in out
+  assert not (tmp_path / "out" / "model").exists()
+
+
+# hunt17 bug 4: resuming with other data.
+
+def test_resuming_with_other_data_is_refused(tmp_path):
+  # stop_at=0 checkpoints the initial state without compiling a step.
+  out, base = tmp_path / "out", _trainable()
+  finetune(base, SyntheticFacts(8, 2), CONFIG, out, stop_at=0,
+           progress=False, export=False)
+  for other in (SyntheticFacts(8, 5), SyntheticFacts(9, 2),
+                SyntheticFacts(8, 2, seed=7)):
+    with pytest.raises(TrainingInputError,
+                       match=r"another recipe or model \(data differ\)"):
+      finetune(base, other, CONFIG, out, progress=False, export=False)
+  # An explicit data_id is what is compared, instead of the fingerprint.
+  with pytest.raises(TrainingInputError, match=r"\(data differ\)"):
+    finetune(base, SyntheticFacts(8, 2), CONFIG, out, progress=False,
+             export=False, data_id=("synthetic", 2))
+  with pytest.raises(TrainingInputError, match="data_id must be JSON-able"):
+    finetune(base, SyntheticFacts(8, 2), CONFIG, out, progress=False,
+             export=False, data_id=object())
+  # The same data (a new but equal source) still resumes.
+  assert finetune(base, SyntheticFacts(8, 2), CONFIG, out, stop_at=0,
+                  progress=False, export=False).step == 0
+
+
+def test_a_record_from_before_the_data_identity_still_resumes():
+  from lazyattn_jax.training.finetune import _recipe_differences
+  recipe = dict(config=dict(steps=2), model=dict(x=[1]), data=dict(size=8))
+  old = dict(config=dict(steps=2), model=dict(x=[1]))
+  assert _recipe_differences(old, recipe) == []
+  assert _recipe_differences(dict(recipe, data=dict(size=9)), recipe) == [
+      "data"]
+
+
+def test_resuming_the_command_with_other_data_is_one_line(
+    tmp_path, model_dir, capsys):
+  args = ["--model", model_dir, "--out", str(tmp_path / "out"), "--steps",
+          "2", "--batch-size", "2", "--stop-at-step", "0"]
+  assert cli.main(["finetune", "--no-progress", *args,
+                   "--docs-per-question", "2"]) == 0
+  capsys.readouterr()
+  line = _finetune_error(capsys, *args, "--docs-per-question", "5")
+  assert "holds a run with another recipe or model (data differ)" in line
+  log = json.loads((tmp_path / "out" / "log.json").read_text())
+  assert log["settings"]["data"] == dict(
+      name="synthetic", docs_per_question=2, size=100_000)
+  assert cli.main(["finetune", "--no-progress", *args,
+                   "--docs-per-question", "2"]) == 0

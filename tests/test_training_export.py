@@ -74,3 +74,47 @@ def test_gguf_tokenizer_exports_to_the_same_ids(tmp_path):
   for name in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
                "stop_token_ids", "chat_template", "add_bos_token"):
     assert getattr(back, name) == getattr(ours, name), name
+
+
+def _metadata(directory) -> dict:
+  with open(directory / "model.safetensors", "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(size))["__metadata__"]
+
+
+def test_an_export_interrupted_midway_keeps_the_previous_one(tmp_path,
+                                                            monkeypatch):
+  """A crash or a second Ctrl-C while writing must not destroy the good
+  export already there (hunt17 bug 3)."""
+  from lazyattn_jax.training import export
+  config = LlamaConfig.tiny()
+  params = _params(Llama(config, rngs=nnx.Rngs(3)))
+  target = tmp_path / "model"
+  export_model(target, config, params, metadata={"step": "1"})
+  real = export._tensor_sources
+
+  def interrupted(config, params):
+    # The first tensors are written, then the interrupt arrives.
+    sources = real(config, params)
+    def boom():
+      raise KeyboardInterrupt("second Ctrl-C")
+    sources[sorted(sources)[3]] = boom
+    return sources
+
+  monkeypatch.setattr(export, "_tensor_sources", interrupted)
+  with pytest.raises(KeyboardInterrupt, match="second Ctrl-C"):
+    export_model(target, config, params, metadata={"step": "2"})
+  assert _metadata(target)["step"] == "1"
+  loaded_config, loaded = load_safetensors(target)
+  assert loaded_config == config
+  jax.tree.map(np.testing.assert_array_equal, _params(loaded), params)
+  # No half-written copy is left beside it.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+  monkeypatch.setattr(export, "_tensor_sources", real)
+  assert export_model(target, config, params,
+                      metadata={"step": "2"}) == str(target)
+  assert _metadata(target)["step"] == "2"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+  assert sorted(p.name for p in target.iterdir()) == [
+      "config.json", "model.safetensors"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 
 import jax
@@ -121,6 +122,13 @@ def export_model(directory, config, params, tokenizer=None, *,
   """Writes config.json, model.safetensors and (if given) the tokenizer
   files into `directory`; returns it.
 
+  The export is written into a temporary sibling (DIRECTORY.tmp-<pid>) and
+  swapped into place at the end, so `directory` always holds a complete
+  export (the previous one until the new one is whole), or is absent for
+  an instant during the swap; a crash, a full disk or a Ctrl-C while
+  writing leaves the previous export untouched.  `directory` is replaced
+  as a whole: nothing else should live in it.
+
   Args:
     config: the model's LlamaConfig.
     params: its parameters (pure dict, models.params layout).
@@ -129,12 +137,45 @@ def export_model(directory, config, params, tokenizer=None, *,
     metadata: strings for the safetensors header (what trained it).
   """
   directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
-  write_safetensors(os.path.join(directory, "model.safetensors"), config,
-                    params, dtype, metadata)
-  with open(os.path.join(directory, "config.json"), "w",
-            encoding="utf-8") as f:
-    json.dump(hf_config(config, dtype), f, indent=2)
-  if tokenizer is not None:
-    export_tokenizer(tokenizer, directory)
+  # Without a trailing separator the temporary name is a sibling, not a
+  # child; abspath also gives "." a real parent to hold the sibling.
+  target = os.path.abspath(directory)
+  parent = os.path.dirname(target)
+  os.makedirs(parent, exist_ok=True)
+  staging = f"{target}.tmp-{os.getpid()}"
+  shutil.rmtree(staging, ignore_errors=True)  # a crashed export's leftovers
+  try:
+    os.makedirs(staging)
+    write_safetensors(os.path.join(staging, "model.safetensors"), config,
+                      params, dtype, metadata)
+    with open(os.path.join(staging, "config.json"), "w",
+              encoding="utf-8") as f:
+      json.dump(hf_config(config, dtype), f, indent=2)
+    if tokenizer is not None:
+      export_tokenizer(tokenizer, staging)
+    _swap_in(staging, target)
+  except BaseException:
+    # KeyboardInterrupt included: a second Ctrl-C must not leave a
+    # half-written copy beside the good export.
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
   return directory
+
+
+def _swap_in(staging: str, target: str):
+  """Replaces the directory `target` with `staging` (same parent): the old
+  one is renamed aside, the new one renamed in, then the old one removed.
+  Renames within one directory are atomic, so `target` is missing only
+  between the two renames."""
+  if not os.path.lexists(target):
+    os.rename(staging, target)
+    return
+  old = f"{target}.old-{os.getpid()}"
+  shutil.rmtree(old, ignore_errors=True)
+  os.rename(target, old)
+  try:
+    os.rename(staging, target)
+  except BaseException:
+    os.rename(old, target)  # put the previous export back
+    raise
+  shutil.rmtree(old, ignore_errors=True)

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -37,6 +38,7 @@ import optax
 from lazyattn_jax.training import parallel, report
 from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.checkpoints import Checkpoints
+from lazyattn_jax.training.data import as_sample
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.export import EXPORT_DTYPES, export_model
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
@@ -93,8 +95,13 @@ class FinetuneConfig:
     if not 0.0 <= self.full_share <= 1.0:
       raise TrainingInputError(f"full_share must lie in [0, 1], got "
                                f"{self.full_share}")
-    if self.kl_weight < 0 or self.ce_weight < 0 or not (
-        self.kl_weight + self.ce_weight > 0):
+    # Finite first: nan fails no `< 0` test and inf weights give a NaN loss.
+    for name in ("kl_weight", "ce_weight"):
+      value = getattr(self, name)
+      if not (value >= 0 and math.isfinite(value)):
+        raise TrainingInputError(f"{name} must be finite and >= 0, got "
+                                 f"{value}")
+    if not self.kl_weight + self.ce_weight > 0:
       raise TrainingInputError("kl_weight and ce_weight must be >= 0, and "
                                "one of them > 0")
     if self.export_dtype not in EXPORT_DTYPES:
@@ -148,6 +155,35 @@ def _initial_state(params, tx, compute: str):
   return dict(params=params, opt_state=tx.init(params)), teacher
 
 
+# Samples hashed into a source's fingerprint: enough to tell sources apart
+# (another size, seed or documents per question), cheap for any source.
+_FINGERPRINT_SAMPLES = 4
+
+
+def data_fingerprint(source) -> dict:
+  """A cheap identity of a data source for the recipe: its length and a
+  hash of its first few samples (JSON-able)."""
+  n = len(source)
+  digest = hashlib.sha256()
+  for i in range(min(n, _FINGERPRINT_SAMPLES)):
+    sample = as_sample(source[i])
+    digest.update(json.dumps([list(sample.documents), sample.query,
+                              sample.answer]).encode("utf-8"))
+  return dict(size=n, head_sha256=digest.hexdigest())
+
+
+def _data_identity(source, data_id) -> dict | str | list | None:
+  """`data_id` as it reads back from JSON (the checkpoint's record is
+  compared with it), or the source's fingerprint when None."""
+  if data_id is None:
+    return data_fingerprint(source)
+  try:
+    return json.loads(json.dumps(data_id, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise TrainingInputError(f"data_id must be JSON-able, got "
+                             f"{data_id!r}") from e
+
+
 def _recipe_differences(saved, recipe: dict) -> list[str]:
   """The keys of `recipe` in which a checkpoint's saved recipe differs
   (all of them when it has none)."""
@@ -158,6 +194,9 @@ def _recipe_differences(saved, recipe: dict) -> list[str]:
     # Written before records held the model's structure: the weights' hash
     # and id still identify a loaded model, so such a run still resumes.
     keys.discard("model")
+  if "data" not in saved:
+    # Likewise for records from before the data was part of the recipe.
+    keys.discard("data")
   return sorted(k for k in keys if saved.get(k) != recipe.get(k))
 
 
@@ -190,7 +229,7 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
              sink=None, devices: int | None = None,
              stop_at: int | None = None, max_minutes: float | None = None,
              should_stop=None, progress: bool = True,
-             export: bool = True) -> FinetuneResult:
+             export: bool = True, data_id=None) -> FinetuneResult:
   """Fine-tunes `trainable` (a model_io.TrainableModel) on `source`.
 
   Args:
@@ -208,6 +247,10 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
     export: export the model at the end of the run, finished or stopped
       early (its safetensors metadata says which step and whether it
       finished).
+    data_id: a JSON-able identity of `source` for the recipe (the command
+      line passes the --data name, --docs-per-question and the size);
+      None: `data_fingerprint(source)`.  A checkpoint made with other data
+      is not resumed.
 
   Raises:
     TrainingInputError: bad settings, a sink that does not fit, or a
@@ -227,6 +270,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
                                   preamble_len=layout.preamble_len))
   if max_minutes is not None and not max_minutes > 0:
     raise TrainingInputError(f"max_minutes must be > 0, got {max_minutes}")
+  if stop_at is not None and not stop_at >= 0:
+    raise TrainingInputError(f"stop_at must be >= 0, got {stop_at}")
   mesh = parallel.data_mesh(devices)
   parallel.check_batch_size(mesh, c.batch_size)
   compute = jnp.dtype(model.functions.dtype)
@@ -234,7 +279,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
                 model_id=model.model_id, model=model_signature(model),
                 dtype=compute.name,
                 sink_sha256=None if sink is None else hashlib.sha256(
-                    np.asarray(sink).tobytes()).hexdigest())
+                    np.asarray(sink).tobytes()).hexdigest(),
+                data=_data_identity(source, data_id))
 
   report.prepare_output_dir(out_dir, files=OUTPUT_FILES, dirs=OUTPUT_DIRS)
   checkpoints = Checkpoints(os.path.join(out_dir, "checkpoints"),

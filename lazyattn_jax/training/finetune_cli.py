@@ -6,6 +6,7 @@ exit status 2)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -58,11 +59,20 @@ def _check(args):
     if not getattr(args, name) > 0:
       raise TrainingInputError(f"--{name.replace('_', '-')} must be > 0, "
                                f"got {getattr(args, name)}")
+  # `nan < 0` is False and inf passes `> 0`: either exports an all-NaN
+  # model, so the float settings must be finite as well.
+  for name in ("lr", "weight_decay", "kl_weight", "ce_weight"):
+    if not math.isfinite(getattr(args, name)):
+      raise TrainingInputError(f"--{name.replace('_', '-')} must be finite, "
+                               f"got {getattr(args, name)}")
   for name in ("warmup_steps", "weight_decay", "kl_weight", "ce_weight",
                "recompute_tokens"):
     if getattr(args, name) < 0:
       raise TrainingInputError(f"--{name.replace('_', '-')} must be >= 0, "
                                f"got {getattr(args, name)}")
+  if args.stop_at_step is not None and args.stop_at_step < 0:
+    raise TrainingInputError(f"--stop-at-step must be >= 0, got "
+                             f"{args.stop_at_step}")
   if not 0.0 <= args.full_share <= 1.0:
     raise TrainingInputError(f"--full-share must lie in [0, 1], got "
                              f"{args.full_share}")
@@ -138,7 +148,10 @@ def run(args) -> int:
   with output_errors(args.out), stop_on_interrupt("finetune") as interrupted:
     result = finetune(model, source, config_from_args(args, layout), args.out,
                       sink=sink, devices=args.devices,
-                      stop_at=args.stop_at_step,
+                      stop_at=args.stop_at_step, data_id=dict(
+                          name=args.data,
+                          docs_per_question=args.docs_per_question,
+                          size=len(source)),
                       max_minutes=args.max_minutes, should_stop=interrupted,
                       progress=not args.no_progress)
   rows = result.history.rows
@@ -155,7 +168,11 @@ def run(args) -> int:
     print(f"model: {result.export_dir}\nloss curve: "
           f"{os.path.join(args.out, 'loss.png')}")
   else:
+    # No export when no step was done (e.g. --stop-at-step 0): say so
+    # rather than print the path None.
+    exported = (result.export_dir if result.export_dir is not None else
+                "none exported")
     print(f"stopped early; the model so far (step {result.step}): "
-          f"{result.export_dir}\nrun the same command again to resume from "
+          f"{exported}\nrun the same command again to resume from "
           f"{os.path.join(args.out, 'checkpoints')}")
   return EXIT_INTERRUPTED if interrupted() else 0

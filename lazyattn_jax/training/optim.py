@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import optax
 
@@ -32,8 +33,10 @@ class OptimizerConfig:
   b2: float = 0.95
 
   def __post_init__(self):
-    if not self.learning_rate > 0:
-      raise TrainingInputError(f"learning_rate must be > 0, got "
+    # isfinite too: an inf rate or a nan/inf decay passes the comparisons
+    # and turns every weight into NaN at the first step.
+    if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+      raise TrainingInputError(f"learning_rate must be finite and > 0, got "
                                f"{self.learning_rate}")
     if self.total_steps < 1 or self.warmup_steps < 0:
       raise TrainingInputError("total_steps must be >= 1 and warmup_steps "
@@ -41,8 +44,9 @@ class OptimizerConfig:
     if not 0 <= self.final_fraction <= 1 or not self.clip_norm > 0:
       raise TrainingInputError("final_fraction must lie in [0, 1] and "
                                "clip_norm be > 0")
-    if self.weight_decay < 0:
-      raise TrainingInputError("weight_decay must be >= 0")
+    if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+      raise TrainingInputError(f"weight_decay must be finite and >= 0, got "
+                               f"{self.weight_decay}")
 
   def schedule(self) -> optax.Schedule:
     """Learning rate per step."""
