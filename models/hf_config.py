@@ -5,8 +5,10 @@ The settings are read as transformers 5 reads them, so that a checkpoint
 runs here as it runs there:
 
 - a field config.json leaves out takes its family's transformers default
-  (Mistral: 8 KV heads and a 4096-token window; Qwen2/Qwen3: 32 KV heads
-  and, with `use_sliding_window`, a 4096-token window; Qwen3: head_dim 128);
+  (max_position_embeddings: Llama 2048, Mistral 131072, Qwen2/Qwen3 32768;
+  Mistral: 8 KV heads and a 4096-token window; Qwen2/Qwen3: 32 KV heads
+  and, with `use_sliding_window`, a 4096-token window on the layers from
+  `max_window_layers` (28) on; Qwen3: head_dim 128);
 - RoPE settings come from `rope_scaling` when it is non-empty, else from
   `rope_parameters` (transformers 4 and 5 spellings), never a mix of the two:
   theta from the chosen dict, else the top-level `rope_theta`, else 10000; a
@@ -36,9 +38,10 @@ _FAMILY_DEFAULTS = {
     "mistral": {"num_key_value_heads": 8, "sliding_window": 4096,
                 "max_position_embeddings": 4096 * 32},
     "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096,
-              "max_position_embeddings": 32768},
+              "max_window_layers": 28, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128,
-              "sliding_window": 4096, "max_position_embeddings": 32768},
+              "sliding_window": 4096, "max_window_layers": 28,
+              "max_position_embeddings": 32768},
 }
 
 
@@ -104,31 +107,50 @@ def _eos_setting(hf: dict, generation: dict | None,
 
 
 def _sliding_window(hf: dict, family: Architecture) -> int | None:
-  """The attention window of a sliding-window model, or None.
+  """The attention window of a model with a sliding layer, or None.
 
-  Mistral's window is in force unless config.json sets it to null; Qwen's
-  only with `use_sliding_window` (or a layer of type "sliding_attention").
-  Left out, it is transformers' default of the family.
+  Mistral's window is in force on every layer unless config.json sets it to
+  null.  Qwen's slides only the layers of type "sliding_attention": those
+  `layer_types` names, else, with `use_sliding_window`, the layers from
+  `max_window_layers` on, so with none of them sliding (the usual Qwen2.5
+  config) it is full attention, as in transformers.  Llama has no window.
+  Left out, a field is transformers' default of the family.
   """
-  if (family.name == "mistral" or hf.get("use_sliding_window") or
-      "sliding_attention" in (hf.get("layer_types") or ())):
+  if family.name == "mistral":
     window = _field(hf, family, "sliding_window", [])
     return None if window is None else int(window)
-  return None
+  if family.name not in ("qwen2", "qwen3"):
+    return None  # transformers' Llama reads no window fields
+  layer_types = hf.get("layer_types")
+  if layer_types is None:
+    if not hf.get("use_sliding_window"):
+      return None
+    first = int(_field(hf, family, "max_window_layers", []))
+    layer_types = ["sliding_attention"
+                   if i >= first else "full_attention"
+                   for i in range(int(hf["num_hidden_layers"]))]
+  if "sliding_attention" not in layer_types:
+    return None
+  # Sliding layers without use_sliding_window fail in transformers; the
+  # window is kept, since within it both readings are the same function.
+  window = _field(hf, family, "sliding_window", [])
+  return None if window is None else int(window)
 
 
 def _max_position(hf: dict, family: Architecture, requested: int | None,
-                  path: str) -> int:
+                  path: str, defaulted: list) -> int:
   """The model's positions, limited to its attention window if it has one:
   within the window, full attention (which the kernels compute) and
-  sliding-window attention are the same function."""
+  sliding-window attention are the same function, for every layer or some
+  (per-layer windows are not served)."""
   window = _sliding_window(hf, family)
   if window is not None and requested is not None and requested > window:
     raise ModelFormatError(
         f"{path}: max_position {requested} exceeds the model's sliding "
         f"window of {window} tokens; sliding-window attention is not "
         "supported beyond the window")
-  configured = int(requested or hf.get("max_position_embeddings", 8192))
+  configured = int(requested or
+                   _field(hf, family, "max_position_embeddings", defaulted))
   return configured if window is None else min(configured, window)
 
 
@@ -190,7 +212,8 @@ def config_from_hf(hf: dict, path: str = "config.json",
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position=_max_position(hf, family, max_position, path),
+        max_position=_max_position(hf, family, max_position, path,
+                                   defaulted),
         bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
         eos_token_id=_eos_setting(hf, generation, vocab),
         attention_bias=family.attention_bias,

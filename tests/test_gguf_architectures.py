@@ -165,9 +165,10 @@ def test_sliding_window_limits_max_position():
   assert config_from_hf(_hf_config("mistral")).max_position == 1024
   assert config_from_hf(_hf_config("mistral", sliding_window=None)
                         ).max_position == 4096
-  # Qwen's window is off unless use_sliding_window says otherwise.
+  # Qwen's window is off unless use_sliding_window says otherwise (and a
+  # layer slides: those from max_window_layers on).
   off = _hf_config("qwen2", sliding_window=512, use_sliding_window=False,
-                   layer_types=None)
+                   layer_types=None, max_window_layers=0)
   assert config_from_hf(off).max_position == 4096
   on = dict(off, use_sliding_window=True)
   assert config_from_hf(on).max_position == 512

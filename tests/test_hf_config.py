@@ -1,7 +1,9 @@
 """config.json read as transformers reads it (`models.hf_config`): RoPE
 settings of either spelling, the defaults of fields a config leaves out
-(sliding window, KV heads, head_dim), every EOS id, and a tied checkpoint
-that also stores a different output matrix."""
+(max_position_embeddings, sliding window, KV heads, head_dim), which Qwen
+layers slide, every EOS id, and a tied checkpoint that also stores a
+different output matrix.  Tests that compare with transformers skip without
+it; the expected values are asserted without it too."""
 
 import json
 
@@ -17,8 +19,6 @@ from models.hf_config import config_from_hf, load_hf_config
 from models.safetensors_loader import load_safetensors
 from tests.hf_arch_models import hf_model
 
-transformers = pytest.importorskip("transformers")
-
 _BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, max_position_embeddings=512)
@@ -31,6 +31,7 @@ _SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
 
 def _hf_config(tmp_path, hf: dict):
   """transformers' reading of `hf` as a checkpoint's config.json."""
+  transformers = pytest.importorskip("transformers")
   (tmp_path / "config.json").write_text(json.dumps(hf))
   return transformers.AutoConfig.from_pretrained(tmp_path)
 
@@ -94,6 +95,7 @@ def _logits(model, tokens):
                                   "top-level-original-max-wins"])
 def test_rope_settings_give_transformers_logits(tmp_path, case):
   torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
   model = hf_model("llama", rope_parameters=dict(_LLAMA3),
                    max_position_embeddings=512)
   model.save_pretrained(tmp_path, safe_serialization=True)
@@ -111,25 +113,106 @@ def test_rope_settings_give_transformers_logits(tmp_path, case):
   np.testing.assert_allclose(_logits(ours, tokens), want, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type, changes, window", [
-    ("mistral", {}, 4096),  # left out: transformers' 4096
-    ("mistral", dict(sliding_window=None), None),
-    ("qwen2", dict(use_sliding_window=True), 4096),
-    ("qwen3", dict(use_sliding_window=True), 4096),
-    ("qwen2", {}, None),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=256), 256),
-])
-def test_sliding_window_defaults_match_transformers(tmp_path, model_type,
-                                                    changes, window):
-  hf = dict(_BASE, model_type=model_type, max_position_embeddings=8192,
-            **changes)
-  assert _hf_config(tmp_path, hf).sliding_window == window
+# transformers 5's max_position_embeddings when config.json leaves it out.
+_MAX_POSITION_DEFAULTS = {"llama": 2048, "mistral": 131072, "qwen2": 32768,
+                          "qwen3": 32768}
+
+
+def _without_max_position(model_type):
+  hf = dict(_BASE, model_type=model_type, sliding_window=None)
+  del hf["max_position_embeddings"]
+  return hf
+
+
+@pytest.mark.parametrize("model_type", list(_MAX_POSITION_DEFAULTS))
+def test_left_out_max_position_takes_the_family_default(model_type):
+  ours = config_from_hf(_without_max_position(model_type))
+  assert ours.max_position == _MAX_POSITION_DEFAULTS[model_type]
+
+
+@pytest.mark.parametrize("model_type", list(_MAX_POSITION_DEFAULTS))
+def test_left_out_max_position_matches_transformers(tmp_path, model_type):
+  hf = _without_max_position(model_type)
+  theirs = _hf_config(tmp_path, hf).max_position_embeddings
+  assert theirs == _MAX_POSITION_DEFAULTS[model_type]
+  assert config_from_hf(hf).max_position == theirs
+
+
+# (model_type, config.json changes, the window of transformers' sliding
+# layers or None); _BASE has 2 layers.
+_WINDOW_CASES = [
+    pytest.param("mistral", {}, 4096, id="mistral-left-out"),
+    pytest.param("mistral", dict(sliding_window=None), None,
+                 id="mistral-null"),
+    pytest.param("qwen2", {}, None, id="qwen2-off"),
+    pytest.param("qwen2", dict(use_sliding_window=True, max_window_layers=0),
+                 4096, id="qwen2-all-slide"),
+    pytest.param("qwen3", dict(use_sliding_window=True, max_window_layers=0),
+                 4096, id="qwen3-all-slide"),
+    pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=256,
+                               max_window_layers=0), 256,
+                 id="qwen2-all-slide-256"),
+    # Only layer 1 slides: limited to the window all the same.
+    pytest.param("qwen2", dict(use_sliding_window=True, max_window_layers=1),
+                 4096, id="qwen2-last-slides"),
+    pytest.param("qwen3", dict(use_sliding_window=True,
+                               layer_types=["full_attention",
+                                            "sliding_attention"]),
+                 4096, id="qwen3-layer-types-last-slides"),
+    # No layer slides: max_window_layers (28 left out) >= the 2 layers, or
+    # layer_types all full, so full attention.
+    pytest.param("qwen2", dict(use_sliding_window=True), None,
+                 id="qwen2-none-slide-default-28"),
+    pytest.param("qwen3", dict(use_sliding_window=True), None,
+                 id="qwen3-none-slide-default-28"),
+    pytest.param("qwen2", dict(use_sliding_window=True, max_window_layers=2),
+                 None, id="qwen2-none-slide-2"),
+    pytest.param("qwen3", dict(use_sliding_window=True, max_window_layers=0,
+                               layer_types=["full_attention"] * 2), None,
+                 id="qwen3-layer-types-all-full"),
+    # transformers' Llama reads no window fields.
+    pytest.param("llama", dict(use_sliding_window=True, sliding_window=256,
+                               max_window_layers=0), None,
+                 id="llama-no-window"),
+]
+
+
+def _window_config(model_type, changes):
+  return dict(_BASE, model_type=model_type, max_position_embeddings=8192,
+              **changes)
+
+
+@pytest.mark.parametrize("model_type, changes, window", _WINDOW_CASES)
+def test_sliding_layers_limit_max_position(model_type, changes, window):
+  hf = _window_config(model_type, changes)
   ours = config_from_hf(hf)
   assert ours.max_position == (8192 if window is None else window)
   if window is not None:
     with pytest.raises(ModelFormatError,
                        match=f"sliding window of {window} tokens"):
       config_from_hf(hf, max_position=window + 1)
+  else:
+    assert config_from_hf(hf, max_position=10000).max_position == 10000
+
+
+@pytest.mark.parametrize("model_type, changes, window", _WINDOW_CASES)
+def test_sliding_window_matches_transformers(tmp_path, model_type, changes,
+                                             window):
+  pytest.importorskip("torch")
+  hf = _window_config(model_type, changes)
+  config = _hf_config(tmp_path, hf)
+  if model_type == "mistral":
+    theirs = config.sliding_window  # every layer's (MistralAttention)
+  else:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    windows = {getattr(layer.self_attn, "sliding_window", None)
+               for layer in model.model.layers} - {None}
+    assert len(windows) <= 1
+    theirs = windows.pop() if windows else None
+  assert theirs == window
+  ours = config_from_hf(hf).max_position
+  assert ours == (8192 if theirs is None else theirs)
 
 
 @pytest.mark.parametrize("model_type, left_out, heads", [
