@@ -67,8 +67,14 @@ def _rope_settings(hf: dict, family: Architecture,
                            f"got {settings!r}")
   theta = (settings["rope_theta"] if "rope_theta" in settings
            else hf.get("rope_theta", 10000.0))
-  rope_type = settings.get("rope_type", settings.get("type", "default"))
-  if rope_type in (None, "default"):
+  # A null rope_type falls back to `type` (transformers fails on a null
+  # with a scaling `type`, so such a config is refused, not read as plain).
+  rope_type = settings.get("rope_type") or settings.get("type") or "default"
+  partial = settings.get("partial_rotary_factor", 1.0)
+  if partial is not None and float(partial) != 1.0:
+    raise ModelFormatError(f"{path}: partial_rotary_factor {partial} is not "
+                           "supported (RoPE over the whole head is)")
+  if rope_type == "default":
     return float(theta), None
   if rope_type != "llama3":
     raise ModelFormatError(f"{path}: rope type {rope_type!r} is not "

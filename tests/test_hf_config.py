@@ -83,6 +83,26 @@ def test_rope_settings_match_transformers(tmp_path, case):
                 theirs["original_max_position_embeddings"])
 
 
+# RoPE settings transformers cannot run either: refused, never read as
+# plain RoPE over the whole head.
+@pytest.mark.parametrize("settings, message", [
+    (dict(rope_type=None, type="linear", factor=2.0), "rope type 'linear'"),
+    (dict(_LLAMA3, partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+    (dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+     "partial_rotary_factor 0.25"),
+])
+def test_rope_settings_nothing_runs_are_refused(settings, message):
+  hf = dict(_BASE, model_type="llama", rope_scaling=settings)
+  with pytest.raises(ModelFormatError, match=message):
+    config_from_hf(hf)
+
+
+def test_null_rope_type_and_whole_head_factor_read_as_plain():
+  hf = dict(_BASE, model_type="llama",
+            rope_scaling=dict(rope_type=None, partial_rotary_factor=1.0))
+  assert config_from_hf(hf).rope_scaling is None
+
+
 def _logits(model, tokens):
   t = jnp.asarray([tokens], jnp.int32)
   return np.asarray(dense_forward(model, t, jnp.arange(len(tokens))[None],
