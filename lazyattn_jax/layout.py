@@ -18,9 +18,13 @@ import dataclasses
 
 import numpy as np
 
-# page_pos of logical pages past the end of a row: far beyond any query
-# position, so kernels skip them without reading; page_len is 0 as well.
-UNUSED_PAGE_POS = 1 << 21
+from pallas_kernels.rope import MAX_ROPE_POSITION
+
+# page_pos of logical pages past the end of a row: at or past any query
+# position a model may have (below LlamaConfig.max_position, which is at
+# most MAX_ROPE_POSITION // 2, the kernels' page_pos bound), so kernels skip
+# them without reading; page_len is 0 as well.
+UNUSED_PAGE_POS = MAX_ROPE_POSITION // 2 - 1
 
 
 @dataclasses.dataclass

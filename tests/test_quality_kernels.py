@@ -35,6 +35,19 @@ DOC_LENS = (5, 12, 3)  # the third is shorter than k: recomputed whole
 PREAMBLE_LEN, QUERY_LEN, RECOMPUTE = 5, 4, PAGE
 
 
+def test_padding_pages_sit_past_every_query_position():
+  # Kernels skip a row's padding pages by their page_pos: it must exceed
+  # the query positions of the longest model LlamaConfig accepts.
+  import dataclasses
+  from lazyattn_jax.layout import UNUSED_PAGE_POS
+  from tests.training_helpers import tiny_config
+  longest = tiny_config(max_position=UNUSED_PAGE_POS + 1)
+  with pytest.raises(ValueError, match="max_position must be below"):
+    dataclasses.replace(longest, max_position=UNUSED_PAGE_POS + 2)
+  _, pos, _, _ = pack_rows([], 1, 1)
+  assert pos[0, 0] >= longest.max_position - 1  # the last query position
+
+
 def _layout(mode_cls):
   """The layout of one request, on shuffled physical pages."""
   rng = np.random.default_rng(0)
