@@ -167,10 +167,11 @@ class LazyEngine:
       quality: "default" (the default): the options that recover most of
         what a stock model loses in lazy and block modes (first-page
         recompute, and the shipped sink for the embedded model;
-        `quality_options.default_quality`); None or QualityOptions() turns
-        them off; a QualityOptions is used as given.  QualityOptions fields
-        among `settings` replace its fields (recompute=False keeps the
-        default sink only).
+        `quality_options.default_quality`), or for a `lazyattn finetune`
+        export the layout it was trained for (`trained_quality`); None or
+        QualityOptions() turns them off; a QualityOptions is used as given.
+        QualityOptions fields among `settings` replace its fields
+        (recompute=False keeps the default preamble only).
       progress: show progress bars while fetching and loading.
       mesh, tensor_parallel, vocab_parallel: as for LazyEngine; the weights
         are loaded straight into their shards on each device (a model larger
@@ -194,10 +195,12 @@ class LazyEngine:
         config.json.
     """
     from lazyattn_jax.loading import engine_arguments
+    from lazyattn_jax.trained_quality import trained_default
     return cls(**engine_arguments(
         name_or_path, dtype=dtype, cache_config=cache_config,
         num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-        mode=mode, scheduler=scheduler, runner=runner, quality=quality,
+        mode=mode, scheduler=scheduler, runner=runner,
+        quality=trained_default(name_or_path, mode, quality),
         progress=progress, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel, settings=settings))
 

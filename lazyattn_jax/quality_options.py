@@ -16,8 +16,10 @@ remedies keep every document's pages shared (zero copy):
 `LazyEngine.from_pretrained` turns them on by default in lazy and block
 modes (`default_quality`): first-page recompute for every model, and for
 the model the shipped sink was trained on (the embedded SmolLM2), that
-sink as the preamble.  `LazyEngine(...)` itself takes them as given (off
-unless given).  See docs/design.md, "Answer quality".
+sink as the preamble; a model fine-tuned by `lazyattn finetune` gets the
+layout it was trained for instead (`lazyattn_jax.trained_quality`).
+`LazyEngine(...)` itself takes them as given (off unless given).  See
+docs/design.md, "Answer quality".
 """
 
 from __future__ import annotations
@@ -161,9 +163,11 @@ def shipped_sink_for(model_id: str):
 
 
 def default_quality(takes_options: bool, model_id: str) -> QualityOptions:
-  """What `from_pretrained` uses unless told otherwise: nothing for modes
-  that take no options (prefix, full); first-page recompute for lazy and
-  block, after the shipped sink where it was trained for this model.
+  """What `from_pretrained` uses unless told otherwise, for a model not
+  fine-tuned for a layout (`trained_quality.trained_default` comes first):
+  nothing for modes that take no options (prefix, full); first-page
+  recompute for lazy and block, after the shipped sink where it was
+  trained for this model.
 
   On SmolLM2-135M-Instruct, lazy with both matches full attention on
   HotpotQA and the synthetic set, for about 25% more TTFT at the

@@ -36,8 +36,10 @@ def test_help(capsys):
   assert exit_.value.code == 0
   out = capsys.readouterr().out
   for option in ("--full-share", "--kl-weight", "--ce-weight", "--dtype",
-                 "--checkpoint-every", "--preamble-sink", "--out"):
+                 "--checkpoint-every", "--preamble-sink", "--preamble {chat}",
+                 "--out"):
     assert option in out
+  assert "--preamble-text" not in out  # replaced: refused, not offered
   thin = _run("--help", module="lazyattn_jax.finetune")
   assert thin.returncode == 0 and "--full-share" in thin.stdout
 
@@ -102,18 +104,6 @@ def test_a_run_stops_and_resumes_to_an_export(tmp_path, model_dir, capsys):
   assert log["settings"]["sink_sha256"]
   assert (out / "loss.png").is_file()
   assert (out / "model" / "tokenizer.json").is_file()
-
-
-def test_a_text_preamble_is_its_tokens():
-  from lazyattn_jax.training.finetune_cli import _layout
-  args = cli.build_parser().parse_args(
-      ["finetune", "--out", "x", "--preamble-text", "Read this.",
-       "--recompute-tokens", "8"])
-  layout, sink = _layout(args, tiny_tokenizer(), 64)
-  ids = tiny_tokenizer().encode("Read this.", parse_special=False)
-  assert (layout.preamble_len, layout.preamble_ids, sink) == (
-      len(ids), tuple(ids), None)
-  assert layout.recompute_tokens == 8
 
 
 def _export_metadata(model_dir) -> dict:

@@ -9,10 +9,11 @@
 
 Shared pieces: samples and sources (`data`), the training order (`order`),
 tokenization as the engine does it (`examples`), padded dense batches of
-the student's and the teacher's layouts (`batch`), the forward and losses
-(`forward`), the optimizer (`optim`), sharding (`parallel`), checkpoints
-(`checkpoints`), export (`export`, `tokenizer_export`), model loading
-(`model_io`) and run reports (`report`).
+the student's and the teacher's layouts (`batch`), the layouts the engine
+serves (`served_layout`), the forward and losses (`forward`), the
+optimizer (`optim`), sharding (`parallel`), checkpoints (`checkpoints`),
+export (`export`, `tokenizer_export`), model loading (`model_io`) and run
+reports (`report`).
 
 Names are imported on first use, so that `lazyattn --help` does not pay
 for optax and orbax.
@@ -26,6 +27,7 @@ _EXPORTS = {
     "Sample": "data", "DataSource": "data", "SyntheticFacts": "data",
     "load_source": "data",
     "Layout": "batch", "BatchBuilder": "batch",
+    "chat_layout": "served_layout",
     "OptimizerConfig": "optim",
     "SinkConfig": "sink", "train_sink": "sink", "init_sink": "sink",
     "save_sink": "sink_file", "load_sink": "sink_file",

@@ -2,7 +2,8 @@
 
 The student sees a sample as the engine computes it
 (`models.dense_layout.request_segments`: each document alone, after the
-preamble if there is one; the query and the answer after everything), or,
+preamble if there is one, a chat preamble in place of the chat-prefix
+document; the query and the answer after everything), or,
 for the full-attention share, as one causal prompt.  The teacher always
 sees the plain causal prompt [documents][query][answer] at contiguous
 positions, without a preamble: what the model computes when nothing is
@@ -38,6 +39,10 @@ class Layout:
       none).  With `preamble_ids` None they are learned vectors (a sink),
       written into the embeddings at `preamble_index`.
     preamble_ids: the preamble's token ids, or None for learned vectors.
+      The engine's only token preamble is the chat template's prefix
+      (`served_layout.chat_layout`; `finetune` refuses others): it takes
+      the place of a sample's leading chat-prefix document, as the engine
+      drops that document under preamble="chat".
     recompute_tokens: first tokens of each later document recomputed per
       request (the engine's first-page recompute; 0: none).
   """
@@ -69,12 +74,17 @@ def student_sequence(sample: TokenSample, layout: Layout, full: bool):
   if full:
     return teacher_sequence(sample)
   tail = list(sample.query) + list(sample.answer)
+  documents = sample.documents
+  if layout.preamble_ids is not None:
+    # The chat preamble replaces the chat-prefix document (the engine's
+    # request_validator drops it): it must not come twice.
+    documents = documents[sample.leading:]
   segments = request_segments(layout.preamble_len,
-                              [len(d) for d in sample.documents], len(tail),
+                              [len(d) for d in documents], len(tail),
                               recompute_tokens=layout.recompute_tokens)
   preamble = list(layout.preamble_ids or [0] * layout.preamble_len)
   tokens = gather_sources(segments, {PREAMBLE: [preamble],
-                                     DOCUMENT: sample.documents,
+                                     DOCUMENT: documents,
                                      QUERY: [tail]})
   positions, mask, starts = dense_inputs(segments)
   index = np.full(len(tokens), -1, np.int32)

@@ -32,10 +32,13 @@ class TokenSample:
       has one) then the sample's documents, each as the engine encodes it.
     query: the wrapped query, ending where the assistant's reply starts.
     answer: the reply's ids, ending with a stop token.
+    leading: how many of `documents` the engine added in front (the chat
+      prefix), which its chat preamble replaces.
   """
   documents: tuple[tuple[int, ...], ...]
   query: tuple[int, ...]
   answer: tuple[int, ...]
+  leading: int = 0
 
   @property
   def prompt_len(self) -> int:
@@ -80,7 +83,7 @@ def tokenize_sample(tokenizer, sample: Sample, vocab_size: int) -> TokenSample:
   if tokenizer is None:
     raise TrainingInputError("training on text needs the model's tokenizer")
   try:
-    query, documents, _ = encode_request(tokenizer, sample.query,
+    query, documents, leading = encode_request(tokenizer, sample.query,
                                          list(sample.documents), vocab_size)
   except InvalidRequestError as e:
     raise TrainingInputError(f"sample is not a valid request: {e}") from e
@@ -89,4 +92,4 @@ def tokenize_sample(tokenizer, sample: Sample, vocab_size: int) -> TokenSample:
     raise TrainingInputError("the answer's ids do not fit the model's "
                              f"vocabulary of {vocab_size}")
   return TokenSample(tuple(tuple(d) for d in documents), tuple(query),
-                     tuple(answer))
+                     tuple(answer), leading)

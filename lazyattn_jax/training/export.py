@@ -5,7 +5,9 @@ Qwen3 parameter names, matrices [out, in], one tensor per layer) and the
 tokenizer files (`tokenizer_export`), which is what
 `models.safetensors_loader` and so `LazyEngine.from_pretrained(path)` read
 back, and what transformers reads too.  The tensor names come from the
-loader itself, so export and load cannot drift apart.
+loader itself, so export and load cannot drift apart.  A model trained
+after a learned sink also gets that sink (`trained_quality.SINK_FILE`),
+which `from_pretrained` serves it after.
 
 model.safetensors is written one tensor at a time: the host holds one
 layer's matrix, never the whole model.
@@ -22,7 +24,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from lazyattn_jax.trained_quality import SINK_FILE
 from lazyattn_jax.training.errors import TrainingInputError
+from lazyattn_jax.training.sink_file import save_sink
 from lazyattn_jax.training.tokenizer_export import export_tokenizer
 from models.params import is_matrix, layer_param_names
 # The loader's own name table: what it reads is what is written here.
@@ -118,9 +122,10 @@ def write_safetensors(path: str, config, params, dtype: str = "float32",
 
 
 def export_model(directory, config, params, tokenizer=None, *,
-                 dtype: str = "float32", metadata: dict | None = None) -> str:
-  """Writes config.json, model.safetensors and (if given) the tokenizer
-  files into `directory`; returns it.
+                 dtype: str = "float32", metadata: dict | None = None,
+                 sink=None) -> str:
+  """Writes config.json, model.safetensors, (if given) the tokenizer files
+  and (if given) a learned sink into `directory`; returns it.
 
   The export is written into a temporary sibling (DIRECTORY.tmp-<pid>) and
   swapped into place at the end, so `directory` always holds a complete
@@ -135,6 +140,9 @@ def export_model(directory, config, params, tokenizer=None, *,
     tokenizer: its LlamaTokenizer, or None.
     dtype: tensor dtype in the file: float32, bfloat16 or float16.
     metadata: strings for the safetensors header (what trained it).
+    sink: [P, D] learned preamble vectors the model was trained after,
+      written as `trained_quality.SINK_FILE` (the `sink_file` format), for
+      `from_pretrained` to serve the model after them; None: none.
   """
   directory = os.fspath(directory)
   # Without a trailing separator the temporary name is a sibling, not a
@@ -153,6 +161,9 @@ def export_model(directory, config, params, tokenizer=None, *,
       json.dump(hf_config(config, dtype), f, indent=2)
     if tokenizer is not None:
       export_tokenizer(tokenizer, staging)
+    if sink is not None:
+      save_sink(os.path.join(staging, SINK_FILE), sink,
+                dict(written_by="lazyattn finetune"))
     _swap_in(staging, target)
   except BaseException:
     # KeyboardInterrupt included: a second Ctrl-C must not leave a

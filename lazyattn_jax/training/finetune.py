@@ -45,6 +45,7 @@ from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.model_io import model_signature
 from lazyattn_jax.training.optim import OptimizerConfig
 from lazyattn_jax.training.order import check_seed
+from lazyattn_jax.training.served_layout import check_servable
 from lazyattn_jax.training.sink_file import check_sink
 
 
@@ -236,7 +237,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
     out_dir: checkpoints, log, loss curve and exported model go here; an
       existing checkpoint there is resumed.
     sink: [P, D] learned preamble vectors (frozen) when the layout's
-      preamble is learned (`layout.preamble_ids` None, P > 0).
+      preamble is learned (`layout.preamble_ids` None, P > 0); exported
+      beside the weights, which `from_pretrained` serves after them.
     devices: local devices for data parallelism (default all).
     stop_at: stop (with a checkpoint) once this many steps are done.
     max_minutes: stop (with a checkpoint) after this much wall time
@@ -253,21 +255,27 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
       is not resumed.
 
   Raises:
-    TrainingInputError: bad settings, a sink that does not fit, or a
-      checkpoint in out_dir made with another recipe or model (checked
-      before any training); OutputPathError (one) when out_dir cannot be
-      made or written.
+    TrainingInputError: bad settings, a layout the engine cannot serve
+      (`served_layout.check_servable`: a token preamble other than the
+      chat prefix, recompute not in whole pages), a sink that does not
+      fit, or a checkpoint in out_dir made with another recipe or model
+      (checked before any training); OutputPathError (one) when out_dir
+      cannot be made or written.
   """
   c, model = config, trainable
   layout = c.layout
+  # The export is served in its trained layout (trained_quality): train
+  # only layouts the engine has.
+  check_servable(layout, model.tokenizer)
   learned = layout.preamble_len > 0 and layout.preamble_ids is None
   if learned != (sink is not None):
     raise TrainingInputError(
         "a learned preamble (preamble_len > 0 without preamble_ids) needs "
         "its sink vectors, and a sink needs such a layout")
   if sink is not None:
-    sink = jnp.asarray(check_sink(sink, hidden_size=model.config.hidden_size,
-                                  preamble_len=layout.preamble_len))
+    sink = check_sink(sink, hidden_size=model.config.hidden_size,
+                      preamble_len=layout.preamble_len)
+  host_sink = sink  # exported with the model
   if max_minutes is not None and not max_minutes > 0:
     raise TrainingInputError(f"max_minutes must be > 0, got {max_minutes}")
   if stop_at is not None and not stop_at >= 0:
@@ -354,7 +362,8 @@ def finetune(trainable, source, config: FinetuneConfig, out_dir, *,
   if export and done > 0:
     export_dir = export_model(
         os.path.join(out_dir, "model"), model.config, state["params"],
-        model.tokenizer, dtype=c.export_dtype, metadata=dict(
+        model.tokenizer, dtype=c.export_dtype, sink=host_sink,
+        metadata=dict(
             lazyattn_finetune=json.dumps(recipe),
             date=time.strftime("%Y-%m-%d"), step=str(done),
             finished=str(finished).lower()))

@@ -33,14 +33,20 @@ def add_arguments(p: argparse.ArgumentParser):
   p.add_argument("--ce-weight", type=float, default=0.5,
                  help="weight of the answers' cross-entropy")
   preamble = p.add_mutually_exclusive_group()
-  preamble.add_argument("--preamble-text", default=None,
-                        help="a token preamble every document is encoded "
-                             "after")
+  preamble.add_argument("--preamble", choices=["chat"], default=None,
+                        help="chat: every document is encoded after the "
+                             "chat template's prefix, as "
+                             "QualityOptions(preamble='chat') serves it")
   preamble.add_argument("--preamble-sink", default=None, metavar="FILE",
-                        help="a learned sink file (frozen) as the preamble")
+                        help="a learned sink file (frozen) as the preamble; "
+                             "exported with the model")
+  # Replaced by --preamble chat; kept hidden to refuse it in one line
+  # (_check) rather than with argparse's unknown-option usage.
+  p.add_argument("--preamble-text", default=None, help=argparse.SUPPRESS)
   p.add_argument("--recompute-tokens", type=int, default=0,
                  help="first tokens of each later document recomputed per "
-                      "request (the engine's first-page recompute)")
+                      "request (the engine's first-page recompute), a "
+                      "multiple of the page size 16 (0: none)")
   p.add_argument("--checkpoint-every", type=int, default=200)
   p.add_argument("--keep-checkpoints", type=int, default=2)
   p.add_argument("--export-dtype", default="float32",
@@ -53,6 +59,7 @@ def _check(args):
   """Value checks argparse does not make, naming the option."""
   from lazyattn_jax.training.errors import TrainingInputError
   from lazyattn_jax.training.model_io import check_dtype
+  from lazyattn_jax.training.served_layout import check_recompute_tokens
   positive = ("steps", "batch_size", "checkpoint_every", "keep_checkpoints",
               "max_len", "docs_per_question", "lr", "clip_norm")
   for name in positive:
@@ -78,8 +85,13 @@ def _check(args):
                              f"{args.full_share}")
   if args.max_minutes is not None and not args.max_minutes > 0:
     raise TrainingInputError("--max-minutes must be > 0")
-  if args.preamble_text is not None and not args.preamble_text.strip():
-    raise TrainingInputError("--preamble-text is empty")
+  if args.preamble_text is not None:
+    raise TrainingInputError(
+        "--preamble-text was replaced by --preamble chat: the engine serves "
+        "no token preamble but the chat template's prefix "
+        "(QualityOptions(preamble='chat')), so a model trained after other "
+        "text would be served in a layout it was not trained for")
+  check_recompute_tokens(args.recompute_tokens, "--recompute-tokens")
   check_dtype(args.dtype)
 
 
@@ -105,17 +117,14 @@ def config_from_args(args, layout=None):
 def _layout(args, tokenizer, hidden_size):
   """(Layout, sink or None) from the preamble options."""
   from lazyattn_jax.training.batch import Layout
-  from lazyattn_jax.training.errors import TrainingInputError
+  from lazyattn_jax.training.served_layout import chat_layout
   from lazyattn_jax.training.sink_file import load_sink
   k = args.recompute_tokens
   if args.preamble_sink:
     sink, _ = load_sink(args.preamble_sink, hidden_size=hidden_size)
     return Layout(len(sink), None, k), sink
-  if args.preamble_text:
-    if tokenizer is None:
-      raise TrainingInputError("--preamble-text needs the model's tokenizer")
-    ids = tuple(tokenizer.encode(args.preamble_text, parse_special=False))
-    return Layout(len(ids), ids, k), None
+  if args.preamble == "chat":
+    return chat_layout(tokenizer, k), None
   return Layout(0, None, k), None
 
 
