@@ -381,8 +381,8 @@ class LazyEngine:
   def step(self) -> list[GenerationResult]:
     """One scheduling round: admit and prefill new requests, decode, retire.
 
-    Returns the requests that ended in it (including failed and cancelled
-    ones).
+    Returns the requests that ended in it or since the last step
+    (including failed and cancelled ones), less those `pop_result` took.
     """
     with self._lock:
       self._check_open()

@@ -91,7 +91,10 @@ class Scheduler:
   def pop_result(self, request_id: int) -> GenerationResult | None:
     if not _can_name_a_request(request_id):
       return None
-    return self.finished.pop(request_id, None)
+    result = self.finished.pop(request_id, None)
+    if result is not None:  # taken: the next retire does not report it
+      self._unreported = [r for r in self._unreported if r is not result]
+    return result
 
   def has_work(self) -> bool:
     return bool(self.waiting or self.live)

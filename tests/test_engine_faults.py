@@ -269,9 +269,13 @@ def test_an_interrupt_while_decode_tokens_are_read_keeps_the_cache(
   with pytest.raises(KeyboardInterrupt):
     engine.generate(queries[2], [docs["a"]], greedy(10))
   monkeypatch.undo()
-  ended = engine.step()  # the interrupted request and the other one
-  assert other in [r.request_id for r in ended] and len(ended) == 2
-  assert {r.finish_reason for r in ended} == {"error"}
+  # The other request ends with the error; generate's own request was
+  # cancelled and its result taken as generate unwound, so no round
+  # reports it.
+  ended = engine.step()
+  assert [(r.request_id, r.finish_reason) for r in ended] == [(other,
+                                                                "error")]
+  assert not engine.scheduler.has_work()
   assert engine.generate(queries[0], [docs["a"]], greedy(2)).doc_hits == [True]
   assert_pages_accounted_for(engine)
 

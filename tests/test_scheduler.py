@@ -201,6 +201,23 @@ def test_cancel_a_waiting_and_a_live_request():
   assert free_pages(scheduler, state) == 64 - 2  # document 0 stays cached
 
 
+def test_a_result_taken_by_pop_result_is_not_reported_again():
+  # A caller that cancels and pops (as a dropped stream's cleanup does)
+  # has the result; the next round must not hand it out a second time.
+  scheduler, state = make_scheduler(max_batch=1)
+  scheduler.add(0, request([doc(0, 8)]), 0.0)
+  scheduler.add(1, request([doc(1, 8)]), 0.0)
+  state, new = scheduler.admit(state)
+  scheduler.start(new)
+  state, _ = scheduler.cancel(state, 0)  # live
+  state, _ = scheduler.cancel(state, 1)  # waiting
+  assert scheduler.pop_result(0).finish_reason == "cancelled"
+  results = scheduler.retire(state)[1]
+  assert [(r.request_id, r.finish_reason) for r in results] == [
+      (1, "cancelled")]
+  assert scheduler.pop_result(1).finish_reason == "cancelled"
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_submit_time_capacity_equals_what_admission_takes(mode):
   """The validator's page count for a request is exactly what admission
