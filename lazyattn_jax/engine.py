@@ -401,7 +401,8 @@ class LazyEngine:
     later request finds them.  Works while requests are in flight: it runs
     between scheduling rounds, where every live request's documents are
     already encoded.  Returns, per document, whether it was cached when
-    its batch was encoded (another caller may cache it meanwhile).
+    its batch was encoded (another caller may cache it meanwhile).  Each
+    counts one read for eviction, as a request's listing does.
     Raises CacheCapacityError if a batch cannot fit beside what live
     requests hold.
     """
