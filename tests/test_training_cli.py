@@ -8,13 +8,10 @@ import sys
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from lazyattn_jax import cli
-from lazyattn_jax.training.export import export_model
 from lazyattn_jax.training.sink_file import save_sink
-from models.llama import Llama
-from tests.training_helpers import tiny_config, tiny_tokenizer
+from tests.training_helpers import export_tiny_model
 
 
 def _run(*args, module="lazyattn_jax.cli"):
@@ -47,10 +44,7 @@ def test_help(capsys):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   """The tiny model and tokenizer as a safetensors directory."""
-  path = tmp_path_factory.mktemp("tiny_model")
-  model = Llama(tiny_config(), rngs=nnx.Rngs(0))
-  return export_model(path, model.config, nnx.to_pure_dict(nnx.state(model)),
-                      tiny_tokenizer())
+  return export_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
 def test_a_bad_argument_exits_2_with_one_line(tmp_path):

@@ -26,7 +26,8 @@ from lazyattn_jax.training.finetune import FinetuneConfig, finetune
 from lazyattn_jax.training.model_io import from_model, load_trainable
 from lazyattn_jax.training.optim import OptimizerConfig
 from models.llama import Llama
-from tests.training_helpers import tiny_config, tiny_tokenizer
+from tests.training_helpers import (export_tiny_model, tiny_config,
+                                    tiny_tokenizer)
 
 SERVE = dict(num_pages=128, impl="xla", max_batch=1, progress=False)
 # One step of the tiny model: short even where an option is taken that
@@ -45,10 +46,7 @@ def _engine(path, **settings):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   """The tiny model and tokenizer as a safetensors directory."""
-  path = tmp_path_factory.mktemp("tiny_model")
-  model = Llama(tiny_config(), rngs=nnx.Rngs(0))
-  return export_model(path, model.config, nnx.to_pure_dict(nnx.state(model)),
-                      tiny_tokenizer())
+  return export_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
 @pytest.fixture(scope="module")

@@ -42,3 +42,14 @@ def tiny_tokenizer() -> LlamaTokenizer:
 
 def tiny_config(**overrides) -> LlamaConfig:
   return LlamaConfig.tiny(vocab_size=VOCAB, **overrides)
+
+
+def export_tiny_model(directory) -> str:
+  """The tiny model (seed 0) and tokenizer as a safetensors directory, as
+  `lazyattn finetune --model` and `from_pretrained` read it."""
+  from flax import nnx
+  from lazyattn_jax.training.export import export_model
+  from models.llama import Llama
+  model = Llama(tiny_config(), rngs=nnx.Rngs(0))
+  return export_model(directory, model.config,
+                      nnx.to_pure_dict(nnx.state(model)), tiny_tokenizer())
