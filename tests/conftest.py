@@ -13,6 +13,11 @@ from tests import fast_compile, interpreter_cache  # noqa: E402 - needs the path
 fast_compile.enable()
 # The Pallas interpreters' thread programs compiled once per kernel call.
 interpreter_cache.enable()
+# The Mosaic GPU interpreter runs each warpgroup as its own XLA CPU program,
+# whose barrier waits may block threads of XLA's CPU pool (one per core by
+# default): on two cores a float8 CTA's third warpgroup then never runs and
+# the kernel never finishes.  Read when JAX starts its CPU backend.
+os.environ.setdefault("NPROC", "8")
 
 # Session fixtures several modules use, defined here once: a module that
 # imports a fixture gets its own definition, so a worker running two such

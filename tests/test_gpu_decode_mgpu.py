@@ -25,8 +25,9 @@ from pallas_kernels import (lazy_attention, lazy_attention_reference,
                             plan_lazy_attention)
 from pallas_kernels.gpu_decode_block_sizes import (MgpuDecodeBlockSizes,
                                                    mgpu_decode_kv_splits)
-from pallas_kernels.gpu_decode_mgpu import (DecodePlan, lazy_decode_mgpu,
-                                            plan_decode)
+from pallas_kernels.gpu_decode_mgpu import (DecodePlan,
+                                            default_decode_block_sizes,
+                                            lazy_decode_mgpu, plan_decode)
 from pallas_kernels.gpu_prefill_mgpu_plan import RecordLayout
 from pallas_kernels.testing import (contract_specs, contiguous_block_count,
                                     make_case, numpy_truth, relative_error)
@@ -268,6 +269,26 @@ def test_parity_interpret_float8(persistent):
 
 
 @needs_interpreter
+def test_parity_interpret_float8_default_tiles():
+  """float8 pages at the tiles the engine runs them with (block_kv 128 on
+  the persistent grid; two CTAs here): each step widens two 64-row pieces
+  of K and of V.  Needs more XLA CPU threads than this machine's 2 cores
+  (conftest's NPROC)."""
+  from pallas_kernels.testing import quantize_case
+  lazy = _ragged_case(5, batch=2, num_heads=4, num_kv_heads=1, head_dim=64,
+                      page_size=16, dtype=jnp.float16, max_doc_len=200)
+  fp8, k_scales, v_scales = quantize_case(lazy)
+  tiles = dataclasses.replace(default_decode_block_sizes(jnp.float8_e4m3fn),
+                              num_ctas=2)
+  assert tiles.block_kv == 128 and tiles.persistent
+  out = lazy_decode_mgpu(
+      *[jnp.asarray(a) for a in fp8.args()], rope=LLAMA3,
+      sm_scale=jnp.float32(64 ** -0.5), interpret=True, k_scales=k_scales,
+      v_scales=v_scales, block_sizes=tiles)
+  _check_float8(out, lazy, fp8, k_scales, v_scales, LLAMA3)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("operand", [
     "float16", pytest.param("query", marks=pytest.mark.slow)])
 def test_parity_interpret_float8_small_and_mixed_v_scales(operand):
@@ -385,7 +406,6 @@ def test_decode_defaults_by_pool_dtype(monkeypatch, kv_dtype, expected):
   float8 pools (default_decode_block_sizes); `plan_lazy_attention` plans
   for the same form."""
   import pallas_kernels.gpu_decode_mgpu_kernel as kernel_module
-  from pallas_kernels.gpu_decode_mgpu import default_decode_block_sizes
   defaults = default_decode_block_sizes(kv_dtype)
   assert (defaults.persistent, defaults.steps_by_block,
           defaults.rope_in_kernel) == expected
