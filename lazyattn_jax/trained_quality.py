@@ -29,6 +29,10 @@ SINK_FILE = "lazyattn_sink.safetensors"
 # (QualityOptions.tokens_to_recompute), so the fine-tuning command trains
 # only a k that this page size serves.
 SERVED_PAGE_SIZE = 16
+# How to serve an export whose trained preamble cannot be read.
+_NAME_THE_PREAMBLE = ("name a preamble (from_pretrained's sink= or "
+                      "preamble=, or quality=; lazyattn rag's --sink FILE or "
+                      "--preamble chat, or --no-default-quality)")
 
 
 def layout_quality(layout: dict, sink=None) -> QualityOptions:
@@ -96,13 +100,13 @@ def _export_sink(directory: pathlib.Path, recipe: dict) -> np.ndarray:
     # Exports from before the sink was saved with the weights.
     raise InvalidOptionError(
         f"{directory} was fine-tuned after a learned sink, which it does "
-        f"not hold ({e}); pass quality= explicitly (e.g. the sink file the "
-        "run was given)") from None
+        f"not hold ({e}); {_NAME_THE_PREAMBLE} (the sink file the run was "
+        "given)") from None
   want = recipe.get("sink_sha256")
   if want and hashlib.sha256(sink.tobytes()).hexdigest() != want:
     raise InvalidOptionError(
         f"{directory / SINK_FILE} is not the sink the model was fine-tuned "
-        "after (its hash differs from the recipe's)")
+        f"after (its hash differs from the recipe's); {_NAME_THE_PREAMBLE}")
   return sink
 
 
@@ -118,13 +122,16 @@ def _check_chat_preamble(directory: pathlib.Path, ids):
     raise InvalidOptionError(
         f"{directory} was fine-tuned after a token preamble that is not the "
         "chat template's prefix (the former --preamble-text), a layout the "
-        "engine cannot serve; pass quality= explicitly or fine-tune again "
+        f"engine cannot serve; {_NAME_THE_PREAMBLE}, or fine-tune again "
         "with --preamble chat")
 
 
-def trained_quality(path) -> QualityOptions | None:
+def trained_quality(path, preamble_given: bool = False
+                    ) -> QualityOptions | None:
   """The layout the export at `path` was fine-tuned for, as
-  QualityOptions, or None where it is no such export.
+  QualityOptions, or None where it is no such export.  `preamble_given`:
+  the caller names the preamble itself, so the trained one is not read
+  (the result has none, for the caller's to replace).
 
   Raises:
     InvalidOptionError: a layout the engine cannot serve (a learned sink
@@ -136,6 +143,8 @@ def trained_quality(path) -> QualityOptions | None:
     return None
   directory = pathlib.Path(path).expanduser()
   layout = recipe["config"]["layout"]
+  if preamble_given:
+    layout = dict(layout, preamble_len=0, preamble_ids=None)
   sink = None
   if layout.get("preamble_len") and layout.get("preamble_ids") is None:
     sink = _export_sink(directory, recipe)
@@ -144,11 +153,14 @@ def trained_quality(path) -> QualityOptions | None:
   return layout_quality(layout, sink)
 
 
-def trained_default(name_or_path, mode: str, quality):
+def trained_default(name_or_path, mode: str, quality, fields=()):
   """`from_pretrained`'s `quality` argument: where it is "default", the
   mode takes quality options (lazy, block) and `name_or_path` is a
   fine-tuned export, the layout it was trained for; else `quality` as
-  given (other modes keep their default of no options)."""
+  given (other modes keep their default of no options).  `fields`: the
+  QualityOptions fields the caller gave by name, which replace the
+  layout's (a preamble or sink among them replaces the trained one, which
+  is then not read)."""
   from lazyattn_jax.default_model import KNOWN_MODEL_NAMES
   from lazyattn_jax.modes import MODES
   if not (isinstance(quality, str) and quality == DEFAULT):
@@ -159,5 +171,6 @@ def trained_default(name_or_path, mode: str, quality):
       isinstance(name_or_path, str) and
       name_or_path.strip().lower() in KNOWN_MODEL_NAMES):
     return quality  # a model name, resolved as resolve_model_path does
-  trained = trained_quality(name_or_path)
+  trained = trained_quality(
+      name_or_path, preamble_given=bool({"preamble", "sink"} & set(fields)))
   return quality if trained is None else trained

@@ -185,10 +185,19 @@ def test_a_sink_trained_export_serves_its_sink(tmp_path):
   with pytest.raises(InvalidOptionError, match="not the sink"):
     _engine(result.export_dir)
   file.unlink()
-  with pytest.raises(InvalidOptionError, match="does not hold"):
+  with pytest.raises(InvalidOptionError, match="does not hold.*sink="):
     _engine(result.export_dir)
+  with pytest.raises(InvalidOptionError, match="does not hold"):
+    _engine(result.export_dir, recompute=True)  # still no preamble named
   assert _engine(result.export_dir, quality=QualityOptions(
       preamble="sink", sink=sink)).quality.preamble == "sink"
+  # The preamble named by field, as the message says (and `lazyattn rag
+  # --sink FILE` does): the trained recompute stays.
+  named = _engine(result.export_dir, sink=sink).quality
+  assert named.preamble == "sink" and named.tokens_to_recompute(16) == 16
+  np.testing.assert_array_equal(named.sink, sink)
+  assert _engine(result.export_dir, preamble=None).quality == QualityOptions(
+      recompute=True, recompute_tokens=16)
 
 
 def test_exports_of_former_text_preambles_are_not_served_as_chat(tmp_path):
@@ -197,4 +206,6 @@ def test_exports_of_former_text_preambles_are_not_served_as_chat(tmp_path):
   with pytest.raises(InvalidOptionError, match="not the chat template"):
     _engine(path)
   assert not _engine(path, quality=None).quality.enabled
+  assert _engine(path, preamble="chat").quality == QualityOptions(
+      preamble="chat")
 
