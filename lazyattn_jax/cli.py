@@ -246,13 +246,15 @@ def _add_serve_parser(sub, common):
   engine = serve.add_argument_group(
       "scheduling", "the engine's SchedulerConfig; unset ones take "
       "SchedulerConfig.interactive()'s settings (decode during prefill, "
-      "for time to first token), then SchedulerConfig's defaults")
+      "for time to first token), then from_pretrained's max_batch 8, then "
+      "SchedulerConfig's defaults")
   engine.add_argument("--plain-rounds", action="store_true",
-                      help="unset ones take SchedulerConfig's defaults, as "
-                           "the Python API does (plain rounds, for the most "
-                           "tokens/s)")
+                      help="unset ones take from_pretrained's max_batch 8 "
+                           "and SchedulerConfig's defaults, as the Python API "
+                           "does (plain rounds, for the most tokens/s)")
   add_config_options(engine, SchedulerConfig, ENGINE_OPTIONS,
-                     use_defaults=False, shown_defaults=INTERACTIVE_SETTINGS)
+                     use_defaults=False,
+                     shown_defaults=dict(INTERACTIVE_SETTINGS, max_batch=8))
   add_config_options(serve, ServerConfig, SERVER_OPTIONS)
 
 

@@ -135,7 +135,7 @@ class RunnerConfig:
   """How the model steps are compiled and run.
 
   Attributes:
-    impl: attention implementation, one of `pallas_kernels.IMPLS`
+    impl: attention implementation, one of `pallas_kernels.lazy_attention.IMPLS`
       ("auto" picks by backend: Pallas kernels on GPU and TPU, XLA on CPU).
     pool_as_bits: carry a 16-bit pool through the model's layer loop as
       uint16 bit patterns (keeps XLA from widening the KV write scatter to

@@ -190,9 +190,9 @@ class LazyEngine:
         lists the supported ones) or tensor type (it names the tensor and
         the type); nothing is half-loaded.
       lazyattn_jax.default_model.UnknownModelError (a ValueError): neither
-        a known model name nor an existing path.
-      FileNotFoundError: a model directory without its weights or
+        a known model name nor an existing path, or a directory without
         config.json.
+      FileNotFoundError: a model directory without its weights.
     """
     from lazyattn_jax.loading import engine_arguments
     from lazyattn_jax.trained_quality import trained_default
@@ -200,7 +200,7 @@ class LazyEngine:
         name_or_path, dtype=dtype, cache_config=cache_config,
         num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
         mode=mode, scheduler=scheduler, runner=runner,
-        quality=trained_default(name_or_path, mode, quality),
+        quality=trained_default(name_or_path, mode, quality, settings),
         progress=progress, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel, settings=settings))
 
