@@ -217,6 +217,61 @@ def test_a_full_queue_gets_429_with_retry_after(text_model):
     assert metric(text, 'lazyattn_rejected_requests_total{status="429"}') == 1
 
 
+def _hold_first_admission(engine) -> tuple[threading.Event, threading.Event]:
+  """The first round that admits a request stops right after admitting it
+  (mid-round, the engine's lock held, as during a long prefill or decode)
+  until `release` is set; `held` is set when it stops."""
+  held, release, admit = threading.Event(), threading.Event(), (
+      engine.scheduler.admit)
+
+  def admit_and_hold(state):
+    state, new = admit(state)
+    if new and not held.is_set():
+      held.set()
+      release.wait(60)
+    return state, new
+  engine.scheduler.admit = admit_and_hold
+  return held, release
+
+
+def test_a_request_being_generated_does_not_count_as_waiting(text_model):
+  """max_batch 1, max_queue 1: while A is generated and nothing waits, B
+  queues (200 once A is done) and the gauge shows it alone; C, arriving
+  while B waits, gets 429.  Before, A counted as waiting until the end of
+  the round that admitted it: the gauge read 1 with nothing waiting, and B
+  got 429 queue_full."""
+  engine = make_engine(text_model, max_batch=1)
+  held, release = _hold_first_admission(engine)
+  with serving(engine, max_queue=1) as (app, url):
+    loop = app.state.engine_loop
+    try:
+      a = _post_in_background(url, "completions", completion_body())
+      assert held.wait(60), "A was not admitted"
+      # A is being generated (its round holds); nothing waits.
+      assert loop.queue_depth() == 0
+      text = httpx.get(url + "/metrics", timeout=30).text
+      assert metric(text, "lazyattn_requests_waiting") == 0
+      b = _post_in_background(url, "completions", completion_body())
+      wait_until(lambda: loop.queue_depth() == 1 or "response" in b[1], 30,
+                 "B to queue")
+      assert "response" not in b[1], b[1]["response"].json()
+      text = httpx.get(url + "/metrics", timeout=30).text
+      assert metric(text, "lazyattn_requests_waiting") == 1
+      c = httpx.post(url + "/v1/completions", json=completion_body(),
+                     timeout=30)
+      assert c.status_code == 429
+      assert c.json()["error"]["code"] == "queue_full"
+    finally:
+      release.set()
+    for thread, outcome in (a, b):
+      thread.join()
+      assert outcome["response"].status_code == 200
+    assert pool_is_idle(app)
+    text = httpx.get(url + "/metrics", timeout=30).text
+    assert metric(text, "lazyattn_requests_waiting") == 0
+    assert metric(text, 'lazyattn_rejected_requests_total{status="429"}') == 1
+
+
 def test_a_request_the_engine_fails_does_not_harm_the_others(text_model):
   engine = make_engine(text_model, max_batch=4)
   doomed = 4242  # a token id only the failing request's prompt holds

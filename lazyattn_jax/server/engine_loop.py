@@ -12,6 +12,13 @@ other engine calls (`encode_documents`, pool statistics) run on the same
 thread between rounds, so the engine's lock is never contended: a thread
 waiting for a lock that a busy loop keeps retaking could wait for many
 rounds.
+
+The queue depth (`max_queue`'s 429s, the waiting gauge) counts the
+requests in the loop's inbox and in the engine's waiting queue: the
+latter's length is read without the engine's lock, from any thread, so a
+request stops counting as soon as a round admits it, not when that round
+ends.  The loop moves its inbox into the engine under its own lock, so a
+request is counted once on the way.
 """
 
 from __future__ import annotations
@@ -116,7 +123,6 @@ class EngineLoop:
     self._cancels: list[RequestHandle] = []
     self._calls: list[tuple] = []
     self._active: dict[int, RequestHandle] = {}
-    self._engine_waiting = 0  # queued in the engine, as of the last round
     self._in_flight = 0
     self._accepting = True
     self._stop = False
@@ -136,14 +142,21 @@ class EngineLoop:
   def queue_depth(self) -> int:
     """Requests waiting for admission (in the inbox or the engine's queue)."""
     with self._cond:
-      return len(self._inbox) + self._engine_waiting
+      return self._waiting()
+
+  def _waiting(self) -> int:
+    """`queue_depth`, under `_cond` (which the hand-over to the engine
+    holds).  The engine's queue is the scheduler's deque of requests not yet
+    admitted, read without the engine's lock (the loop holds it for whole
+    rounds): its length is one atomic read, at worst a moment old."""
+    return len(self._inbox) + len(self.engine.scheduler.waiting)
 
   def submit(self, handle: RequestHandle):
     """Hands a prepared request to the loop; never blocks on the engine."""
     with self._cond:
       if not self._accepting:
         raise LoopClosedError("the server is shutting down")
-      if len(self._inbox) + self._engine_waiting >= self.max_queue:
+      if self._waiting() >= self.max_queue:
         raise QueueFullError(f"{self.max_queue} requests are already waiting")
       self._inbox.append(handle)
       self._cond.notify_all()
@@ -218,14 +231,16 @@ class EngineLoop:
       inbox, self._inbox = self._inbox, []
       cancels, self._cancels = self._cancels, []
       calls, self._calls = self._calls, []
-      self._engine_waiting += len(inbox)
       # In flight from now, not from the round's end: a drain that starts
       # during the round (a first one may compile for seconds) waits for them.
       self._in_flight += len(inbox)
+      # Into the engine's queue under `_cond`, so `queue_depth` never sees a
+      # request in neither place (nor in both); queueing is quick (the
+      # engine's lock is free between rounds, `prepare`'s checks are done).
+      for handle in inbox:
+        self._queue(handle)
     for handle in cancels:
       self._cancel_now(handle)
-    for handle in inbox:
-      self._queue(handle)
     for fn, future in calls:
       if future.set_running_or_notify_cancel():
         try:
@@ -348,7 +363,6 @@ class EngineLoop:
     except Exception:  # noqa: BLE001 - a closed engine has nothing in flight
       counts = {"waiting": 0, "running": 0}
     with self._cond:
-      self._engine_waiting = counts["waiting"]
       self._in_flight = len(self._active)
       self._cond.notify_all()
     if self.metrics is None:
