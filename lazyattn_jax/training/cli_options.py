@@ -24,9 +24,15 @@ def add_shared_options(p: argparse.ArgumentParser, *, steps: int,
   p.add_argument("--clip-norm", type=float, default=1.0,
                  help="global gradient-norm clipping")
   p.add_argument("--data", default="synthetic",
-                 help="synthetic or hotpotqa (its train split)")
-  p.add_argument("--docs-per-question", type=int, default=4,
-                 help="documents per synthetic sample")
+                 help="synthetic or hotpotqa (its train part: no paragraph "
+                      "shared with the held-out questions)")
+  # None: the source's own (synthetic: 4; hotpotqa: every paragraph of a
+  # question, and it refuses a value), resolved by
+  # data.resolve_docs_per_question.
+  p.add_argument("--docs-per-question", type=int, default=None,
+                 help="documents per synthetic sample (default 4); the "
+                      "hotpotqa source keeps each question's paragraphs "
+                      "and refuses this option")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", default="float32",
                  help="compute dtype: float32 or bfloat16 (trained values "

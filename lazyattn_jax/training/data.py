@@ -7,13 +7,18 @@ anything with `len()` and integer indexing that returns samples
 
 - "synthetic": `SyntheticFacts`, the fact-lookup task of
   benchmarks/rag_quality.py (short biographies of made-up people; the
-  answer sits in one of k documents).  The library must not import the
-  benchmarks, so the word lists are duplicated here.  Unlike the
-  benchmark's fixed people, every sample draws fresh people, so no fact
-  can be memorized: the model has to read the documents, and training on
-  it cannot leak the benchmark's answers.
-- "hotpotqa": HotpotQA's train split from `lazyattn_jax.quality.datasets`
-  (imported when asked for; `DataUnavailableError` if it is not there).
+  asked person's biography is one of k documents, though the value asked
+  for may also be another person's: in about 22% of samples at k = 4).
+  The library must not import the benchmarks, so the word lists are
+  duplicated here.  Unlike the benchmark's fixed people, every sample
+  draws fresh people, so no fact can be memorized: the model has to read
+  the documents, and training on it cannot leak the benchmark's answers.
+- "hotpotqa": HotpotQA's train part from `lazyattn_jax.quality.datasets`
+  (imported when asked for; `DataUnavailableError` if it is not there):
+  the questions the split does not hold out, less every one whose prompt
+  shares a paragraph with a held-out prompt.  A sample is a question with
+  all its paragraphs in the dataset's order (10 for nearly all), as the
+  benchmark prompts it; `docs_per_question` does not apply and is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from lazyattn_jax.training.errors import (DataUnavailableError,
 from lazyattn_jax.training.order import seed_entropy
 
 SOURCES = ("synthetic", "hotpotqa")
+DEFAULT_DOCS_PER_QUESTION = 4  # the synthetic source's k when not given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +101,8 @@ class SyntheticFacts:
 
   Args:
     size: number of samples.
-    docs_per_question: k documents per sample; the answer is in one.
+    docs_per_question: k documents per sample; the asked person's
+      biography is one of them (another may hold the same value).
     seed: generator seed (any integer: `order.seed_entropy`).
   """
 
@@ -170,15 +177,44 @@ def as_sample(item) -> Sample:
   return Sample(tuple(documents), get("query"), answer)
 
 
-def load_source(name: str, *, seed: int = 1, docs_per_question: int = 4,
+def resolve_docs_per_question(name: str,
+                              docs_per_question: int | None) -> int | None:
+  """The documents per sample the source `name` uses with this setting.
+
+  "synthetic": `docs_per_question`, or DEFAULT_DOCS_PER_QUESTION when None.
+  "hotpotqa": None (each question keeps all its paragraphs); a value is
+  refused rather than ignored, since the samples would not have it.  Other
+  names: the value unchanged (`load_source` refuses the name).
+
+  Raises:
+    TrainingInputError: a value for "hotpotqa".
+  """
+  if name == "synthetic" and docs_per_question is None:
+    return DEFAULT_DOCS_PER_QUESTION
+  if name == "hotpotqa" and docs_per_question is not None:
+    raise TrainingInputError(
+        f"the hotpotqa source takes no docs_per_question (got "
+        f"{docs_per_question}; --docs-per-question): each sample is a "
+        "question with all its paragraphs (10 for nearly all), as the "
+        "benchmark prompts it; docs_per_question applies to synthetic only")
+  return docs_per_question
+
+
+def load_source(name: str, *, seed: int = 1,
+                docs_per_question: int | None = None,
                 size: int = 100_000) -> DataSource:
   """A built-in data source by name ("synthetic" or "hotpotqa").
 
+  Args:
+    docs_per_question: the synthetic source's k (None: 4); the hotpotqa
+      source refuses any value (`resolve_docs_per_question`).
+
   Raises:
-    TrainingInputError: an unknown name.
+    TrainingInputError: an unknown name, or docs_per_question for hotpotqa.
     DataUnavailableError: HotpotQA's loader (`lazyattn_jax.quality`) is not
       installed or failed.
   """
+  docs_per_question = resolve_docs_per_question(name, docs_per_question)
   if name == "synthetic":
     return SyntheticFacts(size, docs_per_question, seed)
   if name == "hotpotqa":
@@ -190,10 +226,11 @@ def load_source(name: str, *, seed: int = 1, docs_per_question: int = 4,
           "the hotpotqa source needs lazyattn_jax.quality.datasets."
           f"load_hotpotqa, which is not available here ({e})") from e
     try:
-      # The benchmark's own prompt: all paragraphs in the dataset's order.
+      # The benchmark's own prompt: all paragraphs in the dataset's order;
+      # the train part shares no paragraph with a held-out prompt.
       items = build_items(load_hotpotqa(split="train"), "dataset")
     except (OSError, RuntimeError, ValueError) as e:
-      raise DataUnavailableError(f"loading HotpotQA's train split failed: "
+      raise DataUnavailableError(f"loading HotpotQA's train part failed: "
                                  f"{e}") from e
     return ListSource(list(items))
   raise TrainingInputError(f"unknown data source {name!r}; known: "

@@ -63,6 +63,9 @@ def _check(args):
   positive = ("steps", "batch_size", "checkpoint_every", "keep_checkpoints",
               "max_len", "docs_per_question", "lr", "clip_norm")
   for name in positive:
+    # --docs-per-question is None for the hotpotqa source (its own count).
+    if name == "docs_per_question" and args.docs_per_question is None:
+      continue
     if not getattr(args, name) > 0:
       raise TrainingInputError(f"--{name.replace('_', '-')} must be > 0, "
                                f"got {getattr(args, name)}")
@@ -137,6 +140,11 @@ def run(args) -> int:
   from lazyattn_jax.training.interrupt import stop_on_interrupt
   from lazyattn_jax.training.model_io import load_trainable
   from lazyattn_jax.training.report import output_errors, prepare_output_dir
+  from lazyattn_jax.training.data import resolve_docs_per_question
+  # The count the source uses (synthetic's default 4 when not given), so
+  # the recipe records it; a value for hotpotqa is refused here.
+  args.docs_per_question = resolve_docs_per_question(
+      args.data, args.docs_per_question)
   _check(args)
   config_from_args(args)  # refuse bad settings before loading anything
   try:

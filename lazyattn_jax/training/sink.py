@@ -16,6 +16,13 @@ token preamble: "chat" takes the first P tokens of the chat template's
 prefix (the system prompt SmolLM2 always sees), continued with
 `GENERIC_TEXT` when the prefix is shorter; "text" takes `GENERIC_TEXT`'s.
 
+Evaluation (`evaluation_split`): eval_batches x batch_size samples taken
+from the end of the source, walking back from its last sample and skipping
+any too long for the sink's layout (the longer of the two scored), are
+held out: training reads only the samples before the first one walked.
+The three KLs (no preamble, initial sink, trained sink) score exactly these
+samples, in the same batches.
+
   python -m lazyattn_jax.training.sink --help
 """
 
@@ -34,7 +41,7 @@ import numpy as np
 import optax
 
 from lazyattn_jax.training import parallel, report
-from lazyattn_jax.training.batch import BatchBuilder, Layout
+from lazyattn_jax.training.batch import BatchBuilder, Layout, make_batch
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.interrupt import stop_on_interrupt
@@ -60,8 +67,11 @@ class SinkConfig:
     init: "chat" (the chat prefix's first P token embeddings) or "text"
       (GENERIC_TEXT's).
     remat: recompute attention in the backward pass (less memory).
-    max_len: longest dense sequence; longer samples are replaced.
-    eval_batches: held-out batches scored before and after training.
+    max_len: longest dense sequence; longer samples are replaced (in
+      training) or skipped (when picking the evaluation samples).
+    eval_batches: batches of held-out samples scored before and after
+      training (`evaluation_split`; 0: none, and training reads the whole
+      source).
     devices: local devices to use (None: all).
     optimizer: learning rate, warm-up, decay, clipping (Adam).
   """
@@ -144,26 +154,96 @@ def _eval_step(functions):
   return jax.jit(kl)
 
 
-def mean_kl(trainable, builder: BatchBuilder, mesh, batches: int, sink=None,
-            *, first_step: int = 0) -> float:
-  """Mean KL(teacher || student) over `batches` batches of `builder`."""
+def mean_kl(trainable, batches, mesh, sink=None) -> float:
+  """Mean KL(teacher || student) over `batches` (a list of batch.Batch)."""
   step = _eval_step(trainable.functions)
   params = parallel.replicate(trainable.params, mesh)
   sink = None if sink is None else parallel.replicate(jnp.asarray(sink), mesh)
-  values = [float(step(params, parallel.shard_batch(
-      builder.batch(first_step + i).arrays(), mesh), sink))
-            for i in range(batches)]
+  values = [float(step(params, parallel.shard_batch(b.arrays(), mesh), sink))
+            for b in batches]
   return float(np.mean(values)) if values else float("nan")
+
+
+class SourceSlice:
+  """`source[start:stop]` as a data source: item i is source[start + i]."""
+
+  def __init__(self, source, start: int, stop: int):
+    if not 0 <= start <= stop <= len(source):
+      raise TrainingInputError(f"bad slice [{start}, {stop}) of a source "
+                               f"of {len(source)} samples")
+    self.source, self.start, self.stop = source, start, stop
+
+  def __len__(self) -> int:
+    return self.stop - self.start
+
+  def __getitem__(self, index: int):
+    if not 0 <= index < len(self):
+      raise IndexError(index)
+    return self.source[self.start + index]
+
+
+def evaluation_split(source, tokenizer, vocab_size: int, layout: Layout,
+                     count: int, max_len: int) -> tuple[int, list]:
+  """The held-out evaluation samples and where training must stop.
+
+  Walks back from the source's last sample and takes the first `count`
+  that fit `max_len` under `layout` (the batch builder's test; pass the
+  longest layout that will be scored), skipping over-long ones.  Every
+  sample walked, skipped ones included, is held out: training may read
+  only source[:train_size].  The choice depends on the source, the
+  tokenizer, the layout's lengths and max_len, never on a seed, so every
+  layout is scored on the same samples.
+
+  Returns:
+    (train_size, [(index, TokenSample), ...]) with the samples in walking
+    order (last index first); (len(source), []) for count 0.
+
+  Raises:
+    TrainingInputError: the source cannot give `count` samples that fit
+      and still leave one to train on.
+  """
+  if count < 1:
+    return len(source), []
+  checker = BatchBuilder(source, tokenizer, vocab_size, layout, batch_size=1,
+                         max_len=max_len)
+  picked, index = [], len(source)
+  while len(picked) < count and index > 1:
+    index -= 1
+    sample = checker._tokens(index)  # pylint: disable=protected-access
+    if checker._fits(sample):  # pylint: disable=protected-access
+      picked.append((index, sample))
+  if len(picked) < count:
+    raise TrainingInputError(
+        f"the source's {len(source)} samples cannot give {count} held-out "
+        f"evaluation samples (eval_batches x batch_size) that fit "
+        f"max_len={max_len} and leave samples to train on; lower "
+        "--eval-batches or raise --max-len")
+  return index, picked
+
+
+def evaluation_batches(picked, layout: Layout, batch_size: int) -> list:
+  """`evaluation_split`'s samples as batches of `batch_size`, in order."""
+  return [make_batch([s for _, s in picked[i:i + batch_size]], layout,
+                     indices=[n for n, _ in picked[i:i + batch_size]])
+          for i in range(0, len(picked), batch_size)]
 
 
 @dataclasses.dataclass
 class SinkResult:
   """What `train_sink` returns: the sink, its metrics, and held-out KL of
   the lazy layout without a preamble, with the initial and the trained
-  sink (NaN without eval batches)."""
+  sink (NaN without eval batches), all three on the same samples.
+
+  Attributes:
+    eval_indices: the source indices of the evaluation samples
+      (`evaluation_split`), in batch order.
+    train_size: training read only source[:train_size].
+  """
   sink: np.ndarray
   history: report.History
   eval_kl: dict[str, float]
+  eval_indices: list[int] = dataclasses.field(default_factory=list)
+  train_size: int = 0
 
 
 def train_sink(trainable, source, config: SinkConfig, *, sink=None,
@@ -193,13 +273,20 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
   parallel.check_batch_size(mesh, c.batch_size)
   optimizer = c.optimizer
   tx, step = _train_step(model.functions, optimizer, c.remat)
-  make = lambda layout, seed: BatchBuilder(
-      source, model.tokenizer, model.config.vocab_size, layout,
-      batch_size=c.batch_size, seed=seed, max_len=c.max_len)
-  train = make(Layout(c.preamble_len), c.seed)
-  held_out = make(Layout(c.preamble_len), c.seed + 1_000_003)
-  plain = make(Layout(0), c.seed + 1_000_003)
-  evaluate = lambda s, b: mean_kl(model, b, mesh, c.eval_batches, s)
+  sink_layout = Layout(c.preamble_len)
+  # Held out of training, and the same samples for every KL: picked once
+  # under the sink's layout, the longer one (a sample that fits it fits
+  # the layout without a preamble).
+  train_size, picked = evaluation_split(
+      source, model.tokenizer, model.config.vocab_size, sink_layout,
+      c.eval_batches * c.batch_size, c.max_len)
+  train = BatchBuilder(
+      SourceSlice(source, 0, train_size), model.tokenizer,
+      model.config.vocab_size, sink_layout, batch_size=c.batch_size,
+      seed=c.seed, max_len=c.max_len)
+  held_out = evaluation_batches(picked, sink_layout, c.batch_size)
+  plain = evaluation_batches(picked, Layout(0), c.batch_size)
+  evaluate = lambda s, batches: mean_kl(model, batches, mesh, s)
   eval_kl = dict(no_preamble=evaluate(None, plain),
                  initial_sink=evaluate(sink, held_out))
   params = parallel.replicate(model.params, mesh)
@@ -227,7 +314,8 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
       bar.update(1)
   trained = np.asarray(jax.device_get(current), np.float32)
   eval_kl["trained_sink"] = evaluate(trained, held_out)
-  return SinkResult(trained, history, eval_kl)
+  return SinkResult(trained, history, eval_kl, [n for n, _ in picked],
+                    train_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,9 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
   """Runs the command line's training; returns its summary."""
-  from lazyattn_jax.training.data import load_source
+  from lazyattn_jax.training.data import (load_source,
+                                          resolve_docs_per_question)
   from lazyattn_jax.training.model_io import check_dtype, load_trainable
   check_dtype(args.dtype)
+  # The count the source uses, as the log records it (None for hotpotqa,
+  # which refuses a value).
+  args.docs_per_question = resolve_docs_per_question(
+      args.data, args.docs_per_question)
   # As `lazyattn finetune`: no time at all is a mistake, not a request for
   # the untrained initial sink.
   if args.max_minutes is not None and not args.max_minutes > 0:
@@ -306,6 +399,8 @@ def _write_outputs(args, config, model, result, seconds) -> str:
                      keys=("kl",))
   report.write_log(os.path.join(args.out, "sink_log.json"), vars(args),
                    result.history, metadata=metadata, eval_kl=result.eval_kl,
+                   eval_indices=result.eval_indices,
+                   train_size=result.train_size,
                    seconds=seconds, devices=[str(d) for d in jax.devices()],
                    peak_memory_bytes=parallel.peak_memory_bytes(
                        parallel.data_mesh(args.devices)))
