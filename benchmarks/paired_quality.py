@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import numpy as np
@@ -44,11 +43,23 @@ def item_scores(run: dict, metric: str) -> np.ndarray:
   return np.asarray(out)
 
 
+# What names an item in a run's saved predictions, and so must be the same
+# in both runs item by item: the question's id and gold position (written by
+# rag_quality), its gold answer(s), and its question text where a report
+# stores it.  A field is compared where either run's item has it.
+PAIRING_FIELDS = (("id", "question"), ("position", "position"),
+                  ("answer", "gold answer"), ("answers", "gold answers"),
+                  ("question", "question text"), ("query", "query text"))
+_ABSENT = object()
+
+
 def pairing_error(run_a: dict, run_b: dict) -> str | None:
   """Why two runs' predictions cannot be compared item by item, as one
   line, or None: a run without predictions, none at all, different counts,
-  or the first item whose question (id, and position in a gold sweep)
-  differs between the runs."""
+  an item without its text or gold answer, or the first item where the two
+  runs differ in a `PAIRING_FIELDS` field (the question's id, its position
+  in a gold sweep, its gold answer(s), its question text): then they did
+  not answer the same items in the same order."""
   for run in (run_a, run_b):
     if "predictions" not in run:
       return (f"run {run['label']!r} has no predictions (run rag_quality "
@@ -59,23 +70,47 @@ def pairing_error(run_a: dict, run_b: dict) -> str | None:
   if len(a) != len(b):
     return (f"runs {run_a['label']!r} and {run_b['label']!r} answered "
             f"{len(a)} and {len(b)} items: not the same items")
-  key = lambda p: (p.get("id"), p.get("position"))
   for i, (pa, pb) in enumerate(zip(a, b)):
-    if key(pa) != key(pb):
-      return (f"item {i} differs: run {run_a['label']!r} has question "
-              f"{pa.get('id')!r} (position {pa.get('position')}), run "
-              f"{run_b['label']!r} has {pb.get('id')!r} (position "
-              f"{pb.get('position')}): not the same items")
+    for run, p in ((run_a, pa), (run_b, pb)):
+      missing = ([k for k in ("text", "answer") if k not in p]
+                 if isinstance(p, dict) else ["fields"])
+      if missing:
+        return (f"item {i} of run {run['label']!r} has no "
+                f"{' or '.join(missing)}: not a saved prediction")
+    for key, name in PAIRING_FIELDS:
+      va, vb = pa.get(key, _ABSENT), pb.get(key, _ABSENT)
+      if va != vb:
+        show = lambda v: "none" if v is _ABSENT else repr(v)
+        return (f"item {i} differs: run {run_a['label']!r} has {name} "
+                f"{show(va)}{_where(pa, key)}, run {run_b['label']!r} has "
+                f"{show(vb)}{_where(pb, key)}: not the same items")
   return None
 
 
+def _where(p: dict, key: str) -> str:
+  """The question an item's differing field belongs to, for the message
+  (the original " (position N)" after an id)."""
+  if key == "id":
+    return f" (position {p.get('position')})"
+  if key != "position" and "id" in p:
+    return f" (question {p['id']!r})"
+  return ""
+
+
 def sign_test_p(wins_a: int, wins_b: int) -> float:
-  """Exact two-sided sign test of a split of discordant items."""
+  """Exact two-sided sign test of a split of discordant items:
+  min(1, 2 P(X <= min(wins_a, wins_b))), X ~ Binomial(n, 1/2), as
+  scipy.stats.binomtest(wins_a, n).pvalue.  The tail is summed in Python
+  integers and divided by 2^n once (correctly rounded), so any n works
+  (a float 2.0 ** n overflows past n = 1023)."""
   n = wins_a + wins_b
   if n == 0:
     return 1.0
-  tail = sum(math.comb(n, k) for k in range(min(wins_a, wins_b) + 1))
-  return min(1.0, 2.0 * tail / 2.0 ** n)
+  term = tail = 1  # C(n, 0)
+  for k in range(min(wins_a, wins_b)):
+    term = term * (n - k) // (k + 1)  # C(n, k + 1), exact
+    tail += term
+  return min(1.0, (2 * tail) / (1 << n))
 
 
 def compare(a: np.ndarray, b: np.ndarray, *, resamples: int = 10000,

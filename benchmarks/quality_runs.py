@@ -6,7 +6,10 @@ name: a field of `CacheConfig` (e.g. eviction), of `SchedulerConfig` or
 `RunnerConfig` (e.g. decode_steps, impl) goes to that config, and anything
 else is passed to `LazyEngine(...)` as a keyword argument, so quality options
 the engine grows (a document preamble, first-page recompute) need no change
-here.
+here.  QualityOptions are given by field (preamble=, sink=, recompute=,
+recompute_tokens=), never as quality=.  An option given twice in one --run
+or among the --engine-options is refused; a label is text as written.
+What a report records of its code and inputs is `benchmarks.provenance`.
 """
 
 from __future__ import annotations
@@ -47,22 +50,53 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def parse_run(spec: str, common: dict) -> Run:
-  """"MODE[,KEY=VALUE...][,label=NAME]" -> Run; `common` options apply first.
+  """"MODE[,KEY=VALUE...][,label=NAME]" -> Run; `common` options apply first
+  (a run's own option replaces a common one of the same key).
 
-  The label defaults to the mode followed by the run's own options.
+  Values are JSON where they parse (`parse_value`); the label is text,
+  kept as written (label=true is "true", label=1.10 is "1.10").  It
+  defaults to the mode followed by the run's own options.  ValueError for
+  an option given twice (which one counts would be a guess) or an empty
+  label.
   """
   mode, *rest = [part.strip() for part in spec.split(",")]
-  own = dict(parse_option(part) for part in rest if part)
-  label = own.pop("label", None)
+  own, label = {}, None
+  for part in rest:
+    if not part:
+      continue
+    key, _ = parse_option(part)
+    if key in own or (key == "label" and label is not None):
+      raise ValueError(f"--run {spec!r}: option {key!r} is given twice: "
+                       f"give each option once")
+    if key == "label":
+      label = part.partition("=")[2].strip()
+      if not label:
+        raise ValueError(f"--run {spec!r}: label= is empty: give the run "
+                         f"a name, or leave label= out for the default")
+    else:
+      own[key] = parse_value(part.partition("=")[2].strip())
   if label is None:
     label = " ".join([mode] + [f"{k}={json.dumps(v)}" for k, v in own.items()])
-  return Run(mode, {**common, **own}, str(label))
+  return Run(mode, {**common, **own}, label)
+
+
+def parse_options(texts) -> dict:
+  """The --engine-option settings as a dict; ValueError for a key given
+  twice."""
+  options = {}
+  for text in texts:
+    key, value = parse_option(text)
+    if key in options:
+      raise ValueError(f"--engine-option {key!r} is given twice: give each "
+                       f"option once")
+    options[key] = value
+  return options
 
 
 def runs_from_args(args) -> list[Run]:
   """--modes (one run per mode, with --engine-option) then each --run."""
   from lazyattn_jax.modes import MODES
-  common = dict(parse_option(o) for o in args.engine_option)
+  common = parse_options(args.engine_option)
   modes = args.modes
   if modes is None:
     modes = "" if args.run else DEFAULT_MODES
@@ -130,6 +164,15 @@ def route_options(options: dict) -> tuple[dict, dict, dict]:
                     for f in dataclasses.fields(c)}
   from lazyattn_jax.quality_options import QualityOptions
   quality_fields = {f.name for f in dataclasses.fields(QualityOptions)}
+  if "quality" in options:
+    # LazyEngine's quality= takes a QualityOptions, which a run spec cannot
+    # write; null would only say what a run without options does already
+    # (rag_quality's engines have no default options), and beside fields
+    # it would be overruled by them.  So no value of it means anything here.
+    raise TypeError(
+        "quality= is not a run option: a run has no quality options unless "
+        "it gives them, by field: preamble=, sink=, recompute=, "
+        "recompute_tokens= (QualityOptions)")
   options = {k: v for k, v in options.items() if k != "model"}  # run_all's
   cache = {k: v for k, v in options.items() if k in cache_fields}
   settings = {k: v for k, v in options.items() if k in setting_fields}

@@ -44,7 +44,11 @@ base).
 
 Output: a progress bar per run, one JSON line per run, a table, and with
 --out the JSON report (date, device kind, jax version, the command, args,
-runs) and a PNG of the chosen metric by gold position beside it.
+runs; `code`: the git commit of the code and whether tracked files
+differed from it, null outside a git checkout; `files`: each input given
+by path (--model, model=, sink=, --hotpotqa-json) with its size, mtime
+and, up to 64 MiB, sha256: model weights get size and mtime only) and a
+PNG of the chosen metric by gold position beside it.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ import time
 
 import numpy as np
 
-from benchmarks import quality_loop, quality_runs
+from benchmarks import provenance, quality_loop, quality_runs
 
 # One set of made-up people for the benchmark and the training generator.
 from lazyattn_jax.training.data import CITIES, FIRST, JOBS, LAST, PETS
@@ -245,6 +249,9 @@ def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = build_parser()
   args, runs = parse_args(argv, parser)
+  # What the numbers came from, recorded before anything is read or run.
+  code = provenance.code_version()
+  files = provenance.input_files(args.model, runs, args.hotpotqa_json)
   import jax
   if args.dataset == "hotpotqa":
     items, data_info = hotpotqa_items(args)
@@ -287,7 +294,7 @@ def main(argv=None):
       dataset=args.dataset,
       layout=args.layout if args.dataset == "hotpotqa" else "synthetic",
       date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind),
-      jax=jax.__version__, model=args.model,
+      jax=jax.__version__, code=code, model=args.model, files=files,
       command=shlex.join(["python", "-m", "benchmarks.rag_quality", *argv]),
       args=vars(args), num_pages=pages or args.num_pages, **data_info,
       plot_metric=args.plot_metric, runs=rows)

@@ -1,6 +1,7 @@
 """benchmarks/paired_quality: item-by-item comparison of two quality runs."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -16,6 +17,41 @@ def test_sign_test_matches_the_binomial():
   # 11 against 3: 2 * P(X <= 3), X ~ Binomial(14, 1/2).
   assert sign_test_p(11, 3) == pytest.approx(2 * (1 + 14 + 91 + 364) / 2**14)
   assert sign_test_p(3, 11) == sign_test_p(11, 3)
+
+
+def _two_sided_binomial_p(k: int, n: int) -> float:
+  """The reference: scipy's exact binomial test where installed, else the
+  same sum in fractions, term by term from math.comb."""
+  try:
+    from scipy.stats import binomtest
+  except ImportError:
+    from fractions import Fraction
+    low = min(k, n - k)
+    tail = sum(Fraction(math.comb(n, i), 2 ** n) for i in range(low + 1))
+    return float(min(Fraction(1), 2 * tail))
+  return float(binomtest(k, n, 0.5, alternative="two-sided").pvalue)
+
+
+@pytest.mark.parametrize("wins_a, wins_b", [
+    (520, 520), (600, 500), (500, 523), (523, 500), (5000, 5200),
+    (0, 1024), (1, 1100), (7700, 7930), (100, 60)])
+def test_sign_test_has_no_limit_on_the_items(wins_a, wins_b):
+  """Past 1023 discordant items 2.0 ** n overflowed (OverflowError)."""
+  p = sign_test_p(wins_a, wins_b)
+  expected = _two_sided_binomial_p(wins_a, wins_a + wins_b)
+  assert p == pytest.approx(expected, rel=1e-9, abs=1e-300)
+  assert sign_test_p(wins_b, wins_a) == p
+
+
+def test_sign_test_known_values_for_many_items():
+  assert sign_test_p(520, 520) == 1.0
+  assert sign_test_p(600, 500) == pytest.approx(0.0028195449914, rel=1e-9)
+  # compare() on 2,000 binary items, 1,100 of them discordant.
+  a = np.r_[np.ones(600), np.zeros(500), np.zeros(900)]
+  b = np.r_[np.zeros(600), np.ones(500), np.zeros(900)]
+  row = compare(a, b, resamples=100)
+  assert (row["only_a"], row["only_b"]) == (600, 500)
+  assert row["sign_test_p"] == sign_test_p(600, 500)
 
 
 def test_compare_counts_discordant_items_and_brackets_the_difference():
@@ -84,8 +120,13 @@ def _pairing_refused(tmp_path, capsys, runs, message):
   assert message in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
-def _item(qid, text="Paris", position=0):
-  return dict(id=qid, position=position, answer="Paris", text=text)
+def _item(qid, text="Paris", position=0, answer="Paris", **more):
+  return dict(id=qid, position=position, answer=answer, text=text, **more)
+
+
+def _bare(answer, text="x"):
+  """A prediction without id and position (a report from another tool)."""
+  return dict(answer=answer, text=text)
 
 
 @pytest.mark.parametrize("runs, message", [
@@ -103,6 +144,28 @@ def _item(qid, text="Paris", position=0):
     ([dict(label="a", predictions=[_item("1", position=0)]),
       dict(label="b", predictions=[_item("1", position=3)])],
      "item 0 differs"),
+    # The gold answer is compared too: the same ids with other answers are
+    # other items (another data set, another split).
+    ([dict(label="a", predictions=[_item("1"), _item("2", answer="Rome")]),
+      dict(label="b", predictions=[_item("1"), _item("2", answer="Oslo")])],
+     "item 1 differs: run 'a' has gold answer 'Rome' (question '2'), run "
+     "'b' has 'Oslo'"),
+    # Without ids and positions the order was never checked.
+    ([dict(label="a", predictions=[_bare("Paris"), _bare("Rome")]),
+      dict(label="b", predictions=[_bare("Rome"), _bare("Paris")])],
+     "item 0 differs: run 'a' has gold answer 'Paris', run 'b' has 'Rome'"),
+    ([dict(label="a", predictions=[_item("1", answers=["Paris", "paris"])]),
+      dict(label="b", predictions=[_item("1", answers=["Paris"])])],
+     "item 0 differs: run 'a' has gold answers ['Paris', 'paris']"),
+    ([dict(label="a", predictions=[_item("1", question="Where?")]),
+      dict(label="b", predictions=[_item("1", question="When?")])],
+     "item 0 differs: run 'a' has question text 'Where?'"),
+    ([dict(label="a", predictions=[_item("1", question="Where?")]),
+      dict(label="b", predictions=[_item("1")])],
+     "run 'b' has none"),
+    ([dict(label="a", predictions=[_item("1")]),
+      dict(label="b", predictions=[dict(id="1", position=0, text="x")])],
+     "item 0 of run 'b' has no answer: not a saved prediction"),
 ])
 def test_unpaired_runs_are_one_line_errors(tmp_path, capsys, runs, message):
   _pairing_refused(tmp_path, capsys, runs, message)
@@ -116,3 +179,13 @@ def test_paired_runs_still_compare(tmp_path):
   rows = paired_quality.main([str(path), "--compare", "a", "b", "--metric",
                               "accuracy"])
   assert rows[0]["items"] == 2 and rows[0]["diff"] == 0.0
+
+
+def test_paired_runs_without_ids_compare_by_their_answers(tmp_path):
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(dict(runs=[
+      dict(label="a", predictions=[_bare("Paris", "Paris"), _bare("Rome")]),
+      dict(label="b", predictions=[_bare("Paris"), _bare("Rome", "Rome")])])))
+  rows = paired_quality.main([str(path), "--compare", "a", "b", "--metric",
+                              "accuracy"])
+  assert (rows[0]["only_a"], rows[0]["only_b"]) == (1, 1)

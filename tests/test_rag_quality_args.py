@@ -33,6 +33,25 @@ from benchmarks.rag_quality import main, parse_args
      "run 'full': QualityOptions apply to modes"),
     (["--run", "lazy,impl=bogus"], "RunnerConfig.impl must be one of"),
     (["--run", "lazy,eviction=mru"], "CacheConfig.eviction must be one of"),
+    # An option given twice: which one counts would be a guess (the last
+    # one did, silently: a run labelled as recomputing ran without).
+    (["--run", "lazy,recompute=true,recompute=false,label=x"],
+     "--run 'lazy,recompute=true,recompute=false,label=x': option "
+     "'recompute' is given twice"),
+    (["--run", "lazy,label=a,label=b"], "option 'label' is given twice"),
+    (["--modes", "lazy", "--engine-option", "recompute=true",
+      "--engine-option", "recompute=false"],
+     "--engine-option 'recompute' is given twice"),
+    (["--run", "lazy,label="], "label= is empty"),
+    (["--run", "lazy,label= "], "label= is empty"),
+    # quality= takes no value a run spec can write (it crashed for 5, and
+    # null beside a field was dropped without a word).
+    (["--run", "lazy,quality=5"], "quality= is not a run option"),
+    (["--run", "lazy,quality=null,recompute=true"],
+     "quality= is not a run option"),
+    (["--run", "lazy,quality=null"], "quality= is not a run option"),
+    (["--modes", "lazy", "--engine-option", "quality=null"],
+     "run 'lazy': quality= is not a run option"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
   # parse_args alone: these must fail before any data or model loads.
@@ -41,6 +60,25 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
   assert info.value.code == 2
   err = capsys.readouterr().err
   assert message in err and "Traceback" not in err
+
+
+def test_a_label_is_the_text_given():
+  """A label is not JSON: true, 1.10, null and "1" stay as written (they
+  became "True", "1.1", the default label and "1")."""
+  labels = ["true", "1.10", "null", '"1"', "1", "lazy + sink", "x=y"]
+  _, runs = parse_args(["--no-progress", *[a for label in labels
+                                          for a in ("--run",
+                                                    f"lazy,label={label}")]])
+  assert [r.label for r in runs] == labels
+  assert all(r.options == {} for r in runs)
+
+
+def test_a_run_may_still_replace_a_common_option():
+  _, runs = parse_args(["--no-progress", "--modes", "lazy",
+                        "--engine-option", "decode_steps=2",
+                        "--run", "lazy,decode_steps=4,label=four"])
+  assert [(r.label, r.options) for r in runs] == [
+      ("lazy", {"decode_steps": 2}), ("four", {"decode_steps": 4})]
 
 
 # --- checks that need a model: a tiny random one with SmolLM2's tokenizer ----
@@ -143,3 +181,31 @@ def test_a_failed_run_keeps_the_report_of_the_runs_before(
   assert report["failed"].startswith("run 'broken' failed")
   assert out.with_suffix(".png").exists()
   assert "Traceback" not in capsys.readouterr().err
+
+def test_the_report_records_the_code_and_the_files_given_by_path(
+    tiny_dirs, tmp_path, monkeypatch):
+  """The report names the code's commit (None outside a git checkout) and
+  each input given by path, hashed: here the model directory's files and a
+  sink file.  The runs themselves are not what this checks: skipped."""
+  import hashlib
+  import numpy as np
+  from benchmarks import quality_loop
+  from lazyattn_jax.training.sink_file import save_sink
+  text, _ = tiny_dirs
+  sink = save_sink(tmp_path / "sink.safetensors",
+                   np.full((2, 8), 0.5, np.float32))
+  monkeypatch.setattr(quality_loop, "check_engines", lambda *a, **k: None)
+  monkeypatch.setattr(quality_loop, "run_all", lambda *a, **k: [])
+  out = tmp_path / "r.json"
+  main(_argv(text, out, "--run", f"lazy,sink={sink},label=s"))
+  report = json.loads(out.read_text())
+  sha = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()
+  assert report["code"] is None or (
+      re.fullmatch(r"[0-9a-f]{40}", report["code"]["commit"])
+      and isinstance(report["code"]["dirty"], bool))
+  assert report["files"][sink]["sha256"] == sha(sink)
+  model = report["files"][str(text)]
+  assert model["path"] == str(text)
+  assert model["files"]["config.json"]["sha256"] == sha(text / "config.json")
+  assert model["files"]["config.json"]["size"] == (text /
+                                                   "config.json").stat().st_size
