@@ -188,6 +188,12 @@ class BatchBuilder:
         self.layout.recompute_tokens * max(k - 1, 0))
     return longest <= self.max_len
 
+  def fitting_sample(self, index: int) -> TokenSample | None:
+    """The tokens of source[index], or None when its longest layout is
+    past max_len (the test `sample_at` replaces samples by)."""
+    sample = self._tokens(index)
+    return sample if self._fits(sample) else None
+
   def sample_at(self, step: int, slot: int,
                 index: int) -> tuple[int, TokenSample]:
     """(index, tokens) of the usable sample for this slot."""

@@ -209,8 +209,8 @@ def evaluation_split(source, tokenizer, vocab_size: int, layout: Layout,
   picked, index = [], len(source)
   while len(picked) < count and index > 1:
     index -= 1
-    sample = checker._tokens(index)  # pylint: disable=protected-access
-    if checker._fits(sample):  # pylint: disable=protected-access
+    sample = checker.fitting_sample(index)
+    if sample is not None:
       picked.append((index, sample))
   if len(picked) < count:
     raise TrainingInputError(
