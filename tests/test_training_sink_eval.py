@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lazyattn_jax.training import held_out
 from lazyattn_jax.training import sink as sink_mod
 from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.data import SyntheticFacts
@@ -116,21 +117,21 @@ def test_evaluation_split_walks_back_skipping_over_long_samples(trainable):
   check = BatchBuilder(source, tokenizer, VOCAB, Layout(P), batch_size=1,
                        max_len=max_len)
   fits = [check._fits(check._tokens(i)) for i in range(len(source))]
-  train_size, picked = sink_mod.evaluation_split(
+  train_size, picked = held_out.evaluation_split(
       source, tokenizer, VOCAB, Layout(P), 6, max_len)
   indices = [i for i, _ in picked]
   expected = [i for i in reversed(range(len(source))) if fits[i]][:6]
   assert indices == expected and train_size == expected[-1]
   # Fixed: the same again, and no seed involved.
-  again = sink_mod.evaluation_split(source, tokenizer, VOCAB, Layout(P), 6,
+  again = held_out.evaluation_split(source, tokenizer, VOCAB, Layout(P), 6,
                                     max_len)
   assert [i for i, _ in again[1]] == indices and again[0] == train_size
-  assert sink_mod.evaluation_split(source, tokenizer, VOCAB, Layout(P), 0,
+  assert held_out.evaluation_split(source, tokenizer, VOCAB, Layout(P), 0,
                                    max_len) == (len(source), [])
   with pytest.raises(TrainingInputError, match="held-out evaluation"):
-    sink_mod.evaluation_split(source, tokenizer, VOCAB, Layout(P),
+    held_out.evaluation_split(source, tokenizer, VOCAB, Layout(P),
                               sum(fits) + 1, max_len)
-  part = sink_mod.SourceSlice(source, 0, train_size)
+  part = held_out.SourceSlice(source, 0, train_size)
   assert len(part) == train_size and part[3] == source[3]
   with pytest.raises(IndexError):
     part[train_size]

@@ -11,7 +11,8 @@ Shared pieces: samples and sources (`data`), the training order (`order`),
 tokenization as the engine does it (`examples`), padded dense batches of
 the student's and the teacher's layouts (`batch`), the layouts the engine
 serves (`served_layout`), the forward and losses (`forward`), the
-optimizer (`optim`), sharding (`parallel`), checkpoints (`checkpoints`),
+optimizer (`optim`), sharding (`parallel`), held-out evaluation samples
+(`held_out`), checkpoints (`checkpoints`),
 export (`export`, `tokenizer_export`), model loading (`model_io`) and run
 reports (`report`).
 
