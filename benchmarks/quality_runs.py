@@ -64,7 +64,7 @@ def parse_run(spec: str, common: dict) -> Run:
   for part in rest:
     if not part:
       continue
-    key, _ = parse_option(part)
+    key, value = parse_option(part)
     if key in own or (key == "label" and label is not None):
       raise ValueError(f"--run {spec!r}: option {key!r} is given twice: "
                        f"give each option once")
@@ -74,7 +74,7 @@ def parse_run(spec: str, common: dict) -> Run:
         raise ValueError(f"--run {spec!r}: label= is empty: give the run "
                          f"a name, or leave label= out for the default")
     else:
-      own[key] = parse_value(part.partition("=")[2].strip())
+      own[key] = value
   if label is None:
     label = " ".join([mode] + [f"{k}={json.dumps(v)}" for k, v in own.items()])
   return Run(mode, {**common, **own}, label)
