@@ -195,12 +195,10 @@ class LazyEngine:
       FileNotFoundError: a model directory without its weights.
     """
     from lazyattn_jax.loading import engine_arguments
-    from lazyattn_jax.trained_quality import trained_default
     return cls(**engine_arguments(
         name_or_path, dtype=dtype, cache_config=cache_config,
         num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-        mode=mode, scheduler=scheduler, runner=runner,
-        quality=trained_default(name_or_path, mode, quality, settings),
+        mode=mode, scheduler=scheduler, runner=runner, quality=quality,
         progress=progress, mesh=mesh, tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel, settings=settings))
 

@@ -101,6 +101,7 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
                                             pop_quality_fields, split_quality,
                                             with_fields)
   from lazyattn_jax.sharding import tensor_parallel_for
+  from lazyattn_jax.trained_quality import trained_default
   dtype = check_compute_dtype(dtype)
   if cache_config is None:
     check_pool_size(num_pages, page_size)
@@ -112,11 +113,13 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
   settings = dict(settings)
   if scheduler is None:
     settings.setdefault("max_batch", 8)
-  use_default = isinstance(quality, str)
-  if use_default and quality != DEFAULT:
+  if isinstance(quality, str) and quality != DEFAULT:
     raise InvalidOptionError(f"quality must be {DEFAULT!r}, None or a "
                              f"QualityOptions, got {quality!r}")
   given = pop_quality_fields(settings)
+  # A `lazyattn finetune` export's default is the layout it was trained for.
+  quality = trained_default(name_or_path, mode, quality, given)
+  use_default = isinstance(quality, str)
   if use_default:  # what can be checked before the model (and its sink)
     takes = mode in MODES and MODES[mode].takes_quality_options
     quality = QualityOptions(recompute=takes)
