@@ -46,8 +46,9 @@
 #           the first request that reaches its output length, in both runs).
 #   wholecall - the Mosaic kernels' whole calls (plan included) against
 #           their per-layer calls: decode at B64 and B32 / ctx 8192 beside
-#           the Triton decode (one step per block with the rope in the
-#           kernel: k128s2-blocks-rope, and with the records read by the
+#           the Triton decode (the default, one step per block with the
+#           rope and its cos / sin in the kernel: k128s2-blocks-rope-compactcs;
+#           the former default k128s2-blocks-rope; with the records read by the
 #           kernel: k128s2-blocks-rope-fields; WHOLECALL_VARIANTS names
 #           others), prefill (the default, and with each segment's cos /
 #           sin in the step records: k128w2s2-qreg-csrec-sched; each kernel
@@ -197,7 +198,7 @@ for part in $parts; do
       timeout 120 python3 -m benchmarks.plan_profile --trace-dir /tmp/plan_profile --top 12 2>&1 \
         | grep -v Warning | tee "$out/plan_profile.txt" | tail -28
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.kernels --decode-only \
-        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants ${WHOLECALL_VARIANTS:-k128s2-blocks-rope,k128s2-blocks-rope-fields} --time-budget 200 \
+        --no-baselines --decode-shapes 64x8192,32x8192 --mosaic-variants ${WHOLECALL_VARIANTS:-k128s2-blocks-rope-compactcs,k128s2-blocks-rope,k128s2-blocks-rope-fields} --time-budget 200 \
         --json "$out/kernels_decode_wholecall.json" 2>&1 | grep -v Warning | grep -v "^  tune" \
         | tail -16
       timeout ${KERNELS_TIMEOUT:-240} python3 -m benchmarks.mgpu_prefill_check --skip-parity \

@@ -19,8 +19,10 @@ PREFILL_SHAPES = [("chunk128", 8, 128, 8192), ("chunk512", 4, 512, 8192),
                   ("doc2048", 4, 2048, 0)]
 
 def _blocks_rope(**fields):
-  """The 16-bit default's form (one step per block, the RoPE in the
-  kernel; `gpu_decode_mgpu.default_decode_block_sizes`) with `fields`."""
+  """One step per block, the RoPE in the kernel, with `fields`: the 16-bit
+  default's form (`gpu_decode_mgpu.default_decode_block_sizes`) before it
+  took `compact_cos_sin` (2026-12-05), so the names keep their meaning in
+  earlier results; `k128s2-blocks-rope-compactcs` is today's default."""
   return MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
                               **fields)
 
@@ -95,8 +97,9 @@ MOSAIC_DECODE_VARIANTS = {
     "k128s2-blocks-rope-l2pf": _blocks_rope(l2_prefetch=True),
     "k128s2-blocks-rope-ahead-l2pf": _blocks_rope(rotate_ahead=True,
                                                   l2_prefetch=True),
-    # The default with a rotation's cos / sin computed one value a thread
-    # (MgpuDecodeBlockSizes.compact_cos_sin); and with rotate_ahead too.
+    # With a rotation's cos / sin computed one value a thread
+    # (MgpuDecodeBlockSizes.compact_cos_sin): the 16-bit default since
+    # 2026-12-05; and with rotate_ahead too.
     "k128s2-blocks-rope-compactcs": _blocks_rope(compact_cos_sin=True),
     "k128s2-blocks-rope-compactcs-ahead": _blocks_rope(compact_cos_sin=True,
                                                        rotate_ahead=True),

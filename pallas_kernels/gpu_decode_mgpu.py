@@ -52,7 +52,9 @@ def default_decode_block_sizes(kv_dtype) -> MgpuDecodeBlockSizes:
   16-bit pools: one CTA per work item (no faster persistent), one step per
   KV block with the RoPE cos / sin computed in the kernel, so the plan is
   the page metadata reshaped (8.8 us of device time at B 64 / 8K context on
-  the H200, against 37 us for segment steps; the kernel as fast).
+  the H200, against 37 us for segment steps; the kernel as fast), a
+  rotation's cos / sin computed one value a thread (`compact_cos_sin`:
+  faster on shuffled pages).
   Float8 pools: segment steps on the persistent grid (faster there per
   layer: their steps are compute-bound, and a CTA's next item overlaps its
   drain).  The plan depends on the choice: plan with the same block sizes
@@ -60,7 +62,8 @@ def default_decode_block_sizes(kv_dtype) -> MgpuDecodeBlockSizes:
   benchmarks/RESULTS.md."""
   if is_quantized(kv_dtype):
     return MgpuDecodeBlockSizes(persistent=True)
-  return MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True)
+  return MgpuDecodeBlockSizes(steps_by_block=True, rope_in_kernel=True,
+                              compact_cos_sin=True)
 
 
 def mosaic_decode_unsupported(q_shape, q_dtype, k_shape, k_dtype,
