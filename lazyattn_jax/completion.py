@@ -9,8 +9,8 @@ a closed stream) cancels what it left running.
 
 from __future__ import annotations
 
-from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
-                                 RequestFailedError)
+from lazyattn_jax.errors import (CacheCapacityError, EngineClosedError,
+                                 InvalidRequestError, RequestFailedError)
 from pallas_kernels.sizes import ceil_div
 
 
@@ -128,7 +128,17 @@ def encode_in_batches(engine, documents, batch_size: int | None,
     for chunk in batches:
       with engine._lock:
         engine._check_open()
-        hits += engine.rounds.encode_documents(chunk)
+        try:
+          hits += engine.rounds.encode_documents(chunk)
+        except CacheCapacityError as e:
+          if not hits:
+            raise
+          # Earlier batches are in the cache: say which, so a caller can
+          # retry the rest alone.
+          raise CacheCapacityError(
+              f"{e} (documents 0-{len(hits) - 1} of the {len(token_docs)} "
+              f"given were encoded by earlier batches; from document "
+              f"{len(hits)} on, none was)") from e
       bar.update(len(chunk))
   with engine._lock:
     jax.block_until_ready(engine.rounds.state)

@@ -402,7 +402,8 @@ class LazyEngine:
     its batch was encoded (another caller may cache it meanwhile).  Each
     counts one read for eviction, as a request's listing does.
     Raises CacheCapacityError if a batch cannot fit beside what live
-    requests hold.
+    requests hold; earlier batches stay encoded, and the message says up
+    to which document.
     """
     if not self._mode.has_document_step:
       raise InvalidRequestError(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lazyattn_jax.completion import batches_that_fit
+from lazyattn_jax.errors import CacheCapacityError
 from tests.test_engine import (PAGE, greedy, make_engine,  # noqa: F401
                                model_and_config, random_tokens)
 
@@ -45,3 +46,26 @@ def test_documents_that_fit_only_one_at_a_time_are_encoded(model_and_config):
   assert engine.encode_documents(docs) == [False, False, False]
   last = engine.generate([5, 6], [docs[2]], greedy(2))
   assert last.doc_hits == [True]
+
+
+def test_a_refused_batch_names_the_documents_already_encoded(
+    model_and_config):
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(8)
+  engine = make_engine(model_and_config, num_pages=30, max_batch=4,
+                       decode_steps=2)
+  held = [random_tokens(rng, 10 * PAGE, config.vocab_size) for _ in range(2)]
+  engine.submit([5, 6], held, greedy(9))
+  engine.step()  # live: its 20 pages cannot be evicted
+  small = random_tokens(rng, 2 * PAGE, config.vocab_size)
+  big = random_tokens(rng, 12 * PAGE, config.vocab_size)
+  with pytest.raises(CacheCapacityError,
+                     match=r"documents 0-0 of the 2 given were encoded by "
+                           r"earlier batches; from document 1 on, none was"):
+    engine.encode_documents([small, big], batch_size=1)
+  # The first batch's document is cached; a batch refused first says
+  # nothing of earlier ones.
+  assert engine.encode_documents([small]) == [True]
+  with pytest.raises(CacheCapacityError) as refused:
+    engine.encode_documents([big])
+  assert "earlier batches" not in str(refused.value)
