@@ -136,7 +136,8 @@ class LazyEngine:
   @classmethod
   def from_pretrained(cls, name_or_path: str = "smollm2-135m-instruct", *,
                       dtype="float32", cache_config: CacheConfig | None = None,
-                      num_pages: int = 1024, page_size: int = 16,
+                      num_pages: int | None = None,
+                      page_size: int | None = None,
                       kv_dtype=None, mode: str = "lazy",
                       scheduler: SchedulerConfig | None = None,
                       runner: RunnerConfig | None = None,
@@ -158,8 +159,9 @@ class LazyEngine:
         qwen2 or qwen3 model.
       dtype: compute and cache dtype ("float32", "bfloat16" or
         "float16"); the weights are dequantized into it tensor by tensor.
-      cache_config: the paged pool; by default `num_pages` pages of
-        `page_size` tokens in `kv_dtype`.
+      cache_config: the paged pool; by default `num_pages` (1024) pages
+        of `page_size` (16) tokens in `kv_dtype`, which are refused beside
+        a cache_config.
       kv_dtype: None for `dtype`, or "float8_e4m3fn": float8 pages with
         per-page scales, twice the documents per byte of bfloat16
         (docs/design.md, "Float8 pages").

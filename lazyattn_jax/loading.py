@@ -58,6 +58,35 @@ def load_model(name_or_path: str, dtype, progress: bool,
                      f"gguf:{path.name}:{path.stat().st_size}")
 
 
+# from_pretrained's pool when no cache_config is given.
+DEFAULT_NUM_PAGES = 1024
+DEFAULT_PAGE_SIZE = 16
+
+
+def pool_size(cache_config, num_pages, page_size, kv_dtype) -> tuple:
+  """(num_pages, page_size) of from_pretrained's pool, defaults filled in.
+
+  Beside a `cache_config` none of the three may be given: they describe
+  the pool it replaces, and a float8 `kv_dtype` dropped without a word
+  would cost twice a bfloat16 pool's memory.  InvalidOptionError for that
+  or for a bad size (`check_pool_size`)."""
+  if cache_config is not None:
+    given = [name for name, value in (("num_pages", num_pages),
+                                      ("page_size", page_size),
+                                      ("kv_dtype", kv_dtype))
+             if value is not None]
+    if given:
+      raise InvalidOptionError(
+          f"{', '.join(given)} given beside cache_config, which replaces "
+          f"the pool they describe: set them in cache_config (num_pages, "
+          f"page_size, dtype) instead")
+    return None, None
+  num_pages = DEFAULT_NUM_PAGES if num_pages is None else num_pages
+  page_size = DEFAULT_PAGE_SIZE if page_size is None else page_size
+  check_pool_size(num_pages, page_size)
+  return num_pages, page_size
+
+
 def check_pool_size(num_pages, page_size) -> None:
   """InvalidOptionError naming `num_pages` or `page_size` unless it is an
   int >= 1: checked before the model loads, where a page size of 0 would
@@ -103,11 +132,12 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
   from lazyattn_jax.sharding import tensor_parallel_for
   from lazyattn_jax.trained_quality import trained_default
   dtype = check_compute_dtype(dtype)
+  num_pages, page_size = pool_size(cache_config, num_pages, page_size,
+                                   kv_dtype)
   if cache_config is None:
-    check_pool_size(num_pages, page_size)
     if kv_dtype is not None:
       check_pool_dtype(kv_dtype, dtype)
-  else:  # num_pages, page_size and kv_dtype do not apply
+  else:
     check_pool_dtype(cache_config.dtype, dtype,
                      pool_name="cache_config.dtype")
   settings = dict(settings)

@@ -21,6 +21,7 @@ import pathlib
 import numpy as np
 
 from lazyattn_jax.errors import InvalidOptionError
+from lazyattn_jax.loading import DEFAULT_PAGE_SIZE
 from lazyattn_jax.quality_options import DEFAULT, QualityOptions
 
 FINETUNE_METADATA = "lazyattn_finetune"
@@ -28,7 +29,7 @@ SINK_FILE = "lazyattn_sink.safetensors"
 # from_pretrained's default page size.  The engine recomputes whole pages
 # (QualityOptions.tokens_to_recompute), so the fine-tuning command trains
 # only a k that this page size serves.
-SERVED_PAGE_SIZE = 16
+SERVED_PAGE_SIZE = DEFAULT_PAGE_SIZE
 # How to serve an export whose trained preamble cannot be read.
 _NAME_THE_PREAMBLE = ("name a preamble (from_pretrained's sink= or "
                       "preamble=, or quality=; lazyattn rag's --sink FILE or "

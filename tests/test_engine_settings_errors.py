@@ -79,9 +79,23 @@ def test_a_given_cache_config_in_another_dtype_is_refused():
                      match=r"^cache_config.dtype bfloat16 does not match "
                            r"dtype float32"):
     build(cache_config=_cache("bfloat16"))
-  # num_pages and page_size do not apply with a cache_config of its own.
-  with pytest.raises(UnknownModelError):
-    build(cache_config=_cache("float8_e4m3fn"), page_size=0)
+  with pytest.raises(UnknownModelError):  # past the checks
+    build(cache_config=_cache("float8_e4m3fn"))
+
+
+@pytest.mark.parametrize("given", [
+    dict(kv_dtype="float8_e4m3fn"), dict(kv_dtype="float32"),
+    dict(num_pages=64), dict(page_size=0), dict(page_size=16),
+    dict(num_pages=64, kv_dtype="float8_e4m3fn")])
+def test_pool_settings_beside_a_cache_config_are_refused(given):
+  # They describe the pool cache_config replaces; they were dropped without
+  # a word, so kv_dtype="float8_e4m3fn" served a float32 pool.
+  with pytest.raises(InvalidOptionError) as caught:
+    build(cache_config=_cache("float32"), **given)
+  assert str(caught.value) == (
+      f"{', '.join(given)} given beside cache_config, which replaces the "
+      f"pool they describe: set them in cache_config (num_pages, page_size, "
+      f"dtype) instead")
 
 
 def test_check_matches_model_checks_the_compute_dtype_when_given():

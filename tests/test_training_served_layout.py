@@ -5,7 +5,6 @@ an export in the layout it was trained for unless told otherwise
 (lazyattn_jax/trained_quality.py, training/served_layout.py)."""
 
 import dataclasses
-import inspect
 import json
 
 import numpy as np
@@ -119,10 +118,8 @@ def test_unservable_layouts_are_refused_before_training(tmp_path, model_dir,
   assert "--recompute-tokens 8 cannot be served" in err[0]
   assert "multiple of 16" in err[0]
   # 16 is the page size from_pretrained serves by default.
-  from lazyattn_jax import LazyEngine
   from lazyattn_jax.trained_quality import SERVED_PAGE_SIZE
-  assert SERVED_PAGE_SIZE == inspect.signature(
-      LazyEngine.from_pretrained).parameters["page_size"].default == 16
+  assert _engine(model_dir).page_size == SERVED_PAGE_SIZE == 16
   trainable = from_model(Llama(tiny_config(), rngs=nnx.Rngs(0)),
                          tiny_tokenizer())
   source = SyntheticFacts(4, 2, seed=1)
