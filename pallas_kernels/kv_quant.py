@@ -36,9 +36,14 @@ def power_of_two_scale(amax):
   """float32 scale 2^ceil(log2(amax / FP8_MAX)), 0 where amax is 0.
 
   `amax / scale <= FP8_MAX` always holds, so quantizing never saturates.
+  The scale is at least float32's smallest normal number: below it
+  `amax / FP8_MAX` may be flushed to 0 (XLA on CPU does), which gave a
+  scale of 1, and a page's scale never shrinks.  An infinite amax is not
+  a case this rule serves (it gives a scale of 1).
   """
   amax = jnp.asarray(amax, jnp.float32)
-  mantissa, exponent = jnp.frexp(amax / FP8_MAX)  # mantissa in [0.5, 1)
+  quotient = jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny)
+  mantissa, exponent = jnp.frexp(quotient)  # mantissa in [0.5, 1)
   # An exact power of two (mantissa 0.5) is its own ceiling.
   exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
   scale = jnp.ldexp(jnp.ones_like(amax), exponent)

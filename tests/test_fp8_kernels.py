@@ -29,6 +29,7 @@ from jax import export
 from pallas_kernels import RopeConfig, lazy_attention, lazy_attention_reference
 from pallas_kernels.gpu_decode import lazy_decode_gpu
 from pallas_kernels.gpu_prefill import lazy_prefill_gpu
+from models.quantized_pool import write_quantized_rows
 from pallas_kernels.kv_quant import (FP8_DTYPE, FP8_MAX, dequantize_pages,
                                      power_of_two_scale, quantize)
 from pallas_kernels.testing import (contract_specs, make_case, numpy_truth,
@@ -138,6 +139,28 @@ def test_scale_rule_is_a_power_of_two_that_never_saturates():
   back = np.asarray(quantize(values, s).astype(jnp.float32) * s)
   np.testing.assert_allclose(back, np.asarray(values), rtol=2.0**-4)
   assert np.all(np.asarray(quantize(values, 0.0).astype(jnp.float32)) == 0)
+
+
+def test_scale_rule_below_float32s_normal_range():
+  # amax / 448 under float32's smallest normal was flushed to 0 on CPU and
+  # gave a scale of 1, which a page then kept: a later token of 0.005-0.01
+  # in it read back 17% off.  (A subnormal amax is itself flushed to 0.)
+  tiny = np.finfo(np.float32).tiny
+  amax = jnp.asarray([1e-35, 4e-36, 1e-37, 2e-38], jnp.float32)
+  scale = np.asarray(power_of_two_scale(amax))
+  np.testing.assert_array_equal(scale[1:], tiny)
+  assert scale[0] == 2.0**-125 and np.all(np.asarray(amax) / scale <= FP8_MAX)
+  pages = jnp.zeros((1, 4, 8), jnp.uint8)
+  scales = jnp.zeros((1, 1), jnp.float32)
+  pages, scales = write_quantized_rows(
+      pages, scales, jnp.array([0], jnp.int32),
+      jnp.full((1, 1, 8), 4e-36, jnp.float32), 4)
+  later = jnp.linspace(0.005, 0.01, 8, dtype=jnp.float32)[None, None]
+  pages, scales = write_quantized_rows(pages, scales, jnp.array([1], jnp.int32),
+                                       later, 4)
+  back = np.asarray(jax.lax.bitcast_convert_type(pages, FP8_DTYPE)
+                    .astype(jnp.float32)[0, 1] * scales[0, 0])
+  np.testing.assert_allclose(back, np.asarray(later[0, 0]), rtol=2.0**-4)
 
 
 def _fp8_args(**sizes):
