@@ -66,8 +66,10 @@ class SchedulerConfig:
       recomputed pages, full mode's prompts) longer than this go in chunks
       of at most this many tokens, in successive prefill calls, so no call
       holds a whole long prompt (with `decode_during_prefill`, running
-      requests decode in each).  Prefix mode keeps prompts whole (a request
-      may read what an earlier one of its round writes).  None: no chunks.
+      requests decode in each).  A chunk is at most `max_prefill_tokens`
+      too, so a call keeps its budget (`chunk_tokens`).  Prefix mode keeps
+      prompts whole (a request may read what an earlier one of its round
+      writes).  None: no chunks.
   """
 
   max_batch: int = 16
@@ -103,6 +105,14 @@ class SchedulerConfig:
     from them; `SchedulerConfig()` keeps the plain rounds (most tokens/s).
     """
     return cls(**{**INTERACTIVE_SETTINGS, **overrides})
+
+  @property
+  def chunk_tokens(self) -> int | None:
+    """The prefill chunk size in effect: `prefill_chunk_tokens`, at most
+    one call's budget `max_prefill_tokens` (None: no chunks)."""
+    if self.prefill_chunk_tokens is None:
+      return None
+    return min(self.prefill_chunk_tokens, self.max_prefill_tokens)
 
   @property
   def group_tokens(self) -> int:

@@ -174,7 +174,7 @@ class RoundExecutor:
     # A request may read pages an earlier one of the round writes when the
     # order is kept (prefix mode), so those prefills are never cut.
     chunk_tokens = (None if keep_order else
-                    self.scheduler.config.prefill_chunk_tokens)
+                    self.scheduler.config.chunk_tokens)
     pieces = [prefill_chunks(r.layout.row, r.layout.prefill, chunk_tokens)
               for r in requests]
     fetches = []
@@ -208,11 +208,11 @@ class RoundExecutor:
   def _encode(self, jobs, riders: bool = True):
     """Prefills cache entries (layout.EncodeJob), each alone or after the
     preamble: a preamble first, then the documents that read it.  Entries
-    longer than `prefill_chunk_tokens` go in chunks: every entry's first
-    chunk, then every second chunk, and so on, each wave in its own calls.
-    `riders=False` keeps running requests from decoding alongside (the
-    encoding between rounds)."""
-    chunk_tokens = self.scheduler.config.prefill_chunk_tokens
+    longer than the chunk size (`SchedulerConfig.chunk_tokens`) go in
+    chunks: every entry's first chunk, then every second chunk, and so on,
+    each wave in its own calls.  `riders=False` keeps running requests from
+    decoding alongside (the encoding between rounds)."""
+    chunk_tokens = self.scheduler.config.chunk_tokens
     page_size = self.cache_config.page_size
     for phase in sorted({job.phase for job in jobs}):
       phase_jobs = [job for job in jobs if job.phase == phase]

@@ -111,6 +111,33 @@ def test_chunked_prefill_gives_the_same_tokens(model_and_config, mode,
       4 if mode in ("lazy", "block") else 0)
 
 
+@pytest.mark.parametrize("riding", [False, True])
+def test_a_chunk_larger_than_the_call_budget_is_cut_to_it(model_and_config,
+                                                         riding, monkeypatch):
+  # Chunks of 12 under a budget of 4 tokens a call ran whole, so lowering
+  # max_prefill_tokens (as `interactive(max_prefill_tokens=...)` and
+  # `lazyattn serve --max-prefill-tokens` do) did not shorten the calls.
+  _, config, _ = model_and_config
+  want = _run(make_engine(model_and_config), config.vocab_size)
+  engine = make_engine(model_and_config, prefill_chunk_tokens=12,
+                       max_prefill_tokens=4, decode_during_prefill=riding)
+  call_tokens = []
+  for name in ("_run_prefill", "mixed_step"):
+    original = getattr(engine.runner, name)
+
+    def recorded(state, *args, _original=original, _name=name, **kwargs):
+      plans = args[1] if _name == "_run_prefill" else args[3]
+      call_tokens.append(sum(len(p) for p in plans))
+      return _original(state, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, name, recorded)
+  assert _run(engine, config.vocab_size) == want
+  assert max(call_tokens) == 4
+  assert SchedulerConfig.interactive(max_prefill_tokens=64).chunk_tokens == 64
+  assert SchedulerConfig(prefill_chunk_tokens=8).chunk_tokens == 8
+  assert SchedulerConfig().chunk_tokens is None
+
+
 def test_the_chunk_size_must_be_positive():
   with pytest.raises(ValueError, match="prefill_chunk_tokens must be an int"):
     SchedulerConfig(prefill_chunk_tokens=0)
