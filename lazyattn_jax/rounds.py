@@ -279,17 +279,22 @@ class RoundExecutor:
     them), for the riders still live; a failure to read them fails the
     riders."""
     run, self._riders_run = self._riders_run, None
-    if run is None or not run.steps:
-      return
-    live = {id(r) for r in self.scheduler.live}
     try:
-      collected = run.collect()
+      self._record_riders(run)
     except BaseException as error:
+      live = {id(r) for r in self.scheduler.live}
       self._fail([r for r in run.requests if id(r) in live], error,
                  prefilled=True)
       if not isinstance(error, Exception):
         raise
+
+  def _record_riders(self, run):
+    """Records the tokens `run`'s riders drew, for those still live; raises
+    what reading them raises, having recorded nothing."""
+    if run is None or not run.steps:
       return
+    live = {id(r) for r in self.scheduler.live}
+    collected = run.collect()
     now = time.perf_counter()
     for requests, tokens, emitted, done in collected:
       rows = [b for b, r in enumerate(requests) if id(r) in live]
@@ -323,7 +328,11 @@ class RoundExecutor:
     logger.error("%d request(s) failed: %s: %s", len(requests),
                  type(error).__name__, error)
     if pool_lost(self.state):
-      self._riders_run = None  # everyone fails below, riders included
+      run, self._riders_run = self._riders_run, None
+      try:  # the riders' tokens so far are not in the pool
+        self._record_riders(run)
+      except Exception as unreadable:  # then the riders fail below too
+        logger.error("riders' tokens unreadable: %s", unreadable)
       # Finished requests need no KV: they end as they would have.
       self.scheduler.take_finished(self.state, release=False)
       failed = {id(r) for r in requests}

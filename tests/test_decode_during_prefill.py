@@ -156,6 +156,44 @@ def test_riders_whose_tokens_cannot_be_read_fail_alone(model_and_config,
   assert results[second].token_ids == alone.token_ids
 
 
+def test_a_rider_done_before_the_pool_is_lost_ends_as_it_would_have(
+    model_and_config, monkeypatch):
+  """A mixed step that loses the pool fails every live request, but a
+  rider whose last token an earlier mixed step of the round drew ends with
+  its tokens (they are not in the pool): it used to fail with the rest."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(1)
+  engine = make_engine(model_and_config, decode_during_prefill=True,
+                       prefill_chunk_tokens=2, decode_steps=4)
+  query, doc = (random_tokens(rng, 3, config.vocab_size),
+                random_tokens(rng, 4, config.vocab_size))
+  rider = engine.submit(query, [doc], greedy(6))
+  engine.step()
+  assert len(engine.tokens_so_far(rider)) == 5  # its last in the next call
+  calls, original = [], engine.runner.mixed_step_async
+
+  def loses_the_pool_at_the_fifth_call(state, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 5:
+      state.k.delete()
+      state.v.delete()
+      raise RuntimeError("device fault after donation")
+    return original(state, *args, **kwargs)
+
+  monkeypatch.setattr(engine.runner, "mixed_step_async",
+                      loses_the_pool_at_the_fifth_call)
+  second = engine.submit(random_tokens(rng, 3, config.vocab_size),
+                         [random_tokens(rng, 16, config.vocab_size)],
+                         greedy(3))
+  results = {}
+  while engine.has_work():
+    results.update({r.request_id: r for r in engine.step()})
+  assert results[second].finish_reason == "error"
+  assert results[rider].finish_reason == "length"
+  alone = make_engine(model_and_config).generate(query, [doc], greedy(6))
+  assert results[rider].token_ids == alone.token_ids
+
+
 def test_the_option_must_be_a_bool():
   with pytest.raises(ValueError, match="decode_during_prefill must be a bool"):
     SchedulerConfig(decode_during_prefill="yes")
