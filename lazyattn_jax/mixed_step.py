@@ -263,8 +263,9 @@ def run_mixed_step(runner, state, riders: DecodeRiders | None, rows, plans,
           vocab_limit=runner.vocab_limit, **sampled))
   if riders is not None:
     riders.advanced(carry, nxt, live)
-  for array in (prefill_logits, first):
-    array.copy_to_host_async()
+  if any(ends_query):  # only a query's last chunk has a token to read
+    for array in (prefill_logits, first):
+      array.copy_to_host_async()
   n_p = len(rows)
 
   def fetch():
