@@ -108,7 +108,7 @@ def runs_from_args(args) -> list[Run]:
     if run.mode not in MODES:
       raise ValueError(f"mode must be one of {tuple(MODES)}, got {run.mode!r}")
     try:  # bad options fail before any work
-      check_run(run, args.page_size)
+      check_run(run, args.page_size, args.dtype)
     except (ValueError, TypeError) as err:
       kind = TypeError if isinstance(err, TypeError) else ValueError
       raise kind(f"run {run.label!r}: {err}") from None
@@ -129,13 +129,15 @@ def check_model_name(name: str) -> None:
     resolve_model_path(str(name))
 
 
-def check_run(run: Run, page_size: int) -> None:
+def check_run(run: Run, page_size: int, compute_dtype: str = "float32"
+              ) -> None:
   """What can be checked of a run before any model loads, so that a bad
   later run fails before the earlier ones spend their time: its options
   are taken by someone (`route_options`), each config takes its values,
-  its mode takes its quality options, and its model= names a model.
+  a pool dtype= serves the models' `compute_dtype` (--dtype), its mode
+  takes its quality options, and its model= names a model.
   Raises ValueError (InvalidOptionError, UnknownModelError) or TypeError."""
-  from lazyattn_jax.cache_config import CacheConfig
+  from lazyattn_jax.cache_config import CacheConfig, check_pool_dtype
   from lazyattn_jax.config import split_settings
   from lazyattn_jax.modes import check_quality
   cache, settings, extra = route_options(run.options)
@@ -144,6 +146,9 @@ def check_run(run: Run, page_size: int) -> None:
   dataclasses.replace(CacheConfig(
       num_pages=1, page_size=page_size, num_layers=1, num_kv_heads=1,
       head_dim=1, dtype="float32", max_pages_per_doc=1), **cache)
+  if "dtype" in cache:
+    check_pool_dtype(cache["dtype"], compute_dtype, pool_name="dtype",
+                     compute_name="--dtype")
   split_settings(None, None, settings)
   check_quality(run.mode, cache.get("page_size", page_size),
                 extra.get("quality"))
@@ -173,6 +178,9 @@ def route_options(options: dict) -> tuple[dict, dict, dict]:
         "quality= is not a run option: a run has no quality options unless "
         "it gives them, by field: preamble=, sink=, recompute=, "
         "recompute_tokens= (QualityOptions)")
+  if "mesh" in options:  # JSON writes no jax.sharding.Mesh
+    raise TypeError("mesh= is not a run option: a run spec cannot write a "
+                    "Mesh; give tensor_parallel=N")
   options = {k: v for k, v in options.items() if k != "model"}  # run_all's
   cache = {k: v for k, v in options.items() if k in cache_fields}
   settings = {k: v for k, v in options.items() if k in setting_fields}

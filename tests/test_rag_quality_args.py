@@ -44,6 +44,13 @@ from benchmarks.rag_quality import main, parse_args
      "--engine-option 'recompute' is given twice"),
     (["--run", "lazy,label="], "label= is empty"),
     (["--run", "lazy,label= "], "label= is empty"),
+    # Refused only when the run's engine was built, after the runs before
+    # it had spent their time.
+    (["--run", "lazy,dtype=float16"],
+     "dtype float16 does not match --dtype float32"),
+    (["--dtype", "bfloat16", "--run", "lazy,dtype=float32"],
+     "dtype float32 does not match --dtype bfloat16"),
+    (["--run", "lazy,mesh=1"], "mesh= is not a run option"),
     # quality= takes no value a run spec can write (it crashed for 5, and
     # null beside a field was dropped without a word).
     (["--run", "lazy,quality=5"], "quality= is not a run option"),
