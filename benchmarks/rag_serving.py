@@ -106,7 +106,8 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
       prefill_tokens_computed=engine.stats.prefill_tokens_computed,
       kv_pages_written_for_cached_docs=engine.stats.kv_pages_written_for_cached_docs,
       peak_pages_used=engine.stats.peak_pages_used,
-      decode_tok_s=(engine.stats.generated_tokens /
+      # Decode loops alone: riders' tokens in mixed steps take no loop time.
+      decode_tok_s=(engine.stats.decode_loop_tokens /
                     max(engine.stats.decode_seconds, 1e-9)),
       compiles_total=engine.compile_count,
       **extra)

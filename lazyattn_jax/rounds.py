@@ -33,6 +33,11 @@ class EngineStats:
   preamble, requests' recomputed first pages and queries.
   `kv_pages_written_for_cached_docs` counts pages written per request from
   cached documents' KV (Block-Attention's copies; 0 in lazy mode).
+  `generated_tokens` counts every token decoded after the first, in decode
+  loops and, with decode during prefill, in mixed steps (`mixed_steps`);
+  `decode_steps`, `decode_loop_tokens` and `decode_seconds` count the
+  decode loops alone, so `decode_seconds / decode_steps` is a loop step's
+  time and `decode_loop_tokens / decode_seconds` their rate.
   """
   prefill_tokens_computed: int = 0
   documents_prefilled: int = 0
@@ -42,6 +47,8 @@ class EngineStats:
   decode_steps: int = 0
   generated_tokens: int = 0
   decode_seconds: float = 0.0  # wall time inside decode loops (device synced)
+  decode_loop_tokens: int = 0
+  mixed_steps: int = 0  # prefill calls that carried decode rows
 
 
 class RoundExecutor:
@@ -271,7 +278,7 @@ class RoundExecutor:
           riders, self.scheduler.config.max_batch, previous=run)
     self.state, fetch = self.runner.mixed_step_async(
         self.state, run, rows, plans, samplings, ends_query)
-    self.stats.decode_steps += 1
+    self.stats.mixed_steps += 1
     return fetch
 
   def _collect_riders(self):
@@ -319,8 +326,9 @@ class RoundExecutor:
     now = time.perf_counter()
     self.stats.decode_seconds += now - started
     self.stats.decode_steps += steps
-    self.stats.generated_tokens += self.scheduler.record_decode(
-        decoding, out, emitted, done, now)
+    tokens = self.scheduler.record_decode(decoding, out, emitted, done, now)
+    self.stats.generated_tokens += tokens
+    self.stats.decode_loop_tokens += tokens
 
   def _fail(self, requests, error: BaseException, prefilled: bool = False):
     """Takes failed requests out; rebuilds the cache if its pool was lost

@@ -56,6 +56,40 @@ def test_riders_give_the_same_tokens_and_decode_during_prefill(
                                        for r in mixed.values())
 
 
+def test_riders_steps_and_tokens_are_counted_apart_from_decode_loops(
+    model_and_config):
+  """decode_seconds times the decode loops alone: mixed steps counted as
+  loop steps, and riders' tokens as loop tokens, made a loop step look
+  shorter and the loops' tokens/s higher the more mixed steps ran."""
+  _, config, _ = model_and_config
+  engine = make_engine(model_and_config, decode_during_prefill=True)
+  calls = {"loop_steps": 0, "mixed": 0}
+  decode_async, mixed_async = (engine.runner.decode_async,
+                               engine.runner.mixed_step_async)
+
+  def counted_decode(state, decoding, batch, steps):
+    calls["loop_steps"] += steps
+    return decode_async(state, decoding, batch, steps)
+
+  def counted_mixed(*args, **kwargs):
+    calls["mixed"] += 1
+    return mixed_async(*args, **kwargs)
+
+  engine.runner.decode_async = counted_decode
+  engine.runner.mixed_step_async = counted_mixed
+  results, _ = _scenario(engine, config.vocab_size)
+  stats = engine.stats
+  assert (stats.decode_steps, stats.mixed_steps) == (calls["loop_steps"],
+                                                     calls["mixed"])
+  assert calls["mixed"] > 0
+  riders = stats.generated_tokens - stats.decode_loop_tokens
+  assert 0 < riders <= calls["mixed"] * engine.scheduler_config.max_batch
+  plain = make_engine(model_and_config)
+  _scenario(plain, config.vocab_size)
+  assert plain.stats.decode_loop_tokens == plain.stats.generated_tokens
+  assert plain.stats.mixed_steps == 0
+
+
 def test_riders_that_change_within_a_round_stay_on_the_device(
     model_and_config, monkeypatch):
   """A round of four first-token groups while A runs: A rides from the
