@@ -378,16 +378,22 @@ class LazyEngine:
     return stream_text(self, request, time.perf_counter())
 
   # --- scheduling ------------------------------------------------------------------
-  def step(self) -> list[GenerationResult]:
+  def step(self, on_first_tokens=None) -> list[GenerationResult]:
     """One scheduling round: admit and prefill new requests, decode, retire.
 
     Returns the requests that ended in it or since the last step
     (including failed and cancelled ones), less those `pop_result` took.
+    `on_first_tokens()`, if given, runs in this call once the round's new
+    requests have their first tokens (`tokens_so_far` shows them) and its
+    decode loop is on the device, before the step waits for that loop: a
+    caller that streams can send first tokens then, a loop earlier than
+    after the step (each result's `ttft_s` is that moment).  What it raises
+    is logged, not raised.
     """
     with self._lock:
       self._check_open()
       cancel_abandoned(self)
-      results = self.rounds.step()
+      results = self.rounds.step(on_first_tokens)
       cancel_abandoned(self)  # streams dropped in it (by the GC, say)
       return results
 

@@ -110,13 +110,14 @@ class Lockstep:
     self._calls.append(("cancel", request_id))
     return self.engine.cancel(request_id)
 
-  def step(self):
+  def step(self, on_first_tokens=None):
     """Sends this round's calls, then runs the round on every process;
-    returns the leader's results."""
+    returns the leader's results (`on_first_tokens` as for
+    `LazyEngine.step`, on the leader)."""
     self._leader_only("step")
     self._send(self._calls)
     self._calls = []
-    return self.engine.step()
+    return self.engine.step(on_first_tokens)
 
   def encode_documents(self, documents) -> list[bool]:
     """Encodes documents on every process now (calls made before it are

@@ -76,15 +76,20 @@ class RoundExecutor:
   def _budget(self) -> int:
     return self.scheduler.config.max_prefill_tokens
 
-  def step(self):
-    """One round; returns the results of the requests that ended in it."""
+  def step(self, on_first_tokens=None):
+    """One round; returns the results of the requests that ended in it.
+    `on_first_tokens()` runs once the round's new requests have their first
+    tokens, while its decode loop runs on the device (`LazyEngine.step`)."""
     self.state, new = self.scheduler.admit(self.state)
     if new:
       self._prefill_round(new)
     self.note_pages_used()
+    notify = on_first_tokens if new else None
     decoding = self.scheduler.decoding()
     if decoding:
-      self._decode(decoding)
+      self._decode(decoding, notify)
+    elif notify is not None:
+      _call_logged(notify)
     self.state, results = self.scheduler.retire(self.state)
     return results
 
@@ -309,7 +314,7 @@ class RoundExecutor:
           [requests[b] for b in rows], tokens[rows], emitted[rows],
           done[rows], now)
 
-  def _decode(self, decoding):
+  def _decode(self, decoding, before_wait=None):
     cfg = self.scheduler.config
     steps = cfg.loop_steps(min(
         r.request.sampling.max_new_tokens - len(r.tokens) for r in decoding))
@@ -317,6 +322,8 @@ class RoundExecutor:
     try:
       self.state, fetch = self.runner.decode_async(
           self.state, decoding, cfg.max_batch, steps)
+      if before_wait is not None:  # the host is free while the loop runs
+        _call_logged(before_wait)
       out, emitted, done = fetch()
     except BaseException as error:
       self._fail(decoding, error, prefilled=True)
@@ -378,3 +385,12 @@ class RoundExecutor:
 def pool_lost(state) -> bool:
   """Whether a donated step consumed the pool without returning a new one."""
   return state.k.is_deleted() or state.v.is_deleted()
+
+
+def _call_logged(callback):
+  """Runs a caller's callback inside a round: what it raises is logged,
+  never raised, since the round must still record its work."""
+  try:
+    callback()
+  except Exception:  # noqa: BLE001
+    logger.exception("on_first_tokens raised; the round goes on")

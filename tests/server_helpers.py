@@ -54,9 +54,9 @@ def slow_down(engine, seconds: float):
   while requests are queued or mid-generation)."""
   step = engine.step
 
-  def slow_step():
+  def slow_step(**kwargs):
     time.sleep(seconds)
-    return step()
+    return step(**kwargs)
   engine.step = slow_step
 
 

@@ -23,12 +23,12 @@ def _slow_first_round(engine, seconds: float) -> threading.Event:
   started, step = threading.Event(), engine.step
   rounds = []
 
-  def step_slowly_once():
+  def step_slowly_once(**kwargs):
     if not rounds:
       rounds.append(1)
       started.set()
       time.sleep(seconds)
-    return step()
+    return step(**kwargs)
   engine.step = step_slowly_once
   return started
 
@@ -76,10 +76,10 @@ def test_a_request_that_failed_in_the_engine_is_no_rejection(text_model):
       raise RuntimeError("injected layout fault")
     return layout(request, admission)
 
-  def failing_step():
+  def failing_step(**kwargs):
     if faults["step"]:
       raise RuntimeError("injected step fault")
-    return step()
+    return step(**kwargs)
   engine._mode.layout, engine.step = failing_layout, failing_step
   with serving(engine) as (_app, url):
     before = _counts(url)

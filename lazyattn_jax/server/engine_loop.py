@@ -283,7 +283,8 @@ class EngineLoop:
 
   def _step(self):
     try:
-      results = self.engine.step()
+      # First tokens go out while the round's decode loop runs, not after.
+      results = self.engine.step(on_first_tokens=self._post_new_tokens)
     except Exception as error:  # noqa: BLE001 - step handles request faults
       logger.exception("engine.step() failed")
       self._fail_all(error)
@@ -293,14 +294,19 @@ class EngineLoop:
       handle = self._active.pop(result.request_id, None)
       if handle is not None:
         self._finish(handle, result)
+    for request_id in self._post_new_tokens():
+      self._end_now(request_id)
+
+  def _post_new_tokens(self) -> list[int]:
+    """Posts every active request's tokens not yet sent; returns the ids of
+    those whose stop string has come (to end once the round is over)."""
     stopped = []
     for request_id, handle in self._active.items():
       if handle.wants_tokens or handle.output is not None:
         self._take_tokens(handle, self.engine.tokens_so_far(request_id))
         if handle.output is not None and handle.output.stopped:
           stopped.append(request_id)
-    for request_id in stopped:
-      self._end_now(request_id)
+    return stopped
 
   def _take_tokens(self, handle: RequestHandle, tokens, final: bool = False):
     """Feeds the handle the tokens past `handle.sent` (up to a stop
