@@ -85,13 +85,19 @@ def run_trace(engine, trace: Trace, args, progress=None):
 
 
 def summarize(mode, engine, results, seconds, extra) -> dict:
+  """The row of one mode's run.  Failed and cancelled requests are counted
+  (`failed`) and left out of every other figure: their ttft_s is 0."""
+  failed = sum(r.finish_reason not in ("stop", "length") for r in results)
+  results = [r for r in results if r.finish_reason in ("stop", "length")]
+  if not results:
+    raise RuntimeError(f"{mode}: all {failed} requests failed")
   ttft = np.array([r.ttft_s for r in results])
   tpot = np.array([r.decode_time_per_token_s for r in results
                    if len(r.token_ids) > 1])
   hits = [h for r in results for h in r.doc_hits]
   tokens = sum(len(r.token_ids) for r in results)
   return dict(
-      mode=mode, requests=len(results), seconds=seconds,
+      mode=mode, requests=len(results), failed=failed, seconds=seconds,
       ttft_p50_s=float(np.percentile(ttft, 50)),
       ttft_p90_s=float(np.percentile(ttft, 90)),
       ttft_p99_s=float(np.percentile(ttft, 99)),

@@ -379,6 +379,7 @@ class RoundExecutor:
       self.state = before.replace(k=self.state.k, v=self.state.v)
       raise
     self.state = cache.finish(self.state, admission)
+    self.note_pages_used()
     return mode.doc_hits(None, admission)
 
 

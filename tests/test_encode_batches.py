@@ -69,3 +69,13 @@ def test_a_refused_batch_names_the_documents_already_encoded(
   with pytest.raises(CacheCapacityError) as refused:
     engine.encode_documents([big])
   assert "earlier batches" not in str(refused.value)
+
+
+def test_encoding_documents_counts_toward_the_peak_pages(model_and_config):
+  # Only step() noted the pages in use, so a pool filled by
+  # encode_documents alone reported a peak of 0.
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(9)
+  engine = make_engine(model_and_config, num_pages=30)
+  engine.encode_documents([random_tokens(rng, 12 * PAGE, config.vocab_size)])
+  assert engine.stats.peak_pages_used == 12

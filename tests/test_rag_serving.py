@@ -240,3 +240,24 @@ def _serving_runs(tmp_path, *args) -> dict:
   subprocess.run(cmd, check=True, timeout=600,
                  cwd=pathlib.Path(__file__).resolve().parents[1])
   return {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+
+
+def test_failed_requests_are_counted_and_left_out_of_the_figures():
+  # A failed request's ttft_s is 0: it pulled the TTFT percentiles down
+  # and counted in requests/s and the hit rate, with no sign in the row.
+  from types import SimpleNamespace as Result
+  from benchmarks.rag_serving import summarize
+  from lazyattn_jax.rounds import EngineStats
+  ok = Result(finish_reason="length", ttft_s=2.0, decode_time_per_token_s=0.1,
+              token_ids=[1, 2, 3], doc_hits=[True],
+              prefill_tokens_before_first_token=5)
+  failed = Result(finish_reason="error", ttft_s=0.0,
+                  decode_time_per_token_s=0.0, token_ids=[], doc_hits=[False],
+                  prefill_tokens_before_first_token=0)
+  engine = Result(stats=EngineStats(), compile_count=0)
+  row = summarize("lazy", engine, [ok, failed], 1.0, {})
+  assert (row["requests"], row["failed"]) == (1, 1)
+  assert row["ttft_p50_s"] == 2.0 and row["doc_hit_rate"] == 1.0
+  assert row["throughput_tok_s"] == 3.0
+  with pytest.raises(RuntimeError, match="all 1 requests failed"):
+    summarize("lazy", engine, [failed], 1.0, {})
