@@ -145,3 +145,23 @@ def test_dependent_ops_leave_the_plan_and_launch_apart(count):
                                   records).compile().as_text()
   entry = hlo[hlo.index("ENTRY"):]
   assert entry.count(" fusion(") == count + 1  # the reductions, the last add
+
+
+def test_the_split_cudnn_rows_keys_are_the_context_and_the_chunk():
+  # "cudnn-split" times cuDNN on the chunk's own problem: the context's
+  # keys unmasked and the chunk's own keys causal.
+  from benchmarks.mgpu_prefill_cases import build_inputs
+  from benchmarks.mgpu_prefill_check import dense_split
+  from benchmarks.kernel_cases import dense_from_pages
+  context, q_len = 64, 32
+  inputs = build_inputs(jax.random.PRNGKey(0), np.random.default_rng(0),
+                        batch=2, q_len=q_len, context=context)
+  table, pos = inputs[3], np.asarray(inputs[4])
+  k_ctx, v_ctx, k_chunk, v_chunk = dense_split(inputs[8], inputs[9], context)
+  chunk_pages = pos[0] >= context
+  assert chunk_pages.sum() * 16 == q_len and not chunk_pages[:-2].any()
+  np.testing.assert_array_equal(
+      k_chunk, dense_from_pages(inputs[1], table[:, chunk_pages]))
+  np.testing.assert_array_equal(
+      v_ctx, dense_from_pages(inputs[2], table[:, ~chunk_pages]))
+  assert k_ctx.shape[1] == context and v_chunk.shape[1] == q_len
