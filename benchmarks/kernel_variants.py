@@ -49,8 +49,11 @@ PREFILL_VARIANTS = {
 }
 
 # Mosaic GPU decode tiles, each timed at every decode shape beside the
-# Triton kernel (the default is the first; --mosaic-variants picks some).
+# Triton kernel (--mosaic-variants picks some; --quick times the first).
 MOSAIC_DECODE_VARIANTS = {
+    # What lazy_attention runs: default_decode_block_sizes for the pool's
+    # dtype (for 16-bit pools the tiles of k128s2-blocks-rope-compactcs).
+    "default": None,
     "k128s2": MgpuDecodeBlockSizes(),
     "k64s4": MgpuDecodeBlockSizes(block_kv=64, num_stages=4),
     "k128s2-nofast": MgpuDecodeBlockSizes(mask_fast_path=False),

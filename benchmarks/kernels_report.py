@@ -51,8 +51,11 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
   out(f"chosen variants: decode {decode_variant}, prefill {prefill_variant}")
   out("bars (issue 2), judged on the chosen variants:")
   verdict = lambda ok: "PASS" if ok else "MISS"
+  # The Triton decode's bars only where its rows ran (not with
+  # --no-triton-decode or --prefill-only): absent rows are no MISS.
+  triton_shapes = decode_shapes if decode_variant else []
   ratios, speedups = [], []
-  for batch, context in decode_shapes:
+  for batch, context in triton_shapes:
     shape = decode_shape_name(batch, context)
     lazy = find_result(results, "decode", shape, f"lazy[{decode_variant}]")
     shift0 = find_result(results, "decode", shape, f"lazy-shift0[{decode_variant}]")
@@ -61,13 +64,17 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
                    if lazy and shift0 else None))
     speedups.append((shape, paged.seconds / lazy.seconds
                      if lazy and paged else None))
-  if ratios and all(r is not None for _, r in ratios):
+  if not triton_shapes:
+    pass
+  elif all(r is not None for _, r in ratios):
     worst = max(ratios, key=lambda x: x[1])
     out(f"  lazy / shift-0 time <= 1.05 at every decode shape: "
         f"{verdict(worst[1] <= 1.05)} (worst {worst[1]:.3f} at {worst[0]})")
   else:
     out(f"  lazy / shift-0 time <= 1.05: MISS (not measured: {ratios})")
-  if speedups and all(r is not None for _, r in speedups):
+  if not triton_shapes:
+    pass
+  elif all(r is not None for _, r in speedups):
     worst = min(speedups, key=lambda x: x[1])
     out(f"  lazy >= 1.3x faster than jax paged_attention (its faster "
         f"setting) at every decode shape: {verdict(worst[1] >= 1.3)} "
@@ -79,9 +86,10 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
   if big:
     out(f"  >= 2.5 TB/s KV read at B64/ctx8192: {verdict(big.tb_per_s >= 2.5)}"
         f" ({big.tb_per_s:.2f} TB/s)")
-  else:
+  elif triton_shapes:
     out("  >= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)")
-  _report_mosaic_decode(out, results, decode_shapes, decode_variant)
+  if decode_shapes:
+    _report_mosaic_decode(out, results, decode_shapes, decode_variant)
   cudnn = find_result(results, "prefill", "chunk512", "cudnn")
   mosaic = [f"lazy-mosaic{part}{suffix}" for suffix in
             [""] + [f"[{name}]" for name in mosaic_candidates]
@@ -107,8 +115,10 @@ def _report_mosaic_decode(out, results, decode_shapes, triton_variant):
   time <= 1.02 at every shape, >= 4.1 TB/s at B64/ctx8192; and its time
   against the Triton kernel's."""
   verdict = lambda ok: "PASS" if ok else "MISS"
+  # Decode rows only: the prefill's tile candidates share the prefix.
   names = sorted({r.method[len("lazy-mosaic["):-1] for r in results
-                  if r.method.startswith("lazy-mosaic[")})
+                  if r.section == "decode"
+                  and r.method.startswith("lazy-mosaic[")})
   for name in names:
     ratios, vs_triton = [], []
     for batch, context in decode_shapes:

@@ -178,3 +178,23 @@ def test_report_judges_the_prefill_bar_at_the_whole_call(capsys):
   assert "lazy-mosaic per-layer prefill >= 0.9x cuDNN TFLOP/s at chunk512 " \
          "(issue 16): MISS (0.850x" in text
   assert "lazy[v] prefill >= 0.9x" in text and "MISS (0.500x" in text
+  # A prefill-only run judges no decode bar: rows that did not run are no
+  # MISS, and the prefill tile candidates ("lazy-mosaic[...]") are no
+  # decode variants.
+  assert "shift-0" not in text and "TB/s" not in text
+  assert "paged_attention" not in text
+
+
+def test_report_judges_the_mosaic_decode_without_the_triton_rows(capsys):
+  results = [
+      Result("decode", "B64/ctx8192", "lazy-mosaic[d]", 1.0, bytes=4.2e12),
+      Result("decode", "B64/ctx8192", "lazy-mosaic-shift0[d]", 0.99,
+             bytes=4.2e12),
+      Result("prefill", "chunk512", "lazy-mosaic[k64]", 1.0, flops=1e12),
+  ]
+  report(results, [(64, 8192)], [], None, None)
+  text = capsys.readouterr().out
+  assert "lazy-mosaic[d] / shift-0 time <= 1.02 at every decode shape: " \
+         "PASS (worst 1.010)" in text
+  assert "lazy-mosaic[d] >= 4.1 TB/s at B64/ctx8192: PASS (4.20" in text
+  assert "k64" not in text and "MISS" not in text
