@@ -91,6 +91,16 @@ def test_chain_timer_times_a_chain_and_perturbs_every_call():
   np.testing.assert_array_equal(out[7], lazy_args[7])
 
 
+def test_chain_timer_takes_a_row_of_several_outputs():
+  # mgpu_prefill_check's cudnn-split row returns its two calls' outputs
+  # (it failed on `.astype` of a tuple): one is summed, the other is read
+  # once, so a custom call that makes it stays in the timed program.
+  q = jnp.ones((4, 8), jnp.float32)
+  timer = ChainTimer(lambda q: (q * 2.0, q * 3.0), [(q,)], perturb_query,
+                     target_total_s=0.001)
+  assert timer.sample() > 0
+
+
 def test_perturb_none_adds_no_pass_over_the_query():
   """perturb_query's step adds zero to all of q (a pass of its own before
   a custom call); perturb_none's does not, and its chain still times."""
