@@ -172,12 +172,15 @@ def lazy_fn(kernel, block_sizes):
 def decode_planned_sets(sets, block_sizes=None):
   """(q, k, v, q_pos, *DecodePlan) per set: the Mosaic decode's per-batch
   plan made outside the timed call, as a model makes it once per step."""
+  # The pool's dtype picks the default block sizes (block_sizes None), as
+  # the planned kernel then does.
   make = jax.jit(functools.partial(plan_decode, rope=ROPE, head_dim=HEAD_DIM,
                                    page_size=PAGE_SIZE,
                                    block_sizes=block_sizes),
-                 static_argnames="num_pages")
+                 static_argnames=("num_pages", "kv_dtype"))
   return [(q, k, v, q_pos, *make(table, pos, shift, length, q_pos,
-                                 num_pages=k.shape[1]), *scales)
+                                 num_pages=k.shape[1], kv_dtype=k.dtype),
+           *scales)
           for q, k, v, table, pos, shift, length, q_pos, *scales in sets]
 
 

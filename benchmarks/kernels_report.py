@@ -51,9 +51,12 @@ def report(results, decode_shapes, prefill_shapes, decode_variant,
   out(f"chosen variants: decode {decode_variant}, prefill {prefill_variant}")
   out("bars (issue 2), judged on the chosen variants:")
   verdict = lambda ok: "PASS" if ok else "MISS"
-  # The Triton decode's bars only where its rows ran (not with
-  # --no-triton-decode or --prefill-only): absent rows are no MISS.
-  triton_shapes = decode_shapes if decode_variant else []
+  # The Triton decode's bars only where its rows were asked for (not with
+  # --no-triton-decode or --prefill-only): absent rows are no MISS, but
+  # rows that were asked for and failed are.
+  asked = any(r.section == "decode" and r.method.startswith(
+      ("tune:lazy[", "lazy[")) for r in results)
+  triton_shapes = decode_shapes if asked else []
   ratios, speedups = [], []
   for batch, context in triton_shapes:
     shape = decode_shape_name(batch, context)

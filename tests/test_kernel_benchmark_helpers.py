@@ -208,3 +208,28 @@ def test_report_judges_the_mosaic_decode_without_the_triton_rows(capsys):
          "PASS (worst 1.010)" in text
   assert "lazy-mosaic[d] >= 4.1 TB/s at B64/ctx8192: PASS (4.20" in text
   assert "k64" not in text and "MISS" not in text
+
+
+def test_report_says_a_triton_decode_that_failed_everywhere_missed(capsys):
+  # Every variant failed at the tuning shapes, so none was chosen: that is
+  # a MISS, not a section that did not run.
+  results = [Result("decode", "B64/ctx8192", f"tune:lazy[{v}]", None,
+                    bytes=1e9) for v in ("a", "b")]
+  report(results, [(64, 8192)], [], None, None)
+  text = capsys.readouterr().out
+  assert "lazy / shift-0 time <= 1.05: MISS (not measured" in text
+  assert ">= 2.5 TB/s KV read at B64/ctx8192: MISS (not measured)" in text
+
+
+def test_planned_float8_sets_plan_with_the_float8_default_tiles():
+  # With block sizes None the plan took the 16-bit default (one step per
+  # block) while the float8 kernel takes segment steps: the per-layer
+  # float8 row of the "default" variant failed on the plan check.
+  from benchmarks import kernel_cases
+  _, _, _, _, lazy_sets, _ = kernel_cases.decode_inputs(
+      jax.random.PRNGKey(0), np.random.default_rng(0), 2, 512)
+  for sets in (lazy_sets, kernel_cases.fp8_sets(lazy_sets)):
+    planned = kernel_cases.decode_planned_sets(sets[:1], None)
+    # Past the plan's check, to the GPU kernel this CPU cannot run.
+    with pytest.raises(ValueError, match="interpret mode"):
+      kernel_cases.decode_planned(*planned[0], block_sizes=None)
