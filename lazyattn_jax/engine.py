@@ -132,6 +132,7 @@ class LazyEngine:
     self._lock = threading.RLock()
     self._abandoned = collections.deque()  # completion._abandon's
     self._closed = False
+    self._stepping = False  # inside step(), for on_first_tokens' calls
 
   @classmethod
   def from_pretrained(cls, name_or_path: str = "smollm2-135m-instruct", *,
@@ -388,12 +389,20 @@ class LazyEngine:
     decode loop is on the device, before the step waits for that loop: a
     caller that streams can send first tokens then, a loop earlier than
     after the step (each result's `ttft_s` is that moment).  What it raises
-    is logged, not raised.
+    is logged, not raised; it may read tokens and cancel, but a step inside
+    it (`step`, `generate`, a stream) raises RuntimeError.
     """
     with self._lock:
       self._check_open()
+      if self._stepping:  # the lock is reentrant: the callback holds it
+        raise RuntimeError("step() inside a step (from on_first_tokens): "
+                           "the round has not recorded its tokens yet")
       cancel_abandoned(self)
-      results = self.rounds.step(on_first_tokens)
+      self._stepping = True
+      try:
+        results = self.rounds.step(on_first_tokens)
+      finally:
+        self._stepping = False
       cancel_abandoned(self)  # streams dropped in it (by the GC, say)
       return results
 

@@ -323,7 +323,9 @@ class RoundExecutor:
       self.state, fetch = self.runner.decode_async(
           self.state, decoding, cfg.max_batch, steps)
       if before_wait is not None:  # the host is free while the loop runs
+        callback_started = time.perf_counter()
         _call_logged(before_wait)
+        started += time.perf_counter() - callback_started  # not loop time
       out, emitted, done = fetch()
     except BaseException as error:
       self._fail(decoding, error, prefilled=True)

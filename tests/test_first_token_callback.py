@@ -98,3 +98,36 @@ def test_the_server_streams_the_first_token_during_the_decode_loop(
           first_chunk = time.perf_counter()
   fetched = [at for what, at in log if what == "fetched"]
   assert fetched and first_chunk < fetched[0]
+
+
+def test_a_step_inside_the_callback_is_refused_and_its_time_not_loop_time(
+    model_and_config, caplog):
+  # The engine's lock is reentrant, so a nested step() ran: it decoded the
+  # running requests again from the state before the loop in flight, and
+  # the outer loop then recorded its tokens on top (duplicated tokens,
+  # max_new_tokens overrun).
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(5)
+  docs = [random_tokens(rng, 6, config.vocab_size) for _ in range(2)]
+  queries = [random_tokens(rng, n, config.vocab_size) for n in (3, 4)]
+  want = [make_engine(model_and_config).generate(q, d, greedy(12)).token_ids
+          for q, d in ((queries[0], docs), (queries[1], docs[:1]))]
+  engine = make_engine(model_and_config, decode_steps=4)
+  first = engine.submit(queries[0], docs, greedy(12))
+  engine.step()
+  second = engine.submit(queries[1], docs[:1], greedy(12))
+
+  def nested_step_and_a_slow_host():
+    time.sleep(0.3)
+    engine.step()
+  results, before = {}, engine.stats.decode_seconds
+  with caplog.at_level(logging.ERROR, logger="lazyattn_jax"):
+    results.update({r.request_id: r for r in engine.step(
+        on_first_tokens=nested_step_and_a_slow_host)})
+  assert "step() inside a step" in caplog.text
+  seconds = engine.stats.decode_seconds - before
+  while engine.has_work():
+    results.update({r.request_id: r for r in engine.step()})
+  assert [results[first].token_ids, results[second].token_ids] == want
+  # The callback's 0.3 s are not decode-loop time.
+  assert seconds < 0.3
