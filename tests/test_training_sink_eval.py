@@ -70,17 +70,17 @@ def test_eval_samples_are_held_out_and_shared_by_every_kl(trainable,
   evaluated, trained = [], []
   eval_step, train_step = sink_mod._eval_step, sink_mod._train_step
 
-  def recording_eval_step(functions):
+  def recording_eval_step(functions, stored_preamble=None):
     evaluated.append([])  # one group per KL (mean_kl asks once per call)
-    kl = eval_step(functions)
+    kl = eval_step(functions, stored_preamble)
 
     def step(params, batch, sink):
       evaluated[-1].extend(_rows(batch))
       return kl(params, batch, sink)
     return step
 
-  def recording_train_step(functions, optimizer, remat):
-    tx, step = train_step(functions, optimizer, remat)
+  def recording_train_step(functions, optimizer, remat, stored_preamble=None):
+    tx, step = train_step(functions, optimizer, remat, stored_preamble)
 
     def recorded(sink, opt_state, params, batch):
       trained.extend(_rows(batch))

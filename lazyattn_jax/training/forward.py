@@ -64,11 +64,13 @@ class ModelFunctions:
     return jnp.where((preamble_index >= 0)[..., None], vectors, x)
 
   def answer_logits(self, params, seq: dict, sink=None, *,
-                    remat: bool = False) -> jax.Array:
+                    remat: bool = False, stored_preamble=None) -> jax.Array:
     """float32 [B, A, V] logits at `seq["rows"]` of the dense sequence
     (tokens, positions, mask, preamble_index; optional logit_scale and
     logit_bias for `dense_attention`), with `sink` [P, D] as the learned
-    preamble's vectors if given."""
+    preamble's vectors if given.  `stored_preamble` (a
+    `float8_preamble.Float8Preamble`) replaces the preamble's K/V rows by
+    what the pool returns for them."""
     model = self.merge(params)
     positions, mask = seq["positions"], seq["mask"]
     config, dtype = self.config, self.dtype
@@ -84,6 +86,8 @@ class ModelFunctions:
 
     def attend(layer, q, k, v, carry):
       del layer
+      if stored_preamble is not None:
+        k, v = stored_preamble(k, v, seq["preamble_index"], config.rope)
       return attention(q, k, v), carry
 
     x = self.embed(params, seq["tokens"], seq["preamble_index"], sink)

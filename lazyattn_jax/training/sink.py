@@ -45,6 +45,8 @@ from lazyattn_jax.training.batch import BatchBuilder, Layout
 from lazyattn_jax.training.held_out import (SourceSlice, evaluation_batches,
                                             evaluation_split)
 from lazyattn_jax.training.errors import TrainingInputError
+from lazyattn_jax.loading import DEFAULT_PAGE_SIZE
+from lazyattn_jax.training.float8_preamble import Float8Preamble
 from lazyattn_jax.training.forward import global_norm, kl_and_ce
 from lazyattn_jax.training.interrupt import stop_on_interrupt
 from lazyattn_jax.training.optim import OptimizerConfig
@@ -76,6 +78,10 @@ class SinkConfig:
       source).
     devices: local devices to use (None: all).
     optimizer: learning rate, warm-up, decay, clipping (Adam).
+    float8_pages: train (and score) the sink on its K/V as a float8 pool
+      of `page_size`-token pages returns them (`float8_preamble`), for
+      engines with `kv_dtype="float8_e4m3fn"`.
+    page_size: the served pool's tokens per page (float8_pages only).
   """
   preamble_len: int = 16
   steps: int = 300
@@ -88,6 +94,8 @@ class SinkConfig:
   devices: int | None = None
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3,
                                                warmup_steps=20)
+  float8_pages: bool = False
+  page_size: int = DEFAULT_PAGE_SIZE
 
   def __post_init__(self):
     object.__setattr__(self, "seed", check_seed(self.seed))
@@ -97,6 +105,9 @@ class SinkConfig:
     if self.steps < 1 or self.batch_size < 1 or self.eval_batches < 0:
       raise TrainingInputError("steps and batch_size must be >= 1, "
                                "eval_batches >= 0")
+    if self.page_size < 1:
+      raise TrainingInputError(f"page_size must be >= 1, got "
+                               f"{self.page_size}")
     if self.init not in INITS:
       raise TrainingInputError(f"init must be one of {INITS}, got "
                                f"{self.init!r}")
@@ -104,6 +115,13 @@ class SinkConfig:
     if self.optimizer.total_steps != self.steps:
       object.__setattr__(self, "optimizer", dataclasses.replace(
           self.optimizer, total_steps=self.steps))
+
+  def stored_preamble(self):
+    """The rounding the served pool applies to the preamble's K/V, or None."""
+    if not self.float8_pages:
+      return None
+    return Float8Preamble(page_size=self.page_size,
+                          preamble_len=self.preamble_len)
 
 
 def init_tokens(tokenizer, preamble_len: int, how: str = "chat") -> list[int]:
@@ -126,14 +144,16 @@ def init_sink(trainable, preamble_len: int, how: str = "chat") -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _train_step(functions, optimizer: OptimizerConfig, remat: bool):
+def _train_step(functions, optimizer: OptimizerConfig, remat: bool,
+                stored_preamble=None):
   tx = optimizer.build()
 
   def loss_fn(sink, params, batch):
     teacher = jax.lax.stop_gradient(
         functions.answer_logits(params, batch["teacher"], remat=remat))
     student = functions.answer_logits(params, batch["student"], sink,
-                                      remat=remat)
+                                      remat=remat,
+                                      stored_preamble=stored_preamble)
     kl, ce = kl_and_ce(student, teacher, batch["labels"], batch["weights"])
     return kl, dict(kl=kl, ce=ce)
 
@@ -148,17 +168,20 @@ def _train_step(functions, optimizer: OptimizerConfig, remat: bool):
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_step(functions):
+def _eval_step(functions, stored_preamble=None):
   def kl(params, batch, sink):
     teacher = functions.answer_logits(params, batch["teacher"])
-    student = functions.answer_logits(params, batch["student"], sink)
+    student = functions.answer_logits(params, batch["student"], sink,
+                                      stored_preamble=stored_preamble)
     return kl_and_ce(student, teacher, batch["labels"], batch["weights"])[0]
   return jax.jit(kl)
 
 
-def mean_kl(trainable, batches, mesh, sink=None) -> float:
-  """Mean KL(teacher || student) over `batches` (a list of batch.Batch)."""
-  step = _eval_step(trainable.functions)
+def mean_kl(trainable, batches, mesh, sink=None,
+            stored_preamble=None) -> float:
+  """Mean KL(teacher || student) over `batches` (a list of batch.Batch),
+  with the preamble's K/V rounded by `stored_preamble` if given."""
+  step = _eval_step(trainable.functions, stored_preamble)
   params = parallel.replicate(trainable.params, mesh)
   sink = None if sink is None else parallel.replicate(jnp.asarray(sink), mesh)
   values = [float(step(params, parallel.shard_batch(b.arrays(), mesh), sink))
@@ -210,7 +233,8 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
   mesh = parallel.data_mesh(c.devices)
   parallel.check_batch_size(mesh, c.batch_size)
   optimizer = c.optimizer
-  tx, step = _train_step(model.functions, optimizer, c.remat)
+  stored = c.stored_preamble()
+  tx, step = _train_step(model.functions, optimizer, c.remat, stored)
   sink_layout = Layout(c.preamble_len)
   # Held out of training, and the same samples for every KL: picked once
   # under the sink's layout, the longer one (a sample that fits it fits
@@ -224,7 +248,7 @@ def train_sink(trainable, source, config: SinkConfig, *, sink=None,
       seed=c.seed, max_len=c.max_len)
   held_out = evaluation_batches(picked, sink_layout, c.batch_size)
   plain = evaluation_batches(picked, Layout(0), c.batch_size)
-  evaluate = lambda s, batches: mean_kl(model, batches, mesh, s)
+  evaluate = lambda s, batches: mean_kl(model, batches, mesh, s, stored)
   eval_kl = dict(no_preamble=evaluate(None, plain),
                  initial_sink=evaluate(sink, held_out))
   params = parallel.replicate(model.params, mesh)
@@ -272,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="initial vectors: the chat prefix's first P token "
                       "embeddings, or a generic text's (default chat)")
   p.add_argument("--eval-batches", type=int, default=4)
+  p.add_argument("--float8-pages", action="store_true",
+                 help="train and score the sink on its keys and values as "
+                      "a float8 pool returns them, for engines with "
+                      "kv_dtype float8_e4m3fn")
   return p
 
 
@@ -294,6 +322,7 @@ def run(args) -> dict:
       batch_size=args.batch_size, seed=args.seed, init=args.init,
       remat=args.remat, max_len=args.max_len,
       eval_batches=args.eval_batches, devices=args.devices,
+      float8_pages=args.float8_pages,
       optimizer=OptimizerConfig(learning_rate=args.lr,
                                 warmup_steps=args.warmup_steps,
                                 clip_norm=args.clip_norm))
@@ -327,6 +356,7 @@ def _write_outputs(args, config, model, result, seconds) -> str:
                   model_sha256=model.sha256,
                   steps=len(result.history.rows),
                   init=config.init, data=args.data, dtype=args.dtype,
+                  float8_pages=str(config.float8_pages).lower(),
                   date=time.strftime("%Y-%m-%d"),
                   **{f"eval_kl_{k}": f"{v:.6g}"
                      for k, v in result.eval_kl.items()})
