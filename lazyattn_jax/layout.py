@@ -161,3 +161,29 @@ def pack_rows(rows, num_logical: int, batch: int):
     shift[b, :n] = row.shift
     length[b, :n] = row.length
   return table, pos, shift, length
+
+
+def cached_prompt_tokens(row: PageRow, copies, doc_pages, missing_docs,
+                         uncounted_entries=()) -> int:
+  """Prompt tokens a request reads from cache entries it did not encode.
+
+  Counted on the request's row as admitted (its prompt, before any
+  generated token): a page's tokens are cached when the page, or the page
+  it was copied from (`copies`, Block-Attention's re-rotated copies), is
+  one of a cache entry that was a hit.  Recomputed first pages and the
+  query live in private pages, so they never count; a missed entry's pages
+  were written by this request's admission.
+
+  Args:
+    row: the request's PageRow; copies: (source, destination, shift).
+    doc_pages: each cache entry's pages (Admission.doc_pages).
+    missing_docs: the entries the admission found missing.
+    uncounted_entries: entries whose positions are not prompt tokens (a
+      learned preamble's).
+  """
+  skipped = set(missing_docs) | set(uncounted_entries)
+  hit_pages = {page for i, pages in enumerate(doc_pages) if i not in skipped
+               for page in pages}
+  source = {destination: origin for origin, destination, _ in copies}
+  return sum(length for page, length in zip(row.table, row.length)
+             if source.get(page, page) in hit_pages)

@@ -75,6 +75,10 @@ class GenerationResult:
       documents (and a chat preamble) its admission encoded, its recomputed
       first pages (QualityOptions.recompute) and its query.  The engine's
       `stats` count all work, a learned preamble's positions included.
+    cached_prompt_tokens: prompt tokens whose KV the request read from
+      cache entries it did not encode (hit documents, less their recomputed
+      first pages; a cached chat preamble); Block-Attention's re-rotated
+      copies of cached documents count.
     prefill_tokens_before_first_token: tokens the engine prefilled in this
       request's admission round, for it and for other requests, before its
       first token came out: its wait in that round, measured in work rather
@@ -93,6 +97,7 @@ class GenerationResult:
   prompt_tokens: int
   prefill_tokens_computed: int
   prefill_tokens_before_first_token: int = 0
+  cached_prompt_tokens: int = 0
   first_logits: np.ndarray | None = None
   text: str | None = None
   error: str | None = None

@@ -24,6 +24,7 @@ import numpy as np
 
 from lazyattn_jax.config import SchedulerConfig
 from lazyattn_jax.errors import CacheCapacityError
+from lazyattn_jax.layout import cached_prompt_tokens
 from lazyattn_jax.requests import GenerationResult, TokenRequest
 
 
@@ -37,6 +38,7 @@ class LiveRequest:
   submitted_at: float
   prefill_tokens: int  # its own prefill plus the documents it encodes (a
   #                      learned preamble's positions not counted)
+  cached_tokens: int  # prompt tokens read from cache entries it did not encode
   tokens: list[int] = dataclasses.field(default_factory=list)
   first_token_at: float = 0.0
   prefill_tokens_before_first: int = 0  # the round's work before its first token
@@ -167,9 +169,13 @@ class Scheduler:
       # A learned preamble's positions are work, not the request's tokens.
       learned = sum(len(job.tokens) for job in to_encode
                     if job.embeddings is not None)
+      cached = cached_prompt_tokens(
+          layout.row, layout.copies, admission.doc_pages,
+          admission.missing_docs, [0] if self.mode.learned_preamble_positions
+          else [])
       self.waiting.popleft()
       new.append(LiveRequest(request_id, request, admission, layout,
-                             submitted, own - learned))
+                             submitted, own - learned, cached))
       round_tokens += own
     return state
 
@@ -346,6 +352,7 @@ class Scheduler:
         prompt_tokens=(live.layout.query_start + len(request.query) -
                        self.mode.learned_preamble_positions),
         prefill_tokens_computed=live.prefill_tokens,
+        cached_prompt_tokens=live.cached_tokens,
         prefill_tokens_before_first_token=live.prefill_tokens_before_first,
         first_logits=live.first_logits,
         text=(self.detokenize(live.tokens) if self.detokenize is not None

@@ -90,6 +90,14 @@ def test_engine_equals_the_dense_layout(model_and_config, docs, id_queries,
     assert result.prompt_tokens == (
         sum(lens) + len(ids) + len(engine._mode.preamble or ()) -
         engine._mode.learned_preamble_positions)
+    # Read from the cache: hit documents less their recomputed first pages
+    # (a missed later document's head is recomputed and encoded: never
+    # cached), and a chat preamble after the first request.
+    hit_tokens = sum(n - (min(k, n) if d else 0) for d, (n, doc) in
+                     enumerate(zip(lens, names)) if doc in seen)
+    chat = (len(engine._mode.preamble or ()) -
+            engine._mode.learned_preamble_positions)
+    assert result.cached_prompt_tokens == hit_tokens + (chat if i else 0)
     work += own
     heads = [0] + [min(k, n) for n in lens[1:]]
     copies += sum(ceil_div(n, PAGE) - ceil_div(h, PAGE)

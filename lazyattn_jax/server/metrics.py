@@ -87,7 +87,7 @@ class ServerMetrics:
     if result.finish_reason not in ("stop", "length"):
       return
     self.prompt_tokens.inc(result.prompt_tokens)
-    self.cached_prompt_tokens.inc(cached_tokens(result))
+    self.cached_prompt_tokens.inc(result.cached_prompt_tokens)
     self.ttft.observe(result.ttft_s)
     self.latency.observe(result.latency_s)
     if len(result.token_ids) > 1:
@@ -126,8 +126,3 @@ class ServerMetrics:
   def render(self) -> bytes:
     return generate_latest(self.registry)
 
-
-def cached_tokens(result) -> int:
-  """Prompt tokens whose KV came from the cache: what the request did not
-  prefill itself (in every mode)."""
-  return max(0, result.prompt_tokens - result.prefill_tokens_computed)

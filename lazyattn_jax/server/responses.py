@@ -7,8 +7,6 @@ import json
 import time
 import uuid
 
-from lazyattn_jax.server.metrics import cached_tokens
-
 DONE = b"data: [DONE]\n\n"
 
 
@@ -16,7 +14,7 @@ def usage(result) -> dict:
   """Token counts of a result.  `cached_tokens` are prompt tokens read from
   the cache (documents, the chat prefix) rather than prefilled;
   `cached_documents` counts the request's documents that were cache hits."""
-  cached = cached_tokens(result)
+  cached = result.cached_prompt_tokens
   completion = len(result.token_ids)
   return {"prompt_tokens": result.prompt_tokens,
           "completion_tokens": completion,
