@@ -163,7 +163,7 @@ def pack_rows(rows, num_logical: int, batch: int):
   return table, pos, shift, length
 
 
-def cached_prompt_tokens(row: PageRow, copies, doc_pages, missing_docs,
+def cached_prompt_tokens(row: PageRow, copies, doc_pages, doc_hit,
                          uncounted_entries=()) -> int:
   """Prompt tokens a request reads from cache entries it did not encode.
 
@@ -172,18 +172,19 @@ def cached_prompt_tokens(row: PageRow, copies, doc_pages, missing_docs,
   it was copied from (`copies`, Block-Attention's re-rotated copies), is
   one of a cache entry that was a hit.  Recomputed first pages and the
   query live in private pages, so they never count; a missed entry's pages
-  were written by this request's admission.
+  were written by this request's admission, at every place it is listed.
 
   Args:
     row: the request's PageRow; copies: (source, destination, shift).
     doc_pages: each cache entry's pages (Admission.doc_pages).
-    missing_docs: the entries the admission found missing.
+    doc_hit: whether each entry was cached before the admission
+      (Admission.doc_hit: False at every place a missed key is listed).
     uncounted_entries: entries whose positions are not prompt tokens (a
       learned preamble's).
   """
-  skipped = set(missing_docs) | set(uncounted_entries)
-  hit_pages = {page for i, pages in enumerate(doc_pages) if i not in skipped
-               for page in pages}
+  uncounted = set(uncounted_entries)
+  hit_pages = {page for i, (pages, hit) in enumerate(zip(doc_pages, doc_hit))
+               if hit and i not in uncounted for page in pages}
   source = {destination: origin for origin, destination, _ in copies}
   return sum(length for page, length in zip(row.table, row.length)
              if source.get(page, page) in hit_pages)

@@ -171,7 +171,7 @@ class Scheduler:
                     if job.embeddings is not None)
       cached = cached_prompt_tokens(
           layout.row, layout.copies, admission.doc_pages,
-          admission.missing_docs, [0] if self.mode.learned_preamble_positions
+          admission.doc_hit, [0] if self.mode.learned_preamble_positions
           else [])
       self.waiting.popleft()
       new.append(LiveRequest(request_id, request, admission, layout,

@@ -41,6 +41,22 @@ def test_recompute_counts_only_what_came_from_the_cache(model_and_config,
     assert body["prompt_tokens_details"]["cached_tokens"] == cached
 
 
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_missed_document_listed_twice_is_not_cached(model_and_config,
+                                                      parts, mode, recompute):
+  a, b, _, query = parts
+  engine = make_engine(model_and_config, mode=mode,
+                       quality=QualityOptions(recompute=recompute))
+  # The second place reads the pages the admission wrote for the first.
+  result = engine.generate(query, [a, a], greedy(1))
+  assert result.doc_hits == [False, False]
+  assert result.cached_prompt_tokens == 0
+  again = engine.generate(query, [b, a, a], greedy(1))
+  head = PAGE if recompute else 0
+  assert again.cached_prompt_tokens == 2 * (len(a) - head)
+
+
 def test_a_learned_preamble_is_no_cached_prompt_token(model_and_config,
                                                       parts):
   a, b, _, query = parts
