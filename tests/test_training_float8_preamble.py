@@ -19,6 +19,7 @@ from models.llama import Llama
 from models.quantized_pool import write_quantized_rows
 from pallas_kernels.kv_quant import FP8_DTYPE
 from pallas_kernels.rope import apply_rope
+from tests.test_training_cli import model_dir  # noqa: F401 - the fixture
 from tests.training_helpers import tiny_config, tiny_tokenizer
 
 HEADS, HEAD_DIM, PAGE = 2, 16, 8
@@ -131,7 +132,9 @@ def test_float8_pages_settings():
   assert SinkConfig(float8_pages=True, preamble_len=16).stored_preamble() == (
       Float8Preamble(page_size=16, preamble_len=16))
   args = build_parser().parse_args(["--out", "x", "--float8-pages"])
-  assert args.float8_pages
+  assert args.float8_pages and args.page_size == 16
+  assert build_parser().parse_args(["--out", "x", "--page-size", "8"]
+                                   ).page_size == 8
 
 
 def test_heldout_kls_score_every_sink_on_the_same_last_samples(trainable):
@@ -151,3 +154,15 @@ def test_heldout_kls_score_every_sink_on_the_same_last_samples(trainable):
   with pytest.raises(ValueError, match="different lengths"):
     heldout_kls(trainable, source, {"a": start, "c": start[:2]}, batches=1,
                 batch_size=2, page_size=4)
+
+
+def test_the_sink_command_records_its_float8_pages(tmp_path, model_dir):
+  from lazyattn_jax.training.sink import main
+  from lazyattn_jax.training.sink_file import load_sink
+  out = tmp_path / "sink"
+  assert main(["--model", model_dir, "--out", str(out), "--steps", "1",
+               "--batch-size", "2", "--preamble-len", "2",
+               "--docs-per-question", "2", "--eval-batches", "0",
+               "--float8-pages", "--page-size", "8", "--no-progress"]) == 0
+  _, metadata = load_sink(out / "sink.safetensors")
+  assert (metadata["float8_pages"], metadata["page_size"]) == ("true", "8")

@@ -300,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="train and score the sink on its keys and values as "
                       "a float8 pool returns them, for engines with "
                       "kv_dtype float8_e4m3fn")
+  p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                 help="the serving pool's tokens per page, which groups "
+                      "the preamble's float8 scales (default "
+                      f"{DEFAULT_PAGE_SIZE}, the engine's)")
   return p
 
 
@@ -322,7 +326,7 @@ def run(args) -> dict:
       batch_size=args.batch_size, seed=args.seed, init=args.init,
       remat=args.remat, max_len=args.max_len,
       eval_batches=args.eval_batches, devices=args.devices,
-      float8_pages=args.float8_pages,
+      float8_pages=args.float8_pages, page_size=args.page_size,
       optimizer=OptimizerConfig(learning_rate=args.lr,
                                 warmup_steps=args.warmup_steps,
                                 clip_norm=args.clip_norm))
@@ -357,6 +361,8 @@ def _write_outputs(args, config, model, result, seconds) -> str:
                   steps=len(result.history.rows),
                   init=config.init, data=args.data, dtype=args.dtype,
                   float8_pages=str(config.float8_pages).lower(),
+                  **({"page_size": config.page_size} if config.float8_pages
+                     else {}),
                   date=time.strftime("%Y-%m-%d"),
                   **{f"eval_kl_{k}": f"{v:.6g}"
                      for k, v in result.eval_kl.items()})
