@@ -4,11 +4,11 @@ With float8 pages (`CacheConfig(kv_dtype="float8_e4m3fn")`) the learned
 sink's K and V are stored like any page: keys rotated at their stored angle
 (the preamble is encoded at positions 0..P-1), one power-of-two scale per
 KV head and page, values rounded to e4m3.  Every document and query reads
-those pages, and on the synthetic set a float32 copy of just them took
-float8's cost with the sink from 2.8 points to 0.3 (benchmarks/RESULTS.md,
-"Float8 pages").  `Float8Preamble` rounds the preamble's rows the same way
-inside the dense training forward, with a straight-through gradient, so a
-sink can be trained for the rounded pages it will be served from.
+those pages, which is where float8's cost with a sink was traced
+(benchmarks/RESULTS.md, "Float8 pages").  `Float8Preamble` rounds the
+preamble's rows the same way inside the dense training forward, with a
+straight-through gradient, so a sink can be trained for the rounded pages
+it will be served from.
 
 Only the preamble's rows are rounded: the documents' and the query's pages
 are rounded in the pool too, but the sink has no say over them.
@@ -76,4 +76,3 @@ class Float8Preamble:
     v_read = _page_rounded(v, page, num_pages)
     straight = lambda x, y: x + jax.lax.stop_gradient(y - x)
     return straight(k, k_read), straight(v, v_read).astype(v_dtype)
-
