@@ -16,6 +16,11 @@
 #       # one dataset's runs each, for calls of under 10 minutes
 #   bash benchmarks/h200_quality.sh OUT fp8   # float8 pages' quality cost
 #       # (fp8-full / fp8-lazy: one mode each)
+#   bash benchmarks/h200_quality.sh OUT fp8-sink       # a sink trained for
+#       # float8 pages (the shipped sink's command with --float8-pages),
+#       # kept in /tmp/sink8 and copied to OUT (3 files)
+#   bash benchmarks/h200_quality.sh OUT fp8-sink-eval  # then, same machine:
+#       # bf16 pages + the shipped sink beside float8 pages + that sink
 #
 # Environment: HOTPOT_QUESTIONS (held-out questions, default 300),
 # SINK_STEPS / SINK_MINUTES, FT_STEPS / FT_LR / FT_WARMUP / FT_MINUTES.  The model and the data
@@ -94,6 +99,20 @@ elif [ "$STAGE" = fp8 ] || [ "$STAGE" = fp8-full ] || [ "$STAGE" = fp8-lazy ]; t
       --dataset hotpotqa --layout dataset --questions "$Q" --save-predictions \
       --run "lazy,$DEFAULTS,label=lazy + sink + recompute" \
       --run "lazy,$DEFAULTS,dtype=float8_e4m3fn,label=lazy + sink + recompute fp8 pages"
+elif [ "$STAGE" = fp8-sink ]; then  # training only: about 3 minutes
+  log "start fp8-sink"
+  timeout 280 python -m lazyattn_jax.training.sink --data hotpotqa \
+      --out /tmp/sink8 --preamble-len 16 --steps "${SINK_STEPS:-400}" \
+      --batch-size 16 --lr 3e-3 --warmup-steps 30 --dtype bfloat16 \
+      --eval-batches 4 --remat --max-minutes "${SINK_MINUTES:-2.5}" \
+      --float8-pages --no-progress > "$OUT/fp8_sink.log" 2>&1
+  log "end fp8-sink rc=$?"
+  cp /tmp/sink8/* "$OUT/" 2>/dev/null
+elif [ "$STAGE" = fp8-sink-eval ]; then  # the next call, on the same machine
+  quality quality_hotpotqa_fp8_sink 570 --dataset hotpotqa --layout dataset \
+      --questions "$Q" --save-predictions \
+      --run "lazy,sink=$SHIPPED_SINK,recompute=true,label=lazy + sink + recompute" \
+      --run "lazy,sink=/tmp/sink8/sink.safetensors,recompute=true,dtype=float8_e4m3fn,label=lazy + float8 sink + recompute fp8 pages"
 elif [ "$STAGE" = finetune ]; then  # training only: about 8 minutes
   log "start finetune"
   timeout 570 python -m lazyattn_jax.cli finetune --data hotpotqa \
