@@ -146,35 +146,55 @@ def _checked_sink(sink) -> np.ndarray:
 
 
 DEFAULT = "default"
-# The learned sink shipped with the package, and the model it was trained
-# for (`lazyattn_jax.training.sink`; benchmarks/RESULTS.md, "Answer quality").
-SHIPPED_SINK = "data/smollm2_135m_sink.safetensors"
+# The learned sinks shipped with the package (`lazyattn_jax.training.sink`;
+# benchmarks/RESULTS.md, "Answer quality"); each file's metadata names the
+# model it was trained for and whether it was trained for float8 pages.
+SHIPPED_SINKS = ("data/smollm2_135m_sink.safetensors",)
 
 
-def shipped_sink_for(model_id: str):
-  """The shipped sink's [P, D] array if it was trained for the model of
-  `model_id` (`LoadedModel.model_id`), else None."""
+def shipped_sink_for(model_id: str, kv_dtype=None, files=None):
+  """The [P, D] array of a shipped sink trained for the model of `model_id`
+  (`LoadedModel.model_id`), else None.
+
+  Among several for the model, the one trained for the pool's pages: with
+  `--float8-pages` for a float8 `kv_dtype`, without for any other (None:
+  16-bit); if none was, the first for the model.  `files` (default
+  SHIPPED_SINKS) are package data paths; an absolute path is read as is.
+  """
   import importlib.resources
+  import pathlib
   from lazyattn_jax.training.sink_file import load_sink
-  path = importlib.resources.files("lazyattn_jax").joinpath(SHIPPED_SINK)
-  with importlib.resources.as_file(path) as file:
-    sink, metadata = load_sink(str(file))
-  return sink if metadata.get("model_id") == model_id else None
+  from pallas_kernels.kv_quant import is_quantized
+  float8 = kv_dtype is not None and is_quantized(kv_dtype)
+  fallback = None
+  for name in SHIPPED_SINKS if files is None else files:
+    path = pathlib.Path(name)
+    if not path.is_absolute():
+      path = importlib.resources.files("lazyattn_jax").joinpath(name)
+    with importlib.resources.as_file(path) as file:
+      sink, metadata = load_sink(str(file))
+    if metadata.get("model_id") != model_id:
+      continue
+    if (metadata.get("float8_pages") == "true") == float8:
+      return sink
+    fallback = sink if fallback is None else fallback
+  return fallback
 
 
-def default_quality(takes_options: bool, model_id: str) -> QualityOptions:
+def default_quality(takes_options: bool, model_id: str,
+                    kv_dtype=None) -> QualityOptions:
   """What `from_pretrained` uses unless told otherwise, for a model not
   fine-tuned for a layout (`trained_quality.trained_default` comes first):
   nothing for modes that take no options (prefix, full); first-page
-  recompute for lazy and block, after the shipped sink where it was
-  trained for this model.
+  recompute for lazy and block, after a shipped sink where one was trained
+  for this model (`shipped_sink_for`, for the pool's `kv_dtype`).
 
   On SmolLM2-135M-Instruct, lazy with both matches full attention on
   HotpotQA and the synthetic set, for about 25% more TTFT at the
   paper-like load (benchmarks/RESULTS.md, "Answer quality")."""
   if not takes_options:
     return QualityOptions()
-  sink = shipped_sink_for(model_id)
+  sink = shipped_sink_for(model_id, kv_dtype)
   return QualityOptions(preamble=None if sink is None else "sink", sink=sink,
                         recompute=True)
 

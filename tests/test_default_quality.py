@@ -80,6 +80,55 @@ def test_embedded_model_loads_its_sink_by_default(smollm2_gguf_path):
           plain.stats.prefill_tokens_computed)
 
 
+def _sink_file(path, model_id, float8, value, hidden=576):
+  from lazyattn_jax.training.sink_file import save_sink
+  sink = np.full((4, hidden), value, np.float32)
+  meta = dict(model_id=model_id, float8_pages=str(float8).lower())
+  return save_sink(path, sink, meta), sink
+
+
+def test_the_shipped_sink_follows_the_pool(tmp_path):
+  sixteen, sink16 = _sink_file(tmp_path / "a.safetensors", "m", False, 1.0)
+  eight, sink8 = _sink_file(tmp_path / "b.safetensors", "m", True, 2.0)
+  other, _ = _sink_file(tmp_path / "c.safetensors", "n", True, 3.0)
+  files = [other, sixteen, eight]
+  for kv_dtype, want in ((None, sink16), ("bfloat16", sink16),
+                         ("float32", sink16), ("float8_e4m3fn", sink8)):
+    np.testing.assert_array_equal(
+        shipped_sink_for("m", kv_dtype, files=files), want)
+  # One kind only: it serves both pools; another model's none.
+  np.testing.assert_array_equal(
+      shipped_sink_for("m", "float8_e4m3fn", files=[sixteen]), sink16)
+  np.testing.assert_array_equal(shipped_sink_for("m", None, files=[eight]),
+                                sink8)
+  assert shipped_sink_for("x", None, files=files) is None
+  # The package's own: the 16-bit SmolLM2 sink, for both pools today.
+  np.testing.assert_array_equal(
+      shipped_sink_for(SMOLLM2_ID, "float8_e4m3fn"),
+      shipped_sink_for(SMOLLM2_ID))
+
+
+def test_from_pretrained_picks_the_sink_for_its_pool(tiny_dir, tmp_path,
+                                                     monkeypatch):
+  from lazyattn_jax import quality_options
+  from lazyattn_jax.engine import LazyEngine
+  from models.config import LlamaConfig
+  common = dict(impl="xla", num_pages=64, progress=False, max_batch=1)
+  model_id = LazyEngine.from_pretrained(tiny_dir, **common).model_id
+  hidden = LlamaConfig.tiny().hidden_size
+  sixteen, sink16 = _sink_file(tmp_path / "a.safetensors", model_id, False,
+                               0.5, hidden)
+  eight, sink8 = _sink_file(tmp_path / "b.safetensors", model_id, True,
+                            0.25, hidden)
+  monkeypatch.setattr(quality_options, "SHIPPED_SINKS", (sixteen, eight))
+  plain = LazyEngine.from_pretrained(tiny_dir, **common)
+  np.testing.assert_array_equal(plain.quality.sink, sink16)
+  float8 = LazyEngine.from_pretrained(tiny_dir, kv_dtype="float8_e4m3fn",
+                                      **common)
+  np.testing.assert_array_equal(float8.quality.sink, sink8)
+  assert float8.quality.recompute
+
+
 def test_cli_turns_the_defaults_off():
   from lazyattn_jax.cli_options import add_quality_options, quality_settings
   parser = argparse.ArgumentParser()
