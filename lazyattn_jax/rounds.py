@@ -18,6 +18,8 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
+
 from lazyattn_jax.cache_state import init_cache_state
 from lazyattn_jax.layout import prefill_chunks
 from lazyattn_jax.sampling import SamplingParams
@@ -364,25 +366,40 @@ class RoundExecutor:
   def encode_documents(self, documents) -> list[bool]:
     """Admits and encodes documents (and the preamble they are encoded
     after, if missing) with no request reading them; returns per document
-    whether it was cached already.  On failure nothing stays cached that
-    was not encoded, and the error propagates."""
+    whether it was cached already.  On failure the error propagates and
+    nothing stays cached that was not encoded: the tables are as before the
+    call, unless its admission evicted documents, whose pages may hold its
+    writes; then those stay evicted and the entries it admitted leave."""
     cache, mode = self.scheduler.cache, self.scheduler.mode
     keys, lengths = mode.entries(documents)
     before = self.state
     self.state, admission = cache.admit(self.state, keys, lengths, 0)
+    evicted = _evicted_any(before, self.state)
     try:
       self._encode(mode.encode_jobs(documents, admission), riders=False)
     except BaseException as error:
       if pool_lost(self.state):
         self._fail([], error)  # every live request's KV went with it
         raise
-      # Nothing else ran since the admission: the tables as they were (the
-      # pages it wrote are free there), with the pool as it is now.
-      self.state = before.replace(k=self.state.k, v=self.state.v)
+      if evicted:  # their pages may hold its writes: they stay evicted
+        self.state = cache.drop_documents(
+            cache.finish(self.state, admission),
+            [admission.doc_slots[i] for i in admission.missing_docs])
+      else:  # the tables as they were (the pages it wrote are free there)
+        self.state = before.replace(k=self.state.k, v=self.state.v)
       raise
     self.state = cache.finish(self.state, admission)
     self.note_pages_used()
     return mode.doc_hits(None, admission)
+
+
+def _evicted_any(before, after) -> bool:
+  """Whether an admission between two cache states evicted an entry (a slot
+  cached before holds nothing, or another key, after)."""
+  valid = np.asarray(before.doc_valid)
+  kept = np.asarray(after.doc_valid) & np.all(
+      np.asarray(after.doc_key) == np.asarray(before.doc_key), axis=-1)
+  return bool(np.any(valid & ~kept))
 
 
 def pool_lost(state) -> bool:

@@ -380,6 +380,32 @@ def test_encode_documents_flags_a_repeat_as_its_first_occurrence(
         False, False, False, True, True], batch_size
 
 
+def test_a_failed_encode_leaves_the_documents_it_evicted_evicted(
+    model_and_config, monkeypatch):
+  """The encode's admission evicted x and gave its pages to y; a later
+  chunk of y failed after the first was written there.  x must not come
+  back as cached (its pages hold y's first chunk)."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(21)
+  x, z, y, query = (random_tokens(rng, n, config.vocab_size)
+                    for n in (8, 8, 16, 5))
+  engine = make_engine(model_and_config, num_pages=7, max_batch=1,
+                       prefill_chunk_tokens=4)
+  assert engine.encode_documents([x, z]) == [False, False]
+  Fault(monkeypatch, engine.runner, "encode_documents", at=4)
+  with pytest.raises(RuntimeError, match="injected fault"):
+    engine.encode_documents([y])
+  monkeypatch.undo()
+  assert_pages_accounted_for(engine)
+  fresh = make_engine(model_and_config, num_pages=64, prefill_chunk_tokens=4)
+  for document in (x, z):
+    got = engine.generate(query, [document], greedy(4))
+    want = fresh.generate(query, [document], greedy(4))
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.first_logits, want.first_logits,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("error", [
     MemoryError("Unable to allocate 23.8 GiB for an array"),
     jax.errors.JaxRuntimeError(
