@@ -76,7 +76,9 @@ class ServerMetrics:
     self.pages_free = Gauge("lazyattn_kv_pages_free", "Free KV pool pages.",
                             registry=r)
     self.cached_documents = Gauge("lazyattn_cached_documents",
-                                  "Documents in the cache.", registry=r)
+                                  "Entries in the document cache: documents, "
+                                  "and a shared preamble or chat prefix.",
+                                  registry=r)
     self._lookups = 0
     self._hits = 0
 
