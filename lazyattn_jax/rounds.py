@@ -296,9 +296,8 @@ class RoundExecutor:
     try:
       self._record_riders(run)
     except BaseException as error:
-      live = {id(r) for r in self.scheduler.live}
-      self._fail([r for r in run.requests if id(r) in live], error,
-                 prefilled=True)
+      self._fail([run.requests[b] for b in self._live_rows(run.requests)],
+                 error, prefilled=True)
       if not isinstance(error, Exception):
         raise
 
@@ -307,14 +306,19 @@ class RoundExecutor:
     what reading them raises, having recorded nothing."""
     if run is None or not run.steps:
       return
-    live = {id(r) for r in self.scheduler.live}
     collected = run.collect()
     now = time.perf_counter()
     for requests, tokens, emitted, done in collected:
-      rows = [b for b, r in enumerate(requests) if id(r) in live]
+      rows = self._live_rows(requests)
       self.stats.generated_tokens += self.scheduler.record_decode(
           [requests[b] for b in rows], tokens[rows], emitted[rows],
           done[rows], now)
+
+  def _live_rows(self, requests) -> list[int]:
+    """Indices of those of `requests` still live (a callback may have
+    cancelled some since they were gathered: they have their result)."""
+    live = {id(r) for r in self.scheduler.live}
+    return [b for b, r in enumerate(requests) if id(r) in live]
 
   def _decode(self, decoding, before_wait=None):
     cfg = self.scheduler.config
@@ -330,14 +334,18 @@ class RoundExecutor:
         started += time.perf_counter() - callback_started  # not loop time
       out, emitted, done = fetch()
     except BaseException as error:
-      self._fail(decoding, error, prefilled=True)
+      self._fail([decoding[b] for b in self._live_rows(decoding)], error,
+                 prefilled=True)
       if not isinstance(error, Exception):
         raise
       return
     now = time.perf_counter()
     self.stats.decode_seconds += now - started
     self.stats.decode_steps += steps
-    tokens = self.scheduler.record_decode(decoding, out, emitted, done, now)
+    rows = self._live_rows(decoding)
+    tokens = self.scheduler.record_decode(
+        [decoding[b] for b in rows], out[rows], emitted[rows], done[rows],
+        now)
     self.stats.generated_tokens += tokens
     self.stats.decode_loop_tokens += tokens
 
@@ -352,10 +360,13 @@ class RoundExecutor:
         self._record_riders(run)
       except Exception as unreadable:  # then the riders fail below too
         logger.error("riders' tokens unreadable: %s", unreadable)
-      # Finished requests need no KV: they end as they would have.
+      # Finished live requests need no KV: they end as they would have.  A
+      # request of a failing group may be done without being live yet: it
+      # fails with its group.
+      live = {id(r) for r in self.scheduler.live}
       self.scheduler.take_finished(self.state, release=False)
       failed = {id(r) for r in requests}
-      everyone = [r for r in requests if not r.done] + [
+      everyone = [r for r in requests if not (r.done and id(r) in live)] + [
           r for r in self.scheduler.live if id(r) not in failed]
       self.scheduler.fail(self.state, everyone, error, release=False)
       self.state = init_cache_state(self.cache_config)

@@ -406,6 +406,75 @@ def test_a_failed_encode_leaves_the_documents_it_evicted_evicted(
                                rtol=1e-5, atol=1e-5)
 
 
+def _failing_fetch(monkeypatch, runner, name, when):
+  """Wraps `runner.name` (an async call returning (state, fetch)) so that
+  the fetch of the calls `when(n)` picks (n counted from 1) raises."""
+  original, calls = getattr(runner, name), [0]
+
+  def wrapped(*args, **kwargs):
+    state, fetch = original(*args, **kwargs)
+    calls[0] += 1
+    if not when(calls[0]):
+      return state, fetch
+
+    def failing():
+      raise RuntimeError("injected fetch fault")
+    return state, failing
+  monkeypatch.setattr(runner, name, wrapped)
+
+
+def test_a_request_cancelled_by_the_callback_is_not_failed_again(
+    model_and_config, monkeypatch):
+  """The callback cancels a; the decode loop's fetch then fails.  a keeps
+  its one result and is released once (it was released twice: a cached
+  document's pages went free while it stayed cached)."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(3)
+  d1, d2, q1, q2 = (random_tokens(rng, n, config.vocab_size)
+                    for n in (8, 8, 5, 5))
+  engine = make_engine(model_and_config, num_pages=32)
+  a = engine.submit(q1, [d1], greedy(8))
+  b = engine.submit(q2, [d1, d2], greedy(8))
+  _failing_fetch(monkeypatch, engine.runner, "decode_async", lambda n: True)
+  results = engine.step(on_first_tokens=lambda: engine.cancel(a))
+  monkeypatch.undo()
+  assert sorted((r.request_id, r.finish_reason) for r in results) == [
+      (a, "cancelled"), (b, "error")]
+  assert_pages_accounted_for(engine)
+  fresh = make_engine(model_and_config, num_pages=96)
+  got, want = (e.generate(q1, [d1], greedy(4)) for e in (engine, fresh))
+  assert got.doc_hits == [True] and got.token_ids == want.token_ids
+
+
+def test_a_request_done_in_a_failing_group_gets_a_result_when_the_pool_goes(
+    model_and_config, monkeypatch):
+  """Group 0's first request is done at its first token; its second
+  call's fetch fails after group 1's donated encode consumed the pool.
+  The done request had no result at all (generate would wait forever)."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(9)
+  x, y, qa, qb, qc = (random_tokens(rng, n, config.vocab_size)
+                      for n in (8, 8, 4, 4, 4))
+  engine = make_engine(model_and_config, num_pages=32, max_prefill_tokens=4,
+                       first_token_group_tokens=4)
+  engine.encode_documents([x])
+  ids = [engine.submit(qa, [x], greedy(1)), engine.submit(qb, [x], greedy(4)),
+         engine.submit(qc, [y], greedy(4))]
+  _failing_fetch(monkeypatch, engine.runner, "prefill_async",
+                 lambda n: n == 2)
+
+  def consumed(state, *args, **kwargs):
+    state.k.delete()
+    state.v.delete()
+    raise RuntimeError("injected: pool consumed")
+  monkeypatch.setattr(engine.runner, "encode_documents", consumed)
+  results = engine.step()
+  monkeypatch.undo()
+  assert sorted(r.request_id for r in results) == sorted(ids)
+  assert all(r.finish_reason == "error" for r in results)
+  assert not engine.has_work()
+
+
 @pytest.mark.parametrize("error", [
     MemoryError("Unable to allocate 23.8 GiB for an array"),
     jax.errors.JaxRuntimeError(
