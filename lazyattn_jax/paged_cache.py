@@ -67,6 +67,8 @@ class Admission:
     missing_docs: indices into the request's documents whose KV must be
       prefilled now; each missing key appears once (its first occurrence).
     private_pages: pages for the request's own query and generated tokens.
+    evicted: whether it evicted cached documents to make room (their pages
+      or slots are now its own).
   """
 
   doc_slots: list[int]
@@ -74,6 +76,7 @@ class Admission:
   doc_hit: list[bool]
   missing_docs: list[int]
   private_pages: list[int]
+  evicted: bool = False
 
 
 # ------------------------------------------------------ jitted transitions
@@ -370,6 +373,9 @@ class PagedKVCache:
         doc_hit=[s >= 0 for s in slots],
         missing_docs=missing_docs,
         private_pages=[int(p) for p in private_pages[:private_count]],
+        # Eviction goes only as far as the free pages and slots fall short.
+        evicted=(pages_needed > int(free_pages) or
+                 len(missing_docs) > int(free_slots)),
     )
     return _with_pool(new_tables, state), admission
 

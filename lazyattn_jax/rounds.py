@@ -18,8 +18,6 @@ import dataclasses
 import logging
 import time
 
-import numpy as np
-
 from lazyattn_jax.cache_state import init_cache_state
 from lazyattn_jax.layout import prefill_chunks
 from lazyattn_jax.sampling import SamplingParams
@@ -385,14 +383,13 @@ class RoundExecutor:
     keys, lengths = mode.entries(documents)
     before = self.state
     self.state, admission = cache.admit(self.state, keys, lengths, 0)
-    evicted = _evicted_any(before, self.state)
     try:
       self._encode(mode.encode_jobs(documents, admission), riders=False)
     except BaseException as error:
       if pool_lost(self.state):
         self._fail([], error)  # every live request's KV went with it
         raise
-      if evicted:  # their pages may hold its writes: they stay evicted
+      if admission.evicted:  # their pages may hold its writes: keep them out
         self.state = cache.drop_documents(
             cache.finish(self.state, admission),
             [admission.doc_slots[i] for i in admission.missing_docs])
@@ -402,15 +399,6 @@ class RoundExecutor:
     self.state = cache.finish(self.state, admission)
     self.note_pages_used()
     return mode.doc_hits(None, admission)
-
-
-def _evicted_any(before, after) -> bool:
-  """Whether an admission between two cache states evicted an entry (a slot
-  cached before holds nothing, or another key, after)."""
-  valid = np.asarray(before.doc_valid)
-  kept = np.asarray(after.doc_valid) & np.all(
-      np.asarray(after.doc_key) == np.asarray(before.doc_key), axis=-1)
-  return bool(np.any(valid & ~kept))
 
 
 def pool_lost(state) -> bool:

@@ -443,7 +443,13 @@ def test_admission_evicts_lru_only_as_needed():
   # 8 free; a new doc of 2 pages + 8 private pages needs 10: evict doc 2 only.
   state, adm = cache.admit(state, [key(5)], [8], private_tokens=32)
   assert _cached(state, [1, 2, 3, 4, 5]) == [1, 3, 4, 5]
-  assert adm.doc_hit == [False]
+  assert adm.doc_hit == [False] and adm.evicted
+  # A hit, or a miss that fits the free pages and slots, evicts nothing.
+  _, hit = cache.admit(state, [key(5)], [8], private_tokens=0)
+  _, fits = cache.admit(_cache_docs(cs.init_cache_state(cache.config), [1],
+                                    cache=cache), [key(6)], [4],
+                        private_tokens=32)
+  assert not hit.evicted and not fits.evicted
 
 
 def test_admission_evicts_lfu_only_as_needed():
@@ -476,6 +482,7 @@ def test_evict_for_document_slots():
   state = _cache_docs(state, [5, 6])
   state, adm = CACHE.admit(state, [key(7)], [1], 0)
   assert _cached(state, [3, 4, 5, 6, 7]) == [4, 5, 6, 7]
+  assert adm.evicted
 
 
 def test_refusal_leaves_state_unchanged():
