@@ -57,8 +57,9 @@ class Fault:
 
 
 class FetchFault(Fault):
-  """Wraps `runner.prefill_async` so that the fetch of its `at`-th call's
-  first tokens raises, as a device error surfacing there would."""
+  """Wraps an async runner call (`prefill_async`, `decode_async`: it
+  returns (state, fetch)) so that the fetch of its `at`-th call raises, as
+  a device error surfacing there would."""
 
   def __call__(self, *args, **kwargs):
     state, fetch = self.original(*args, **kwargs)
@@ -406,23 +407,6 @@ def test_a_failed_encode_leaves_the_documents_it_evicted_evicted(
                                rtol=1e-5, atol=1e-5)
 
 
-def _failing_fetch(monkeypatch, runner, name, when):
-  """Wraps `runner.name` (an async call returning (state, fetch)) so that
-  the fetch of the calls `when(n)` picks (n counted from 1) raises."""
-  original, calls = getattr(runner, name), [0]
-
-  def wrapped(*args, **kwargs):
-    state, fetch = original(*args, **kwargs)
-    calls[0] += 1
-    if not when(calls[0]):
-      return state, fetch
-
-    def failing():
-      raise RuntimeError("injected fetch fault")
-    return state, failing
-  monkeypatch.setattr(runner, name, wrapped)
-
-
 def test_a_request_cancelled_by_the_callback_is_not_failed_again(
     model_and_config, monkeypatch):
   """The callback cancels a; the decode loop's fetch then fails.  a keeps
@@ -435,7 +419,7 @@ def test_a_request_cancelled_by_the_callback_is_not_failed_again(
   engine = make_engine(model_and_config, num_pages=32)
   a = engine.submit(q1, [d1], greedy(8))
   b = engine.submit(q2, [d1, d2], greedy(8))
-  _failing_fetch(monkeypatch, engine.runner, "decode_async", lambda n: True)
+  FetchFault(monkeypatch, engine.runner, "decode_async")
   results = engine.step(on_first_tokens=lambda: engine.cancel(a))
   monkeypatch.undo()
   assert sorted((r.request_id, r.finish_reason) for r in results) == [
@@ -460,8 +444,7 @@ def test_a_request_done_in_a_failing_group_gets_a_result_when_the_pool_goes(
   engine.encode_documents([x])
   ids = [engine.submit(qa, [x], greedy(1)), engine.submit(qb, [x], greedy(4)),
          engine.submit(qc, [y], greedy(4))]
-  _failing_fetch(monkeypatch, engine.runner, "prefill_async",
-                 lambda n: n == 2)
+  FetchFault(monkeypatch, engine.runner, "prefill_async", at=2)
 
   def consumed(state, *args, **kwargs):
     state.k.delete()
