@@ -5,8 +5,9 @@ documents of 512 tokens, a 64-token query, 32 rows, Llama-3-8B shape with
 random bf16 weights) is admitted and prefilled once; then whole decode
 loops (`--decode-steps` steps each, nothing else waiting) are timed.  The
 floor is the bytes one step must read, the weights once and every row's
-K/V, over the device's measured copy bandwidth (a jitted negation of a
-large array: it reads and writes every byte once).
+K/V, over the device's measured HBM bandwidth: the larger of a copy's
+(a jitted copy or negation of a large array, counting reads and writes)
+and a read's (a jitted sum or max of it, counting the reads).
 
 Each `--variants` entry runs on a fresh engine over the same requests:
   plain   the default runner settings;
@@ -96,7 +97,7 @@ def parse_args(argv=None):
                  help="timed decode loops per variant (after one untimed)")
   p.add_argument("--variants", default="triton,plain")
   p.add_argument("--copy-mib", type=int, default=4096,
-                 help="array size for the copy-bandwidth measurement")
+                 help="array size for the bandwidth measurements")
   p.add_argument("--profile-dir", default="")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
@@ -114,27 +115,42 @@ def parse_args(argv=None):
   return args
 
 
-def copy_bandwidth(mib: int) -> float:
-  """Bytes per second, counting reads and writes, of the faster of two
-  ways to move a `mib` MiB bf16 array: a jitted copy (a device-to-device
-  memcpy, as a pool or weight copy would run) and a jitted negation (an
-  elementwise kernel)."""
+def _best_rate(fn, x, bytes_moved: int, chained: bool) -> float:
+  """Bytes per second of the median of five timings of ten calls of `fn`:
+  chained (each call takes the last one's output) or independent (all
+  dispatched, then waited on), so host dispatch stays hidden."""
+  fn(x).block_until_ready()
+  times = []
+  for _ in range(5):
+    started = time.perf_counter()
+    y = x
+    outs = []
+    for _ in range(10):
+      if chained:
+        y = fn(y)
+      else:
+        outs.append(fn(x))
+    (y if chained else outs[-1]).block_until_ready()
+    times.append((time.perf_counter() - started) / 10)
+  return bytes_moved / float(np.median(times))
+
+
+def hbm_bandwidth(mib: int) -> dict:
+  """The device's measured HBM bandwidth on a `mib` MiB bf16 array, in
+  bytes per second: `copy`, counting reads and writes, is the faster of a
+  jitted copy (a device-to-device memcpy) and a jitted negation; `read`,
+  which counts the reads only, is the faster of a jitted float32 sum and a
+  jitted max (they write one scalar).  A decode step mostly reads, so the
+  floor takes the larger of the two."""
   import jax
   import jax.numpy as jnp
   x = jnp.ones((mib * (1 << 19),), jnp.bfloat16)
-  best = 0.0
-  for fn in (jax.jit(lambda a: a.copy()), jax.jit(jnp.negative)):
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(5):  # ten chained calls: host dispatch stays hidden
-      started = time.perf_counter()
-      y = x
-      for _ in range(10):
-        y = fn(y)
-      y.block_until_ready()
-      times.append((time.perf_counter() - started) / 10)
-    best = max(best, 2 * x.nbytes / float(np.median(times)))
-  return best
+  copy = max(_best_rate(fn, x, 2 * x.nbytes, chained=True)
+             for fn in (jax.jit(lambda a: a.copy()), jax.jit(jnp.negative)))
+  read = max(_best_rate(fn, x, x.nbytes, chained=False)
+             for fn in (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)),
+                        jax.jit(jnp.max)))
+  return dict(copy=copy, read=read)
 
 
 def prefill_budget(args) -> int:
@@ -252,12 +268,15 @@ def main(argv=None):
   kv_dtype = np.dtype(jax.numpy.dtype(args.kv_dtype or dtype))
   kv_per_token = (2 * config.num_layers * config.num_kv_heads *
                   config.head_dim * kv_dtype.itemsize)
-  bandwidth = copy_bandwidth(args.copy_mib)
+  measured = hbm_bandwidth(args.copy_mib)
+  bandwidth = max(measured.values())
   header = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M"), model=args.model,
                 command="python -m benchmarks.decode_step " + " ".join(
                     argv if argv is not None else sys.argv[1:]),
-                copy_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9)
+                copy_tb_s=measured["copy"] / 1e12,
+                read_tb_s=measured["read"] / 1e12,
+                floor_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9)
   print(json.dumps(header), file=sys.stderr)
   rows = []
   for variant in args.variant_list:

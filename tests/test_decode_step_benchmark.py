@@ -23,6 +23,9 @@ def test_variants_run_side_by_side(tmp_path):
                                                     "unroll", "merge",
                                                     "graphs"]
   assert report["copy_tb_s"] > 0 and report["weight_gb"] > 0
+  # The floor divides by the faster of the copy's and the read's rates.
+  assert report["floor_tb_s"] == max(report["copy_tb_s"],
+                                     report["read_tb_s"])
   for row in rows:
     assert row["batch"] == 3 and row["step_s"] > 0
     # At least the three rows' prompts (2 x 24 + 4 tokens) of tiny's K/V.
@@ -30,6 +33,17 @@ def test_variants_run_side_by_side(tmp_path):
     assert row["step_over_floor"] == pytest.approx(
         row["step_s"] / row["floor_s"])
     assert row["top_kinds"] and row["busy_s_per_step"] > 0
+
+
+def test_bandwidth_counts_a_copy_twice_and_a_read_once(monkeypatch):
+  """A copy moves each byte twice (read, write), a reduction once: with
+  every call taking the same time, the copy's rate is twice the read's."""
+  clock = iter(range(10**6))
+  monkeypatch.setattr(decode_step.time, "perf_counter",
+                      lambda: float(next(clock)))
+  rates = decode_step.hbm_bandwidth(1)
+  assert rates["copy"] == pytest.approx(2 * rates["read"])
+  assert rates["read"] > 0
 
 
 @pytest.mark.parametrize("argv,match", [
