@@ -43,7 +43,8 @@ from lazyattn_jax.request_validator import RequestValidator
 from lazyattn_jax.requests import (GenerationResult, Request, TokenRequest,
                                    arrival_time, default_stop_ids,
                                    text_vocab_limit)
-from lazyattn_jax.rounds import EngineStats, RoundExecutor
+from lazyattn_jax.engine_stats import EngineStats
+from lazyattn_jax.rounds import RoundExecutor
 from lazyattn_jax.sampling import SamplingParams
 from lazyattn_jax.scheduler import Scheduler
 from lazyattn_jax.sharding import (memory_report, place_cache_config,

@@ -1,5 +1,6 @@
 """One scheduling round: the order of work between the scheduler and the
-model runner, the engine's counters, and the round's rollback.
+model runner, and the round's rollback (the counters it fills are
+`engine_stats.EngineStats`).
 
 `RoundExecutor.step` admits waiting requests, serves them in first-token
 groups (encode the group's missing documents, write its Block-Attention
@@ -14,41 +15,15 @@ request fails with it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 from lazyattn_jax.cache_state import init_cache_state
+from lazyattn_jax.engine_stats import EngineStats
 from lazyattn_jax.layout import prefill_chunks
 from lazyattn_jax.sampling import SamplingParams
 
 logger = logging.getLogger("lazyattn_jax")
-
-
-@dataclasses.dataclass
-class EngineStats:
-  """Counters since the engine was built (or `reset_stats`).
-
-  `prefill_tokens_computed` counts every token prefilled: documents, the
-  preamble, requests' recomputed first pages and queries.
-  `kv_pages_written_for_cached_docs` counts pages written per request from
-  cached documents' KV (Block-Attention's copies; 0 in lazy mode).
-  `generated_tokens` counts every token decoded after the first, in decode
-  loops and, with decode during prefill, in mixed steps (`mixed_steps`);
-  `decode_steps`, `decode_loop_tokens` and `decode_seconds` count the
-  decode loops alone, so `decode_seconds / decode_steps` is a loop step's
-  time and `decode_loop_tokens / decode_seconds` their rate.
-  """
-  prefill_tokens_computed: int = 0
-  documents_prefilled: int = 0
-  preambles_prefilled: int = 0
-  kv_pages_written_for_cached_docs: int = 0
-  peak_pages_used: int = 0
-  decode_steps: int = 0
-  generated_tokens: int = 0
-  decode_seconds: float = 0.0  # wall time inside decode loops (device synced)
-  decode_loop_tokens: int = 0
-  mixed_steps: int = 0  # prefill calls that carried decode rows
 
 
 class RoundExecutor:

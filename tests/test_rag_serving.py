@@ -247,7 +247,7 @@ def test_failed_requests_are_counted_and_left_out_of_the_figures():
   # and counted in requests/s and the hit rate, with no sign in the row.
   from types import SimpleNamespace as Result
   from benchmarks.rag_serving import summarize
-  from lazyattn_jax.rounds import EngineStats
+  from lazyattn_jax.engine_stats import EngineStats
   ok = Result(finish_reason="length", ttft_s=2.0, decode_time_per_token_s=0.1,
               token_ids=[1, 2, 3], doc_hits=[True],
               prefill_tokens_before_first_token=5)
