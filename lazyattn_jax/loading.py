@@ -171,7 +171,7 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
   if use_default:
     quality = with_fields(default_quality(
         MODES[mode].takes_quality_options, loaded.model_id,
-        cache_config.dtype, cache_config.page_size), given)
+        cache_config.dtype), given)
   return dict(config=loaded.config, model=loaded.model,
               cache_config=cache_config, mode=mode, scheduler=scheduler,
               runner=runner, model_id=loaded.model_id,

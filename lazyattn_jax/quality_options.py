@@ -153,30 +153,18 @@ SHIPPED_SINKS = ("data/smollm2_135m_sink.safetensors",
                  "data/smollm2_135m_sink_float8.safetensors")
 
 
-def _trained_for_pool(metadata: dict, preamble_len: int, float8: bool,
-                      page_size) -> bool:
-  """Whether a sink file's metadata says it was trained for this pool: its
-  `float8_pages` agrees, and for float8 its preamble falls into pages as
-  the pool's would (one scale per page: the same rounding iff both page
-  sizes split the preamble's rows alike)."""
-  if (metadata.get("float8_pages") == "true") != float8:
-    return False
-  trained_page = metadata.get("page_size")
-  if not float8 or page_size is None or trained_page is None:
-    return True
-  return min(int(trained_page), preamble_len) == min(page_size, preamble_len)
-
-
-def shipped_sink_for(model_id: str, kv_dtype=None, files=None,
-                     page_size=None):
+def shipped_sink_for(model_id: str, kv_dtype=None, files=None):
   """The [P, D] array of a shipped sink trained for the model of `model_id`
   (`LoadedModel.model_id`), else None.
 
   Among several for the model, the one trained for the pool's pages: with
-  `--float8-pages` (at a `page_size` that splits the preamble alike) for a
-  float8 `kv_dtype`, without for any other (None: 16-bit); if none was,
-  the first for the model.  `files` (default SHIPPED_SINKS) are package
-  data paths; an absolute path is read as is.
+  `--float8-pages` for a float8 `kv_dtype`, without for any other (None:
+  16-bit); if none was, the first for the model.  A float8 sink serves a
+  pool of any page size: its scales are powers of two, and e4m3 rounds a
+  value alike at every power-of-two scale (but in its subnormal range), so
+  how the pool's pages split the preamble barely changes its rounding.
+  `files` (default SHIPPED_SINKS) are package data paths; an absolute path
+  is read as is.
   """
   import importlib.resources
   import pathlib
@@ -192,27 +180,26 @@ def shipped_sink_for(model_id: str, kv_dtype=None, files=None,
       sink, metadata = load_sink(str(file))
     if metadata.get("model_id") != model_id:
       continue
-    if _trained_for_pool(metadata, sink.shape[0], float8, page_size):
+    if (metadata.get("float8_pages") == "true") == float8:
       return sink
     fallback = sink if fallback is None else fallback
   return fallback
 
 
 def default_quality(takes_options: bool, model_id: str,
-                    kv_dtype=None, page_size=None) -> QualityOptions:
+                    kv_dtype=None) -> QualityOptions:
   """What `from_pretrained` uses unless told otherwise, for a model not
   fine-tuned for a layout (`trained_quality.trained_default` comes first):
   nothing for modes that take no options (prefix, full); first-page
   recompute for lazy and block, after a shipped sink where one was trained
-  for this model (`shipped_sink_for`, for the pool's `kv_dtype` and
-  `page_size`).
+  for this model (`shipped_sink_for`, for the pool's `kv_dtype`).
 
   On SmolLM2-135M-Instruct, lazy with both matches full attention on
   HotpotQA and the synthetic set, for about 25% more TTFT at the
   paper-like load (benchmarks/RESULTS.md, "Answer quality")."""
   if not takes_options:
     return QualityOptions()
-  sink = shipped_sink_for(model_id, kv_dtype, page_size=page_size)
+  sink = shipped_sink_for(model_id, kv_dtype)
   return QualityOptions(preamble=None if sink is None else "sink", sink=sink,
                         recompute=True)
 

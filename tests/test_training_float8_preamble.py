@@ -76,6 +76,35 @@ def test_preamble_rows_read_as_the_float8_pool_stores_them(preamble_len):
                                   np.asarray(raw[0, rows.stop:]))
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 8, 32])
+def test_the_rounding_barely_depends_on_the_page_size(page_size):
+  """Scales are powers of two and e4m3 rounds alike at any power-of-two
+  scale but in its subnormal range: the preamble's rows read back the same
+  whichever pages split them, but for values under the page's subnormal
+  bound (why one float8 sink serves pools of every page size)."""
+  rope = RopeConfig(theta=10000.0)
+  rng = np.random.default_rng(3)
+  # Rows of very different sizes, so smaller pages take other scales.
+  sizes = np.logspace(-1.5, 1.5, 16)[None, :, None, None]
+  k = rng.standard_normal((1, 16, 2, 8)) * sizes
+  v = rng.standard_normal((1, 16, 2, 8)) * sizes[:, ::-1]
+  k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)
+  index = jnp.arange(16)[None, :]
+  k16, v16 = Float8Preamble(16, 16)(k, v, index, rope)
+  kp, vp = Float8Preamble(page_size, 16)(k, v, index, rope)
+  # Page 16's scale (one per KV head) maps the head's largest value to at
+  # most 448 and is within 2x of that; e4m3's smallest normal is 2**-6 of
+  # the scale.  Keys are rounded as stored: rotated at the preamble index.
+  stored = lambda x: np.asarray(apply_rope(x[0], index[0], rope))
+  for ours, theirs, x in ((vp[0], v16[0], v[0]),
+                          (stored(kp), stored(k16), stored(k))):
+    ours, theirs, x = np.asarray(ours), np.asarray(theirs), np.abs(x)
+    tiny = x < x.max(axis=(0, 2), keepdims=True) * 2 / 448 * 2.0**-6
+    np.testing.assert_allclose(ours[~tiny], theirs[~tiny], rtol=1e-5,
+                               atol=1e-6)
+    assert tiny.mean() < 0.1
+
+
 def test_rows_keep_their_values_dtype():
   k, v, index = _rows(PAGE, before=2, after=2)
   k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
