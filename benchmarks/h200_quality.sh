@@ -14,7 +14,8 @@
 #       # finetune-synthetic likewise on the synthetic set
 #   bash benchmarks/h200_quality.sh OUT hotpot-options|hotpot-sink|synthetic
 #       # one dataset's runs each, for calls of under 10 minutes
-#   bash benchmarks/h200_quality.sh OUT fp8   # float8 pages' quality cost
+#   bash benchmarks/h200_quality.sh OUT fp8   # float8 pages' quality cost, each
+#       # pool with its default options (float8: the float8 sink)
 #       # (fp8-full / fp8-lazy: one mode each)
 #   bash benchmarks/h200_quality.sh OUT fp8-sink       # a sink trained for
 #       # float8 pages (the shipped sink's command with --float8-pages),
@@ -37,6 +38,7 @@ mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-compile-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 SHIPPED_SINK=lazyattn_jax/data/smollm2_135m_sink.safetensors
+SHIPPED_SINK8=lazyattn_jax/data/smollm2_135m_sink_float8.safetensors  # float8 pools
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/steps.log"; }
 
 quality() {  # quality NAME SECONDS ARGS...
@@ -90,7 +92,8 @@ elif [ "$STAGE" = synthetic ]; then
 elif [ "$STAGE" = fp8 ] || [ "$STAGE" = fp8-full ] || [ "$STAGE" = fp8-lazy ]; then
   # Each mode with bf16 pages beside float8 pages, one process per mode
   # (fp8 runs both) so each fits a call; the predictions let
-  # benchmarks/paired_quality compare the runs item by item.
+  # benchmarks/paired_quality compare the runs item by item.  Lazy runs
+  # each pool's default options: float8 pools take the float8 sink.
   DEFAULTS="sink=$SHIPPED_SINK,recompute=true"
   [ "$STAGE" != fp8-lazy ] && quality quality_hotpotqa_fp8_full 570 \
       --dataset hotpotqa --layout dataset --questions "$Q" --modes full \
@@ -98,7 +101,7 @@ elif [ "$STAGE" = fp8 ] || [ "$STAGE" = fp8-full ] || [ "$STAGE" = fp8-lazy ]; t
   [ "$STAGE" != fp8-full ] && quality quality_hotpotqa_fp8_lazy 570 \
       --dataset hotpotqa --layout dataset --questions "$Q" --save-predictions \
       --run "lazy,$DEFAULTS,label=lazy + sink + recompute" \
-      --run "lazy,$DEFAULTS,dtype=float8_e4m3fn,label=lazy + sink + recompute fp8 pages"
+      --run "lazy,sink=$SHIPPED_SINK8,recompute=true,dtype=float8_e4m3fn,label=lazy + float8 sink + recompute fp8 pages"
 elif [ "$STAGE" = fp8-sink ]; then  # training only: about 3 minutes
   log "start fp8-sink"
   timeout 280 python -m lazyattn_jax.training.sink --data hotpotqa \
