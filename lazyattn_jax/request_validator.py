@@ -74,9 +74,7 @@ class RequestValidator:
           f"stop_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
     query, docs, leading = encode_request(self.tokenizer, query, documents,
                                           self.vocab_size)
-    preamble = self.mode.preamble
-    if leading and preamble is not None and preamble.from_chat:
-      docs, leading = docs[leading:], 0  # the chat prefix is the preamble
+    docs, leading = self._chat_prefix_as_preamble(docs, leading)
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
                            leading)
     self._check_positions(request)
@@ -87,9 +85,12 @@ class RequestValidator:
   def check(self, request) -> TokenRequest:
     """A TokenRequest made elsewhere (by hand, or by `validate` on another
     process or engine) checked against this engine as `validate` checks
-    its own: token and stop ids in the vocabulary, positions, the cache.
-    Returns it with its ids as tuples; raises InvalidRequestError or
-    CacheCapacityError."""
+    its own: token and stop ids in the vocabulary, positions, the cache;
+    leading documents (a chat prefix) are dropped where this engine's
+    preamble is the chat prefix.  (A request prepared where the chat
+    prefix was the preamble carries none, so an engine without that
+    preamble serves it without one.)  Returns it with its ids as tuples;
+    raises InvalidRequestError or CacheCapacityError."""
     if self._issued.get(id(request)) is request:
       return request
     if not isinstance(request, TokenRequest):
@@ -113,17 +114,27 @@ class RequestValidator:
       raise InvalidRequestError(
           f"leading must count documents in [0, {len(docs)}], got "
           f"{leading!r}")
+    # Prepared where the chat prefix was a leading document: here it may
+    # be the preamble (else the prompt would hold it twice).
+    docs, leading = self._chat_prefix_as_preamble(docs, int(leading))
     stop_ids = request.stop_ids
     stop_ids = (() if is_token_sequence(stop_ids) and len(stop_ids) == 0
                 else checked_token_ids(stop_ids, "stop_ids", self.vocab_size,
                                        text_ok=False))
     request = TokenRequest(
         checked_token_ids(request.query, "query", self.vocab_size,
-                          text_ok=False), docs, sampling, stop_ids,
-        int(leading))
+                          text_ok=False), docs, sampling, stop_ids, leading)
     self._check_positions(request)
     self._check_capacity(request)
     return request
+
+  def _chat_prefix_as_preamble(self, docs, leading: int):
+    """(docs, leading) without the `leading` documents (the chat prefix a
+    text query brings) where this engine's preamble is that prefix."""
+    preamble = self.mode.preamble
+    if leading and preamble is not None and preamble.from_chat:
+      return docs[leading:], 0
+    return docs, leading
 
   def _check_positions(self, request: TokenRequest):
     prompt = (self.mode.preamble_tokens + sum(map(len, request.documents)) +

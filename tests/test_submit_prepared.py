@@ -70,3 +70,29 @@ def test_a_request_sent_as_lists_is_served(model_and_config, request_parts):
   want = make_engine(model_and_config).generate(query, docs, greedy(6))
   assert engine.pop_result(request_id).token_ids == want.token_ids
   assert_pages_accounted_for(engine)
+
+
+def test_a_text_request_prepared_without_the_chat_preamble_is_served_with_it(
+    model_and_config, request_parts):
+  """Prepared on an engine without a preamble, a text query brings the chat
+  prefix as a leading document; queued on an engine whose preamble is that
+  prefix, it is served as that engine's own prepare would serve it (the
+  prefix once, as the preamble), not with the prefix twice."""
+  from lazyattn_jax.quality_options import QualityOptions
+  from tests.engine_quality_helpers import CHAT, quality_engine
+  _, docs = request_parts
+  plain = quality_engine(model_and_config, None, tokenizer=CHAT)
+  chat = quality_engine(model_and_config, QualityOptions(preamble="chat"),
+                        tokenizer=CHAT)
+  prepared = plain.prepare("Who wrote it?", docs, greedy(4))
+  assert prepared.leading == 1
+  rid = chat.submit_prepared(prepared)
+  while chat.has_work():
+    chat.step()
+  got = chat.pop_result(rid)
+  want = chat.generate("Who wrote it?", docs, greedy(4))
+  assert got.prompt_tokens == want.prompt_tokens
+  assert got.token_ids == want.token_ids
+  np.testing.assert_allclose(got.first_logits, want.first_logits,
+                             rtol=1e-5, atol=1e-5)
+  assert_pages_accounted_for(chat)
