@@ -275,15 +275,20 @@ class LazyEngine:
       return self._enqueue(request, arrival_time)
 
   def prepare(self, query, documents=(), sampling: SamplingParams | None = None,
+              *, fit_max_new_tokens: bool = False,
               **sampling_overrides) -> TokenRequest:
     """Checks and tokenizes a request without queueing it.
 
     Takes no lock and changes nothing, so a server can validate on many
     threads while one thread drives `step()`; `submit_prepared` queues the
-    result.  Raises what `submit` raises for bad input.
+    result.  Raises what `submit` raises for bad input.  With
+    `fit_max_new_tokens`, `max_new_tokens` is an upper bound, lowered to
+    the positions the prompt leaves (a server's default for a request that
+    names none).
     """
     return self.validator.validate(query, documents, sampling,
-                                   sampling_overrides)
+                                   sampling_overrides,
+                                   fit_max_new_tokens=fit_max_new_tokens)
 
   def submit_prepared(self, request: TokenRequest, *,
                       arrival_time: float | None = None) -> int:

@@ -61,9 +61,12 @@ class RequestValidator:
     self._issued = weakref.WeakValueDictionary()
 
   def validate(self, query, documents=(), sampling=None,
-               overrides: dict | None = None) -> TokenRequest:
+               overrides: dict | None = None, *,
+               fit_max_new_tokens: bool = False) -> TokenRequest:
     """Returns the request in tokens; raises InvalidRequestError or
-    CacheCapacityError and changes nothing."""
+    CacheCapacityError and changes nothing.  With `fit_max_new_tokens`,
+    `max_new_tokens` is an upper bound, lowered to the positions the
+    prompt leaves (as an OpenAI server's default `max_tokens` is)."""
     sampling = merge_sampling(sampling, overrides or {})
     stop_ids = sampling.stop_token_ids
     if stop_ids is None:
@@ -77,6 +80,10 @@ class RequestValidator:
     docs, leading = self._chat_prefix_as_preamble(docs, leading)
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
                            leading)
+    room = self.max_position - self._prompt_positions(request)
+    if fit_max_new_tokens and 0 < room < sampling.max_new_tokens:
+      request = dataclasses.replace(request, sampling=dataclasses.replace(
+          sampling, max_new_tokens=room))
     self._check_positions(request)
     self._check_capacity(request)
     self._issued[id(request)] = request
@@ -136,9 +143,12 @@ class RequestValidator:
       return docs[leading:], 0
     return docs, leading
 
+  def _prompt_positions(self, request: TokenRequest) -> int:
+    return (self.mode.preamble_tokens + sum(map(len, request.documents)) +
+            len(request.query))
+
   def _check_positions(self, request: TokenRequest):
-    prompt = (self.mode.preamble_tokens + sum(map(len, request.documents)) +
-              len(request.query))
+    prompt = self._prompt_positions(request)
     total = prompt + request.sampling.max_new_tokens
     if prompt >= self.max_position:  # no room for even one new token
       raise InvalidRequestError(

@@ -96,3 +96,29 @@ def test_a_text_request_prepared_without_the_chat_preamble_is_served_with_it(
   np.testing.assert_allclose(got.first_logits, want.first_logits,
                              rtol=1e-5, atol=1e-5)
   assert_pages_accounted_for(chat)
+
+
+def test_fit_max_new_tokens_lowers_it_to_the_positions_the_prompt_leaves(
+    model_and_config):
+  """`prepare(fit_max_new_tokens=True)` (the server's default max_tokens):
+  a bound, lowered to what the prompt leaves of max_position; a prompt
+  with no room is still refused, naming the prompt."""
+  _, config, _ = model_and_config
+  engine = make_engine(model_and_config, num_pages=160)
+  room = config.max_position - 300
+  query = tuple(1 + i % 200 for i in range(300))
+  fitted = engine.prepare(query, (), greedy(room + 50),
+                          fit_max_new_tokens=True)
+  assert fitted.sampling.max_new_tokens == room
+  assert engine.prepare(query, (), greedy(room - 1), fit_max_new_tokens=True
+                        ).sampling.max_new_tokens == room - 1
+  with pytest.raises(InvalidRequestError, match="request needs"):
+    engine.prepare(query, (), greedy(room + 50))
+  with pytest.raises(InvalidRequestError, match="^prompt needs"):
+    engine.prepare((7,) * config.max_position, (), greedy(8),
+                   fit_max_new_tokens=True)
+  rid = engine.submit_prepared(fitted)
+  while engine.has_work():
+    engine.step()
+  assert len(engine.pop_result(rid).token_ids) <= room
+  assert_pages_accounted_for(engine)

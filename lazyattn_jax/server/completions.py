@@ -111,8 +111,11 @@ class CompletionService:
              prompts.completion_query(body.prompt, tokenizer))
     leading = [query.conversation] if query.conversation else []
     try:
-      prepared = self.engine.prepare(query.query, leading + documents,
-                                     sampling)
+      # A request that names no max_tokens gets the server's default,
+      # at most what the prompt leaves of the model's positions.
+      prepared = self.engine.prepare(
+          query.query, leading + documents, sampling,
+          fit_max_new_tokens=not prompts.names_max_tokens(body))
     except InvalidRequestError as error:
       param, code = _engine_field(str(error),
                                   "messages" if chat else "prompt")

@@ -14,7 +14,8 @@ class ServerConfig:
       `model` (a request naming another model gets 404).
     max_queue: requests waiting for admission beyond which new ones get
       429 (requests being generated do not count).
-    default_max_tokens: `max_tokens` of a request that gives none.
+    default_max_tokens: `max_tokens` of a request that gives none (at most
+      the model positions its prompt leaves).
     drain_timeout_s: on shutdown, how long requests in flight may finish
       before they are cancelled (inf: as long as they take).
     max_registered_documents: documents `POST /v1/documents` remembers by

@@ -67,6 +67,11 @@ def check_unsupported(body, chat: bool):
       raise bad_request(message, param=field, code="unsupported")
 
 
+def names_max_tokens(body) -> bool:
+  """Whether the request gives `max_tokens` (or `max_completion_tokens`)."""
+  return bool(getattr(body, "max_completion_tokens", None) or body.max_tokens)
+
+
 def sampling_params(body, default_max_tokens: int) -> SamplingParams:
   """SamplingParams of a request (OpenAI's defaults: temperature 1, top_p 1;
   a sampled request without a seed gets a random one)."""
