@@ -93,8 +93,8 @@ class RequestValidator:
     """A TokenRequest made elsewhere (by hand, or by `validate` on another
     process or engine) checked against this engine as `validate` checks
     its own: token and stop ids in the vocabulary, positions, the cache;
-    leading documents (a chat prefix) are dropped where this engine's
-    preamble is the chat prefix.  (A request prepared where the chat
+    a first leading document that is this engine's chat-prefix preamble
+    is dropped, as `validate` drops it.  (A request prepared where the chat
     prefix was the preamble carries none, so an engine without that
     preamble serves it without one.)  Returns it with its ids as tuples;
     raises InvalidRequestError or CacheCapacityError."""
@@ -136,11 +136,14 @@ class RequestValidator:
     return request
 
   def _chat_prefix_as_preamble(self, docs, leading: int):
-    """(docs, leading) without the `leading` documents (the chat prefix a
-    text query brings) where this engine's preamble is that prefix."""
+    """(docs, leading) without the first leading document where it is this
+    engine's preamble, the chat prefix (which a text query brings as a
+    document).  Other leading documents stay: a server's conversation is
+    one (`server.completions`)."""
     preamble = self.mode.preamble
-    if leading and preamble is not None and preamble.from_chat:
-      return docs[leading:], 0
+    if (leading and preamble is not None and preamble.from_chat
+        and tuple(docs[0]) == preamble.tokens):
+      return docs[1:], leading - 1
     return docs, leading
 
   def _prompt_positions(self, request: TokenRequest) -> int:

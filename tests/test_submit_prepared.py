@@ -122,3 +122,28 @@ def test_fit_max_new_tokens_lowers_it_to_the_positions_the_prompt_leaves(
     engine.step()
   assert len(engine.pop_result(rid).token_ids) <= room
   assert_pages_accounted_for(engine)
+
+
+def test_a_hidden_leading_conversation_is_kept_on_a_chat_preamble_engine(
+    model_and_config, request_parts):
+  """The server passes a conversation as a leading document it hides
+  (`leading` + 1); on an engine whose preamble is the chat prefix, only
+  that prefix is ever dropped, never the conversation."""
+  import dataclasses
+  from lazyattn_jax.quality_options import QualityOptions
+  from tests.engine_quality_helpers import CHAT, quality_engine
+  _, docs = request_parts
+  chat = quality_engine(model_and_config, QualityOptions(preamble="chat"),
+                        tokenizer=CHAT)
+  conversation = CHAT.encode("<user>Who wrote it?</user><bot>Ada.</bot>")
+  prepared = chat.prepare("And when?", [conversation] + docs, greedy(4))
+  hidden = dataclasses.replace(prepared, leading=prepared.leading + 1)
+  rid = chat.submit_prepared(hidden)
+  while chat.has_work():
+    chat.step()
+  got = chat.pop_result(rid)
+  want = chat.generate("And when?", [conversation] + docs, greedy(4))
+  assert got.prompt_tokens == want.prompt_tokens
+  assert got.token_ids == want.token_ids
+  np.testing.assert_allclose(got.first_logits, want.first_logits,
+                             rtol=1e-5, atol=1e-5)
