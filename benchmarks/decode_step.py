@@ -115,7 +115,7 @@ def parse_args(argv=None):
   return args
 
 
-def _best_rate(fn, x, bytes_moved: int, chained: bool) -> float:
+def _median_rate(fn, x, bytes_moved: int, chained: bool) -> float:
   """Bytes per second of the median of five timings of ten calls of `fn`:
   chained (each call takes the last one's output) or independent (all
   dispatched, then waited on), so host dispatch stays hidden."""
@@ -145,9 +145,9 @@ def hbm_bandwidth(mib: int) -> dict:
   import jax
   import jax.numpy as jnp
   x = jnp.ones((mib * (1 << 19),), jnp.bfloat16)
-  copy = max(_best_rate(fn, x, 2 * x.nbytes, chained=True)
+  copy = max(_median_rate(fn, x, 2 * x.nbytes, chained=True)
              for fn in (jax.jit(lambda a: a.copy()), jax.jit(jnp.negative)))
-  read = max(_best_rate(fn, x, x.nbytes, chained=False)
+  read = max(_median_rate(fn, x, x.nbytes, chained=False)
              for fn in (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)),
                         jax.jit(jnp.max)))
   return dict(copy=copy, read=read)

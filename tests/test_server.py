@@ -253,3 +253,21 @@ def test_pool_gauges_are_set_before_the_first_request(text_model):
     text = httpx.get(url + "/metrics").text
   assert metric(text, "lazyattn_kv_pages_free") == 48
   assert metric(text, "lazyattn_kv_pages_used") == 0
+
+
+def test_a_request_without_max_tokens_gets_what_its_prompt_leaves(server,
+                                                                 text_model):
+  """The server's default max_tokens (256) is a bound: a prompt that
+  leaves fewer positions is served to the end of the context, not refused
+  for a max_tokens the client never sent (as OpenAI and vLLM do)."""
+  config, _, _ = text_model
+  prompt_len = config.max_position - 100
+  response = httpx.post(f"{server[1]}/v1/completions", json={
+      "model": MODEL_NAME, "prompt": [1] * prompt_len, "temperature": 0},
+      timeout=120)
+  assert response.status_code == 200, response.text
+  body = response.json()
+  assert body["usage"]["prompt_tokens"] == prompt_len
+  assert 1 <= body["usage"]["completion_tokens"] <= 100
+  if body["choices"][0]["finish_reason"] == "length":
+    assert body["usage"]["completion_tokens"] == 100

@@ -96,23 +96,6 @@ def test_bad_requests_get_openai_errors_naming_the_field(server, name):
     assert error["code"] == "context_length_exceeded", error
 
 
-def test_a_request_without_max_tokens_gets_what_its_prompt_leaves(server,
-                                                                 text_model):
-  """The server's default max_tokens (256) is a bound: a prompt that
-  leaves fewer positions is served to the end of the context, not refused
-  for a max_tokens the client never sent (as OpenAI and vLLM do)."""
-  config, _, _ = text_model
-  prompt_len = config.max_position - 100
-  response = httpx.post(f"{server[1]}/v1/completions", json=completion_body(
-      prompt=[1] * prompt_len, max_tokens=None, temperature=0), timeout=120)
-  assert response.status_code == 200, response.text
-  body = response.json()
-  assert body["usage"]["prompt_tokens"] == prompt_len
-  assert 1 <= body["usage"]["completion_tokens"] <= 100
-  if body["choices"][0]["finish_reason"] == "length":
-    assert body["usage"]["completion_tokens"] == 100
-
-
 def test_openai_client_raises_its_own_errors_and_the_server_goes_on(server):
   app, url = server
   c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

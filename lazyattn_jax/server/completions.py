@@ -115,7 +115,7 @@ class CompletionService:
       # at most what the prompt leaves of the model's positions.
       prepared = self.engine.prepare(
           query.query, leading + documents, sampling,
-          fit_max_new_tokens=not prompts.names_max_tokens(body))
+          fit_max_new_tokens=prompts.requested_max_tokens(body) is None)
     except InvalidRequestError as error:
       param, code = _engine_field(str(error),
                                   "messages" if chat else "prompt")

@@ -67,16 +67,16 @@ def check_unsupported(body, chat: bool):
       raise bad_request(message, param=field, code="unsupported")
 
 
-def names_max_tokens(body) -> bool:
-  """Whether the request gives `max_tokens` (or `max_completion_tokens`)."""
-  return bool(getattr(body, "max_completion_tokens", None) or body.max_tokens)
+def requested_max_tokens(body) -> int | None:
+  """The request's `max_completion_tokens` or `max_tokens`; None if it
+  gives neither (the schema refuses 0)."""
+  return getattr(body, "max_completion_tokens", None) or body.max_tokens
 
 
 def sampling_params(body, default_max_tokens: int) -> SamplingParams:
   """SamplingParams of a request (OpenAI's defaults: temperature 1, top_p 1;
   a sampled request without a seed gets a random one)."""
-  max_tokens = (getattr(body, "max_completion_tokens", None) or
-                body.max_tokens or default_max_tokens)
+  max_tokens = requested_max_tokens(body) or default_max_tokens
   temperature = 1.0 if body.temperature is None else body.temperature
   seed = body.seed
   if seed is None:
