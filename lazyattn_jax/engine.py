@@ -283,8 +283,8 @@ class LazyEngine:
     threads while one thread drives `step()`; `submit_prepared` queues the
     result.  Raises what `submit` raises for bad input.  With
     `fit_max_new_tokens`, `max_new_tokens` is an upper bound, lowered to
-    the positions the prompt leaves (a server's default for a request that
-    names none).
+    what the prompt leaves of the model's positions and of the whole pool
+    (a server's default for a request that names none).
     """
     return self.validator.validate(query, documents, sampling,
                                    sampling_overrides,

@@ -65,8 +65,9 @@ class RequestValidator:
                fit_max_new_tokens: bool = False) -> TokenRequest:
     """Returns the request in tokens; raises InvalidRequestError or
     CacheCapacityError and changes nothing.  With `fit_max_new_tokens`,
-    `max_new_tokens` is an upper bound, lowered to the positions the
-    prompt leaves (as an OpenAI server's default `max_tokens` is)."""
+    `max_new_tokens` is an upper bound, lowered to what the prompt leaves
+    of the model's positions and of the whole pool (as an OpenAI server's
+    default `max_tokens` is)."""
     sampling = merge_sampling(sampling, overrides or {})
     stop_ids = sampling.stop_token_ids
     if stop_ids is None:
@@ -80,10 +81,8 @@ class RequestValidator:
     docs, leading = self._chat_prefix_as_preamble(docs, leading)
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
                            leading)
-    room = self.max_position - self._prompt_positions(request)
-    if fit_max_new_tokens and 0 < room < sampling.max_new_tokens:
-      request = dataclasses.replace(request, sampling=dataclasses.replace(
-          sampling, max_new_tokens=room))
+    if fit_max_new_tokens:
+      request = self._fit_max_new_tokens(request)
     self._check_positions(request)
     self._check_capacity(request)
     self._issued[id(request)] = request
@@ -145,6 +144,31 @@ class RequestValidator:
         and tuple(docs[0]) == preamble.tokens):
       return docs[1:], leading - 1
     return docs, leading
+
+  def _fit_max_new_tokens(self, request: TokenRequest) -> TokenRequest:
+    """`request` with max_new_tokens at most what the prompt leaves: of
+    the model's positions, and of the whole pool's pages (the largest
+    count that fits, found by bisection: pages grow with it).  Unchanged
+    where not even one token fits; the checks then refuse it."""
+    cfg = self.cache_config
+
+    def with_max(count):
+      return dataclasses.replace(request, sampling=dataclasses.replace(
+          request.sampling, max_new_tokens=count))
+
+    def fits(count):
+      pages = self.mode.cache_needs(with_max(count)).pages(cfg.page_size)
+      return pages <= cfg.num_pages
+
+    most = min(request.sampling.max_new_tokens,
+               self.max_position - self._prompt_positions(request))
+    if most < 1 or not fits(1):
+      return request
+    low, high = 1, most  # fits(low); the largest count that fits is in
+    while low < high:
+      middle = (low + high + 1) // 2
+      low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return request if low == request.sampling.max_new_tokens else with_max(low)
 
   def _prompt_positions(self, request: TokenRequest) -> int:
     return (self.mode.preamble_tokens + sum(map(len, request.documents)) +

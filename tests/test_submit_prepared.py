@@ -147,3 +147,26 @@ def test_a_hidden_leading_conversation_is_kept_on_a_chat_preamble_engine(
   assert got.token_ids == want.token_ids
   np.testing.assert_allclose(got.first_logits, want.first_logits,
                              rtol=1e-5, atol=1e-5)
+
+
+def test_fit_max_new_tokens_also_fits_the_whole_pool(model_and_config):
+  """A pool smaller than the model's positions bounds the default too:
+  the largest max_new_tokens whose pages fit, so one more is refused; a
+  prompt that alone overflows the pool is still refused."""
+  _, config, _ = model_and_config
+  engine = make_engine(model_and_config, num_pages=40)
+  query = tuple(1 + i % 200 for i in range(40))
+  fitted = engine.prepare(query, (), greedy(256), fit_max_new_tokens=True)
+  most = fitted.sampling.max_new_tokens
+  assert 1 <= most < 256 and most < config.max_position - len(query)
+  engine.prepare(query, (), greedy(most))  # fits as it is
+  with pytest.raises(CacheCapacityError, match="whole pool has 40"):
+    engine.prepare(query, (), greedy(most + 1))
+  with pytest.raises(CacheCapacityError, match="whole pool has 40"):
+    engine.prepare(tuple(1 + i % 200 for i in range(400)), (), greedy(8),
+                   fit_max_new_tokens=True)
+  rid = engine.submit_prepared(fitted)
+  while engine.has_work():
+    engine.step()
+  assert len(engine.pop_result(rid).token_ids) <= most
+  assert_pages_accounted_for(engine)

@@ -15,7 +15,7 @@ class ServerConfig:
     max_queue: requests waiting for admission beyond which new ones get
       429 (requests being generated do not count).
     default_max_tokens: `max_tokens` of a request that gives none (at most
-      the model positions its prompt leaves).
+      what its prompt leaves of the model's positions and the pool).
     drain_timeout_s: on shutdown, how long requests in flight may finish
       before they are cancelled (inf: as long as they take).
     max_registered_documents: documents `POST /v1/documents` remembers by
