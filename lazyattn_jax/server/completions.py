@@ -112,7 +112,7 @@ class CompletionService:
     leading = [query.conversation] if query.conversation else []
     try:
       # A request that names no max_tokens gets the server's default,
-      # at most what the prompt leaves of the model's positions.
+      # at most what the prompt leaves of the positions and the pool.
       prepared = self.engine.prepare(
           query.query, leading + documents, sampling,
           fit_max_new_tokens=prompts.requested_max_tokens(body) is None)
