@@ -276,6 +276,7 @@ class LazyEngine:
 
   def prepare(self, query, documents=(), sampling: SamplingParams | None = None,
               *, fit_max_new_tokens: bool = False,
+              leading_documents: int = 0,
               **sampling_overrides) -> TokenRequest:
     """Checks and tokenizes a request without queueing it.
 
@@ -284,11 +285,15 @@ class LazyEngine:
     result.  Raises what `submit` raises for bad input.  With
     `fit_max_new_tokens`, `max_new_tokens` is an upper bound, lowered to
     what the prompt leaves of the model's positions and of the whole pool
-    (a server's default for a request that names none).
+    (a server's default for a request that names none).  The first
+    `leading_documents` of `documents` are not the caller's (a server's
+    conversation): they are not reported back as documents, and where the
+    preamble is the chat prefix a conversation's copy of it is dropped.
     """
     return self.validator.validate(query, documents, sampling,
                                    sampling_overrides,
-                                   fit_max_new_tokens=fit_max_new_tokens)
+                                   fit_max_new_tokens=fit_max_new_tokens,
+                                   leading_documents=leading_documents)
 
   def submit_prepared(self, request: TokenRequest, *,
                       arrival_time: float | None = None) -> int:

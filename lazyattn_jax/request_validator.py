@@ -62,12 +62,21 @@ class RequestValidator:
 
   def validate(self, query, documents=(), sampling=None,
                overrides: dict | None = None, *,
-               fit_max_new_tokens: bool = False) -> TokenRequest:
+               fit_max_new_tokens: bool = False,
+               leading_documents: int = 0) -> TokenRequest:
     """Returns the request in tokens; raises InvalidRequestError or
     CacheCapacityError and changes nothing.  With `fit_max_new_tokens`,
     `max_new_tokens` is an upper bound, lowered to what the prompt leaves
     of the model's positions and of the whole pool (as an OpenAI server's
-    default `max_tokens` is)."""
+    default `max_tokens` is).  The first `leading_documents` of
+    `documents` are not the caller's (a server's conversation): they count
+    in `TokenRequest.leading`."""
+    if (isinstance(leading_documents, bool)
+        or not isinstance(leading_documents, numbers.Integral)
+        or not 0 <= leading_documents <= len(documents)):
+      raise InvalidRequestError(
+          f"leading_documents must count documents in [0, "
+          f"{len(documents)}], got {leading_documents!r}")
     sampling = merge_sampling(sampling, overrides or {})
     stop_ids = sampling.stop_token_ids
     if stop_ids is None:
@@ -78,7 +87,8 @@ class RequestValidator:
           f"stop_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
     query, docs, leading = encode_request(self.tokenizer, query, documents,
                                           self.vocab_size)
-    docs, leading = self._chat_prefix_as_preamble(docs, leading)
+    docs, leading = self._chat_prefix_as_preamble(
+        docs, leading + int(leading_documents))
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
                            leading)
     if fit_max_new_tokens:
@@ -135,15 +145,20 @@ class RequestValidator:
     return request
 
   def _chat_prefix_as_preamble(self, docs, leading: int):
-    """(docs, leading) without the first leading document where it is this
-    engine's preamble, the chat prefix (which a text query brings as a
-    document).  Other leading documents stay: a server's conversation is
-    one (`server.completions`)."""
+    """(docs, leading) where this engine's preamble is the chat prefix: a
+    first leading document that starts with it loses it, since the
+    preamble holds it.  That is the prefix a text query brings as a
+    document (dropped whole), or a server's conversation rendered from
+    the template's start (`server.prompts.chat_query`: its rest stays)."""
     preamble = self.mode.preamble
-    if (leading and preamble is not None and preamble.from_chat
-        and tuple(docs[0]) == preamble.tokens):
-      return docs[1:], leading - 1
-    return docs, leading
+    if not (leading and preamble is not None and preamble.from_chat):
+      return tuple(docs), leading
+    first, prefix = tuple(docs[0]), preamble.tokens
+    if first[:len(prefix)] != prefix:
+      return tuple(docs), leading
+    if len(first) == len(prefix):
+      return tuple(docs[1:]), leading - 1
+    return (first[len(prefix):],) + tuple(docs[1:]), leading
 
   def _fit_max_new_tokens(self, request: TokenRequest) -> TokenRequest:
     """`request` with max_new_tokens at most what the prompt leaves: of
@@ -197,7 +212,8 @@ class RequestValidator:
     cfg = self.cache_config
     for i, doc in enumerate(documents):
       if len(doc) > cfg.max_doc_tokens:
-        name = "the chat prefix" if i < leading else f"document {i - leading}"
+        name = (f"leading document {i} (the chat prefix or conversation)"
+                if i < leading else f"document {i - leading}")
         raise CacheCapacityError(
             f"{name} has {len(doc)} tokens; the cache holds at most "
             f"{cfg.max_doc_tokens} per document (max_pages_per_doc * "

@@ -43,9 +43,10 @@ class Request:
 class TokenRequest:
   """A validated request in token ids.
 
-  The first `leading` documents were added by the engine (the shared chat
-  prefix) and are not reported back; `stop_ids` are the stop tokens in
-  effect (the sampling's, or the model's defaults).
+  The first `leading` documents are not the caller's (the shared chat
+  prefix a text query brings, or a server's conversation: `prepare`'s
+  `leading_documents`) and are not reported back; `stop_ids` are the stop
+  tokens in effect (the sampling's, or the model's defaults).
   """
   query: tuple[int, ...]
   documents: tuple[tuple[int, ...], ...]

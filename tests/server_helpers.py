@@ -35,7 +35,7 @@ MODEL_NAME = "tiny-text"
 
 
 def make_engine(text_model, *, num_pages=96, max_batch=4, decode_steps=4,
-                mode="lazy", **settings) -> LazyEngine:
+                mode="lazy", quality=None, **settings) -> LazyEngine:
   config, model, tokenizer = text_model
   cache_config = CacheConfig(
       num_pages=num_pages, page_size=16, num_layers=config.num_layers,
@@ -46,7 +46,7 @@ def make_engine(text_model, *, num_pages=96, max_batch=4, decode_steps=4,
                        decode_steps=decode_steps, **settings))
   return LazyEngine(config, model, cache_config, mode=mode,
                     scheduler=scheduler, runner=runner, tokenizer=tokenizer,
-                    model_id="tiny-text")
+                    model_id="tiny-text", quality=quality)
 
 
 def slow_down(engine, seconds: float):

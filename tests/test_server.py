@@ -271,3 +271,40 @@ def test_a_request_without_max_tokens_gets_what_its_prompt_leaves(server,
   assert 1 <= body["usage"]["completion_tokens"] <= 100
   if body["choices"][0]["finish_reason"] == "length":
     assert body["usage"]["completion_tokens"] == 100
+
+
+def test_a_conversation_on_a_chat_preamble_server_counts_each_token_once(
+    text_model):
+  """Where the engine's preamble is the chat prefix, a conversation
+  rendered from the template's start holds that prefix too: the server
+  serves it once (the preamble's), so the prompt is as long as on a server
+  without a preamble, and a long prompt's fitted default max_tokens is
+  the same."""
+  from lazyattn_jax.quality_options import QualityOptions
+  messages = [{"role": "user", "content": "Hello"},
+              {"role": "assistant", "content": "Hi."},
+              {"role": "user", "content": QUESTIONS[0]}]
+  usage = {}
+  for name, quality in (("plain", None),
+                        ("chat", QualityOptions(preamble="chat"))):
+    with serving(make_engine(text_model, quality=quality)) as (app, url):
+      out = client(url).chat.completions.create(
+          model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+          extra_body={"documents": CORPUS[:2]})
+      usage[name] = out.usage.prompt_tokens
+      assert pool_is_idle(app)
+  assert usage["chat"] == usage["plain"]
+
+
+def test_a_prompt_larger_than_the_pool_names_the_prompt(text_model):
+  """Without documents, a prompt the whole pool cannot hold is the
+  prompt's fault (400 naming `prompt`), not the documents'."""
+  with serving(make_engine(text_model, num_pages=40)) as (app, url):
+    response = httpx.post(f"{url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": [1] * 700, "temperature": 0},
+        timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt",
+                                               "cache_capacity_exceeded")
+    assert pool_is_idle(app)

@@ -124,6 +124,75 @@ def test_fit_max_new_tokens_lowers_it_to_the_positions_the_prompt_leaves(
   assert_pages_accounted_for(engine)
 
 
+def test_a_conversation_is_served_once_on_a_chat_preamble_engine(
+    model_and_config, request_parts):
+  """A server passes a conversation, rendered from the chat template's
+  start, as a leading document (`leading_documents=1`).  Where the
+  preamble is the chat prefix, the conversation's copy of it goes (the
+  preamble holds it) and the rest stays: the prompt counts each token
+  once, as on an engine without a preamble, and that holds again when the
+  request is queued elsewhere (`check`)."""
+  from lazyattn_jax.quality_options import QualityOptions
+  from tests.engine_quality_helpers import CHAT, PREFIX, quality_engine
+  _, docs = request_parts
+  plain = quality_engine(model_and_config, None, tokenizer=CHAT)
+  chat = quality_engine(model_and_config, QualityOptions(preamble="chat"),
+                        tokenizer=CHAT)
+  conversation = CHAT.encode("<sys>be brief</sys><user>Who?</user><bot>A.")
+  assert conversation[:len(PREFIX)] == PREFIX
+  query = CHAT.encode("And when?</user><bot>")
+  on_plain = plain.prepare(query, [conversation] + docs, greedy(4),
+                           leading_documents=1)
+  on_chat = chat.prepare(query, [conversation] + docs, greedy(4),
+                         leading_documents=1)
+  assert on_plain.documents[0] == tuple(conversation)
+  assert on_chat.documents[0] == tuple(conversation[len(PREFIX):])
+  assert (on_plain.leading, on_chat.leading) == (1, 1)
+  # Queued on the chat engine from the plain one, it is served the same.
+  for prepared in (on_chat, on_plain):
+    rid = chat.submit_prepared(prepared)
+    while chat.has_work():
+      chat.step()
+    got = chat.pop_result(rid)
+    plain_rid = plain.submit_prepared(on_plain)
+    while plain.has_work():
+      plain.step()
+    want = plain.pop_result(plain_rid)
+    assert got.prompt_tokens == want.prompt_tokens
+    assert got.token_ids == chat.generate(
+        query, [conversation[len(PREFIX):]] + docs, greedy(4)).token_ids
+  # A bad count is refused.
+  with pytest.raises(InvalidRequestError, match="leading_documents must"):
+    chat.prepare(query, docs, greedy(4), leading_documents=3)
+  assert_pages_accounted_for(chat)
+
+
+def test_fit_max_new_tokens_lowers_it_to_the_positions_the_prompt_leaves(
+    model_and_config):
+  """`prepare(fit_max_new_tokens=True)` (the server's default max_tokens):
+  a bound, lowered to what the prompt leaves of max_position; a prompt
+  with no room is still refused, naming the prompt."""
+  _, config, _ = model_and_config
+  engine = make_engine(model_and_config, num_pages=160)
+  room = config.max_position - 300
+  query = tuple(1 + i % 200 for i in range(300))
+  fitted = engine.prepare(query, (), greedy(room + 50),
+                          fit_max_new_tokens=True)
+  assert fitted.sampling.max_new_tokens == room
+  assert engine.prepare(query, (), greedy(room - 1), fit_max_new_tokens=True
+                        ).sampling.max_new_tokens == room - 1
+  with pytest.raises(InvalidRequestError, match="request needs"):
+    engine.prepare(query, (), greedy(room + 50))
+  with pytest.raises(InvalidRequestError, match="^prompt needs"):
+    engine.prepare((7,) * config.max_position, (), greedy(8),
+                   fit_max_new_tokens=True)
+  rid = engine.submit_prepared(fitted)
+  while engine.has_work():
+    engine.step()
+  assert len(engine.pop_result(rid).token_ids) <= room
+  assert_pages_accounted_for(engine)
+
+
 def test_a_hidden_leading_conversation_is_kept_on_a_chat_preamble_engine(
     model_and_config, request_parts):
   """The server passes a conversation as a leading document it hides

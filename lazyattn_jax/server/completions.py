@@ -11,7 +11,6 @@ the client going away (which cancels the request at once).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import anyio
 from fastapi.responses import JSONResponse, Response
@@ -113,20 +112,23 @@ class CompletionService:
     try:
       # A request that names no max_tokens gets the server's default,
       # at most what the prompt leaves of the positions and the pool.
-      prepared = self.engine.prepare(
+      # The conversation is ours, not one of the caller's documents.
+      return self.engine.prepare(
           query.query, leading + documents, sampling,
-          fit_max_new_tokens=prompts.requested_max_tokens(body) is None)
+          fit_max_new_tokens=prompts.requested_max_tokens(body) is None,
+          leading_documents=len(leading))
     except InvalidRequestError as error:
       param, code = _engine_field(str(error),
                                   "messages" if chat else "prompt")
       raise bad_request(str(error), param=param, code=code) from None
     except CacheCapacityError as error:
-      raise bad_request(str(error), param="documents",
+      # The caller's documents, unless there are none or the conversation
+      # (a leading document) is what does not fit: then the prompt.
+      ours = str(error).startswith("leading document")
+      param = ("documents" if documents and not ours else
+               "messages" if chat else "prompt")
+      raise bad_request(str(error), param=param,
                         code="cache_capacity_exceeded") from None
-    if leading:  # the conversation is ours, not one of the caller's documents
-      prepared = dataclasses.replace(prepared,
-                                     leading=prepared.leading + len(leading))
-    return prepared
 
   # --- waiting ----------------------------------------------------------------------
   async def _events(self, handle, request=None):
