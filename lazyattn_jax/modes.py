@@ -102,7 +102,9 @@ class ReuseMode(abc.ABC):
 
   @abc.abstractmethod
   def cache_needs(self, request: TokenRequest) -> CacheNeeds:
-    """What admitting `request` asks of the cache."""
+    """What admitting `request` asks of the cache.  Its max_new_tokens
+    only add to `private_tokens`, one each (the validator's fit of a
+    default max_new_tokens solves for it from one call)."""
 
   @abc.abstractmethod
   def layout(self, request: TokenRequest, admission) -> RequestLayout:
@@ -211,7 +213,8 @@ class LazyMode(ReuseMode):
 
   def describe_entries(self, request, count):
     user = len(set(request.documents[request.leading:]))
-    extra = " plus the shared chat prefix" if request.leading else ""
+    extra = (f" plus {request.leading} leading (the chat prefix or a "
+             f"conversation)" if request.leading else "")
     if self.preamble is not None:
       extra += " plus the shared preamble"
     return f"{user} distinct documents{extra} ({count} cache entries)"

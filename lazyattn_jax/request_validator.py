@@ -16,6 +16,7 @@ from lazyattn_jax.requests import (TokenRequest, checked_token_ids,
                                    encode_documents, encode_request,
                                    is_token_sequence)
 from lazyattn_jax.sampling import SamplingParams
+from pallas_kernels.sizes import ceil_div
 
 
 def merge_sampling(sampling, overrides: dict) -> SamplingParams:
@@ -90,7 +91,7 @@ class RequestValidator:
     docs, leading = self._chat_prefix_as_preamble(
         docs, leading + int(leading_documents))
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
-                           leading)
+                           leading, self._preamble_is_chat_prefix)
     if fit_max_new_tokens:
       request = self._fit_max_new_tokens(request)
     self._check_positions(request)
@@ -131,18 +132,26 @@ class RequestValidator:
           f"leading must count documents in [0, {len(docs)}], got "
           f"{leading!r}")
     # Prepared where the chat prefix was a leading document: here it may
-    # be the preamble (else the prompt would hold it twice).
-    docs, leading = self._chat_prefix_as_preamble(docs, int(leading))
+    # be the preamble (else the prompt would hold it twice).  Once only.
+    leading = int(leading)
+    if not request.chat_prefix_in_preamble:
+      docs, leading = self._chat_prefix_as_preamble(docs, leading)
     stop_ids = request.stop_ids
     stop_ids = (() if is_token_sequence(stop_ids) and len(stop_ids) == 0
                 else checked_token_ids(stop_ids, "stop_ids", self.vocab_size,
                                        text_ok=False))
     request = TokenRequest(
         checked_token_ids(request.query, "query", self.vocab_size,
-                          text_ok=False), docs, sampling, stop_ids, leading)
+                          text_ok=False), tuple(docs), sampling, stop_ids,
+        leading, self._preamble_is_chat_prefix)
     self._check_positions(request)
     self._check_capacity(request)
     return request
+
+  @property
+  def _preamble_is_chat_prefix(self) -> bool:
+    preamble = self.mode.preamble
+    return preamble is not None and preamble.from_chat
 
   def _chat_prefix_as_preamble(self, docs, leading: int):
     """(docs, leading) where this engine's preamble is the chat prefix: a
@@ -150,10 +159,9 @@ class RequestValidator:
     preamble holds it.  That is the prefix a text query brings as a
     document (dropped whole), or a server's conversation rendered from
     the template's start (`server.prompts.chat_query`: its rest stays)."""
-    preamble = self.mode.preamble
-    if not (leading and preamble is not None and preamble.from_chat):
+    if not (leading and self._preamble_is_chat_prefix):
       return tuple(docs), leading
-    first, prefix = tuple(docs[0]), preamble.tokens
+    first, prefix = tuple(docs[0]), self.mode.preamble.tokens
     if first[:len(prefix)] != prefix:
       return tuple(docs), leading
     if len(first) == len(prefix):
@@ -162,28 +170,27 @@ class RequestValidator:
 
   def _fit_max_new_tokens(self, request: TokenRequest) -> TokenRequest:
     """`request` with max_new_tokens at most what the prompt leaves: of
-    the model's positions, and of the whole pool's pages (the largest
-    count that fits, found by bisection: pages grow with it).  Unchanged
-    where not even one token fits; the checks then refuse it."""
-    cfg = self.cache_config
-
-    def with_max(count):
-      return dataclasses.replace(request, sampling=dataclasses.replace(
-          request.sampling, max_new_tokens=count))
-
-    def fits(count):
-      pages = self.mode.cache_needs(with_max(count)).pages(cfg.page_size)
-      return pages <= cfg.num_pages
-
-    most = min(request.sampling.max_new_tokens,
+    the model's positions, and of the whole pool's pages.  In every mode
+    the new tokens only add to the request's private tokens, so the count
+    that fits the pool is solved from one `cache_needs`.  Where not even
+    one token fits the pool, it is only bounded by the positions, and the
+    capacity check then refuses the prompt."""
+    cfg, sampling = self.cache_config, request.sampling
+    most = min(sampling.max_new_tokens,
                self.max_position - self._prompt_positions(request))
-    if most < 1 or not fits(1):
+    if most < 1:
+      return request  # the position check refuses the prompt
+    needs = self.mode.cache_needs(request)
+    entry_pages = needs.pages(cfg.page_size) - ceil_div(needs.private_tokens,
+                                                        cfg.page_size)
+    prompt_private = needs.private_tokens - sampling.max_new_tokens
+    room = (cfg.num_pages - entry_pages) * cfg.page_size - prompt_private
+    if room >= 1:
+      most = min(most, room)
+    if most == sampling.max_new_tokens:
       return request
-    low, high = 1, most  # fits(low); the largest count that fits is in
-    while low < high:
-      middle = (low + high + 1) // 2
-      low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return request if low == request.sampling.max_new_tokens else with_max(low)
+    return dataclasses.replace(request, sampling=dataclasses.replace(
+        sampling, max_new_tokens=most))
 
   def _prompt_positions(self, request: TokenRequest) -> int:
     return (self.mode.preamble_tokens + sum(map(len, request.documents)) +

@@ -47,12 +47,16 @@ class TokenRequest:
   prefix a text query brings, or a server's conversation: `prepare`'s
   `leading_documents`) and are not reported back; `stop_ids` are the stop
   tokens in effect (the sampling's, or the model's defaults).
+  `chat_prefix_in_preamble`: prepared for an engine whose preamble is the
+  chat prefix, so the first leading document's copy of it is already gone
+  (`RequestValidator.check` does not remove it twice).
   """
   query: tuple[int, ...]
   documents: tuple[tuple[int, ...], ...]
   sampling: SamplingParams
   stop_ids: tuple[int, ...] = ()
   leading: int = 0
+  chat_prefix_in_preamble: bool = False
 
 
 @dataclasses.dataclass

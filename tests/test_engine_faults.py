@@ -575,8 +575,8 @@ def test_document_count_error_counts_the_callers_documents(model_and_config):
   engine = engine_with_tokenizer(model_and_config, num_pages=400)
   docs = [f"d{i}" for i in range(32)]  # max_docs is 32
   with pytest.raises(CacheCapacityError,
-                     match="32 distinct documents plus the shared chat prefix "
-                           r"\(33 cache entries\)"):
+                     match=r"32 distinct documents plus 1 leading \(the chat "
+                           r"prefix or a conversation\) \(33 cache entries\)"):
     engine.generate("a question?", docs, greedy(2))
 
 

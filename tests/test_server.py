@@ -300,11 +300,28 @@ def test_a_prompt_larger_than_the_pool_names_the_prompt(text_model):
   """Without documents, a prompt the whole pool cannot hold is the
   prompt's fault (400 naming `prompt`), not the documents'."""
   with serving(make_engine(text_model, num_pages=40)) as (app, url):
-    response = httpx.post(f"{url}/v1/completions", json={
-        "model": MODEL_NAME, "prompt": [1] * 700, "temperature": 0},
-        timeout=120)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert (error["param"], error["code"]) == ("prompt",
-                                               "cache_capacity_exceeded")
+    # 900 + the default 256 would also pass the model's 1024 positions.
+    for length in (700, 900):
+      response = httpx.post(f"{url}/v1/completions", json={
+          "model": MODEL_NAME, "prompt": [1] * length, "temperature": 0},
+          timeout=120)
+      assert response.status_code == 400, response.text
+      error = response.json()["error"]
+      assert (error["param"], error["code"]) == ("prompt",
+                                                 "cache_capacity_exceeded")
+    assert pool_is_idle(app)
+
+
+def test_a_max_tokens_past_the_pool_names_max_tokens(text_model):
+  """A prompt that fits the pool with fewer new tokens: the max_tokens the
+  client asked for is at fault (400 naming `max_tokens`)."""
+  with serving(make_engine(text_model, num_pages=40)) as (app, url):
+    for documents in ([], CORPUS[:1]):
+      response = httpx.post(f"{url}/v1/completions", json={
+          "model": MODEL_NAME, "prompt": [1] * 10, "max_tokens": 700,
+          "temperature": 0, "documents": documents}, timeout=120)
+      assert response.status_code == 400, response.text
+      error = response.json()["error"]
+      assert (error["param"], error["code"]) == ("max_tokens",
+                                                 "cache_capacity_exceeded")
     assert pool_is_idle(app)

@@ -148,6 +148,14 @@ def test_a_conversation_is_served_once_on_a_chat_preamble_engine(
   assert on_plain.documents[0] == tuple(conversation)
   assert on_chat.documents[0] == tuple(conversation[len(PREFIX):])
   assert (on_plain.leading, on_chat.leading) == (1, 1)
+  # Checked again (a copy: another process, Lockstep's followers), the
+  # prefix is not removed twice, even where the rest starts with it too.
+  twice = chat.prepare(query, [PREFIX + conversation] + docs, greedy(4),
+                       leading_documents=1)
+  assert twice.documents[0] == tuple(conversation)
+  for prepared in (on_chat, twice):
+    copy = dataclasses.replace(prepared)
+    assert chat.validator.check(copy).documents == prepared.documents
   # Queued on the chat engine from the plain one, it is served the same.
   for prepared in (on_chat, on_plain):
     rid = chat.submit_prepared(prepared)
@@ -165,32 +173,6 @@ def test_a_conversation_is_served_once_on_a_chat_preamble_engine(
   with pytest.raises(InvalidRequestError, match="leading_documents must"):
     chat.prepare(query, docs, greedy(4), leading_documents=3)
   assert_pages_accounted_for(chat)
-
-
-def test_fit_max_new_tokens_lowers_it_to_the_positions_the_prompt_leaves(
-    model_and_config):
-  """`prepare(fit_max_new_tokens=True)` (the server's default max_tokens):
-  a bound, lowered to what the prompt leaves of max_position; a prompt
-  with no room is still refused, naming the prompt."""
-  _, config, _ = model_and_config
-  engine = make_engine(model_and_config, num_pages=160)
-  room = config.max_position - 300
-  query = tuple(1 + i % 200 for i in range(300))
-  fitted = engine.prepare(query, (), greedy(room + 50),
-                          fit_max_new_tokens=True)
-  assert fitted.sampling.max_new_tokens == room
-  assert engine.prepare(query, (), greedy(room - 1), fit_max_new_tokens=True
-                        ).sampling.max_new_tokens == room - 1
-  with pytest.raises(InvalidRequestError, match="request needs"):
-    engine.prepare(query, (), greedy(room + 50))
-  with pytest.raises(InvalidRequestError, match="^prompt needs"):
-    engine.prepare((7,) * config.max_position, (), greedy(8),
-                   fit_max_new_tokens=True)
-  rid = engine.submit_prepared(fitted)
-  while engine.has_work():
-    engine.step()
-  assert len(engine.pop_result(rid).token_ids) <= room
-  assert_pages_accounted_for(engine)
 
 
 def test_a_hidden_leading_conversation_is_kept_on_a_chat_preamble_engine(
@@ -218,22 +200,26 @@ def test_a_hidden_leading_conversation_is_kept_on_a_chat_preamble_engine(
                              rtol=1e-5, atol=1e-5)
 
 
-def test_fit_max_new_tokens_also_fits_the_whole_pool(model_and_config):
+@pytest.mark.parametrize("mode", ["lazy", "block", "prefix", "full"])
+def test_fit_max_new_tokens_also_fits_the_whole_pool(model_and_config, mode):
   """A pool smaller than the model's positions bounds the default too:
   the largest max_new_tokens whose pages fit, so one more is refused; a
-  prompt that alone overflows the pool is still refused."""
+  prompt that alone overflows the pool is still refused, as the pool's
+  fault (not for positions its default would have taken)."""
   _, config, _ = model_and_config
-  engine = make_engine(model_and_config, num_pages=40)
+  engine = make_engine(model_and_config, num_pages=40, mode=mode)
   query = tuple(1 + i % 200 for i in range(40))
-  fitted = engine.prepare(query, (), greedy(256), fit_max_new_tokens=True)
+  docs = [tuple(1 + (i * 7) % 200 for i in range(9))]
+  fitted = engine.prepare(query, docs, greedy(256), fit_max_new_tokens=True)
   most = fitted.sampling.max_new_tokens
   assert 1 <= most < 256 and most < config.max_position - len(query)
-  engine.prepare(query, (), greedy(most))  # fits as it is
+  engine.prepare(query, docs, greedy(most))  # fits as it is
   with pytest.raises(CacheCapacityError, match="whole pool has 40"):
-    engine.prepare(query, (), greedy(most + 1))
+    engine.prepare(query, docs, greedy(most + 1))
+  # 400 + 256 positions would pass the model's 512 only after the fit.
   with pytest.raises(CacheCapacityError, match="whole pool has 40"):
-    engine.prepare(tuple(1 + i % 200 for i in range(400)), (), greedy(8),
-                   fit_max_new_tokens=True)
+    engine.prepare(tuple(1 + i % 200 for i in range(400)), docs,
+                   greedy(256), fit_max_new_tokens=True)
   rid = engine.submit_prepared(fitted)
   while engine.has_work():
     engine.step()

@@ -109,26 +109,41 @@ class CompletionService:
     query = (prompts.chat_query(body.messages, tokenizer) if chat else
              prompts.completion_query(body.prompt, tokenizer))
     leading = [query.conversation] if query.conversation else []
-    try:
+    given = prompts.requested_max_tokens(body) is not None
+
+    def prepare(fit: bool):
       # A request that names no max_tokens gets the server's default,
       # at most what the prompt leaves of the positions and the pool.
       # The conversation is ours, not one of the caller's documents.
-      return self.engine.prepare(
-          query.query, leading + documents, sampling,
-          fit_max_new_tokens=prompts.requested_max_tokens(body) is None,
-          leading_documents=len(leading))
+      return self.engine.prepare(query.query, leading + documents, sampling,
+                                 fit_max_new_tokens=fit,
+                                 leading_documents=len(leading))
+    try:
+      return prepare(fit=not given)
     except InvalidRequestError as error:
       param, code = _engine_field(str(error),
                                   "messages" if chat else "prompt")
       raise bad_request(str(error), param=param, code=code) from None
     except CacheCapacityError as error:
-      # The caller's documents, unless there are none or the conversation
-      # (a leading document) is what does not fit: then the prompt.
-      ours = str(error).startswith("leading document")
-      param = ("documents" if documents and not ours else
-               "messages" if chat else "prompt")
-      raise bad_request(str(error), param=param,
-                        code="cache_capacity_exceeded") from None
+      raise bad_request(str(error), param=self._capacity_field(
+          error, prepare, given, chat, documents),
+          code="cache_capacity_exceeded") from None
+
+  @staticmethod
+  def _capacity_field(error, prepare, given: bool, chat: bool, documents):
+    """The field a CacheCapacityError blames: max_tokens where the prompt
+    alone fits (tried with a fitted max_tokens); else the caller's
+    documents, unless there are none or the conversation (a leading
+    document) is what does not fit: then the prompt."""
+    if given:
+      try:
+        prepare(fit=True)
+        return "max_tokens"
+      except (InvalidRequestError, CacheCapacityError):
+        pass
+    if documents and not str(error).startswith("leading document"):
+      return "documents"
+    return "messages" if chat else "prompt"
 
   # --- waiting ----------------------------------------------------------------------
   async def _events(self, handle, request=None):
