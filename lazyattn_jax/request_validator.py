@@ -72,12 +72,6 @@ class RequestValidator:
     default `max_tokens` is).  The first `leading_documents` of
     `documents` are not the caller's (a server's conversation): they count
     in `TokenRequest.leading`."""
-    if (isinstance(leading_documents, bool)
-        or not isinstance(leading_documents, numbers.Integral)
-        or not 0 <= leading_documents <= len(documents)):
-      raise InvalidRequestError(
-          f"leading_documents must count documents in [0, "
-          f"{len(documents)}], got {leading_documents!r}")
     sampling = merge_sampling(sampling, overrides or {})
     stop_ids = sampling.stop_token_ids
     if stop_ids is None:
@@ -88,6 +82,13 @@ class RequestValidator:
           f"stop_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
     query, docs, leading = encode_request(self.tokenizer, query, documents,
                                           self.vocab_size)
+    given = len(docs) - leading  # the documents passed in
+    if (isinstance(leading_documents, bool)
+        or not isinstance(leading_documents, numbers.Integral)
+        or not 0 <= leading_documents <= given):
+      raise InvalidRequestError(
+          f"leading_documents must count documents in [0, {given}], got "
+          f"{leading_documents!r}")
     docs, leading = self._chat_prefix_as_preamble(
         docs, leading + int(leading_documents))
     request = TokenRequest(query, tuple(docs), sampling, tuple(stop_ids),
