@@ -104,11 +104,13 @@ class RequestValidator:
     """A TokenRequest made elsewhere (by hand, or by `validate` on another
     process or engine) checked against this engine as `validate` checks
     its own: token and stop ids in the vocabulary, positions, the cache;
-    a first leading document that is this engine's chat-prefix preamble
-    is dropped, as `validate` drops it.  (A request prepared where the chat
-    prefix was the preamble carries none, so an engine without that
-    preamble serves it without one.)  Returns it with its ids as tuples;
-    raises InvalidRequestError or CacheCapacityError."""
+    where this engine's preamble is the chat prefix, a first leading
+    document that starts with it loses that copy, as in `validate`, unless
+    the request was prepared for such a preamble
+    (`chat_prefix_in_preamble`: the copy is already gone).  (A request
+    prepared where the chat prefix was the preamble carries none, so an
+    engine without that preamble serves it without one.)  Returns it with
+    its ids as tuples; raises InvalidRequestError or CacheCapacityError."""
     if self._issued.get(id(request)) is request:
       return request
     if not isinstance(request, TokenRequest):
