@@ -35,12 +35,13 @@ MODEL_NAME = "tiny-text"
 
 
 def make_engine(text_model, *, num_pages=96, max_batch=4, decode_steps=4,
-                mode="lazy", quality=None, **settings) -> LazyEngine:
+                mode="lazy", quality=None, kv_dtype="float32",
+                **settings) -> LazyEngine:
   config, model, tokenizer = text_model
   cache_config = CacheConfig(
       num_pages=num_pages, page_size=16, num_layers=config.num_layers,
       num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-      dtype="float32", max_docs=32, max_pages_per_doc=16)
+      dtype=kv_dtype, max_docs=32, max_pages_per_doc=16)
   scheduler, runner = split_settings(
       None, None, dict(impl="xla", max_batch=max_batch,
                        decode_steps=decode_steps, **settings))

@@ -328,18 +328,22 @@ def test_a_max_tokens_past_the_pool_names_max_tokens(text_model):
 
 
 @pytest.mark.parametrize("options", ["chat", "chat+recompute",
-                                     "sink+recompute"])
+                                     "sink+recompute",
+                                     "sink+recompute, float8 pages"])
 def test_servers_with_quality_options_serve_what_the_engine_serves(
     text_model, options):
-  """The server on engines with a preamble and recompute: a one-turn chat
-  gets the engine's own greedy tokens and prompt count, and a
-  conversation's prompt counts each token once (as long as on a server
-  without a preamble, but for a learned sink's positions, not tokens)."""
+  """The server on engines with a preamble and recompute (and on float8
+  pages): a one-turn chat gets the engine's own greedy tokens and prompt
+  count, and a conversation's prompt counts each token once (as long as on
+  a server without a preamble, but for a learned sink's positions, not
+  tokens)."""
   import numpy as np
   from lazyattn_jax.quality_options import QualityOptions
   config = text_model[0]
   sink = np.random.default_rng(5).standard_normal(
       (4, config.hidden_size)).astype(np.float32)
+  options, _, pages = options.partition(", ")
+  kv_dtype = "float8_e4m3fn" if pages == "float8 pages" else "float32"
   quality = {"chat": QualityOptions(preamble="chat"),
              "chat+recompute": QualityOptions(preamble="chat",
                                               recompute=True),
@@ -351,8 +355,8 @@ def test_servers_with_quality_options_serve_what_the_engine_serves(
                   {"role": "user", "content": QUESTIONS[1]}]
   prompts = {}
   for name, engine_quality in (("plain", None), ("options", quality)):
-    with serving(make_engine(text_model, quality=engine_quality)) as (app,
-                                                                      url):
+    with serving(make_engine(text_model, quality=engine_quality,
+                             kv_dtype=kv_dtype)) as (app, url):
       c = client(url)
       for turns in ("one", "conversation"):
         out = c.chat.completions.create(
@@ -363,8 +367,10 @@ def test_servers_with_quality_options_serve_what_the_engine_serves(
         if name == "options" and turns == "one":
           served = out.choices[0].token_ids
       assert pool_is_idle(app)
-  direct = make_engine(text_model, quality=quality).generate(
-      QUESTIONS[1], CORPUS[:2], max_new_tokens=4, temperature=0.0)
+  direct_engine = make_engine(text_model, quality=quality, kv_dtype=kv_dtype)
+  assert direct_engine.cache_config.quantized == (pages == "float8 pages")
+  direct = direct_engine.generate(QUESTIONS[1], CORPUS[:2], max_new_tokens=4,
+                                  temperature=0.0)
   assert served == direct.token_ids
   assert prompts["options", "one"] == direct.prompt_tokens
   for turns in ("one", "conversation"):
