@@ -31,6 +31,15 @@ def run_to_completion(engine, requests) -> list:
     raise
 
 
+def run_one(engine, request):
+  """The result of one validated request; RequestFailedError if the
+  engine failed while serving it."""
+  (result,) = run_to_completion(engine, [request])
+  if result.finish_reason == "error":
+    raise RequestFailedError(result.error, result)
+  return result
+
+
 def _abandon(engine, ids):
   """Cancels and forgets requests whose caller is gone.
 

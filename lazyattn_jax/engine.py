@@ -24,17 +24,16 @@ import collections
 import itertools
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from lazyattn_jax.cache_config import (check_impl_page_size,
                                        check_matches_model,
                                        out_of_memory_errors)
 from lazyattn_jax.cache_state import CacheConfig
 from lazyattn_jax.completion import (cancel_abandoned, encode_in_batches,
-                                     run_to_completion, stream_text)
+                                     run_one, run_to_completion, stream_text)
 from lazyattn_jax.config import RunnerConfig, SchedulerConfig
-from lazyattn_jax.errors import (EngineClosedError, InvalidRequestError,
-                                 RequestFailedError)
+from lazyattn_jax.errors import EngineClosedError, InvalidRequestError
 from lazyattn_jax.model_runner import ModelRunner
 from lazyattn_jax.modes import make_mode
 from lazyattn_jax.paged_cache import PagedKVCache
@@ -346,12 +345,8 @@ class LazyEngine:
       InvalidRequestError, CacheCapacityError: before anything runs.
       RequestFailedError: the engine failed while serving the request.
     """
-    request = self.validator.validate(query, documents, sampling,
-                                      sampling_overrides)
-    (result,) = run_to_completion(self, [request])
-    if result.finish_reason == "error":
-      raise RequestFailedError(result.error, result)
-    return result
+    return run_one(self, self.validator.validate(query, documents, sampling,
+                                                 sampling_overrides))
 
   def generate_batch(self, requests: Sequence[Request]) -> list[GenerationResult]:
     """Runs many requests with continuous batching; results in input order.
@@ -360,20 +355,7 @@ class LazyEngine:
     nothing.  A request the engine fails to serve comes back with
     finish_reason "error"; the others are unaffected.
     """
-    if isinstance(requests, (Request, str)) or not isinstance(
-        requests, Iterable):
-      raise InvalidRequestError(
-          f"generate_batch takes a sequence of Request items, got "
-          f"{type(requests).__name__}")
-    validated = []
-    for i, r in enumerate(requests):
-      if not isinstance(r, Request):
-        raise InvalidRequestError(
-            f"generate_batch takes Request items; item {i} is "
-            f"{type(r).__name__}")
-      validated.append(self.validator.validate(r.query, r.documents,
-                                               r.sampling))
-    return run_to_completion(self, validated)
+    return run_to_completion(self, self.validator.validate_batch(requests))
 
   def generate_stream(self, query, documents=(),
                       sampling: SamplingParams | None = None,

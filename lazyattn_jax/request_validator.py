@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import weakref
+from typing import Iterable
 
 from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
-from lazyattn_jax.requests import (TokenRequest, checked_token_ids,
+from lazyattn_jax.requests import (Request, TokenRequest, checked_token_ids,
                                    encode_documents, encode_request,
                                    is_token_sequence)
 from lazyattn_jax.sampling import SamplingParams
@@ -99,6 +100,23 @@ class RequestValidator:
     self._check_capacity(request)
     self._issued[id(request)] = request
     return request
+
+  def validate_batch(self, requests) -> list[TokenRequest]:
+    """`validate` for each of a sequence of `Request` items, all before
+    any is queued; raises on the first bad one and changes nothing."""
+    if isinstance(requests, (Request, str)) or not isinstance(
+        requests, Iterable):
+      raise InvalidRequestError(
+          f"generate_batch takes a sequence of Request items, got "
+          f"{type(requests).__name__}")
+    validated = []
+    for i, r in enumerate(requests):
+      if not isinstance(r, Request):
+        raise InvalidRequestError(
+            f"generate_batch takes Request items; item {i} is "
+            f"{type(r).__name__}")
+      validated.append(self.validate(r.query, r.documents, r.sampling))
+    return validated
 
   def check(self, request) -> TokenRequest:
     """A TokenRequest made elsewhere (by hand, or by `validate` on another
