@@ -39,8 +39,9 @@ class TpuDecodeBlockSizes(_PositiveSizes):
       many KV blocks.
     kv_buffer_bytes: VMEM budget of the double-buffered K and V blocks; the
       block shrinks (whole pages) to fit.
-    max_metadata_bytes: SMEM budget of the per-page metadata; larger batches
-      run as several kernel calls over batch chunks.
+    max_metadata_bytes: SMEM budget of one kernel call's scalars (page
+      metadata, float8 scales, per-program scalars); larger batches run as
+      several kernel calls over batch chunks.
   """
 
   kv_tokens_per_block: int = 256
@@ -63,7 +64,9 @@ class TpuPrefillBlockSizes(_PositiveSizes):
     max_q_rows: cap on tokens x G rows per tile (the tile shrinks to fit).
     kv_tokens_per_block: KV tokens fetched per DMA step (one KV head).
     kv_buffer_bytes: VMEM budget of the double-buffered K and V blocks.
-    max_metadata_bytes: SMEM budget of the per-page metadata.
+    max_metadata_bytes: SMEM budget of one kernel call's scalars (page
+      metadata, float8 scales, two per query tile); larger batches run as
+      several kernel calls over batch chunks.
   """
 
   q_tokens_per_block: int = 128

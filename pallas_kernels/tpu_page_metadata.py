@@ -12,6 +12,7 @@ the kernels take.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -158,17 +159,21 @@ def call_in_batch_chunks(call, meta: PageMetadata, program_scalars, operands,
   It returns a tuple of batch-leading arrays; the chunks' are concatenated.
 
   Args:
-    program_scalars: int32 [B, X] arrays, one entry per program of a row.
+    program_scalars: int32 [B, X] arrays, one entry per program of a row
+      (X query tiles or KV splits).
     operands: arrays with the batch on axis 0.
-    max_metadata_bytes: SMEM budget of one call's scalars.
+    max_metadata_bytes: SMEM budget of one call's scalars (all of them:
+      program scalars, page metadata and scales); a call takes at least
+      one row.
     page_scales: float8 pages only: the K and V scales of
       `gather_page_scales`, passed after the fields of `meta`.
   """
   scalars = [*program_scalars, *meta, *page_scales]
   batch = meta.page_ids.shape[0]
-  # Four int32 per page, one per block, a few per row, and the scales.
-  row_bytes = 4 * (4 * meta.pages_per_row + meta.block_num_shifts.shape[1]
-                   + 4 + sum(x.shape[1] for x in page_scales))
+  # Every scalar operand is batch-leading: a row's share is its bytes per
+  # row (a prefill passes two per query tile, so this grows with T).
+  row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize
+                  for x in scalars)
   rows_per_call = max(1, max_metadata_bytes // row_bytes)
 
   def chunk_call(*batched):

@@ -293,3 +293,40 @@ def test_no_logical_pages_raise_value_error_naming_page_table(q_len):
       lazy_attention(*args, rope=PLAIN, impl=impl,
                      interpret=pltpu.InterpretParams() if impl == "tpu"
                      else False)
+
+
+@pytest.mark.parametrize("q_len", [1, 256], ids=["decode", "prefill"])
+def test_each_kernel_call_keeps_its_scalars_within_max_metadata_bytes(
+    q_len, monkeypatch):
+  # The prefill passes two scalars per query tile ([B, nT] each); the
+  # chunking charged a row "a few" instead, so 256 tokens in tiles of 8
+  # sent 1,360 bytes of scalars to a call with a budget of 400.
+  import pallas_kernels.tpu_decode as tpu_decode
+  import pallas_kernels.tpu_prefill as tpu_prefill
+  module = tpu_decode if q_len == 1 else tpu_prefill
+  budget, batch, calls = 400, 4, []
+
+  def spy(call, meta, program_scalars, operands, **kwargs):
+    def recorded(scalars, chunk_operands):
+      calls.append((sum(x.size * x.dtype.itemsize for x in scalars),
+                    chunk_operands[0].shape[0]))
+      return call(scalars, chunk_operands)
+    return tpu_page_metadata.call_in_batch_chunks(
+        recorded, meta, program_scalars, operands, **kwargs)
+
+  monkeypatch.setattr(module, "call_in_batch_chunks", spy)
+  specs = contract_specs(batch=batch, q_len=q_len, num_heads=2,
+                         num_kv_heads=1, head_dim=64, num_pages=32,
+                         page_size=64, num_logical_pages=5)
+  if q_len == 1:
+    kernel, block_sizes = lazy_decode_tpu, TpuDecodeBlockSizes(
+        kv_tokens_per_block=64, num_splits=1, max_metadata_bytes=budget)
+  else:
+    kernel, block_sizes = lazy_prefill_tpu, TpuPrefillBlockSizes(
+        q_tokens_per_block=8, kv_tokens_per_block=320,
+        max_metadata_bytes=budget)
+  jax.eval_shape(lambda *a: kernel(*a, rope=PLAIN, sm_scale=0.125,
+                                   interpret=True, block_sizes=block_sizes),
+                 *specs)
+  assert sum(rows for _, rows in calls) == batch
+  assert all(scalar_bytes <= budget for scalar_bytes, _ in calls), calls
