@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="model name or path (.gguf file or HF directory)")
   common.add_argument("--cache-pages", "--num-pages", dest="cache_pages",
                       type=int, default=1024,
-                      help="KV cache size in pages of 16 tokens")
+                      help="KV cache size in pages (of 16 tokens, or "
+                           "serve's --page-size)")
   # Dtypes are checked in _check_arguments, not by argparse's choices, so
   # that a bad one is a one-line error like the others.
   common.add_argument("--dtype", default="float32",

@@ -88,13 +88,20 @@ def pool_size(cache_config, num_pages, page_size, kv_dtype) -> tuple:
 
 
 def check_pool_size(num_pages, page_size) -> None:
-  """InvalidOptionError naming `num_pages` or `page_size` unless it is an
-  int >= 1: checked before the model loads, where a page size of 0 would
-  otherwise end in a ZeroDivisionError."""
+  """InvalidOptionError naming `num_pages` or `page_size` unless each is an
+  int >= 1 and the pool's tokens fit in int32 (as `CacheConfig` requires):
+  checked before the model loads, where a page size of 0 would otherwise
+  end in a ZeroDivisionError and too large a pool in a ValueError after
+  the weights have loaded."""
   for name, value in (("num_pages", num_pages), ("page_size", page_size)):
     if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
         or value < 1):
       raise InvalidOptionError(f"{name} must be an int >= 1, got {value!r}")
+  limit = np.iinfo(np.int32).max
+  if int(num_pages) * int(page_size) > limit:
+    raise InvalidOptionError(
+        f"num_pages * page_size (the pool's tokens) must be at most {limit}, "
+        f"got {num_pages} * {page_size}")
 
 
 def default_cache_config(config, dtype, num_pages: int,

@@ -34,6 +34,18 @@ def test_a_bad_pool_size_is_refused_by_name(name, value, quality):
     build(quality=quality, **{name: value})
 
 
+def test_a_pool_past_int32_tokens_is_refused_before_loading():
+  # It was CacheConfig's ValueError, raised once the weights had loaded
+  # (and a traceback from `lazyattn rag --cache-pages 200000000`).
+  with pytest.raises(InvalidOptionError,
+                     match=r"^num_pages \* page_size \(the pool's tokens\) "
+                           r"must be at most 2147483647, got 200000000 \* 16$"):
+    build(num_pages=200_000_000)
+  from lazyattn_jax.default_model import UnknownModelError
+  with pytest.raises(UnknownModelError):  # the largest pool passes the check
+    build(num_pages=(2**31 - 1) // 16)
+
+
 @pytest.mark.parametrize("dtype", ["bogus", "int32", "float8_e4m3fn",
                                    "float64", None])
 def test_a_bad_compute_dtype_is_refused_by_name(dtype):
