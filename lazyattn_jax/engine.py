@@ -256,6 +256,7 @@ class LazyEngine:
     """The tokens a request has generated up to the last round (all of them
     once it has finished and until its result is popped; [] if unknown)."""
     with self._lock:
+      self._check_open()
       return list(self.scheduler.tokens_so_far(request_id))
 
   # --- requests --------------------------------------------------------------------
@@ -289,6 +290,7 @@ class LazyEngine:
     conversation): they are not reported back as documents, and where the
     preamble is the chat prefix a conversation's copy of it is dropped.
     """
+    self._check_open()
     return self.validator.validate(query, documents, sampling,
                                    sampling_overrides,
                                    fit_max_new_tokens=fit_max_new_tokens,
@@ -324,6 +326,7 @@ class LazyEngine:
     """The finished result of `request_id` (taken out: a second call
     returns None), or None while it is still in flight or unknown."""
     with self._lock:
+      self._check_open()
       return self.scheduler.pop_result(request_id)
 
   def generate(self, query, documents=(), sampling: SamplingParams | None = None,
@@ -355,6 +358,7 @@ class LazyEngine:
     nothing.  A request the engine fails to serve comes back with
     finish_reason "error"; the others are unaffected.
     """
+    self._check_open()
     return run_to_completion(self, self.validator.validate_batch(requests))
 
   def generate_stream(self, query, documents=(),
@@ -415,6 +419,7 @@ class LazyEngine:
     requests hold; earlier batches stay encoded, and the message says up
     to which document.
     """
+    self._check_open()
     if not self._mode.has_document_step:
       raise InvalidRequestError(
           f"encode_documents needs a mode with a document step (lazy or "
@@ -427,6 +432,7 @@ class LazyEngine:
     tensor parallelism also the bytes on the fullest device (`*_per_device`;
     replicated weights and KV head copies count on every device)."""
     with self._lock:
+      self._check_open()
       return memory_report(self.tensor_parallel, self.runner.params,
                            self.state)
 
@@ -451,8 +457,10 @@ class LazyEngine:
       self.rounds.note_pages_used()
 
   def close(self):
-    """Frees the KV pool now; requests in flight are dropped, and any later
-    use raises EngineClosedError."""
+    """Frees the KV pool now; requests in flight are dropped (they leave no
+    result).  Any later call that takes or runs requests, or reads a
+    result, tokens or the pool, raises EngineClosedError; `has_work()` is
+    then False and `request_counts()` zero, so a polling loop ends."""
     with self._lock:
       self._closed = True
       self.scheduler.waiting.clear()

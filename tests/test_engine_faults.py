@@ -507,15 +507,28 @@ def test_sampling_must_be_sampling_params(model_and_config):
 
 
 def test_an_engine_after_close_raises_a_clear_error(model_and_config):
+  # prepare, pop_result, tokens_so_far, memory and the empty batch and
+  # encode calls answered as if open; a request close() dropped then read
+  # None from pop_result forever, as one still in flight does.
   engine = make_engine(model_and_config, num_pages=40)
   engine.generate([5, 6], [[1, 2]], greedy(2))
+  dropped = engine.submit([5, 6], [[1, 2]], greedy(2))
   engine.close()
   for call in (lambda: engine.generate([5, 6], [[1, 2]], greedy(2)),
                lambda: engine.submit([5, 6], [[1, 2]], greedy(2)),
-               engine.step, engine.reset_cache,
-               lambda: engine.encode_documents([[1, 2]])):
+               lambda: engine.prepare([5, 6], [[1, 2]], greedy(2)),
+               engine.step, engine.reset_cache, engine.reset_stats,
+               lambda: engine.encode_documents([[1, 2]]),
+               lambda: engine.encode_documents([]),
+               lambda: engine.generate_batch([]),
+               lambda: engine.pop_result(dropped),
+               lambda: engine.tokens_so_far(dropped),
+               lambda: engine.cancel(dropped),
+               lambda: engine.memory):
     with pytest.raises(EngineClosedError, match="closed"):
       call()
+  assert not engine.has_work()
+  assert engine.request_counts() == {"waiting": 0, "running": 0}
 
 
 @pytest.mark.parametrize("mode,documents,match", [
