@@ -103,7 +103,8 @@ class RequestValidator:
 
   def validate_batch(self, requests) -> list[TokenRequest]:
     """`validate` for each of a sequence of `Request` items, all before
-    any is queued; raises on the first bad one and changes nothing."""
+    any is queued; raises on the first bad one, naming its index ("item
+    1: query is empty"), and changes nothing."""
     if isinstance(requests, (Request, str)) or not isinstance(
         requests, Iterable):
       raise InvalidRequestError(
@@ -115,7 +116,10 @@ class RequestValidator:
         raise InvalidRequestError(
             f"generate_batch takes Request items; item {i} is "
             f"{type(r).__name__}")
-      validated.append(self.validate(r.query, r.documents, r.sampling))
+      try:
+        validated.append(self.validate(r.query, r.documents, r.sampling))
+      except (InvalidRequestError, CacheCapacityError) as error:
+        raise type(error)(f"item {i}: {error}") from None
     return validated
 
   def check(self, request) -> TokenRequest:

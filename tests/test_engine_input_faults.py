@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lazyattn_jax.engine import Request
-from lazyattn_jax.errors import InvalidRequestError
+from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
 from lazyattn_jax.step_packing import seed_int32
 from tests.test_engine import (greedy, make_engine,  # noqa: F401
                                model_and_config, random_tokens)
@@ -55,6 +55,19 @@ def test_generate_batch_refuses_items_that_are_not_requests(model_and_config,
   good = Request([5, 6], [[1, 2, 3]], greedy(2))
   with pytest.raises(InvalidRequestError, match="item 1 is"):
     engine.generate_batch([good, item])
+  assert not engine.has_work()
+  assert_pages_accounted_for(engine)
+
+
+def test_generate_batch_names_the_bad_item(model_and_config):
+  # The message was the item's alone ("query is empty"): which of many?
+  engine = make_engine(model_and_config, num_pages=8)
+  good = Request([5, 6], [[1, 2, 3]], greedy(2))
+  with pytest.raises(InvalidRequestError, match=r"^item 1: query is empty"):
+    engine.generate_batch([good, Request([], [[1, 2]], greedy(2)), good])
+  with pytest.raises(CacheCapacityError, match=r"^item 2: "):
+    engine.generate_batch([good, good, Request([5, 6], [[3] * 300],
+                                               greedy(2))])
   assert not engine.has_work()
   assert_pages_accounted_for(engine)
 
