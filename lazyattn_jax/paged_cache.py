@@ -335,7 +335,8 @@ class PagedKVCache:
     if pages_needed > pages_available:
       raise CacheCapacityError(
           f"request needs {pages_needed} pages ({sum(miss_pages)} for "
-          f"{len(missing_docs)} missing documents + {private_count} private "
+          f"{len(missing_docs)} missing cache entries (documents, and a "
+          f"preamble not yet cached) + {private_count} private "
           f"for {private_tokens} tokens) but only {pages_available} can be "
           f"made free ({int(free_pages)} free + {int(evictable_pages)} in "
           f"evictable documents) of a {cfg.num_pages}-page pool")
