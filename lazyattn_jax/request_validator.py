@@ -198,8 +198,8 @@ class RequestValidator:
     the model's positions, and of the whole pool's pages.  In every mode
     the new tokens only add to the request's private tokens, so the count
     that fits the pool is solved from one `cache_needs`.  Where not even
-    one token fits the pool, it is only bounded by the positions, and the
-    capacity check then refuses the prompt."""
+    one token fits the pool it becomes 1, and the capacity check then
+    refuses the prompt for the pages it needs with one new token."""
     cfg, sampling = self.cache_config, request.sampling
     most = min(sampling.max_new_tokens,
                self.max_position - self._prompt_positions(request))
@@ -210,8 +210,7 @@ class RequestValidator:
                                                         cfg.page_size)
     prompt_private = needs.private_tokens - sampling.max_new_tokens
     room = (cfg.num_pages - entry_pages) * cfg.page_size - prompt_private
-    if room >= 1:
-      most = min(most, room)
+    most = min(most, max(room, 1))
     if most == sampling.max_new_tokens:
       return request
     return dataclasses.replace(request, sampling=dataclasses.replace(

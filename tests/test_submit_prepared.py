@@ -205,7 +205,8 @@ def test_fit_max_new_tokens_also_fits_the_whole_pool(model_and_config, mode):
   """A pool smaller than the model's positions bounds the default too:
   the largest max_new_tokens whose pages fit, so one more is refused; a
   prompt that alone overflows the pool is still refused, as the pool's
-  fault (not for positions its default would have taken)."""
+  fault, for the pages of one new token (not of the positions its default
+  would have taken)."""
   _, config, _ = model_and_config
   engine = make_engine(model_and_config, num_pages=40, mode=mode)
   query = tuple(1 + i % 200 for i in range(40))
@@ -217,9 +218,14 @@ def test_fit_max_new_tokens_also_fits_the_whole_pool(model_and_config, mode):
   with pytest.raises(CacheCapacityError, match="whole pool has 40"):
     engine.prepare(query, docs, greedy(most + 1))
   # 400 + 256 positions would pass the model's 512 only after the fit.
-  with pytest.raises(CacheCapacityError, match="whole pool has 40"):
-    engine.prepare(tuple(1 + i % 200 for i in range(400)), docs,
-                   greedy(256), fit_max_new_tokens=True)
+  # The pages it names are the prompt's with one new token (they counted
+  # the 112 tokens the positions left).
+  long_query = tuple(1 + i % 200 for i in range(400))
+  with pytest.raises(CacheCapacityError, match="whole pool has 40") as fit:
+    engine.prepare(long_query, docs, greedy(256), fit_max_new_tokens=True)
+  with pytest.raises(CacheCapacityError) as one_token:
+    engine.prepare(long_query, docs, greedy(1))
+  assert str(fit.value) == str(one_token.value)
   rid = engine.submit_prepared(fitted)
   while engine.has_work():
     engine.step()
