@@ -486,3 +486,14 @@ def test_null_means_the_default(server):
       model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
       max_tokens=2, n=None, presence_penalty=None, stream=None)
   assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_server_whose_engine_was_closed_answers_503(text_model):
+  # It was a 500 internal error naming EngineClosedError.
+  with serving(make_engine(text_model)) as (app, url):
+    on_loop(app, lambda engine: engine.close())
+    response = httpx.post(f"{url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2},
+        timeout=60)
+  assert response.status_code == 503, response.text
+  assert response.json()["error"]["code"] == "shutting_down"

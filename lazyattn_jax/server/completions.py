@@ -15,7 +15,8 @@ import asyncio
 import anyio
 from fastapi.responses import JSONResponse, Response
 
-from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
+from lazyattn_jax.errors import (CacheCapacityError, EngineClosedError,
+                                 InvalidRequestError)
 from lazyattn_jax.server import prompts
 from lazyattn_jax.server.disconnects import (ClientDisconnected,
                                              EventStreamResponse,
@@ -128,6 +129,8 @@ class CompletionService:
       raise bad_request(str(error), param=self._capacity_field(
           error, prepare, given, chat, documents),
           code="cache_capacity_exceeded") from None
+    except EngineClosedError:  # a handler still tokenizing at shutdown
+      raise unavailable("the server is shutting down") from None
 
   @staticmethod
   def _capacity_field(error, prepare, given: bool, chat: bool, documents):
