@@ -300,8 +300,9 @@ class LazyEngine:
                       arrival_time: float | None = None) -> int:
     """Queues a request made by `prepare` (this engine's, or one of the
     same model and cache on another process); returns its id.  It is
-    checked again against this engine, so one made by hand or for another
-    model raises what `submit` raises and queues nothing."""
+    checked again against this engine, so one made by hand, for another
+    model or for an engine whose preamble is the chat prefix (when this
+    one's is not) raises what `submit` raises and queues nothing."""
     request = self.validator.check(request)
     with self._lock:
       return self._enqueue(request, arrival_time)

@@ -129,10 +129,10 @@ class RequestValidator:
     where this engine's preamble is the chat prefix, a first leading
     document that starts with it loses that copy, as in `validate`, unless
     the request was prepared for such a preamble
-    (`chat_prefix_in_preamble`: the copy is already gone).  (A request
-    prepared where the chat prefix was the preamble carries none, so an
-    engine without that preamble serves it without one.)  Returns it with
-    its ids as tuples; raises InvalidRequestError or CacheCapacityError."""
+    (`chat_prefix_in_preamble`: the copy is already gone).  Such a request
+    holds no chat prefix, so an engine without that preamble refuses it
+    rather than serve it without one.  Returns it with its ids as tuples;
+    raises InvalidRequestError or CacheCapacityError."""
     if self._issued.get(id(request)) is request:
       return request
     if not isinstance(request, TokenRequest):
@@ -161,6 +161,11 @@ class RequestValidator:
     leading = int(leading)
     if not request.chat_prefix_in_preamble:
       docs, leading = self._chat_prefix_as_preamble(docs, leading)
+    elif not self._preamble_is_chat_prefix:
+      raise InvalidRequestError(
+          "the request was prepared for an engine whose preamble is the "
+          "chat prefix, so it holds no chat prefix, and this engine has no "
+          "such preamble: prepare it on this engine")
     stop_ids = request.stop_ids
     stop_ids = (() if is_token_sequence(stop_ids) and len(stop_ids) == 0
                 else checked_token_ids(stop_ids, "stop_ids", self.vocab_size,

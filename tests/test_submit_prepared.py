@@ -72,6 +72,28 @@ def test_a_request_sent_as_lists_is_served(model_and_config, request_parts):
   assert_pages_accounted_for(engine)
 
 
+def test_a_request_prepared_for_the_chat_preamble_is_refused_without_it(
+    model_and_config, request_parts):
+  """Prepared where the chat prefix is the preamble, a request holds no
+  chat prefix: an engine without that preamble would serve it without one
+  (it did: 45 prompt tokens where its own prepare gives 70), so it refuses
+  it and queues nothing."""
+  from lazyattn_jax.quality_options import QualityOptions
+  from tests.engine_quality_helpers import CHAT, quality_engine
+  _, docs = request_parts
+  plain = quality_engine(model_and_config, None, tokenizer=CHAT)
+  chat = quality_engine(model_and_config, QualityOptions(preamble="chat"),
+                        tokenizer=CHAT)
+  prepared = chat.prepare("Who wrote it?", docs, greedy(4))
+  with pytest.raises(InvalidRequestError,
+                     match="prepared for an engine whose preamble is the "
+                           "chat prefix"):
+    plain.submit_prepared(prepared)
+  assert not plain.has_work()
+  chat.submit_prepared(dataclasses.replace(prepared))  # its own kind: served
+  assert chat.has_work()
+
+
 def test_a_text_request_prepared_without_the_chat_preamble_is_served_with_it(
     model_and_config, request_parts):
   """Prepared on an engine without a preamble, a text query brings the chat
