@@ -429,9 +429,10 @@ class LazyEngine:
 
   @property
   def memory(self) -> dict[str, int]:
-    """Device bytes of the weights and of the KV pool (K and V); under
-    tensor parallelism also the bytes on the fullest device (`*_per_device`;
-    replicated weights and KV head copies count on every device)."""
+    """Device bytes of the weights and of the KV pool (K and V), summed
+    over the devices that hold them; under tensor parallelism also the
+    bytes on the fullest device (`*_per_device`).  Replicated weights and
+    KV head copies count on every device that holds them."""
     with self._lock:
       self._check_open()
       return memory_report(self.tensor_parallel, self.runner.params,

@@ -128,7 +128,8 @@ def _check_fits(config: LlamaConfig, n: int, vocab_parallel) -> bool:
   c = config
   heads, kv = c.num_heads, c.num_kv_heads
   fits = [d for d in _divisors(heads) if (d % kv == 0 or kv % d == 0) and
-          c.intermediate_size % d == 0]
+          c.intermediate_size % d == 0 and
+          (vocab_parallel is not True or c.vocab_size % d == 0)]
   hint = (f"; device counts that fit this model: {fits}, or serve it with "
           "one engine per device group (data-parallel replicas)")
   if heads % n:
@@ -270,10 +271,18 @@ def memory_per_device(tp: TensorParallel | None, params, state) -> dict:
           "kv_pool_bytes_per_device": pool}
 
 
+def _device_total_bytes(arrays) -> int:
+  """Bytes the arrays take summed over the devices (of this process) that
+  hold them: a replicated array counts once per device."""
+  return sum(shard.data.nbytes for x in jax.tree_util.tree_leaves(arrays)
+             for shard in x.addressable_shards)
+
+
 def memory_report(tp: TensorParallel | None, params, state) -> dict:
   """`LazyEngine.memory`: device bytes of the weights and of the pool (K and
-  V, 0 without a pool), and under tensor parallelism `memory_per_device`."""
-  weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-  pool = 0 if state is None else state.k.nbytes + state.v.nbytes
+  V, 0 without a pool), summed over the devices that hold them, and under
+  tensor parallelism `memory_per_device`."""
+  weights = _device_total_bytes(params)
+  pool = 0 if state is None else _device_total_bytes((state.k, state.v))
   return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool),
           **memory_per_device(tp, params, state)}

@@ -111,6 +111,18 @@ def test_models_that_do_not_split_are_refused(config, devices, message):
     tensor_parallel_for(config, tensor_parallel=devices)
 
 
+def test_the_counts_that_fit_follow_vocab_parallel():
+  # With vocab_parallel=True they named 4 and 8, which the same call then
+  # refused for the vocabulary of 250.
+  config = LlamaConfig.tiny(num_heads=8, num_kv_heads=4, vocab_size=250)
+  with pytest.raises(TensorParallelError,
+                     match=r"counts that fit this model: \[1, 2\],"):
+    tensor_parallel_for(config, tensor_parallel=3, vocab_parallel=True)
+  with pytest.raises(TensorParallelError,
+                     match=r"counts that fit this model: \[1, 2, 4, 8\],"):
+    tensor_parallel_for(config, tensor_parallel=3)
+
+
 def test_typed_errors_for_bad_settings():
   tiny = LlamaConfig.tiny()
   odd_vocab = LlamaConfig.tiny(vocab_size=255)

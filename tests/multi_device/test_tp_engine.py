@@ -100,6 +100,8 @@ def test_engine_matches_one_device(model, one_device, mode, tp, engine_impl):
   assert engine.state.k.sharding.spec == P("tp")  # donated and returned
   memory = engine.memory
   assert memory["kv_pool_bytes_per_device"] == memory["kv_pool_bytes"] // tp
+  # Every device holds the same: the totals are the devices' sum.
+  assert memory["weights_bytes"] == tp * memory["weights_bytes_per_device"]
   engine.close()
 
 
@@ -144,3 +146,25 @@ def test_fewer_kv_heads_than_devices_replicates_them(engine_impl):
     got = np.asarray(got).reshape((2, 2) + shape[1:])
     for copy in range(2):
       np.testing.assert_allclose(got[:, copy], np.asarray(ref), atol=2e-5)
+
+
+def test_memory_counts_replicated_weights_on_every_device():
+  """2 KV heads on 4 devices and an embedding replicated (a vocabulary of
+  250 does not split over 4): `weights_bytes` is the devices' sum, as
+  `kv_pool_bytes` is.  It counted the KV heads' copies but the replicated
+  embedding, LM head and norms once (522,496 bytes of 910,336)."""
+  needs_devices(4)
+  config = LlamaConfig.tiny(num_heads=8, num_kv_heads=2, vocab_size=250,
+                            max_position=512)
+  cache = CacheConfig(num_pages=16, page_size=PAGE,
+                      num_layers=config.num_layers,
+                      num_kv_heads=config.num_kv_heads,
+                      head_dim=config.head_dim, dtype="float32",
+                      max_docs=4, max_pages_per_doc=4)
+  engine = LazyEngine(config, Llama(config, rngs=nnx.Rngs(0)), cache,
+                      tensor_parallel=4)
+  assert not engine.tensor_parallel.vocab_parallel
+  memory = engine.memory
+  assert memory["weights_bytes"] == 4 * memory["weights_bytes_per_device"]
+  assert memory["kv_pool_bytes"] == 4 * memory["kv_pool_bytes_per_device"]
+  engine.close()
