@@ -94,6 +94,7 @@ def tensor_parallel_for(config: LlamaConfig, *, mesh: Mesh | None = None,
   """
   if tensor_parallel is not None:
     _check_count(tensor_parallel)
+    tensor_parallel = int(tensor_parallel)
   if mesh is None:
     if tensor_parallel is None or tensor_parallel == 1:
       return None
@@ -117,7 +118,8 @@ def tensor_parallel_for(config: LlamaConfig, *, mesh: Mesh | None = None,
 
 def _check_count(tensor_parallel):
   if (isinstance(tensor_parallel, bool) or
-      not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+      not isinstance(tensor_parallel, (int, np.integer))
+      or tensor_parallel < 1):
     raise TensorParallelError(
         f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
 

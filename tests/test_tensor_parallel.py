@@ -120,7 +120,7 @@ def test_the_counts_that_fit_follow_vocab_parallel():
     tensor_parallel_for(config, tensor_parallel=3, vocab_parallel=True)
   with pytest.raises(TensorParallelError,
                      match=r"counts that fit this model: \[1, 2, 4, 8\],"):
-    tensor_parallel_for(config, tensor_parallel=3)
+    tensor_parallel_for(config, tensor_parallel=np.int64(3))  # as int 3
 
 
 def test_typed_errors_for_bad_settings():
