@@ -126,14 +126,16 @@ elif [ "$STAGE" = finetune ]; then  # training only: about 8 minutes
   log "end finetune rc=$?"
   cp /tmp/ft/*.json /tmp/ft/*.png "$OUT/" 2>/dev/null
 elif [ "$STAGE" = finetune-eval ]; then  # the next call, on the same machine
-  MODEL=$(dirname "$(find /tmp/ft -name config.json | head -1)")
+  # The finished export only (a call cut off while exporting may leave a
+  # model.tmp-* beside it).
+  MODEL=/tmp/ft/model
   # The base model's full attention beside the fine-tuned model, one process.
   quality quality_hotpotqa_finetuned 570 --dataset hotpotqa --layout dataset \
       --questions "$Q" --modes full --run lazy \
       --run "full,model=$MODEL,label=fine-tuned full" \
       --run "lazy,model=$MODEL,label=fine-tuned lazy"
 elif [ "$STAGE" = finetune-synthetic ]; then
-  MODEL=$(dirname "$(find /tmp/ft -name config.json | head -1)")
+  MODEL=/tmp/ft/model
   quality quality_synthetic_finetuned 570 --dataset synthetic --questions 200 \
       --max-new-tokens 16 --modes full --run lazy \
       --run "full,model=$MODEL,label=fine-tuned full" \

@@ -372,3 +372,40 @@ def test_resuming_the_command_with_other_data_is_one_line(
       name="synthetic", docs_per_question=2, size=100_000)
   assert cli.main(["finetune", "--no-progress", *args,
                    "--docs-per-question", "2"]) == 0
+
+
+# Refused only after the data and model had loaded (seconds to a minute).
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--max-len", "0", "--max-len must be > 0, got 0"),
+    ("--devices", "0", "--devices must lie in [1, {n}], got 0"),
+    ("--devices", "99", "--devices must lie in [1, {n}], got 99"),
+])
+def test_the_sink_command_refuses_before_loading(tmp_path, capsys, option,
+                                                 value, message):
+  import jax
+  line = _sink_error(capsys, "--model", str(tmp_path / "nope"), "--out",
+                     str(tmp_path / "out"), option, value)
+  n = len(jax.local_devices())
+  assert line == f"sink: error: {message.format(n=n)}"
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--devices", "0", "--devices must lie in [1, {n}], got 0"),
+    ("--preamble-sink", "missing.safetensors",
+     "sink file not found: missing.safetensors"),
+])
+def test_finetune_refuses_before_loading(tmp_path, capsys, option, value,
+                                         message):
+  import jax
+  line = _finetune_error(capsys, "--model", str(tmp_path / "nope"), "--out",
+                         str(tmp_path / "out"), option, value)
+  n = len(jax.local_devices())
+  assert line == f"lazyattn: error: {message.format(n=n)}"
+
+
+def test_the_configs_refuse_a_max_len_below_one():
+  with pytest.raises(TrainingInputError, match="max_len must be >= 1"):
+    SinkConfig(max_len=0)
+  with pytest.raises(TrainingInputError, match="max_len must be >= 1"):
+    FinetuneConfig(max_len=0)

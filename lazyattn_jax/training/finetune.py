@@ -96,6 +96,8 @@ class FinetuneConfig:
     if not 0.0 <= self.full_share <= 1.0:
       raise TrainingInputError(f"full_share must lie in [0, 1], got "
                                f"{self.full_share}")
+    if self.max_len < 1:
+      raise TrainingInputError(f"max_len must be >= 1, got {self.max_len}")
     # Finite first: nan fails no `< 0` test and inf weights give a NaN loss.
     for name in ("kl_weight", "ce_weight"):
       value = getattr(self, name)

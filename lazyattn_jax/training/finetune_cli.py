@@ -96,6 +96,11 @@ def _check(args):
         "text would be served in a layout it was not trained for")
   check_recompute_tokens(args.recompute_tokens, "--recompute-tokens")
   check_dtype(args.dtype)
+  from lazyattn_jax.training.parallel import check_device_count
+  check_device_count(args.devices, "--devices")
+  if args.preamble_sink:  # readable and well formed; its width once loaded
+    from lazyattn_jax.training.sink_file import load_sink
+    load_sink(args.preamble_sink)
 
 
 def config_from_args(args, layout=None):

@@ -16,13 +16,21 @@ from lazyattn_jax.training.errors import TrainingInputError
 DATA_AXIS = "data"
 
 
+def check_device_count(num_devices: int | None, name: str = "devices"):
+  """TrainingInputError naming `name` unless `num_devices` is None (all)
+  or lies in [1, local devices]; cheap, so trainers call it before they
+  load anything."""
+  count = len(jax.local_devices())
+  if num_devices is not None and not 1 <= num_devices <= count:
+    raise TrainingInputError(f"{name} must lie in [1, {count}], got "
+                             f"{num_devices}")
+
+
 def data_mesh(num_devices: int | None = None) -> Mesh:
   """A 1-D mesh over the first `num_devices` local devices (default all)."""
+  check_device_count(num_devices)
   devices = jax.local_devices()
   if num_devices is not None:
-    if not 1 <= num_devices <= len(devices):
-      raise TrainingInputError(f"devices must lie in [1, {len(devices)}], "
-                               f"got {num_devices}")
     devices = devices[:num_devices]
   return Mesh(np.asarray(devices), (DATA_AXIS,))
 

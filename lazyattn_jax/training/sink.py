@@ -108,6 +108,8 @@ class SinkConfig:
     if self.page_size < 1:
       raise TrainingInputError(f"page_size must be >= 1, got "
                                f"{self.page_size}")
+    if self.max_len < 1:
+      raise TrainingInputError(f"max_len must be >= 1, got {self.max_len}")
     if self.init not in INITS:
       raise TrainingInputError(f"init must be one of {INITS}, got "
                                f"{self.init!r}")
@@ -321,6 +323,9 @@ def run(args) -> dict:
   # the untrained initial sink.
   if args.max_minutes is not None and not args.max_minutes > 0:
     raise TrainingInputError("--max-minutes must be > 0")
+  if not args.max_len > 0:
+    raise TrainingInputError(f"--max-len must be > 0, got {args.max_len}")
+  parallel.check_device_count(args.devices, "--devices")
   config = SinkConfig(
       preamble_len=args.preamble_len, steps=args.steps,
       batch_size=args.batch_size, seed=args.seed, init=args.init,
