@@ -24,6 +24,8 @@ __all__ = ["CacheConfig", "EVICTION_POLICIES", "FREQUENCY_WINDOW_PER_SLOT",
            "out_of_memory_errors"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+# Token positions inside the pool and page indices are int32 on device.
+MAX_POOL_TOKENS = _INT32_MAX
 
 EVICTION_POLICIES = ("lfu", "lru")
 # The one pool dtype other than the model's compute dtype: float8 pages with
@@ -101,8 +103,7 @@ class CacheConfig:
       if value < 1:
         raise ValueError(f"CacheConfig.{name} must be >= 1, got {value}")
       object.__setattr__(self, name, int(value))
-    # Token positions inside the pool and page indices are int32 on device.
-    if self.num_pages * self.page_size > _INT32_MAX:
+    if self.num_pages * self.page_size > MAX_POOL_TOKENS:
       raise ValueError(
           "CacheConfig.num_pages * page_size must fit in int32, got "
           f"{self.num_pages} * {self.page_size}")

@@ -9,7 +9,8 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
-from lazyattn_jax.cache_config import (CacheConfig, check_compute_dtype,
+from lazyattn_jax.cache_config import (MAX_POOL_TOKENS, CacheConfig,
+                                       check_compute_dtype,
                                        check_impl_page_size, check_pool_dtype)
 from lazyattn_jax.errors import InvalidOptionError
 
@@ -97,11 +98,10 @@ def check_pool_size(num_pages, page_size) -> None:
     if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
         or value < 1):
       raise InvalidOptionError(f"{name} must be an int >= 1, got {value!r}")
-  limit = np.iinfo(np.int32).max
-  if int(num_pages) * int(page_size) > limit:
+  if int(num_pages) * int(page_size) > MAX_POOL_TOKENS:
     raise InvalidOptionError(
-        f"num_pages * page_size (the pool's tokens) must be at most {limit}, "
-        f"got {num_pages} * {page_size}")
+        f"num_pages * page_size (the pool's tokens) must be at most "
+        f"{MAX_POOL_TOKENS}, got {num_pages} * {page_size}")
 
 
 def default_cache_config(config, dtype, num_pages: int,

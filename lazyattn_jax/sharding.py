@@ -253,13 +253,19 @@ def _draw(seed, index, shape, dtype, ones, scale, name, num_kv_heads, tp,
   return draw()
 
 
-def _per_device_bytes(arrays) -> int:
-  """Bytes the arrays take on their fullest device (of this process)."""
+def _bytes_by_device(arrays) -> dict:
+  """{device: bytes the arrays take on it} over this process's devices (a
+  replicated array counts on each)."""
   used: dict = {}
   for x in jax.tree_util.tree_leaves(arrays):
     for shard in x.addressable_shards:
       used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
-  return max(used.values(), default=0)
+  return used
+
+
+def _per_device_bytes(arrays) -> int:
+  """Bytes the arrays take on their fullest device (of this process)."""
+  return max(_bytes_by_device(arrays).values(), default=0)
 
 
 def memory_per_device(tp: TensorParallel | None, params, state) -> dict:
@@ -273,18 +279,12 @@ def memory_per_device(tp: TensorParallel | None, params, state) -> dict:
           "kv_pool_bytes_per_device": pool}
 
 
-def _device_total_bytes(arrays) -> int:
-  """Bytes the arrays take summed over the devices (of this process) that
-  hold them: a replicated array counts once per device."""
-  return sum(shard.data.nbytes for x in jax.tree_util.tree_leaves(arrays)
-             for shard in x.addressable_shards)
-
-
 def memory_report(tp: TensorParallel | None, params, state) -> dict:
   """`LazyEngine.memory`: device bytes of the weights and of the pool (K and
   V, 0 without a pool), summed over the devices that hold them, and under
   tensor parallelism `memory_per_device`."""
-  weights = _device_total_bytes(params)
-  pool = 0 if state is None else _device_total_bytes((state.k, state.v))
+  weights = sum(_bytes_by_device(params).values())
+  pool = 0 if state is None else sum(
+      _bytes_by_device((state.k, state.v)).values())
   return {"weights_bytes": int(weights), "kv_pool_bytes": int(pool),
           **memory_per_device(tp, params, state)}
