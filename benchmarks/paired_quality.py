@@ -4,7 +4,9 @@ Reads a `benchmarks.rag_quality` report written with `--save-predictions`
 (every run answered the same items, in the same order) and compares runs
 item by item:
 - the mean of the metric in each run and their difference, with a 95%
-  paired bootstrap interval (items resampled together in both runs);
+  paired bootstrap interval (items resampled together in both runs; where
+  several items share a question, as in the gold-sweep layout, whole
+  questions are resampled, since their items are not independent);
 - for a yes/no metric (contained, accuracy, EM): the items only one run
   got right, and the exact two-sided sign test on them (McNemar's exact
   test): the chance of a split at least this uneven if neither run were
@@ -113,19 +115,37 @@ def sign_test_p(wins_a: int, wins_b: int) -> float:
   return min(1.0, (2 * tail) / (1 << n))
 
 
-def compare(a: np.ndarray, b: np.ndarray, *, resamples: int = 10000,
-            seed: int = 0) -> dict:
-  """Paired comparison of per-item scores a and b (same items)."""
+def compare(a: np.ndarray, b: np.ndarray, *, questions=None,
+            resamples: int = 10000, seed: int = 0) -> dict:
+  """Paired comparison of per-item scores a and b (same items).
+
+  `questions`: each item's question id; where some question has several
+  items the bootstrap resamples questions (a cluster bootstrap: the mean
+  difference over the drawn questions' items), else items, with the same
+  draws as without ids.  The sign test counts items either way."""
   if a.shape != b.shape or a.ndim != 1 or not a.size:
     raise ValueError(f"need two equal, non-empty score lists, got "
                      f"{a.shape} and {b.shape}")
   rng = np.random.default_rng(seed)
-  picks = rng.integers(0, a.size, size=(resamples, a.size))
-  diffs = (b[picks] - a[picks]).mean(axis=1)
+  group = (np.arange(a.size) if questions is None else
+           np.unique(np.asarray([str(q) for q in questions]),
+                     return_inverse=True)[1].reshape(-1))
+  groups = int(group.max()) + 1
+  if groups == a.size:
+    picks = rng.integers(0, a.size, size=(resamples, a.size))
+    diffs = (b[picks] - a[picks]).mean(axis=1)
+  else:
+    diff_sums = np.bincount(group, weights=b - a, minlength=groups)
+    sizes = np.bincount(group, minlength=groups)
+    picks = rng.integers(0, groups, size=(resamples, groups))
+    diffs = diff_sums[picks].sum(axis=1) / sizes[picks].sum(axis=1)
   low, high = np.percentile(diffs, [2.5, 97.5])
   row = dict(items=int(a.size), mean_a=float(a.mean()), mean_b=float(b.mean()),
              diff=float(b.mean() - a.mean()), diff_ci95=[float(low),
-                                                         float(high)])
+                                                         float(high)],
+             resampled="items" if groups == a.size else "questions")
+  if groups != a.size:
+    row["questions"] = groups
   if set(np.unique(np.concatenate([a, b]))) <= {0.0, 1.0}:
     only_a = int(np.sum((a == 1) & (b == 0)))
     only_b = int(np.sum((a == 0) & (b == 1)))
@@ -154,8 +174,10 @@ def main(argv=None):
     error = pairing_error(runs[label_a], runs[label_b])
     if error:
       p.error(error)
+    ids = [p.get("id") for p in runs[label_a]["predictions"]]
     row = compare(item_scores(runs[label_a], args.metric),
-                  item_scores(runs[label_b], args.metric))
+                  item_scores(runs[label_b], args.metric),
+                  questions=None if None in ids else ids)
     rows.append(dict(a=label_a, b=label_b, metric=args.metric, **row))
     extra = ("" if "only_a" not in row else
              f"; only A {row['only_a']}, only B {row['only_b']}, "

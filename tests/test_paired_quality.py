@@ -189,3 +189,26 @@ def test_paired_runs_without_ids_compare_by_their_answers(tmp_path):
   rows = paired_quality.main([str(path), "--compare", "a", "b", "--metric",
                               "accuracy"])
   assert (rows[0]["only_a"], rows[0]["only_b"]) == (1, 1)
+
+
+def test_items_of_one_question_are_resampled_together():
+  # Nine items per question (the gold-sweep layout) were resampled one by
+  # one, as if independent, which narrows the interval.
+  rng = np.random.default_rng(3)
+  per_question = rng.integers(0, 2, 40).astype(float)
+  a = np.repeat(per_question, 9)  # a question's items agree
+  b = np.repeat(np.roll(per_question, 1), 9)
+  questions = np.repeat(np.arange(40), 9)
+  items = compare(a, b)
+  clustered = compare(a, b, questions=questions)
+  assert (items["resampled"], clustered["resampled"]) == ("items",
+                                                          "questions")
+  assert clustered["questions"] == 40
+  assert clustered["diff"] == items["diff"]
+  # Resampling 40 questions is resampling 40 items: the same interval.
+  alone = compare(per_question, np.roll(per_question, 1))
+  assert clustered["diff_ci95"] == pytest.approx(alone["diff_ci95"])
+  width = lambda row: row["diff_ci95"][1] - row["diff_ci95"][0]
+  assert width(clustered) > 2 * width(items)
+  # One item per question: the draws of the item bootstrap, unchanged.
+  assert compare(a, b, questions=np.arange(a.size)) == items
