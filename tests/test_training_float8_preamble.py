@@ -13,7 +13,8 @@ from lazyattn_jax.training.data import SyntheticFacts
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.float8_preamble import Float8Preamble
 from lazyattn_jax.training.model_io import from_model
-from lazyattn_jax.training.sink import SinkConfig, build_parser, train_sink
+from lazyattn_jax.training.sink import SinkConfig, train_sink
+from lazyattn_jax.training.sink_cli import build_parser
 from models.config import RopeConfig
 from models.llama import Llama
 from models.quantized_pool import write_quantized_rows
