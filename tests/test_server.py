@@ -312,17 +312,20 @@ def test_a_prompt_larger_than_the_pool_names_the_prompt(text_model):
     assert pool_is_idle(app)
 
 
-def test_a_max_tokens_past_the_pool_names_max_tokens(text_model):
-  """A prompt that fits the pool with fewer new tokens: the max_tokens the
-  client asked for is at fault (400 naming `max_tokens`)."""
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_max_tokens_past_the_pool_names_max_tokens(text_model, field):
+  """A prompt that fits the pool with fewer new tokens: the limit the
+  client asked for is at fault (400 naming the field it came in:
+  `max_completion_tokens` was named `max_tokens`)."""
   with serving(make_engine(text_model, num_pages=40)) as (app, url):
     for documents in ([], CORPUS[:1]):
-      response = httpx.post(f"{url}/v1/completions", json={
-          "model": MODEL_NAME, "prompt": [1] * 10, "max_tokens": 700,
-          "temperature": 0, "documents": documents}, timeout=120)
+      response = httpx.post(f"{url}/v1/chat/completions", json={
+          "model": MODEL_NAME, "temperature": 0, field: 700,
+          "messages": [{"role": "user", "content": "Hello"}],
+          "documents": documents}, timeout=120)
       assert response.status_code == 400, response.text
       error = response.json()["error"]
-      assert (error["param"], error["code"]) == ("max_tokens",
+      assert (error["param"], error["code"]) == (field,
                                                  "cache_capacity_exceeded")
     assert pool_is_idle(app)
 

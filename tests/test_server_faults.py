@@ -65,6 +65,15 @@ BAD_REQUESTS = {
                 "presence_penalty"),
     "too many positions": ("chat/completions", chat_body(max_tokens=5000), 400,
                            "max_tokens"),
+    # The limit's errors named max_tokens, a field the client did not send.
+    "max_completion_tokens past the positions": (
+        "chat/completions", chat_body(max_tokens=None,
+                                      max_completion_tokens=5000), 400,
+        "max_completion_tokens"),
+    "max_completion_tokens past int32": (
+        "chat/completions", chat_body(max_tokens=None,
+                                      max_completion_tokens=2**40), 400,
+        "max_completion_tokens"),
     "a prompt longer than the context": (
         "completions", completion_body(prompt=[1] * 5000, max_tokens=None),
         400, "prompt"),

@@ -31,11 +31,13 @@ from lazyattn_jax.server.responses import DONE, ResponseBuilder, sse
 from lazyattn_jax.server.text_output import TextOutput
 
 # Words that start the engine's InvalidRequestError messages -> the request
-# field at fault (None: the query's, messages or prompt) and the error code.
+# field at fault (None: the query's, messages or prompt; MAX_TOKENS: the
+# field the token limit came in) and the error code.
+MAX_TOKENS = object()
 _ENGINE_FIELDS = (("document", "documents", None),
                   ("chat prefix", "messages", None),
                   ("prompt needs", None, "context_length_exceeded"),
-                  ("request needs", "max_tokens", "context_length_exceeded"),
+                  ("request needs", MAX_TOKENS, "context_length_exceeded"),
                   ("stop", "stop", None))
 
 
@@ -111,6 +113,7 @@ class CompletionService:
              prompts.completion_query(body.prompt, tokenizer))
     leading = [query.conversation] if query.conversation else []
     given = prompts.requested_max_tokens(body) is not None
+    limit_field = prompts.max_tokens_field(body)
 
     def prepare(fit: bool):
       # A request that names no max_tokens gets the server's default,
@@ -123,25 +126,27 @@ class CompletionService:
       return prepare(fit=not given)
     except InvalidRequestError as error:
       param, code = _engine_field(str(error),
-                                  "messages" if chat else "prompt")
+                                  "messages" if chat else "prompt",
+                                  limit_field)
       raise bad_request(str(error), param=param, code=code) from None
     except CacheCapacityError as error:
       raise bad_request(str(error), param=self._capacity_field(
-          error, prepare, given, chat, documents),
+          error, prepare, given and limit_field, chat, documents),
           code="cache_capacity_exceeded") from None
     except EngineClosedError:  # a handler still tokenizing at shutdown
       raise unavailable("the server is shutting down") from None
 
   @staticmethod
-  def _capacity_field(error, prepare, given: bool, chat: bool, documents):
-    """The field a CacheCapacityError blames: max_tokens where the prompt
-    alone fits (tried with a fitted max_tokens); else the caller's
-    documents, unless there are none or the conversation (a leading
-    document) is what does not fit: then the prompt."""
-    if given:
+  def _capacity_field(error, prepare, limit_field, chat: bool, documents):
+    """The field a CacheCapacityError blames: the token limit's field
+    (`limit_field`, falsy where the request gave none) where the prompt
+    alone fits (tried with a fitted limit); else the caller's documents,
+    unless there are none or the conversation (a leading document) is what
+    does not fit: then the prompt."""
+    if limit_field:
       try:
         prepare(fit=True)
-        return "max_tokens"
+        return limit_field
       except (InvalidRequestError, CacheCapacityError):
         pass
     if documents and not str(error).startswith("leading document"):
@@ -236,9 +241,11 @@ def _failure(event) -> APIError:
                       ended_request=event.counted)
 
 
-def _engine_field(message: str, query_field: str):
+def _engine_field(message: str, query_field: str, max_tokens_field: str):
   """(param, code) of an engine InvalidRequestError's message."""
   for start, field, code in _ENGINE_FIELDS:
     if message.startswith(start):
+      if field is MAX_TOKENS:
+        return max_tokens_field, code
       return field or query_field, code
   return query_field, None

@@ -67,6 +67,15 @@ def check_unsupported(body, chat: bool):
       raise bad_request(message, param=field, code="unsupported")
 
 
+def max_tokens_field(body) -> str:
+  """The field a request's token limit came in, for errors that blame it:
+  max_completion_tokens where the request gives it (it wins), else
+  max_tokens (also where the server's default is used)."""
+  if getattr(body, "max_completion_tokens", None):
+    return "max_completion_tokens"
+  return "max_tokens"
+
+
 def requested_max_tokens(body) -> int | None:
   """The request's `max_completion_tokens` or `max_tokens`; None if it
   gives neither (the schema refuses 0)."""
@@ -87,9 +96,11 @@ def sampling_params(body, default_max_tokens: int) -> SamplingParams:
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0, seed=seed)
   except InvalidRequestError as error:
-    field = str(error).split(" ", 1)[0]
-    raise bad_request(str(error), param={"max_new_tokens": "max_tokens"}.get(
-        field, field)) from None
+    field, _, rest = str(error).partition(" ")
+    if field == "max_new_tokens":  # the engine's name for the client's
+      field = max_tokens_field(body)
+      error = f"{field} {rest}"
+    raise bad_request(str(error), param=field) from None
 
 
 def stop_strings(body, tokenizer) -> tuple[str, ...]:
