@@ -86,6 +86,18 @@ BAD_REQUESTS = {
     "too many stop strings": ("completions",
                               completion_body(stop=["x"] * 17), 400, "stop"),
     "echo": ("completions", completion_body(echo=True), 400, "echo"),
+    # A union's branch label was the param ("stop.str", "messages[0].
+    # content.str"), with the first branch's message.
+    "stop list with a number": ("completions",
+                                completion_body(stop=["end", 1]), 400,
+                                "stop[1]"),
+    "stop of a number": ("completions", completion_body(stop=5), 400,
+                         "stop"),
+    "an image part": ("chat/completions", chat_body(messages=[
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+        400, "messages[0].content[1].type"),
     # 0 still asks for the sampled tokens' own logprobs.
     "logprobs of 0": ("completions", completion_body(logprobs=0), 400,
                       "logprobs"),

@@ -80,12 +80,57 @@ def field_path(location) -> str:
   return path
 
 
-def from_validation_error(error: ValidationError) -> APIError:
-  """The first problem pydantic found, naming its field."""
-  first = error.errors(include_url=False)[0]
-  where = field_path(first["loc"])
-  if first["type"] == "json_invalid":
-    return bad_request(f"the body is not valid JSON: {first['msg']}",
+_ABSENT = object()
+_KINDS = {str: "str", list: "list", dict: "dict", bool: "bool", int: "int",
+          float: "float", type(None): "none"}
+
+
+def _request_location(body, error: dict) -> tuple[tuple, bool]:
+  """(the error's location in the request, whether every union branch it
+  went through is the JSON type the client sent there).  pydantic puts a
+  union's branch label ("str", "list[str]", "list[ContentPart]") in the
+  location; it is no field, so it is dropped."""
+  loc, where, value, matches = error["loc"], [], body, True
+  for i, part in enumerate(loc):
+    if isinstance(part, int) and isinstance(value, list):
+      value = value[part] if part < len(value) else _ABSENT
+      where.append(part)
+    elif isinstance(value, dict) and part in value:
+      value = value[part]
+      where.append(part)
+    elif i == len(loc) - 1 and error["type"] in ("missing",
+                                                  "extra_forbidden"):
+      where.append(part)  # the field that is missing or not allowed
+    else:  # a union branch: does it take what was sent?
+      label = str(part).split("[", 1)[0].lower()
+      sent = _KINDS.get(type(value), "other")
+      matches &= label == sent or (sent == "dict" and label not in _KINDS.values())
+  return tuple(where), matches
+
+
+def from_validation_error(error: ValidationError, raw: bytes = b"") -> APIError:
+  """The first problem pydantic found, naming its field.  Of a union's
+  branches, the one of the JSON type sent speaks (a list of stop strings
+  with a number in it is wrong at that entry, not for not being a string);
+  where none is, the field's branches speak together."""
+  import json
+  errors = error.errors(include_url=False)
+  if errors[0]["type"] == "json_invalid":
+    return bad_request(f"the body is not valid JSON: {errors[0]['msg']}",
                        code="invalid_json")
-  message = f"{where}: {first['msg']}" if where else first["msg"]
+  try:
+    body = json.loads(raw) if raw else None
+  except ValueError:
+    body = None
+  located = [(_request_location(body, e), e) for e in errors]
+  chosen = [(loc, e) for (loc, ok), e in located if ok]
+  if chosen:
+    (loc, first), = chosen[:1]
+    message = first["msg"]
+  else:  # no branch takes the JSON type sent: say what each wanted
+    (loc, _), first = located[0]
+    message = "; or ".join(dict.fromkeys(
+        e["msg"] for (other, _), e in located if other == loc))
+  where = field_path(loc)
+  message = f"{where}: {message}" if where else message
   return bad_request(message, param=where or None)

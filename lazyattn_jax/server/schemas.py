@@ -111,4 +111,4 @@ def parse_body(schema: type[BaseModel], raw: bytes) -> BaseModel:
   try:
     return schema.model_validate_json(raw or b"null")
   except ValidationError as error:
-    raise from_validation_error(error) from None
+    raise from_validation_error(error, raw) from None
