@@ -83,9 +83,17 @@ BAD_REQUESTS = {
         "completions", completion_body(prompt=[1, 10**7]), 400, "prompt"),
     "two prompts": ("completions", completion_body(prompt=["a", "b"]), 400,
                     "prompt"),
+    # It was "one prompt per request is supported".
+    "a token list with a float": ("completions",
+                                  completion_body(prompt=[1, 2.5]), 400,
+                                  "prompt[1]"),
     "too many stop strings": ("completions",
                               completion_body(stop=["x"] * 17), 400, "stop"),
     "echo": ("completions", completion_body(echo=True), 400, "echo"),
+    # Accepted and dropped: the answer was the same for any name.
+    "a message name": ("chat/completions", chat_body(messages=[
+        {"role": "user", "content": "Hi", "name": "alice"}]), 400,
+        "messages[0].name"),
     # A union's branch label was the param ("stop.str", "messages[0].
     # content.str"), with the first branch's message.
     "stop list with a number": ("completions",

@@ -137,6 +137,11 @@ def chat_query(messages, tokenizer) -> Query:
   if messages[-1].role != "user":
     raise bad_request("the last message must be the user's",
                       param=f"messages[{len(messages) - 1}].role")
+  for i, message in enumerate(messages):
+    if message.name is not None:  # would be dropped: it may change answers
+      raise bad_request(
+          f"messages[{i}].name is not supported: the prompt is rendered "
+          f"without names", param=f"messages[{i}].name", code="unsupported")
   texts = [_message_text(m, i) for i, m in enumerate(messages)]
   if tokenizer is None:
     raise bad_request("this model has no tokenizer: use /v1/completions "
@@ -180,6 +185,11 @@ def completion_query(prompt, tokenizer) -> Query:
       all(type(t) is int for t in prompt)):
     return Query(list(prompt))
   if isinstance(prompt, list) and len(prompt) > 1:
-    raise bad_request("one prompt per request is supported", param="prompt")
+    if all(isinstance(p, (str, list)) for p in prompt):
+      raise bad_request("one prompt per request is supported",
+                        param="prompt")
+    bad = next(i for i, t in enumerate(prompt) if type(t) is not int)
+    raise bad_request(f"prompt[{bad}] is not a token id (an integer), got "
+                      f"{prompt[bad]!r}", param=f"prompt[{bad}]")
   raise bad_request("prompt must be text or a non-empty list of token ids",
                     param="prompt")
