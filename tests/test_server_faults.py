@@ -526,3 +526,15 @@ def test_a_server_whose_engine_was_closed_answers_503(text_model):
         timeout=60)
   assert response.status_code == 503, response.text
   assert response.json()["error"]["code"] == "shutting_down"
+
+
+def test_models_retrieve_finds_the_served_model_only(server):
+  # The route was missing: the openai client's models.retrieve raised
+  # NotFoundError without a code for the served model too.
+  _, url = server
+  models = openai.OpenAI(base_url=f"{url}/v1", api_key="none").models
+  assert models.retrieve(MODEL_NAME).id == MODEL_NAME
+  response = httpx.get(f"{url}/v1/models/gpt-9", timeout=60)
+  assert response.status_code == 404
+  error = response.json()["error"]
+  assert (error["param"], error["code"]) == ("model", "model_not_found")

@@ -149,11 +149,18 @@ def create_app(engine, config: ServerConfig | None = None, *,
                       "cached": bool(hit)}
                      for doc_id, t, hit in zip(ids, tokens, hits)]}
 
+  def model_card():
+    return {"id": config.model_name, "object": "model", "created": started,
+            "owned_by": "lazyattn-jax"}
+
   @app.get("/v1/models")
   async def models():
-    return {"object": "list",
-            "data": [{"id": config.model_name, "object": "model",
-                      "created": started, "owned_by": "lazyattn-jax"}]}
+    return {"object": "list", "data": [model_card()]}
+
+  @app.get("/v1/models/{model:path}")  # a name may hold "/"
+  async def model(model: str):
+    service.check_model(model)  # 404 model_not_found for any other
+    return model_card()
 
   @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes
   async def health():
