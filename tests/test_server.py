@@ -112,16 +112,28 @@ def test_streaming_chunks_join_to_the_whole_answer(server, text_model):
   assert chunks[-1].usage.completion_tokens == len(want_tokens)
 
 
-def test_stream_ends_with_done(server):
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_ends_with_done(server, include_usage):
+  # With include_usage, OpenAI's chunks before the usage chunk carry
+  # "usage": null; they had no usage key.
+  import json
   _, url = server
   body = {"model": MODEL_NAME, "prompt": "The bridge", "max_tokens": 3,
           "temperature": 0, "stream": True}
+  if include_usage:
+    body["stream_options"] = {"include_usage": True}
   with httpx.stream("POST", url + "/v1/completions", json=body,
                     timeout=60) as response:
     assert response.headers["content-type"].startswith("text/event-stream")
     lines = [line for line in response.iter_lines() if line]
   assert lines[-1] == "data: [DONE]"
   assert all(line.startswith("data: ") for line in lines)
+  chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+  if include_usage:
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert 1 <= chunks[-1]["usage"]["completion_tokens"] <= 3
+  else:
+    assert not any("usage" in c for c in chunks)
 
 
 def test_32_concurrent_async_clients_get_the_engines_greedy_tokens(

@@ -91,11 +91,11 @@ class CompletionService:
       raise queue_full(self.config.retry_after_s) from None
     except LoopClosedError as error:
       raise unavailable(str(error)) from None
+    include_usage = bool(body.stream and body.stream_options and
+                         body.stream_options.include_usage)
     builder = ResponseBuilder(chat, self.config.model_name,
-                              body.return_token_ids)
+                              body.return_token_ids, include_usage)
     if body.stream:
-      include_usage = bool(body.stream_options and
-                           body.stream_options.include_usage)
       return EventStreamResponse(
           self._stream(handle, builder, include_usage))
     try:

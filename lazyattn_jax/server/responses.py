@@ -36,12 +36,16 @@ class ResponseBuilder:
     chat: chat completion (else text completion).
     model: the served model name.
     return_token_ids: add each choice's generated token ids (extension).
+    include_usage: a stream that ends with a usage chunk; as OpenAI's, its
+      other chunks then carry `"usage": null`.
   """
 
-  def __init__(self, chat: bool, model: str, return_token_ids: bool):
+  def __init__(self, chat: bool, model: str, return_token_ids: bool,
+               include_usage: bool = False):
     self.chat = chat
     self.model = model
     self.return_token_ids = return_token_ids
+    self.include_usage = include_usage
     prefix = "chatcmpl-" if chat else "cmpl-"
     self.id = prefix + uuid.uuid4().hex
     self.created = int(time.time())
@@ -51,8 +55,11 @@ class ResponseBuilder:
       kind = "chat.completion.chunk" if chunk else "chat.completion"
     else:
       kind = "text_completion"
-    return {"id": self.id, "object": kind, "created": self.created,
+    body = {"id": self.id, "object": kind, "created": self.created,
             "model": self.model, "choices": choices}
+    if chunk and self.include_usage:
+      body["usage"] = None  # the usage chunk sets it
+    return body
 
   def _choice(self, text: str | None, finish_reason, token_ids, chunk: bool,
               role: bool = False) -> dict:
