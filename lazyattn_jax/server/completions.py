@@ -131,7 +131,7 @@ class CompletionService:
       raise bad_request(str(error), param=param, code=code) from None
     except CacheCapacityError as error:
       raise bad_request(str(error), param=self._capacity_field(
-          error, prepare, given and limit_field, chat, documents),
+          error, prepare, limit_field if given else None, chat, documents),
           code="cache_capacity_exceeded") from None
     except EngineClosedError:  # a handler still tokenizing at shutdown
       raise unavailable("the server is shutting down") from None

@@ -7,6 +7,8 @@ its usual exception (BadRequestError, NotFoundError, RateLimitError, ...).
 
 from __future__ import annotations
 
+import json
+
 from pydantic import ValidationError
 
 
@@ -104,7 +106,9 @@ def _request_location(body, error: dict) -> tuple[tuple, bool]:
     else:  # a union branch: does it take what was sent?
       label = str(part).split("[", 1)[0].lower()
       sent = _KINDS.get(type(value), "other")
-      matches &= label == sent or (sent == "dict" and label not in _KINDS.values())
+      # A model's branch ("ContentPart") takes an object.
+      matches &= label == sent or (sent == "dict" and
+                                   label not in _KINDS.values())
   return tuple(where), matches
 
 
@@ -113,7 +117,6 @@ def from_validation_error(error: ValidationError, raw: bytes = b"") -> APIError:
   branches, the one of the JSON type sent speaks (a list of stop strings
   with a number in it is wrong at that entry, not for not being a string);
   where none is, the field's branches speak together."""
-  import json
   errors = error.errors(include_url=False)
   if errors[0]["type"] == "json_invalid":
     return bad_request(f"the body is not valid JSON: {errors[0]['msg']}",
