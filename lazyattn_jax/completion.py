@@ -35,6 +35,11 @@ def run_one(engine, request):
   """The result of one validated request; RequestFailedError if the
   engine failed while serving it."""
   (result,) = run_to_completion(engine, [request])
+  return _unless_failed(result)
+
+
+def _unless_failed(result):
+  """`result`, or RequestFailedError if the engine failed serving it."""
   if result.finish_reason == "error":
     raise RequestFailedError(result.error, result)
   return result
@@ -97,8 +102,7 @@ def stream_text(engine, request, arrival: float):
   except BaseException:
     _abandon(engine, [request_id])
     raise
-  if result.finish_reason == "error":
-    raise RequestFailedError(result.error, result)
+  _unless_failed(result)
   # Tokens the last round gave (another caller's step may have ended it).
   tail = decoder.push(result.token_ids[sent:]) + decoder.finish()
   if tail:

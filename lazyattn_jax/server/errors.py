@@ -128,10 +128,10 @@ def from_validation_error(error: ValidationError, raw: bytes = b"") -> APIError:
   located = [(_request_location(body, e), e) for e in errors]
   chosen = [(loc, e) for (loc, ok), e in located if ok]
   if chosen:
-    (loc, first), = chosen[:1]
+    loc, first = chosen[0]
     message = first["msg"]
   else:  # no branch takes the JSON type sent: say what each wanted
-    (loc, _), first = located[0]
+    (loc, _), _ = located[0]
     message = "; or ".join(dict.fromkeys(
         e["msg"] for (other, _), e in located if other == loc))
   where = field_path(loc)
