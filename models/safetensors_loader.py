@@ -156,8 +156,12 @@ def _header_entry_problem(info, data_size: int) -> str | None:
 
 def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
   """Tensor name -> the file holding it."""
+  # transformers reads model.safetensors before an index, so an index that
+  # an earlier sharded save left beside it (save_pretrained keeps it) is
+  # not the model's.
+  single_path = os.path.join(directory, "model.safetensors")
   index_path = os.path.join(directory, "model.safetensors.index.json")
-  if os.path.isfile(index_path):
+  if os.path.isfile(index_path) and not os.path.isfile(single_path):
     try:
       with open(index_path) as f:
         weight_map = json.load(f)["weight_map"]
@@ -173,10 +177,9 @@ def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
                                f"{tensor!r} in {name}, which does not hold "
                                f"it")
     return {tensor: files[name] for tensor, name in weight_map.items()}
-  # Without an index, transformers reads model.safetensors alone; other
-  # files beside it (an old copy, an adapter) are not part of the model.
-  names = (["model.safetensors"]
-           if os.path.isfile(os.path.join(directory, "model.safetensors"))
+  # Other files beside model.safetensors (an old copy, an adapter) are not
+  # part of the model either.
+  names = (["model.safetensors"] if os.path.isfile(single_path)
            else sorted(n for n in os.listdir(directory)
                        if n.endswith(".safetensors")))
   if not names:

@@ -343,6 +343,29 @@ def test_safetensors_round_trip(tmp_path, tied, llama3, shard):
   assert _rel(ours, _torch_logits(hf, tokens)) < 1e-4
 
 
+def test_model_safetensors_wins_over_a_stale_index(tmp_path):
+  """An unsharded save over a sharded one leaves the old index (and here its
+  shards) beside model.safetensors; transformers loads model.safetensors,
+  and so must we, not the old shards the index names."""
+  import torch
+  old = _hf_model(False, False)
+  old.save_pretrained(tmp_path, safe_serialization=True,
+                      max_shard_size="40KB")
+  new = _hf_model(False, False)
+  with torch.no_grad():
+    for param in new.parameters():
+      param.mul_(1.5)
+  other = tmp_path / "other"
+  new.save_pretrained(other, safe_serialization=True)
+  (other / "model.safetensors").rename(tmp_path / "model.safetensors")
+  assert (tmp_path / "model.safetensors.index.json").is_file()
+  _, model = load_safetensors(tmp_path, dtype=jnp.float32)
+  tokens = np.random.default_rng(1).integers(0, 256, (1, 24))
+  ours = dense_forward(model, jnp.asarray(tokens, jnp.int32),
+                       jnp.arange(24)[None], causal_mask(1, 24))
+  assert _rel(ours, _torch_logits(new, tokens)) < 1e-4
+
+
 def test_safetensors_bfloat16_checkpoint(tmp_path):
   import torch
   hf = _hf_model(False, False).to(torch.bfloat16)
@@ -560,15 +583,17 @@ def test_bad_safetensors_directory_is_a_model_format_error(tmp_path, case):
     (directory / "config.json").write_text(json.dumps(
         dict(hf, model_type="gpt2")))
   elif case == "bad shard index":
+    (directory / "model.safetensors").rename(directory / "shard.safetensors")
     (directory / "model.safetensors.index.json").write_text('{"no": 1}')
   elif case == "weights file is a directory":
     (directory / "model.safetensors").unlink()
     (directory / "model.safetensors").mkdir()
   elif case == "index names the wrong shard":
     from safetensors.numpy import load_file, save_file
-    names = list(load_file(directory / "model.safetensors"))
+    (directory / "model.safetensors").rename(directory / "shard.safetensors")
+    names = list(load_file(directory / "shard.safetensors"))
     save_file({"other": np.zeros(2, np.float32)}, directory / "x.safetensors")
-    weight_map = {name: "model.safetensors" for name in names}
+    weight_map = {name: "shard.safetensors" for name in names}
     weight_map["model.embed_tokens.weight"] = "x.safetensors"
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": weight_map}))
