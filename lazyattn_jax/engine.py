@@ -391,10 +391,7 @@ class LazyEngine:
     it (`step`, `generate`, a stream) raises RuntimeError.
     """
     with self._lock:
-      self._check_open()
-      if self._stepping:  # the lock is reentrant: the callback holds it
-        raise RuntimeError("step() inside a step (from on_first_tokens): "
-                           "the round has not recorded its tokens yet")
+      self._check_can_step()
       cancel_abandoned(self)
       self._stepping = True
       try:
@@ -420,11 +417,7 @@ class LazyEngine:
     requests hold; earlier batches stay encoded, and the message says up
     to which document.
     """
-    self._check_open()
-    if not self._mode.has_document_step:
-      raise InvalidRequestError(
-          f"encode_documents needs a mode with a document step (lazy or "
-          f"block), not {self.mode!r}")
+    self._check_can_encode()
     return encode_in_batches(self, documents, batch_size, progress)
 
   @property
@@ -472,3 +465,18 @@ class LazyEngine:
   def _check_open(self):
     if self._closed:
       raise EngineClosedError("this engine was closed; build a new one")
+
+  # What step and encode_documents refuse before running anything; Lockstep
+  # asks first, since the other processes cannot take back a sent call.
+  def _check_can_step(self):
+    self._check_open()
+    if self._stepping:  # the lock is reentrant: the callback holds it
+      raise RuntimeError("step() inside a step (from on_first_tokens): "
+                         "the round has not recorded its tokens yet")
+
+  def _check_can_encode(self):
+    self._check_open()
+    if not self._mode.has_document_step:
+      raise InvalidRequestError(
+          f"encode_documents needs a mode with a document step (lazy or "
+          f"block), not {self.mode!r}")

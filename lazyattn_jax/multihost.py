@@ -107,14 +107,18 @@ class Lockstep:
   def cancel(self, request_id: int) -> bool:
     """`LazyEngine.cancel` on process 0, recorded for the followers."""
     self._leader_only("cancel")
+    cancelled = self.engine.cancel(request_id)  # a closed engine raises
     self._calls.append(("cancel", request_id))
-    return self.engine.cancel(request_id)
+    return cancelled
 
   def step(self, on_first_tokens=None):
     """Sends this round's calls, then runs the round on every process;
     returns the leader's results (`on_first_tokens` as for
     `LazyEngine.step`, on the leader)."""
     self._leader_only("step")
+    # A round the leader's engine refuses (closed, or a step inside its
+    # on_first_tokens) is never sent: followers would run it alone.
+    self.engine._check_can_step()
     self._send(self._calls)
     self._calls = []
     return self.engine.step(on_first_tokens)
@@ -125,6 +129,7 @@ class Lockstep:
     first, so bad input raises before any process sees it, and every
     process encodes the same token ids (an iterator is read once)."""
     self._leader_only("encode_documents")
+    self.engine._check_can_encode()  # the mode, a closed engine
     if isinstance(documents, Iterator):
       documents = list(documents)
     tokens = self.engine.validator.documents(documents)

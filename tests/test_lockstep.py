@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from lazyattn_jax import multihost
-from lazyattn_jax.errors import CacheCapacityError, InvalidRequestError
+from lazyattn_jax.errors import (CacheCapacityError, EngineClosedError,
+                                 InvalidRequestError)
 from lazyattn_jax.multihost import Lockstep
 from tests.test_engine import (greedy, make_engine,  # noqa: F401
                                model_and_config, random_tokens)
@@ -40,6 +41,44 @@ def test_bad_documents_raise_before_anything_is_sent(leader):
   with pytest.raises(CacheCapacityError, match="tokens; the cache holds"):
     lock.encode_documents([[1] * 10**4])
   assert sent == []
+
+
+def test_calls_the_leaders_engine_refuses_are_not_sent(model_and_config,
+                                                      monkeypatch):
+  """encode_documents in a mode without a document step, a step inside the
+  round's on_first_tokens, and a step or cancel on a closed engine: the
+  leader's engine refuses each, so none may reach the followers.  Before:
+  each was sent first, and the followers then ran a call the leader never
+  made (encode_documents in full mode hung both processes)."""
+  sent = []
+  monkeypatch.setattr(Lockstep, "_send",
+                      lambda self, message: sent.append(message))
+  full = Lockstep(make_engine(model_and_config, num_pages=24, mode="full"))
+  with pytest.raises(InvalidRequestError, match="document step"):
+    full.encode_documents(_docs(model_and_config, 9))
+  assert sent == []
+
+  lock = Lockstep(make_engine(model_and_config, num_pages=24))
+  query, doc = _docs(model_and_config, 5, 9)
+  lock.submit(query, [doc], greedy(4))
+  nested = []
+
+  def step_inside():
+    try:
+      lock.step()
+    except RuntimeError as error:
+      nested.append(error)
+  lock.step(on_first_tokens=step_inside)
+  assert len(nested) == 1 and "inside a step" in str(nested[0])
+  assert len(sent) == 1  # the outer round only
+  lock.engine.close()
+  with pytest.raises(EngineClosedError):
+    lock.step()
+  with pytest.raises(EngineClosedError):
+    lock.cancel(0)
+  with pytest.raises(EngineClosedError):
+    lock.encode_documents(_docs(model_and_config, 9))
+  assert len(sent) == 1 and lock._calls == []
 
 
 def test_an_iterator_of_documents_is_read_once(leader, model_and_config):
