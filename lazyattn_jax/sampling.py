@@ -96,9 +96,16 @@ def _real(name: str, value) -> float:
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
     raise InvalidRequestError(
         f"{name} must be a number, got {type(value).__name__} {value!r}")
-  if not math.isfinite(value):
-    raise InvalidRequestError(f"{name} must be finite, got {value!r}")
+  # The step takes it as float32, where a larger value is inf (and a
+  # temperature of inf turns the padded vocabulary's -inf logits to NaN).
+  if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+    raise InvalidRequestError(
+        f"{name} must be finite as a float32 (|x| <= {_FLOAT32_MAX:.7g}), "
+        f"got {value!r}")
   return float(value)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seed, step, *,

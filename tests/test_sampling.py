@@ -107,3 +107,18 @@ def test_ids_past_the_vocab_limit_are_never_drawn(temperature):
     np.testing.assert_array_equal(tokens, want)
   unlimited = np.asarray(sample_tokens(logits, *params))
   assert (unlimited >= 50).any()  # the padding is drawn without the limit
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 1e39),
+                                         ("temperature", 3.5e38),
+                                         ("top_p", 1e39)])
+def test_values_past_float32_are_refused(field, value):
+  """The step takes temperature as float32: 1e39 became inf there, and
+  (-inf - max) / inf made every padded-vocabulary row NaN, so each draw
+  was token 0 whatever the seed."""
+  from lazyattn_jax.errors import InvalidRequestError
+  from lazyattn_jax.sampling import SamplingParams
+  with pytest.raises(InvalidRequestError, match=f"{field} must be finite as "
+                     "a float32"):
+    SamplingParams(**{field: value})
+  assert SamplingParams(temperature=3.4e38).temperature == 3.4e38
