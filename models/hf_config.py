@@ -100,12 +100,11 @@ def _token_ids(value) -> list[int]:
   return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _eos_setting(hf: dict, generation: dict | None,
+def _eos_setting(hf: dict, generation_ids: list[int],
                  vocab: int) -> int | tuple[int, ...] | None:
   """The EOS ids of config.json and generation_config.json inside the
   vocabulary, first seen first: an int for one, a tuple for several."""
-  ids = _token_ids(hf.get("eos_token_id"))
-  ids += _token_ids((generation or {}).get("eos_token_id"))
+  ids = _token_ids(hf.get("eos_token_id")) + generation_ids
   ids = list(dict.fromkeys(i for i in ids if 0 <= i < vocab))
   if not ids:
     return None
@@ -191,6 +190,13 @@ def config_from_hf(hf: dict, path: str = "config.json",
   if not isinstance(hf, dict):
     raise ModelFormatError(f"{path}: expected a JSON object, got "
                            f"{type(hf).__name__}")
+  try:  # checked apart, so that its error names its own file
+    generation_ids = _token_ids((generation or {}).get("eos_token_id"))
+  except (ValueError, TypeError) as e:
+    raise ModelFormatError(
+        f"generation_config.json beside {path}: eos_token_id "
+        f"{generation.get('eos_token_id')!r} is not a token id or a list of "
+        f"them") from e
   family = architecture_from_hf(hf.get("model_type", "llama"), path)
   _check_unsupported_flags(hf, family, path)
   if hf.get("hidden_act", "silu") != "silu":
@@ -221,7 +227,7 @@ def config_from_hf(hf: dict, path: str = "config.json",
         max_position=_max_position(hf, family, max_position, path,
                                    defaulted),
         bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
-        eos_token_id=_eos_setting(hf, generation, vocab),
+        eos_token_id=_eos_setting(hf, generation_ids, vocab),
         attention_bias=family.attention_bias,
         qk_norm=family.qk_norm,
     )

@@ -38,8 +38,28 @@ def _special_token_content(value: Any) -> str | None:
   """tokenizer_config.json writes a special token as a string or as a dict
   with its "content"."""
   if isinstance(value, dict):
-    return value.get("content")
+    value = value.get("content")
   return value if isinstance(value, str) else None
+
+
+def _post_processor_adds_bos(backend: tokenizers.Tokenizer,
+                             bos: str | None) -> bool:
+  """Whether tokenizer.json's post-processor puts `bos` before a single
+  text (Llama 3's way, and transformers 5's files', of asking for BOS
+  where tokenizer_config.json has no add_bos_token); transformers and
+  llama.cpp's converter read it so."""
+  import json
+  if bos is None:
+    return False
+  processor = json.loads(backend.to_str()).get("post_processor") or {}
+  parts = (processor.get("processors") or [] if processor.get("type") ==
+           "Sequence" else [processor])
+  for part in parts:
+    if isinstance(part, dict) and part.get("type") == "TemplateProcessing":
+      single = part.get("single") or [{}]
+      first = single[0] if isinstance(single[0], dict) else {}
+      return (first.get("SpecialToken") or {}).get("id") == bos
+  return False
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -180,12 +200,22 @@ class LlamaTokenizer:
 
     def token_id(key):
       content = _special_token_content(config.get(key))
+      if content is None and config.get(key) is not None:
+        raise ModelFormatError(
+            f"{folder / 'tokenizer_config.json'}: {key} must be a string or "
+            f"an object with a string \"content\", got {config.get(key)!r}")
       return backend.token_to_id(content) if content is not None else None
 
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-      named = {entry.get("name"): entry.get("template") for entry in template}
-      template = named.get("default")
+      named = (None if not all(isinstance(e, dict) for e in template) else
+               {entry.get("name"): entry.get("template") for entry in template})
+      template = named.get("default") if named is not None else template
+    if template is not None and not isinstance(template, str):
+      raise ModelFormatError(
+          f"{folder / 'tokenizer_config.json'}: chat_template must be a "
+          f"string or a list of {{name, template}} objects, got "
+          f"{type(template).__name__}")
     if (folder / "chat_template.jinja").is_file():
       template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     elif not template:
@@ -205,8 +235,10 @@ class LlamaTokenizer:
                           pad_token_id=token_id("pad_token"),
                           extra_stop_token_ids=extra_stops,
                           chat_template=template or None,
-                          add_bos_token=bool(config.get("add_bos_token",
-                                                        False)))
+                          add_bos_token=bool(config.get(
+                              "add_bos_token", _post_processor_adds_bos(
+                                  backend, _special_token_content(
+                                      config.get("bos_token"))))))
 
   @classmethod
   def _from_file(cls, source: str, backend, **settings) -> "LlamaTokenizer":

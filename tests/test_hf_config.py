@@ -296,6 +296,12 @@ def test_every_eos_id_stops_generation(tmp_path):
   (tmp_path / "generation_config.json").write_text(json.dumps(
       {"eos_token_id": 9}))
   assert load_hf_config(str(tmp_path)).eos_token_id == (2, 3, 9)
+  # A bad id there is that file's fault (it was blamed on config.json).
+  (tmp_path / "generation_config.json").write_text(json.dumps(
+      {"eos_token_id": "x"}))
+  with pytest.raises(ModelFormatError, match="generation_config.json beside "
+                     ".*eos_token_id 'x'"):
+    load_hf_config(str(tmp_path))
 
 
 def test_eos_tuple_is_checked():

@@ -11,6 +11,7 @@ References:
   model's tokenizer and llama.cpp split the digit off first (a, ĠĠ, 2).
 """
 
+import json
 import pathlib
 import unicodedata
 
@@ -190,6 +191,35 @@ def test_from_tokenizer_json_without_chat_template(hf, tmp_path):
     LlamaTokenizer.from_tokenizer_json(tmp_path / "missing")
 
 
+def test_bos_asked_for_by_the_post_processor(hf, tmp_path):
+  """Llama 3's tokenizer.json, and any transformers 5 saves, ask for BOS
+  with a TemplateProcessing post-processor, not tokenizer_config.json's
+  add_bos_token; transformers reads it so.  Before: add_bos_token False,
+  and a model without a chat template got its prompts without BOS."""
+  import tokenizers
+  backend = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
+  bos = hf.convert_ids_to_tokens(1)
+  backend.post_processor = tokenizers.processors.Sequence([
+      tokenizers.processors.ByteLevel(trim_offsets=False),
+      tokenizers.processors.TemplateProcessing(
+          single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+          special_tokens=[(bos, 1)])])
+  backend.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": bos, "eos_token": hf.convert_ids_to_tokens(2)}))
+  loaded = LlamaTokenizer.from_tokenizer_json(tmp_path)
+  assert loaded.add_bos_token
+  assert loaded.chat_prompt("hi") == [1] + loaded.encode("hi")
+  # An explicit setting wins, as in transformers.
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": bos, "add_bos_token": False}))
+  assert not LlamaTokenizer.from_tokenizer_json(tmp_path).add_bos_token
+  # A post-processor that adds some other token first asks for no BOS.
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": hf.convert_ids_to_tokens(2)}))
+  assert not LlamaTokenizer.from_tokenizer_json(tmp_path).add_bos_token
+
+
 def test_bad_input(ours):
   with pytest.raises(TypeError, match="text"):
     ours.encode([1, 2])
@@ -227,5 +257,11 @@ def test_broken_tokenizer_files_are_model_format_errors(hf, tmp_path):
       '{"chat_template": "{% for m in messages %}"}')
   with pytest.raises(ModelFormatError, match="chat template"):
     LlamaTokenizer.from_tokenizer_json(tmp_path)
+  for config, field in (({"chat_template": ["{{ x }}"]}, "chat_template"),
+                        ({"chat_template": 3}, "chat_template"),
+                        ({"eos_token": {"content": 5}}, "eos_token")):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFormatError, match=field):  # was a raw error
+      LlamaTokenizer.from_tokenizer_json(tmp_path)
   # Unsupported tokenizers are bad model files too.
   assert issubclass(UnsupportedTokenizerError, ModelFormatError)
