@@ -195,10 +195,11 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
     raise ModelFormatError(f"{path}: {arch}.rope.scaling.type = "
                            f"{scaling_type!r} is not supported (plain and "
                            "Llama-3 RoPE are)")
-  # Without a type, llama.cpp applies a factor as linear scaling.
+  # llama.cpp applies a factor as linear scaling whatever the type says,
+  # "none" included.
   for key in ("rope.scaling.factor", "rope.scale_linear"):
     factor = get(key)
-    if scaling_type in (None, "") and factor not in (None, 0, 1, 0.0, 1.0):
+    if factor not in (None, 0, 1, 0.0, 1.0):
       raise ModelFormatError(
           f"{path}: {arch}.{key} = {factor} asks for linear RoPE scaling, "
           "which is not supported (plain and Llama-3 RoPE are)")

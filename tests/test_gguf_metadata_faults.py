@@ -44,15 +44,22 @@ def test_a_sentencepiece_gguf_loads_for_token_ids_with_a_warning(tmp_path):
   assert len(result.token_ids) >= 1 and result.text is None
 
 
+@pytest.mark.parametrize("scaling_type", [None, "", "none"])
 @pytest.mark.parametrize("key", ["llama.rope.scaling.factor",
                                  "llama.rope.scale_linear"])
-def test_a_linear_rope_factor_without_a_type_is_refused(tmp_path, key):
-  # llama.cpp applies such a factor as linear scaling: loading it as plain
-  # RoPE would put every position in the wrong place.
+def test_a_linear_rope_factor_is_refused_whatever_the_type(tmp_path, key,
+                                                           scaling_type):
+  # llama.cpp applies such a factor as linear scaling whatever the type
+  # ("none" too): loading it as plain RoPE would put every position in the
+  # wrong place.
+  strings = ({} if scaling_type is None else
+             {"llama.rope.scaling.type": scaling_type})
   with pytest.raises(ModelFormatError, match=rf"{key} = 4.0 asks for linear "
                      "RoPE scaling, which is not supported"):
-    load_gguf(_write(tmp_path, float_fields={key: 4.0}))
-  load_gguf(_write(tmp_path, float_fields={key: 1.0}))  # no scaling: fine
+    load_gguf(_write(tmp_path, float_fields={key: 4.0},
+                     string_fields=strings))
+  load_gguf(_write(tmp_path, float_fields={key: 1.0},  # no scaling: fine
+                   string_fields=strings))
 
 
 def test_a_mixture_of_experts_gguf_names_what_is_supported(tmp_path):

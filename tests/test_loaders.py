@@ -87,11 +87,12 @@ def _llama3_rope_freqs(config) -> np.ndarray:
 
 def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
                      rope_freqs=None, uint_fields=None, replace=None,
-                     float_fields=None, tokenizer_model="gpt2",
-                     merges=MERGES):
+                     float_fields=None, string_fields=None,
+                     tokenizer_model="gpt2", merges=MERGES):
   """Writes `params` as llama.cpp would (HF [out, in] rows, Q/K permuted).
 
-  `uint_fields` and `float_fields` override or add metadata (key -> value),
+  `uint_fields`, `float_fields` and `string_fields` override or add
+  metadata (key -> value),
   `tokenizer_model` and `merges` are the tokenizer's, and `replace` writes
   other float32 data (tensor name -> array) under a tensor's name: to make
   broken files.
@@ -120,6 +121,8 @@ def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
   writer.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
   for key, value in (float_fields or {}).items():
     writer.add_float32(key, value)
+  for key, value in (string_fields or {}).items():
+    writer.add_string(key, value)
   writer.add_string("tokenizer.ggml.model", tokenizer_model)
   writer.add_string("tokenizer.ggml.pre", "smollm")
   writer.add_array("tokenizer.ggml.tokens", TOKENS)
