@@ -152,8 +152,12 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
   spelling = _byte_to_unicode()
   alphabet = frozenset(spelling.values())
   vocab = {}
-  for token_id, token in enumerate(tokens):
-    spelled = _byte_level_spelling(token, alphabet, spelling)
+  for token_id, (token, token_type) in enumerate(zip(tokens, token_types)):
+    # A control token is matched whole in the text as it is written, so it
+    # keeps its literal spelling (llama.cpp's converter stores added tokens
+    # so: DeepSeek's "<｜User｜>"); no merge makes it.
+    spelled = (token if token_type == _TOKEN_TYPE_CONTROL else
+               _byte_level_spelling(token, alphabet, spelling))
     vocab.setdefault(spelled, token_id)
   pairs = []
   for merge in merges:
@@ -178,12 +182,10 @@ def bpe_from_gguf_metadata(meta: dict[str, Any]) -> tokenizers.Tokenizer:
 
   # Control tokens (<|im_start|>, ...) are matched whole in text and are
   # "special" (skipped by decode); user-defined ones are matched whole but
-  # decode as text. A byte-level vocabulary spells every real token in its
-  # alphabet; a control token spelled otherwise is not in the vocab as
-  # written and adding it would invent a new id, so it is left out.
+  # decode as text.
   control, user_defined = [], []
   for token_id, (token, token_type) in enumerate(zip(tokens, token_types)):
-    if token_type == _TOKEN_TYPE_CONTROL and set(token) <= alphabet:
+    if token_type == _TOKEN_TYPE_CONTROL:
       control.append((token_id, AddedToken(token, special=True,
                                            normalized=False)))
     elif token_type == _TOKEN_TYPE_USER_DEFINED and token in vocab:

@@ -243,6 +243,31 @@ def test_llama3_pre_tokenizer_groups_digits_by_three(gguf_reader):
       LlamaTokenizer.from_gguf_metadata(bad)
 
 
+def test_control_tokens_outside_the_byte_alphabet_keep_their_ids(
+    gguf_reader):
+  """llama.cpp's converter stores added tokens as written, so DeepSeek's
+  "<｜User｜>" is not in the byte alphabet.  Before: such control tokens were
+  left out, "<｜User｜>" encoded as byte pieces and the BOS rendered as
+  mojibake (llama.cpp: the control ids)."""
+  meta = {k: f.contents() for k, f in gguf_reader.fields.items()
+          if k.startswith("tokenizer.")}
+  tokens = list(meta["tokenizer.ggml.tokens"])
+  assert meta["tokenizer.ggml.token_type"][1:5] == [3, 3, 3, 3]
+  tokens[1:5] = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                 "<｜User｜>", "<｜Assistant｜>"]
+  template = ("{{ bos_token }}{% for m in messages %}{{ '<｜User｜>' + "
+              "m['content'] }}{% endfor %}{{ '<｜Assistant｜>' }}")
+  ours = LlamaTokenizer.from_gguf_metadata(
+      {**meta, "tokenizer.ggml.tokens": tokens,
+       "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+       "tokenizer.chat_template": template})
+  hi = ours.encode("hi")
+  assert ours.encode("<｜User｜>") == [3]
+  assert ours.chat_prompt("hi") == [1, 3] + hi + [4]
+  assert ours.decode([1, 3] + hi + [4], skip_special_tokens=True) == "hi"
+  assert ours.decode([3], skip_special_tokens=False) == "<｜User｜>"
+
+
 def test_broken_tokenizer_files_are_model_format_errors(hf, tmp_path):
   from models.errors import ModelFormatError
   good = hf.backend_tokenizer.to_str()
