@@ -38,24 +38,28 @@ def load_model(name_or_path: str, dtype, progress: bool,
   from models.tokenizer import LlamaTokenizer, UnsupportedTokenizerError
   dtype = check_compute_dtype(dtype)
   path = resolve_model_path(name_or_path)
+  # The tokenizer is built before any weight is read: a broken tokenizer
+  # file is refused before minutes of loading, not after.
   if path.is_dir():
     from models.safetensors_loader import load_safetensors
+    tokenizer = (LlamaTokenizer.from_tokenizer_json(path)
+                 if (path / "tokenizer.json").is_file() else None)
     config, model = load_safetensors(path, dtype=dtype, progress=progress,
                                      sharding=sharding)
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-      tokenizer = LlamaTokenizer.from_tokenizer_json(path)
     return LoadedModel(config, model, tokenizer, f"hf:{os.path.abspath(path)}")
   from models.gguf_loader import load_gguf
-  config, model, metadata = load_gguf(path, dtype=dtype, progress=progress,
-                                      sharding=sharding)
-  # From the metadata already read: parsing the file again costs seconds.
-  try:
-    tokenizer = LlamaTokenizer.from_gguf_metadata(metadata.key_values())
-  except UnsupportedTokenizerError as e:  # SentencePiece (Llama 2, Mistral)
-    warnings.warn(f"{path.name}: {e}", stacklevel=2)
-    tokenizer = None
-  return LoadedModel(config, model, tokenizer,
+  built = []
+
+  def build_tokenizer(metadata):  # from the metadata load_gguf has read
+    try:
+      built.append(LlamaTokenizer.from_gguf_metadata(metadata.key_values()))
+    except UnsupportedTokenizerError as e:  # SentencePiece (Llama 2, Mistral)
+      warnings.warn(f"{path.name}: {e}", stacklevel=4)
+      built.append(None)
+  config, model, _ = load_gguf(path, dtype=dtype, progress=progress,
+                               sharding=sharding,
+                               before_weights=build_tokenizer)
+  return LoadedModel(config, model, built[0],
                      f"gguf:{path.name}:{path.stat().st_size}")
 
 

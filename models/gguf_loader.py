@@ -270,7 +270,8 @@ def _params_from_gguf(config: LlamaConfig, family: Architecture,
 
 def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
               max_position: int | None = None, progress: bool = False,
-              sharding=None) -> tuple[LlamaConfig, Llama, GgufMetadata]:
+              sharding=None, before_weights=None
+              ) -> tuple[LlamaConfig, Llama, GgufMetadata]:
   """Loads a llama.cpp GGUF file of a supported architecture.
 
   Everything is checked before any tensor is read (the architecture, every
@@ -287,6 +288,9 @@ def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
     sharding: as for `models.safetensors_loader.load_safetensors`: the
       file's config -> a `models.sharding.TensorParallel` or None; each
       device then receives only its shard of every tensor.
+    before_weights: called with the metadata once every check has passed,
+      before any tensor is read (a caller's own checks, such as building
+      the tokenizer); what it raises propagates.
 
   Returns:
     (config, model, metadata): the LlamaConfig read from the metadata, a
@@ -314,6 +318,8 @@ def load_gguf(path, *, dtype=jnp.float32, param_dtype=None,
   except (ValueError, TypeError) as e:  # LlamaConfig's checks, odd values
     raise ModelFormatError(f"{path}: unsupported model configuration: {e}"
                            ) from e
+  if before_weights is not None:
+    before_weights(metadata)
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
   placement = sharding(config) if sharding is not None else None
   params = _params_from_gguf(config, family, tensors, path, param_dtype,

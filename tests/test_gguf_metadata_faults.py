@@ -107,3 +107,29 @@ def test_a_stop_id_outside_the_vocabulary_in_a_model_directory(tmp_path):
   with pytest.raises(ModelFormatError, match=re.escape(
       f"{tmp_path}: eos_token_id=99999 is outside the vocabulary")):
     LlamaTokenizer.from_tokenizer_json(tmp_path)
+
+
+def test_a_broken_tokenizer_is_refused_before_any_weight_is_read(
+    tmp_path, monkeypatch):
+  """README: every check runs before any weight is read.  Before: the
+  tokenizer was built after the weights had loaded (minutes for a large
+  model), for a GGUF file and a model directory alike."""
+  import models.gguf_loader
+  import models.safetensors_loader
+  from tests.hf_fixtures import write_hf_checkpoint
+  from tests.test_loaders import _source
+
+  def no_weights(*args, **kwargs):
+    raise AssertionError("weights were read before the tokenizer's check")
+  monkeypatch.setattr(models.gguf_loader, "_params_from_gguf", no_weights)
+  monkeypatch.setattr(models.safetensors_loader, "_params_from_checkpoint",
+                      no_weights)
+  path = _write(tmp_path, merges=["t o", "to"])
+  with pytest.raises(ModelFormatError, match="malformed merge"):
+    load_model(str(path), "float32", False)
+  config, params = _source(True)
+  directory = tmp_path / "ckpt"
+  write_hf_checkpoint(directory, config, params)
+  (directory / "tokenizer.json").write_text("{not json")
+  with pytest.raises(ModelFormatError, match="tokenizer.json"):
+    load_model(str(directory), "float32", False)
