@@ -409,3 +409,43 @@ def test_the_configs_refuse_a_max_len_below_one():
     SinkConfig(max_len=0)
   with pytest.raises(TrainingInputError, match="max_len must be >= 1"):
     FinetuneConfig(max_len=0)
+
+
+def _out_of_memory(*args, **kwargs):
+  import jax
+  raise jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory allocating 45296140920 bytes.")
+
+
+def test_a_step_out_of_device_memory_names_the_settings_to_change(
+    tmp_path, model_dir, capsys, monkeypatch):
+  """Before: a JaxRuntimeError traceback from inside the training step."""
+  import lazyattn_jax.training.finetune
+  from lazyattn_jax.training import sink_cli
+  monkeypatch.setattr(lazyattn_jax.training.finetune, "finetune",
+                      _out_of_memory)
+  line = _finetune_error(capsys, "--model", model_dir, "--out",
+                         str(tmp_path / "ft"), "--steps", "1",
+                         "--batch-size", "2", "--docs-per-question", "2")
+  assert ("the training step does not fit in device memory; try --remat, a "
+          "--batch-size under 2, a --max-len under 2048 (RESOURCE_EXHAUSTED"
+          in line), line
+  monkeypatch.setattr(sink_cli, "train_sink", _out_of_memory)
+  line = _sink_error(capsys, "--model", model_dir, "--out",
+                     str(tmp_path / "sink"), "--steps", "1", "--remat",
+                     "--batch-size", "4", "--docs-per-question", "2")
+  assert "device memory; try a --batch-size under 4, a --max-len" in line
+
+
+def test_other_runtime_errors_are_not_called_memory(tmp_path, model_dir,
+                                                    monkeypatch):
+  import jax
+  from lazyattn_jax.training import sink_cli
+
+  def fails(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+  monkeypatch.setattr(sink_cli, "train_sink", fails)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    sink_main(["--no-progress", "--model", model_dir, "--out",
+               str(tmp_path / "sink"), "--steps", "1",
+               "--docs-per-question", "2"])

@@ -142,6 +142,7 @@ def run(args) -> int:
   from lazyattn_jax.training.finetune import (OUTPUT_DIRS, OUTPUT_FILES,
                                               finetune)
   from lazyattn_jax.cli import EXIT_INTERRUPTED
+  from lazyattn_jax.training.cli_errors import out_of_memory_hint
   from lazyattn_jax.training.interrupt import stop_on_interrupt
   from lazyattn_jax.training.model_io import load_trainable
   from lazyattn_jax.training.report import output_errors, prepare_output_dir
@@ -167,7 +168,8 @@ def run(args) -> int:
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
   layout, sink = _layout(args, model.tokenizer, model.config.hidden_size)
   started = time.time()
-  with output_errors(args.out), stop_on_interrupt("finetune") as interrupted:
+  with output_errors(args.out), out_of_memory_hint(args), \
+      stop_on_interrupt("finetune") as interrupted:
     result = finetune(model, source, config_from_args(args, layout), args.out,
                       sink=sink, devices=args.devices,
                       stop_at=args.stop_at_step, data_id=dict(

@@ -13,6 +13,7 @@ import numpy as np
 
 from lazyattn_jax.loading import DEFAULT_PAGE_SIZE
 from lazyattn_jax.training import parallel, report
+from lazyattn_jax.training.cli_errors import out_of_memory_hint
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.interrupt import stop_on_interrupt
 from lazyattn_jax.training.optim import OptimizerConfig
@@ -81,7 +82,7 @@ def run(args) -> dict:
                        docs_per_question=args.docs_per_question)
   model = load_trainable(args.model, args.dtype, progress=not args.no_progress)
   started = time.time()
-  with stop_on_interrupt("sink") as interrupted:
+  with out_of_memory_hint(args), stop_on_interrupt("sink") as interrupted:
     result = train_sink(model, source, config, max_minutes=args.max_minutes,
                         should_stop=interrupted,
                         progress=not args.no_progress)
