@@ -168,12 +168,16 @@ def _sample_sorted(logits, temperature, top_k, top_p, seed, step):
   # token is always kept).
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   keep = keep & (mass_before < top_p[:, None])
-  masked = jnp.where(keep, sorted_logits, -jnp.inf)
+  # The draw is made in vocabulary order, so each token meets the same
+  # noise whatever its rank: near-equal logits that a rounding difference
+  # reorders (another batch, another cache history) do not move the draw,
+  # as they did when the noise followed the sorted order.
+  rows = jnp.arange(logits.shape[0])[:, None]
+  keep = jnp.zeros_like(keep).at[rows, order].set(keep)
+  masked = jnp.where(keep, scaled, -jnp.inf)
 
   def draw(seed_b, step_b, row):
     key = jax.random.fold_in(jax.random.PRNGKey(seed_b), step_b)
     return jax.random.categorical(key, row)
 
-  choice = jax.vmap(draw)(seed, step, masked)
-  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(
-      jnp.int32)
+  return jax.vmap(draw)(seed, step, masked).astype(jnp.int32)
