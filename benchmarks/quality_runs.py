@@ -215,7 +215,8 @@ def make_engine(loaded, run: Run, *, num_pages: int, page_size: int,
   from lazyattn_jax.loading import default_cache_config
   cache, settings, extra = route_options(run.options)
   cache_config = dataclasses.replace(
-      default_cache_config(loaded.config, dtype, num_pages, page_size), **cache)
+      default_cache_config(loaded.config, dtype, num_pages, page_size,
+                           run.mode), **cache)
   scheduler, runner = split_settings(
       None, None, {"max_batch": max_batch, "impl": impl, **settings})
   return LazyEngine(loaded.config, loaded.model, cache_config, mode=run.mode,

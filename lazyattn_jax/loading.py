@@ -108,23 +108,29 @@ def check_pool_size(num_pages, page_size) -> None:
         f"{MAX_POOL_TOKENS}, got {num_pages} * {page_size}")
 
 
-def default_cache_config(config, dtype, num_pages: int,
-                         page_size: int) -> CacheConfig:
+def default_cache_config(config, dtype, num_pages: int, page_size: int,
+                         mode: str = "lazy") -> CacheConfig:
   """A pool of `num_pages` pages for `config` in `dtype` (the compute dtype,
   or "float8_e4m3fn": `CacheConfig.pool_bytes` counts its scales): a
   quarter as many document slots, and documents up to half the pool (or the
-  model's context).  InvalidOptionError for pages longer than the model's
-  context, which no request could fill."""
+  model's context).  In prefix mode, whose cache entries are single prompt
+  pages, a slot for every page.  InvalidOptionError for pages longer than
+  the model's context, which no request could fill."""
   if page_size > config.max_position:
     raise InvalidOptionError(
         f"page_size {page_size} is longer than the model's context "
         f"({config.max_position} positions)")
-  max_doc_pages = max(1, min(num_pages // 2, config.max_position // page_size))
+  if mode == "prefix":
+    max_docs, max_doc_pages = max(16, num_pages), 1
+  else:
+    max_docs = max(16, num_pages // 4)
+    max_doc_pages = max(1, min(num_pages // 2,
+                               config.max_position // page_size))
   return CacheConfig(
       num_pages=num_pages, page_size=page_size,
       num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
       head_dim=config.head_dim, dtype=jnp.dtype(dtype).name,
-      max_docs=max(16, num_pages // 4), max_pages_per_doc=max_doc_pages)
+      max_docs=max_docs, max_pages_per_doc=max_doc_pages)
 
 
 def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
@@ -178,7 +184,7 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
   if cache_config is None:
     cache_config = default_cache_config(
         loaded.config, dtype if kv_dtype is None else kv_dtype, num_pages,
-        page_size)
+        page_size, mode)
   if use_default:
     quality = with_fields(default_quality(
         MODES[mode].takes_quality_options, loaded.model_id,

@@ -500,6 +500,32 @@ def test_pages_longer_than_the_context_are_refused():
                               config.max_position).max_pages_per_doc == 1
 
 
+def test_the_default_prefix_pool_caches_a_page_per_slot(model_and_config):
+  """Prefix mode's cache entries are single prompt pages.  Before: the
+  default pool had a quarter as many slots as pages, so a prompt of more
+  pages than that was refused (CacheCapacityError), however large the
+  pool, and only a quarter of the pool could hold cached pages."""
+  from lazyattn_jax.config import split_settings
+  from lazyattn_jax.engine import LazyEngine
+  from lazyattn_jax.loading import default_cache_config
+  model, config, impl = model_and_config
+  cache = default_cache_config(config, "float32", 64, 4, "prefix")
+  assert (cache.max_docs, cache.max_pages_per_doc) == (64, 1)
+  scheduler, runner = split_settings(None, None,
+                                     dict(impl=impl, max_batch=2))
+  engine = LazyEngine(config, model, cache, mode="prefix",
+                      scheduler=scheduler, runner=runner)
+  rng = np.random.default_rng(0)
+  documents = [random_tokens(rng, 40, config.vocab_size) for _ in range(2)]
+  query = random_tokens(rng, 3, config.vocab_size)
+  first = engine.generate(query, documents, greedy(3))  # 20 full pages
+  again = engine.generate(query, documents, greedy(3))
+  assert again.token_ids == first.token_ids
+  assert again.doc_hits == [True, True]
+  lazy = default_cache_config(config, "float32", 64, 4)
+  assert (lazy.max_docs, lazy.max_pages_per_doc) == (16, 32)
+
+
 def test_sampling_must_be_sampling_params(model_and_config):
   engine = make_engine(model_and_config, num_pages=40)
   with pytest.raises(InvalidRequestError, match="SamplingParams"):
