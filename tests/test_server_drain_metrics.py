@@ -55,6 +55,41 @@ def test_a_drain_waits_for_a_request_in_its_first_round(text_model,
   assert outcome["response"].json()["usage"]["completion_tokens"] == 6
 
 
+def test_documents_are_refused_while_draining(text_model):
+  """draining.py: requests that arrive during the drain get 503.  Before,
+  POST /v1/documents was still served (200): it encoded on the stopping
+  loop and registered ids the server then forgot."""
+  from lazyattn_jax.server import ServerConfig, create_app
+  from lazyattn_jax.server.background import BackgroundServer
+  from lazyattn_jax.server.engine_loop import LoopClosedError
+  engine = make_engine(text_model)
+  started = _slow_first_round(engine, 3.0)
+  app = create_app(engine, ServerConfig(model_name=MODEL_NAME,
+                                        drain_timeout_s=30.0))
+  server = BackgroundServer(app).start()
+  url = server.url
+  thread, outcome = _post_in_background(url, "completions",
+                                        completion_body(max_tokens=4))
+  assert started.wait(60)
+  stopping = threading.Thread(target=server.stop)
+  stopping.start()
+  loop = app.state.engine_loop
+  wait_until(lambda: not loop.alive, 30, "the drain to begin")
+  response = httpx.post(url + "/v1/documents", timeout=30,
+                        json={"documents": ["Sent while draining."]})
+  assert response.status_code == 503, response.text
+  assert response.json()["error"]["code"] == "shutting_down"
+  # The loop refuses a client's new work even past that check (a call
+  # already on its way when the drain began); its own calls still run.
+  refused = loop.call(lambda e: e.encode_documents([(5, 6)]), new_work=True)
+  with pytest.raises(LoopClosedError, match="shutting down"):
+    refused.result(timeout=30)
+  assert loop.call(lambda e: "ran").result(timeout=30) == "ran"
+  stopping.join()
+  thread.join()
+  assert outcome["response"].status_code == 200
+
+
 def _counts(url):
   text = httpx.get(url + "/metrics", timeout=30).text
   return {name: metric(text, name) for name in (

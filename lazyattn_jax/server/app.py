@@ -117,6 +117,8 @@ def create_app(engine, config: ServerConfig | None = None, *,
   @app.post("/v1/documents")
   async def encode_documents(request: Request):
     body = parse_body(DocumentsRequest, await request.body())
+    if not loop.alive:  # as completions are, while draining
+      raise unavailable("the server is shutting down")
     service.check_model(body.model)
     documents = registry.resolve(parse_documents(body.documents))
     try:
@@ -135,7 +137,7 @@ def create_app(engine, config: ServerConfig | None = None, *,
     if engine.mode in ("lazy", "block"):  # modes that cache whole documents
       try:
         hits = await asyncio.wrap_future(
-            loop.call(lambda e: e.encode_documents(tokens)))
+            loop.call(lambda e: e.encode_documents(tokens), new_work=True))
       except LoopClosedError as error:
         raise unavailable(str(error)) from None
       except CacheCapacityError as error:

@@ -172,12 +172,17 @@ class EngineLoop:
       self._cancels.append(handle)
       self._cond.notify_all()
 
-  def call(self, fn) -> concurrent.futures.Future:
-    """Runs `fn(engine)` on the loop's thread between rounds."""
+  def call(self, fn, *, new_work: bool = False) -> concurrent.futures.Future:
+    """Runs `fn(engine)` on the loop's thread between rounds.  `new_work`
+    (a client's call, such as encoding documents) is refused, as requests
+    are, once the server stops taking them; the loop's own calls run until
+    it stops."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     with self._cond:
-      if self._stop:
-        future.set_exception(LoopClosedError("the engine loop has stopped"))
+      if self._stop or (new_work and not self._accepting):
+        future.set_exception(LoopClosedError(
+            "the engine loop has stopped" if self._stop else
+            "the server is shutting down"))
         return future
       self._calls.append((fn, future))
       self._cond.notify_all()
