@@ -34,9 +34,11 @@ __all__ = ["config_from_hf", "load_hf_config"]
 # out (a field set to null falls back as in transformers: KV heads to the
 # query heads, head_dim to hidden_size / heads).
 _FAMILY_DEFAULTS = {
-    "llama": {"max_position_embeddings": 2048},
+    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1,
+              "eos_token_id": 2},
     "mistral": {"num_key_value_heads": 8, "sliding_window": 4096,
-                "max_position_embeddings": 4096 * 32},
+                "max_position_embeddings": 4096 * 32, "bos_token_id": 1,
+                "eos_token_id": 2},
     "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096,
               "max_window_layers": 28, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128,
@@ -100,11 +102,11 @@ def _token_ids(value) -> list[int]:
   return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _eos_setting(hf: dict, generation_ids: list[int],
+def _eos_setting(config_ids: list[int], generation_ids: list[int],
                  vocab: int) -> int | tuple[int, ...] | None:
   """The EOS ids of config.json and generation_config.json inside the
   vocabulary, first seen first: an int for one, a tuple for several."""
-  ids = _token_ids(hf.get("eos_token_id")) + generation_ids
+  ids = config_ids + generation_ids
   ids = list(dict.fromkeys(i for i in ids if 0 <= i < vocab))
   if not ids:
     return None
@@ -209,7 +211,7 @@ def config_from_hf(hf: dict, path: str = "config.json",
     num_kv_heads = _field(hf, family, "num_key_value_heads", defaulted)
     head_dim = _field(hf, family, "head_dim", defaulted)
     theta, scaling = _rope_settings(hf, family, path)
-    bos = _token_ids(hf.get("bos_token_id"))
+    bos = _token_ids(_field(hf, family, "bos_token_id", defaulted))
     bos = bos[0] if bos else None
     vocab = int(hf["vocab_size"])
     return LlamaConfig(
@@ -227,7 +229,9 @@ def config_from_hf(hf: dict, path: str = "config.json",
         max_position=_max_position(hf, family, max_position, path,
                                    defaulted),
         bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
-        eos_token_id=_eos_setting(hf, generation_ids, vocab),
+        eos_token_id=_eos_setting(
+            _token_ids(_field(hf, family, "eos_token_id", defaulted)),
+            generation_ids, vocab),
         attention_bias=family.attention_bias,
         qk_norm=family.qk_norm,
     )

@@ -281,6 +281,20 @@ def test_mistral_without_kv_heads_gives_transformers_logits(tmp_path):
   np.testing.assert_allclose(_logits(ours, tokens), want, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type, ids", [
+    ("llama", (1, 2)), ("mistral", (1, 2)), ("qwen2", (None, None)),
+    ("qwen3", (None, None))])
+def test_special_ids_left_out_take_transformers_defaults(model_type, ids):
+  """transformers' Llama and Mistral configs default BOS to 1 and EOS to 2
+  (Qwen's to none); before, a config.json without them stopped on no EOS
+  id here while transformers stopped on 2.  null stays none."""
+  hf = dict(_BASE, model_type=model_type, head_dim=16)
+  config = config_from_hf(hf)
+  assert (config.bos_token_id, config.eos_token_id) == ids
+  nulls = config_from_hf(dict(hf, bos_token_id=None, eos_token_id=None))
+  assert (nulls.bos_token_id, nulls.eos_token_id) == (None, None)
+
+
 def test_every_eos_id_stops_generation(tmp_path):
   hf = dict(_BASE, eos_token_id=[2, 3])
   assert config_from_hf(hf).eos_token_id == (2, 3)
