@@ -88,8 +88,9 @@ class LlamaConfig:
           f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
     if self.max_position > MAX_ROPE_POSITION // 2:
       raise ValueError(
-          f"LlamaConfig.max_position must be below {MAX_ROPE_POSITION // 2} "
-          f"(the kernels' exact RoPE range), got {self.max_position}")
+          f"LlamaConfig.max_position must be at most "
+          f"{MAX_ROPE_POSITION // 2} (positions below it are in the kernels' "
+          f"exact RoPE range), got {self.max_position}")
     if self.rope_scaling is not None and not isinstance(
         self.rope_scaling, Llama3RopeScaling):
       raise ValueError(
