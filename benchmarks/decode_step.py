@@ -80,8 +80,10 @@ def add_workload_arguments(p):
 def check_workload(p, args):
   """Refuses (p.error: one usage line, exit 2) workload options the run's
   settings could not take, before any work: --impl and --kv-dtype as
-  rag_serving checks them, and the page size."""
-  error = rag_serving_checks.kernel_error(args.impl, args.kv_dtype)
+  rag_serving checks them, the page size, and that --out can be written."""
+  error = (rag_serving_checks.kernel_error(args.impl, args.kv_dtype,
+                                          model=args.model) or
+           rag_serving_checks.out_path_error(args.out))
   if error:
     p.error(error)
   if args.page_size < 1:

@@ -7,6 +7,8 @@ mode's largest request (`pool_error`, once the model's shape is known)."""
 
 from __future__ import annotations
 
+import math
+
 from pallas_kernels.sizes import ceil_div
 
 # Options that must be >= 1, and options that must be >= 0.
@@ -32,28 +34,60 @@ def _number_list(text: str, flag: str, minimum: float, strict: bool):
       value = float(item)
     except ValueError:
       return None, f"{flag} takes comma-separated numbers, got {item!r}"
-    if value < minimum or (strict and value == minimum) or value != value:
+    if not math.isfinite(value) or value < minimum or (strict and
+                                                       value == minimum):
       bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-      return None, f"{flag} values must be {bound}, got {item!r}"
+      return None, f"{flag} values must be finite and {bound}, got {item!r}"
     values.append(value)
   return values, None
+
+
+def number_error(args, positive, non_negative) -> str | None:
+  """The first option of `positive` under 1 or of `non_negative` under 0
+  or not finite, and a --cache-fraction (where no --cache-pages is given)
+  that is not finite and > 0, as one line; or None.  Also the request
+  shape: --docs-per-request at most --num-docs."""
+  for name in positive:
+    if getattr(args, name) < 1:
+      return f"{_flag(name)} must be >= 1, got {getattr(args, name)}"
+  for name in non_negative:  # NaN fails `>= 0`; a rate of NaN hung
+    if not (getattr(args, name) >= 0 and math.isfinite(getattr(args, name))):
+      return (f"{_flag(name)} must be finite and >= 0, got "
+              f"{getattr(args, name)}")
+  if not getattr(args, "cache_pages", 0) and not (
+      args.cache_fraction > 0 and math.isfinite(args.cache_fraction)):
+    return (f"--cache-fraction must be finite and > 0, got "
+            f"{args.cache_fraction}")
+  if args.docs_per_request > args.num_docs:
+    return (f"--docs-per-request {args.docs_per_request} is more than "
+            f"--num-docs {args.num_docs} (a request's documents differ)")
+  return None
+
+
+def out_path_error(path: str) -> str | None:
+  """Makes the directory of the report path `path` (if any); one line if
+  it cannot be made or written, else None.  Checked before any work: a
+  bad path must not lose a finished run."""
+  import os
+  if not path:
+    return None
+  directory = os.path.dirname(os.path.abspath(path))
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    return f"cannot create the output directory {directory}: {e.strerror}"
+  if not os.access(directory, os.W_OK):
+    return f"cannot write to the output directory {directory}"
+  return None
 
 
 def check_values(args) -> str | None:
   """The first problem with the option values of `args` as one line, or
   None."""
-  for name in POSITIVE:
-    if getattr(args, name) < 1:
-      return f"{_flag(name)} must be >= 1, got {getattr(args, name)}"
-  for name in NON_NEGATIVE:
-    if getattr(args, name) < 0:
-      return f"{_flag(name)} must be >= 0, got {getattr(args, name)}"
-  if not args.cache_pages and not args.cache_fraction > 0:
-    return f"--cache-fraction must be > 0, got {args.cache_fraction}"
-  if args.docs_per_request > args.num_docs:
-    return (f"--docs-per-request {args.docs_per_request} is more than "
-            f"--num-docs {args.num_docs} (a request's documents differ)")
-  error = kernel_error(args.impl, args.kv_dtype, args.kv_dtypes)
+  error = number_error(args, POSITIVE, NON_NEGATIVE)
+  if error:
+    return error
+  error = kernel_error(args.impl, args.kv_dtype, args.kv_dtypes, args.model)
   if error:
     return error
   for flag, text, minimum, strict in (
@@ -67,20 +101,27 @@ def check_values(args) -> str | None:
   return merge_error(args.merge)
 
 
-def kernel_error(impl: str, kv_dtype: str, kv_dtypes=()) -> str | None:
+def kernel_error(impl: str, kv_dtype: str, kv_dtypes=(),
+                 model: str | None = None) -> str | None:
   """The first problem with --impl, --kv-dtype (empty: the model's compute
   dtype) and --kv-dtypes entries as one line, or None; also checked by
   the benchmarks that take these options without the rest (decode_step,
-  mixed_step)."""
+  mixed_step).  With `model` (a --model of `MODEL_DTYPES`), a pool must be
+  in its compute dtype or float8, as the engine requires."""
+  from benchmarks.rag_serving_setup import MODEL_DTYPES
   from lazyattn_jax.cache_config import COMPUTE_DTYPES, FLOAT8_POOL
   from pallas_kernels.lazy_attention import IMPLS
   if impl not in IMPLS:
     return f"--impl must be one of {IMPLS}, got {impl!r}"
   pools = COMPUTE_DTYPES + (FLOAT8_POOL,)
+  compute = MODEL_DTYPES.get(model)
   for flag, dtype in ([("--kv-dtype", kv_dtype)] if kv_dtype else
                       []) + [("--kv-dtypes", d) for d in kv_dtypes]:
     if dtype not in pools:
       return f"{flag} must be among {pools}, got {dtype!r}"
+    if compute is not None and dtype not in (compute, FLOAT8_POOL):
+      return (f"{flag} {dtype} does not match --model {model}'s compute "
+              f"dtype: give {compute} or {FLOAT8_POOL}")
   return None
 
 

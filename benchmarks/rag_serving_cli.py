@@ -156,14 +156,9 @@ def _checked(p, args):
   if error:
     p.error(error)
   for path in (args.out, args.plot_dir and os.path.join(args.plot_dir, "x")):
-    if path:  # before any work: a bad path must not lose a finished run
-      directory = os.path.dirname(os.path.abspath(path))
-      try:
-        os.makedirs(directory, exist_ok=True)
-      except OSError as e:
-        p.error(f"cannot create the output directory {directory}: {e.strerror}")
-      if not os.access(directory, os.W_OK):
-        p.error(f"cannot write to the output directory {directory}")
+    error = rag_serving_checks.out_path_error(path)
+    if error:
+      p.error(error)
   return args
 
 

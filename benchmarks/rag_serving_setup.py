@@ -45,8 +45,13 @@ def make_trace(args, vocab_size: int, num_requests: int, seed: int) -> Trace:
   return Trace(corpus, requests, arrivals)
 
 
+# The compute dtype of each --model: a KV pool is in it or in float8.
+MODEL_DTYPES = {"tiny": "float32", "llama3-8b-shape": "bfloat16",
+                "smollm2": "float32"}
+
+
 def build_model(args):
-  """Returns (config, model, dtype name)."""
+  """Returns (config, model, dtype name: MODEL_DTYPES[args.model])."""
   import jax.numpy as jnp
   from flax import nnx
   from models.config import LlamaConfig

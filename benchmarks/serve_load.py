@@ -33,11 +33,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import sys
 import time
 
 import numpy as np
 
+from benchmarks import rag_serving_checks
 from benchmarks.serve_load_client import EXPECTED_STATUS, KINDS, run_in_child
 
 UNKNOWN_ID = "doc-" + "0" * 24
@@ -97,9 +99,25 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if not 0.0 <= args.bad_fraction < 1.0:  # 1.0 leaves no good request
     p.error(f"--bad-fraction must be in [0, 1), got {args.bad_fraction}")
-  if not args.rate > 0:
-    p.error(f"--rate must be > 0 (Poisson arrivals per second), got "
-            f"{args.rate}")
+  if not (args.rate > 0 and math.isfinite(args.rate)):
+    p.error(f"--rate must be finite and > 0 (Poisson arrivals per second), "
+            f"got {args.rate}")
+  error = rag_serving_checks.number_error(
+      args, ("num_requests", "num_docs", "docs_per_request", "doc_len",
+             "query_len", "output_len", "page_size", "max_batch",
+             "decode_steps", "max_prefill_tokens", "max_queue",
+             "max_connections"),
+      ("zipf", "group_tokens", "check", "warmup_requests"))
+  if error:
+    p.error(error)
+  from lazyattn_jax.modes import MODES
+  if args.mode not in MODES or (args.check_mode and
+                                args.check_mode not in MODES):
+    p.error(f"--mode and --check-mode must be among {tuple(MODES)}, got "
+            f"{args.mode!r}, {args.check_mode!r}")
+  error = rag_serving_checks.out_path_error(args.out)
+  if error:
+    p.error(error)
   # Settings benchmarks.rag_serving's engine builder reads.
   args.prefill_tokens_per_step = 0
   args.pool_as_bits = False

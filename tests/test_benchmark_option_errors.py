@@ -30,6 +30,13 @@ def test_mixed_step_refuses_partial_documents(capsys):
                           "'tpu'), got 'bogus'"),
     (["--kv-dtype", "float8"], "--kv-dtype must be among"),
     (["--page-size", "0"], "--page-size must be >= 1, got 0"),
+    # The engine takes a pool in the model's compute dtype or float8 only:
+    # these were accepted, then the run crashed after its first mode.
+    (["--model", "tiny", "--kv-dtype", "bfloat16"], "--kv-dtype bfloat16 "
+     "does not match --model tiny's compute dtype: give float32 or "
+     "float8_e4m3fn"),
+    # The report was opened after the run: a bad path lost every row.
+    (["--out", "/proc/no/r.json"], "cannot create the output directory"),
 ])
 def test_kernel_and_pool_options_are_checked_when_parsed(capsys, parse, argv,
                                                          message):
@@ -59,8 +66,20 @@ def test_decode_step_refuses_no_copy(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--bad-fraction", "1.0"], "--bad-fraction must be in [0, 1), got 1.0"),
     (["--bad-fraction", "-0.1"], "--bad-fraction must be in [0, 1)"),
-    (["--rate", "0"], "--rate must be > 0"),
-    (["--rate", "-3"], "--rate must be > 0"),
+    (["--rate", "0"], "--rate must be finite and > 0"),
+    (["--rate", "-3"], "--rate must be finite and > 0"),
+    # Each of these was accepted and ended in a traceback or a hang.
+    (["--rate", "inf"], "--rate must be finite and > 0"),
+    (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+    (["--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+    (["--check", "-1"], "--check must be finite and >= 0, got -1"),
+    (["--output-len", "0"], "--output-len must be >= 1"),
+    (["--zipf", "nan"], "--zipf must be finite and >= 0, got nan"),
+    (["--cache-fraction", "nan"], "--cache-fraction must be finite and > 0"),
+    (["--num-docs", "2", "--docs-per-request", "3"],
+     "--docs-per-request 3 is more than --num-docs 2"),
+    (["--mode", "bogus"], "--mode and --check-mode must be among"),
+    (["--out", "/proc/no/r.json"], "cannot create the output directory"),
 ])
 def test_serve_load_refuses_values_it_cannot_run(capsys, argv, message):
   assert_refused(capsys, serve_load.parse_args, argv, message)

@@ -27,19 +27,32 @@ from tests.usage_errors import assert_refused
     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1"),
     (["--sink-len", "0"], "--sink-len must be >= 1"),
     (["--page-size", "-8"], "--page-size must be >= 1"),
-    (["--cache-pages", "-5"], "--cache-pages must be >= 0, got -5"),
-    (["--rate", "-1"], "--rate must be >= 0"),
-    (["--group-tokens", "-1"], "--group-tokens must be >= 0"),
+    (["--cache-pages", "-5"], "--cache-pages must be finite and >= 0, got -5"),
+    (["--rate", "-1"], "--rate must be finite and >= 0"),
+    (["--group-tokens", "-1"], "--group-tokens must be finite and >= 0"),
+    # NaN passed `< 0` (a rate of NaN spun for ever); inf was written to
+    # the report as Infinity, which JSON has not.
+    (["--rate", "nan"], "--rate must be finite and >= 0, got nan"),
+    (["--rate", "inf"], "--rate must be finite and >= 0, got inf"),
+    (["--zipf", "nan"], "--zipf must be finite and >= 0, got nan"),
+    (["--cache-fraction", "inf"], "--cache-fraction must be finite and > 0"),
+    (["--cache-fraction", "nan"], "--cache-fraction must be finite and > 0"),
+    (["--sweep-rates", "1,inf"], "--sweep-rates values must be finite and "
+                                 ">= 0, got 'inf'"),
+    (["--sweep-cache-fractions", "inf"], "--sweep-cache-fractions values "
+                                         "must be finite and > 0"),
     (["--impl", "bogus"], "--impl must be one of"),
     (["--kv-dtype", "float8"], "--kv-dtype must be among"),
+    (["--kv-dtypes", "bfloat16"], "--kv-dtypes bfloat16 does not match "
+                                  "--model tiny's compute dtype"),
     (["--kv-dtypes", "float8_e4m3fn,float8"], "got 'float8'"),
     (["--num-docs", "4", "--docs-per-request", "8"],
      "--docs-per-request 8 is more than --num-docs 4"),
     (["--sweep-rates", "1,abc"], "--sweep-rates takes comma-separated "
                                  "numbers, got 'abc'"),
-    (["--sweep-rates", "-2"], "--sweep-rates values must be >= 0"),
+    (["--sweep-rates", "-2"], "--sweep-rates values must be finite and >= 0"),
     (["--sweep-cache-fractions", "0"], "--sweep-cache-fractions values "
-                                       "must be > 0"),
+                                       "must be finite and > 0"),
     (["--modes", ""], "--modes names no mode"),
     (["--modes", ","], "--modes names no mode"),
 ])
