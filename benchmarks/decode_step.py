@@ -255,6 +255,19 @@ def run_variant(args, config, model, dtype, variant, requests, weight_bytes,
     engine.close()
 
 
+def kv_bytes_per_token(config, page_size: int, kv_dtype: str) -> float:
+  """K and V bytes a decode step reads per context token: every layer's
+  and KV head's, with a float8 pool's per-page scales spread over the
+  page's tokens (the pool's own byte count, `CacheConfig.bytes_per_page`)."""
+  from lazyattn_jax.cache_config import CacheConfig
+  pool = CacheConfig(num_pages=1, page_size=page_size,
+                     num_layers=config.num_layers,
+                     num_kv_heads=config.num_kv_heads,
+                     head_dim=config.head_dim, dtype=kv_dtype, max_docs=1,
+                     max_pages_per_doc=1)
+  return pool.bytes_per_page / page_size
+
+
 def main(argv=None):
   args = parse_args(argv)
   import jax
@@ -267,9 +280,8 @@ def main(argv=None):
       nnx.state(model)))
   if not config.tie_word_embeddings:  # decode reads one embedding row a token
     weight_bytes -= model.embed_tokens[...].nbytes
-  kv_dtype = np.dtype(jax.numpy.dtype(args.kv_dtype or dtype))
-  kv_per_token = (2 * config.num_layers * config.num_kv_heads *
-                  config.head_dim * kv_dtype.itemsize)
+  kv_per_token = kv_bytes_per_token(config, args.page_size,
+                                    args.kv_dtype or dtype)
   measured = hbm_bandwidth(args.copy_mib)
   bandwidth = max(measured.values())
   header = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
