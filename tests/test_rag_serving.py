@@ -261,3 +261,7 @@ def test_failed_requests_are_counted_and_left_out_of_the_figures():
   assert row["throughput_tok_s"] == 3.0
   with pytest.raises(RuntimeError, match="all 1 requests failed"):
     summarize("lazy", engine, [failed], 1.0, {})
+  # One-token answers have no TPOT: null, not 0.0 (which passed any bar).
+  one = Result(finish_reason="length", ttft_s=1.0, decode_time_per_token_s=0.0,
+               token_ids=[7], doc_hits=[], prefill_tokens_before_first_token=5)
+  assert summarize("lazy", engine, [one], 1.0, {})["tpot_p50_s"] is None
