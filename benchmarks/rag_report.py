@@ -19,8 +19,13 @@ def merge_rows(paths) -> dict:
         key = (row["kind"], row["mode"], row.get("rate"),
                row.get("cache_fraction"))
         rows[key] = row
-        header = header or {k: row[k] for k in ("device", "jax", "date",
-                                                "model")}
+        # The newest row's machine and date (they were the oldest's).
+        header = {k: row[k] for k in ("device", "jax", "date", "model")}
+  if header is not None:
+    # Every command the kept rows came from: a file appended to by several
+    # runs may mix settings, which the report then shows.
+    header["commands"] = list(dict.fromkeys(
+        r.get("command") for r in rows.values() if r.get("command")))
   if header is None:
     raise SystemExit(f"no rows in {paths}")
   by_kind = {"base": [], "rate": [], "cache": []}

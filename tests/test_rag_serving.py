@@ -85,12 +85,16 @@ def test_merge_later_rows_replace_earlier(tmp_path):
       dict(kind="cache", mode="lazy", cache_fraction=0.05, ttft_p50_s=8.0),
   ]) + "\n")
   second.write_text(json.dumps(dict(head, kind="rate", mode="lazy", rate=2.0,
-                                    ttft_p50_s=0.3)) + "\n")
+                                    ttft_p50_s=0.3, date="later",
+                                    command="run two")) + "\n")
   report = merge_rows([str(first), str(second)])
   rates = {r["mode"]: r["ttft_p50_s"] for r in report["sweeps"]["rate"]}
   assert rates == {"lazy": 0.3, "block": 0.25}
   assert [r["cache_fraction"] for r in report["sweeps"]["cache"]] == [0.05]
   assert report["runs"] == [] and report["device"] == "d"
+  # The newest row's date (it was the oldest's), and the commands of the
+  # rows kept, so a report merged from mixed runs says so.
+  assert report["date"] == "later" and report["commands"] == ["run two"]
 
 
 @pytest.mark.slow
