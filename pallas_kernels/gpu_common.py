@@ -185,10 +185,16 @@ def block_scores(q_parts, k_parts, k_scale=None):
   two (kv_quant.py), for a multiply per score instead of per key element.
   """
   dtype = q_parts[0].dtype
+  if q_parts[0].shape[-1] < 16 and jnp.dtype(dtype).itemsize == 2:
+    # Triton's 16-bit dot needs an inner size of 16: the halves of a head
+    # dim under 32 are scored in float32, whose dot takes 8 (in 16 bits
+    # the H 16 prefill returned wrong scores, with no error).
+    dtype = jnp.float32
   precision = dot_precision(dtype)
   scores = None
   for q_j, k_j in zip(q_parts, k_parts):
-    s_j = lax.dot_general(q_j, k_j.astype(dtype), (((1,), (1,)), ((), ())),
+    s_j = lax.dot_general(q_j.astype(dtype), k_j.astype(dtype),
+                          (((1,), (1,)), ((), ())),
                           precision=precision,
                           preferred_element_type=jnp.float32)
     scores = s_j if scores is None else scores + s_j
