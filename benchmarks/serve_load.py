@@ -15,9 +15,12 @@ child process):
      `--check-mode` (the server's mode by default: a stock model answers
      differently in "full" mode by design, since lazy documents do not
      attend to each other);
-  5. with `--direct`, the same trace runs directly through the engine
-     (`submit` at the same arrival times, `step` in a loop), and both
-     throughputs are printed.
+  5. with `--direct`, the same trace's well-formed requests run directly
+     through the engine (`submit` at the same arrival times, `step` in a
+     loop), and both throughputs are printed.  The direct run serves
+     neither the bad requests nor those whose clients leave, whose work
+     the HTTP run still does until they go: under load, compare the two
+     with `--bad-fraction 0`.
 
 Examples:
   python -m benchmarks.serve_load --model tiny-text --num-requests 500
