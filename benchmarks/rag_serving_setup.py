@@ -56,24 +56,25 @@ def build_model(args):
   from flax import nnx
   from models.config import LlamaConfig
   from models.llama import Llama
+  if args.model not in MODEL_DTYPES:
+    raise SystemExit(f"unknown --model {args.model!r}")
+  dtype_name = MODEL_DTYPES[args.model]
   if args.model == "tiny":
     config = dataclasses.replace(LlamaConfig.tiny(), max_position=1 << 16)
-    return config, Llama(config, rngs=nnx.Rngs(args.seed)), "float32"
+    return config, Llama(config, rngs=nnx.Rngs(args.seed)), dtype_name
   if args.model == "llama3-8b-shape":
     config = LlamaConfig.llama3_8b()
-    dtype = jnp.bfloat16
+    dtype = jnp.dtype(dtype_name)
     # Initialise on the device inside one jit: 8B parameters of random bf16.
     @nnx.jit
     def init():
       return Llama(config, dtype=dtype, param_dtype=dtype,
                    rngs=nnx.Rngs(args.seed))
-    return config, init(), "bfloat16"
-  if args.model == "smollm2":
-    from lazyattn_jax.default_model import default_gguf_path
-    from models.gguf_loader import load_gguf
-    loaded = load_gguf(default_gguf_path(), dtype=jnp.float32)
-    return loaded[0], loaded[1], "float32"
-  raise SystemExit(f"unknown --model {args.model!r}")
+    return config, init(), dtype_name
+  from lazyattn_jax.default_model import default_gguf_path  # smollm2
+  from models.gguf_loader import load_gguf
+  loaded = load_gguf(default_gguf_path(), dtype=jnp.dtype(dtype_name))
+  return loaded[0], loaded[1], dtype_name
 
 
 def make_engine(args, config, model, dtype: str, mode: str, cache_pages: int,
