@@ -13,6 +13,7 @@ added where `add_bos=True` asks for it or where the chat template writes it.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -48,7 +49,6 @@ def _post_processor_adds_bos(backend: tokenizers.Tokenizer,
   text (Llama 3's way, and transformers 5's files', of asking for BOS
   where tokenizer_config.json has no add_bos_token); transformers and
   llama.cpp's converter read it so."""
-  import json
   if bos is None:
     return False
   processor = json.loads(backend.to_str()).get("post_processor") or {}
@@ -207,10 +207,11 @@ class LlamaTokenizer:
       return backend.token_to_id(content) if content is not None else None
 
     template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-      named = (None if not all(isinstance(e, dict) for e in template) else
-               {entry.get("name"): entry.get("template") for entry in template})
-      template = named.get("default") if named is not None else template
+    if isinstance(template, list) and all(isinstance(e, dict)
+                                          for e in template):
+      # [{"name": ..., "template": ...}, ...]
+      template = {e.get("name"): e.get("template")
+                  for e in template}.get("default")
     if template is not None and not isinstance(template, str):
       raise ModelFormatError(
           f"{folder / 'tokenizer_config.json'}: chat_template must be a "
