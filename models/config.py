@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from pallas_kernels.rope import MAX_ROPE_POSITION, RopeConfig
+
+
+def whole_number(value, name: str) -> int:
+  """`value` as an int when it is one (a JSON or GGUF integer, numpy's
+  included).
+
+  Raises:
+    ValueError: naming `name`, for anything else (1.5, True, "12"), which
+      `int()` would truncate or parse where transformers and llama.cpp
+      fail.
+  """
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    return int(value)
+  raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

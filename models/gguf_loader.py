@@ -32,7 +32,7 @@ import numpy as np
 
 from models.architectures import (Architecture, architecture_from_gguf,
                                   supported_gguf_architectures)
-from models.config import LlamaConfig
+from models.config import LlamaConfig, whole_number
 from models.errors import ModelFormatError
 from models.gguf_metadata import GgufMetadata, open_gguf, read_gguf_metadata
 from models.gguf_rope_freqs import llama3_scaling_from_rope_freqs
@@ -153,20 +153,27 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
       raise ModelFormatError(f"{path}: GGUF metadata lacks {arch}.{key}")
     return value
 
+  def integer(key, value):
+    try:
+      return whole_number(value, f"{arch}.{key}")
+    except ValueError as e:
+      raise ModelFormatError(f"{path}: {e}") from None
+
   def single(key, value):
     if isinstance(value, list):  # per-layer arrays: only uniform ones work
       if len(set(value)) != 1:
         raise ModelFormatError(f"{path}: {arch}.{key} varies per layer "
                                f"({value}); not supported")
       value = value[0]
-    return int(value)
+    return integer(key, value)
 
   experts = get("expert_count")
   if experts not in (None, 0):
     raise ModelFormatError(
         f"{path}: {arch}.expert_count = {experts}: mixture-of-experts models "
         f"are not supported (dense {supported_gguf_architectures()} are)")
-  hidden = int(get("embedding_length", required=True))
+  hidden = integer("embedding_length",
+                   get("embedding_length", required=True))
   num_heads = single("attention.head_count",
                      get("attention.head_count", required=True))
   num_kv_heads = single("attention.head_count_kv",
@@ -179,13 +186,16 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
         f"{path}: the hidden size ({arch}.embedding_length = {hidden}) is not "
         f"divisible by the head count ({arch}.attention.head_count = "
         f"{num_heads}), and {arch}.attention.key_length is not given")
-  head_dim = int(hidden // num_heads if key_length is None else key_length)
-  value_dim = int(get("attention.value_length", head_dim))
+  head_dim = (hidden // num_heads if key_length is None else
+              integer("attention.key_length", key_length))
+  value_dim = integer("attention.value_length",
+                      get("attention.value_length", head_dim))
   if value_dim != head_dim:
     raise ModelFormatError(f"{path}: key_length {head_dim} != value_length "
                            f"{value_dim}; not supported")
   rope_dims = get("rope.dimension_count")
-  if rope_dims is not None and int(rope_dims) != head_dim:
+  if (rope_dims is not None and
+      integer("rope.dimension_count", rope_dims) != head_dim):
     raise ModelFormatError(
         f"{path}: partial RoPE ({arch}.rope.dimension_count = {rope_dims}, "
         f"head_dim {head_dim}) is not supported")
@@ -203,12 +213,13 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
       raise ModelFormatError(
           f"{path}: {arch}.{key} = {factor} asks for linear RoPE scaling, "
           "which is not supported (plain and Llama-3 RoPE are)")
-  context_length = int(get("context_length", 8192))
+  context_length = integer("context_length", get("context_length", 8192))
   rope_scaling = None
   if _ROPE_FREQS in tensors:
     rope_scaling = llama3_scaling_from_rope_freqs(
         dequantize_tensor(tensors[_ROPE_FREQS], path), head_dim, theta,
-        int(get("rope.scaling.original_context_length", 8192)), path)
+        integer("rope.scaling.original_context_length",
+                get("rope.scaling.original_context_length", 8192)), path)
   embed = tensors.get(_GGUF_NAMES.embed_tokens)
   if embed is None:
     raise ModelFormatError(f"{path}: GGUF file has no "
@@ -225,7 +236,7 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
   return LlamaConfig(
       vocab_size=vocab_size,
       hidden_size=hidden,
-      num_layers=int(get("block_count", required=True)),
+      num_layers=integer("block_count", get("block_count", required=True)),
       num_heads=num_heads,
       num_kv_heads=num_kv_heads,
       head_dim=head_dim,
@@ -235,7 +246,7 @@ def _config_from_gguf(metadata: GgufMetadata, family: Architecture,
       rope_scaling=rope_scaling,
       rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
       tie_word_embeddings=_GGUF_NAMES.lm_head not in tensors,
-      max_position=int(max_position or context_length),
+      max_position=max_position or context_length,
       bos_token_id=token_id(metadata.bos_token_id),
       eos_token_id=token_id(metadata.eos_token_id),
       attention_bias=family.attention_bias,

@@ -15,6 +15,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from models.config import whole_number
 from models.errors import ModelFileNotFoundError, ModelFormatError
 
 # What gguf.GGUFReader (and decoding its strings) raises on a corrupted or
@@ -131,7 +132,10 @@ def _metadata_from_reader(reader: gguf.GGUFReader, path: str) -> GgufMetadata:
 
   def optional_int(key):
     value = values.get(key)
-    return None if value is None else int(value)
+    try:
+      return None if value is None else whole_number(value, key)
+    except ValueError as e:
+      raise ModelFormatError(f"{path}: {e}") from None
 
   def optional_bool(key):
     value = values.get(key)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from models.architectures import Architecture, architecture_from_hf
-from models.config import Llama3RopeScaling, LlamaConfig
+from models.config import Llama3RopeScaling, LlamaConfig, whole_number
 from models.errors import ModelFileNotFoundError, ModelFormatError
 from models.json_files import read_json_object
 
@@ -92,14 +92,16 @@ def _rope_settings(hf: dict, family: Architecture,
       factor=float(settings["factor"]),
       low_freq_factor=float(settings.get("low_freq_factor", 1.0)),
       high_freq_factor=float(settings.get("high_freq_factor", 4.0)),
-      original_max_position=int(original))
+      original_max_position=whole_number(
+          original, "original_max_position_embeddings"))
 
 
 def _token_ids(value) -> list[int]:
   """The ids of an HF `*_token_id` field: null, an int or a list."""
   if value is None:
     return []
-  return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+  values = value if isinstance(value, list) else [value]
+  return [whole_number(v, "a token id") for v in values]
 
 
 def _eos_setting(config_ids: list[int], generation_ids: list[int],
@@ -125,23 +127,25 @@ def _sliding_window(hf: dict, family: Architecture) -> int | None:
   """
   if family.name == "mistral":
     window = _field(hf, family, "sliding_window", [])
-    return None if window is None else int(window)
+    return None if window is None else whole_number(window, "sliding_window")
   if family.name not in ("qwen2", "qwen3"):
     return None  # transformers' Llama reads no window fields
   layer_types = hf.get("layer_types")
   if layer_types is None:
     if not hf.get("use_sliding_window"):
       return None
-    first = int(_field(hf, family, "max_window_layers", []))
+    first = whole_number(_field(hf, family, "max_window_layers", []),
+                         "max_window_layers")
     layer_types = ["sliding_attention"
                    if i >= first else "full_attention"
-                   for i in range(int(hf["num_hidden_layers"]))]
+                   for i in range(whole_number(hf["num_hidden_layers"],
+                                               "num_hidden_layers"))]
   if "sliding_attention" not in layer_types:
     return None
   # Sliding layers without use_sliding_window fail in transformers; the
   # window is kept, since within it both readings are the same function.
   window = _field(hf, family, "sliding_window", [])
-  return None if window is None else int(window)
+  return None if window is None else whole_number(window, "sliding_window")
 
 
 def _max_position(hf: dict, family: Architecture, requested: int | None,
@@ -156,8 +160,9 @@ def _max_position(hf: dict, family: Architecture, requested: int | None,
         f"{path}: max_position {requested} exceeds the model's sliding "
         f"window of {window} tokens; sliding-window attention is not "
         "supported beyond the window")
-  configured = int(requested or
-                   _field(hf, family, "max_position_embeddings", defaulted))
+  configured = requested or whole_number(
+      _field(hf, family, "max_position_embeddings", defaulted),
+      "max_position_embeddings")
   return configured if window is None else min(configured, window)
 
 
@@ -206,22 +211,25 @@ def config_from_hf(hf: dict, path: str = "config.json",
                            "supported (only 'silu')")
   defaulted = []
   try:
-    num_heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
+    num_heads = whole_number(hf["num_attention_heads"], "num_attention_heads")
+    hidden = whole_number(hf["hidden_size"], "hidden_size")
     num_kv_heads = _field(hf, family, "num_key_value_heads", defaulted)
     head_dim = _field(hf, family, "head_dim", defaulted)
     theta, scaling = _rope_settings(hf, family, path)
     bos = _token_ids(_field(hf, family, "bos_token_id", defaulted))
     bos = bos[0] if bos else None
-    vocab = int(hf["vocab_size"])
+    vocab = whole_number(hf["vocab_size"], "vocab_size")
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=whole_number(hf["num_hidden_layers"], "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(num_kv_heads or num_heads),
-        head_dim=int(head_dim or hidden // num_heads),
-        intermediate_size=int(hf["intermediate_size"]),
+        num_kv_heads=(num_heads if num_kv_heads is None else
+                      whole_number(num_kv_heads, "num_key_value_heads")),
+        head_dim=(hidden // num_heads if head_dim is None else
+                  whole_number(head_dim, "head_dim")),
+        intermediate_size=whole_number(hf["intermediate_size"],
+                                       "intermediate_size"),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -133,3 +133,17 @@ def test_a_broken_tokenizer_is_refused_before_any_weight_is_read(
   (directory / "tokenizer.json").write_text("{not json")
   with pytest.raises(ModelFormatError, match="tokenizer.json"):
     load_model(str(directory), "float32", False)
+
+
+@pytest.mark.parametrize("key", [
+    "llama.block_count", "llama.embedding_length", "llama.context_length",
+    "llama.feed_forward_length", "llama.attention.head_count",
+    "llama.attention.head_count_kv", "llama.rope.dimension_count",
+    "tokenizer.ggml.eos_token_id"])
+def test_an_integer_field_stored_as_a_fraction_is_refused_by_name(tmp_path,
+                                                                  key):
+  # int() made a block_count of 2.5 two layers, loading a file llama.cpp
+  # refuses.
+  with pytest.raises(ModelFormatError, match=re.escape(
+      f"{key} must be an integer, got 2.5")):
+    load_gguf(_write(tmp_path, float_fields={key: 2.5}))

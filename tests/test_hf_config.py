@@ -6,6 +6,7 @@ different output matrix.  Tests that compare with transformers skip without
 it; the expected values are asserted without it too."""
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -363,3 +364,30 @@ def test_tied_checkpoint_with_a_copy_of_the_embedding_loads(tmp_path):
   with torch.no_grad():
     want = model(torch.tensor([tokens])).logits[0].numpy()
   np.testing.assert_allclose(_logits(ours, tokens), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("field, bad, good", [
+    ("vocab_size", 256.5, 256), ("hidden_size", "64", 64),
+    ("num_hidden_layers", True, 2), ("num_attention_heads", 4.0, 4),
+    ("num_key_value_heads", 2.5, 2), ("intermediate_size", 128.9, 128),
+    ("head_dim", 16.5, 16), ("max_position_embeddings", 512.5, 512),
+    ("eos_token_id", 2.5, 2)])
+def test_a_field_that_is_not_an_integer_is_refused_by_name(field, bad, good):
+  """int() made 256.5 a vocabulary of 256 and read "64" as 64, where
+  transformers' modules fail on both."""
+  with pytest.raises(ModelFormatError,
+                     match=rf"must be an integer, got {re.escape(repr(bad))}"):
+    config_from_hf(dict(_BASE, **{field: bad}))
+  assert config_from_hf(dict(_BASE, **{field: good})) is not None
+
+
+@pytest.mark.parametrize("model_type, changes", [
+    ("mistral", dict(sliding_window=64.5)),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1.5,
+                   sliding_window=64)),
+    ("llama", dict(rope_scaling=dict(_SCALING,
+                                     original_max_position_embeddings=128.5)))])
+def test_window_and_rope_fields_that_are_not_integers_are_refused(model_type,
+                                                                  changes):
+  with pytest.raises(ModelFormatError, match="must be an integer, got"):
+    config_from_hf(dict(_BASE, model_type=model_type, **changes))

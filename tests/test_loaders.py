@@ -92,7 +92,7 @@ def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
   """Writes `params` as llama.cpp would (HF [out, in] rows, Q/K permuted).
 
   `uint_fields`, `float_fields` and `string_fields` override or add
-  metadata (key -> value),
+  metadata (key -> value; a float field takes an integer field's place),
   `tokenizer_model` and `merges` are the tokenizer's, and `replace` writes
   other float32 data (tensor name -> array) under a tensor's name: to make
   broken files.
@@ -113,7 +113,8 @@ def write_llama_gguf(path, config, params, matrix_type, *, permute=True,
             "tokenizer.ggml.eos_token_id": 2}
   fields.update(uint_fields or {})
   for key, value in fields.items():
-    writer.add_uint32(key, value)
+    if key not in (float_fields or {}):  # a float field replaces it
+      writer.add_uint32(key, value)
   if c.head_dim != c.hidden_size // c.num_heads:
     writer.add_uint32("llama.attention.key_length", c.head_dim)
     writer.add_uint32("llama.attention.value_length", c.head_dim)
