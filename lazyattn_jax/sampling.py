@@ -152,12 +152,28 @@ def sampling_needs_sort(temperature) -> bool:
 def _sample_sorted(logits, temperature, top_k, top_p, seed, step):
   """One token per row drawn from its temperature-scaled logits cut to
   top-k and top-p (both prefix cuts of the sorted order)."""
-  vocab = logits.shape[-1]
   safe_temp = jnp.where(temperature > 0, temperature, 1.0)
   # From the row's maximum down, so a tiny temperature cannot push logits
   # to +inf (whose softmax is NaN, which drew the lowest such id).
   scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / safe_temp[
       :, None]
+  # The draw is made in vocabulary order, so each token meets the same
+  # noise whatever its rank: near-equal logits that a rounding difference
+  # reorders (another batch, another cache history) do not move the draw,
+  # as they did when the noise followed the sorted order.
+  masked = jnp.where(_kept_tokens(scaled, top_k, top_p), scaled, -jnp.inf)
+
+  def draw(seed_b, step_b, row):
+    key = jax.random.fold_in(jax.random.PRNGKey(seed_b), step_b)
+    return jax.random.categorical(key, row)
+
+  return jax.vmap(draw)(seed, step, masked).astype(jnp.int32)
+
+
+def _kept_tokens(scaled, top_k, top_p):
+  """bool[B, V], in vocabulary order: the tokens top-k and top-p keep of
+  each row of `scaled` (float32[B, V], temperature applied)."""
+  vocab = scaled.shape[-1]
   order = jnp.argsort(-scaled, axis=-1)
   sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
   rank = jnp.arange(vocab)[None, :]
@@ -165,19 +181,9 @@ def _sample_sorted(logits, temperature, top_k, top_p, seed, step):
   keep = rank < k[:, None]
   probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
   # Keep a token if the mass strictly before it is below top_p (so the first
-  # token is always kept).
+  # token is always kept).  top_p 1 keeps every token: a float32 running sum
+  # reaches 1 before the tail of a large vocabulary, which it would cut.
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = keep & (mass_before < top_p[:, None])
-  # The draw is made in vocabulary order, so each token meets the same
-  # noise whatever its rank: near-equal logits that a rounding difference
-  # reorders (another batch, another cache history) do not move the draw,
-  # as they did when the noise followed the sorted order.
-  rows = jnp.arange(logits.shape[0])[:, None]
-  keep = jnp.zeros_like(keep).at[rows, order].set(keep)
-  masked = jnp.where(keep, scaled, -jnp.inf)
-
-  def draw(seed_b, step_b, row):
-    key = jax.random.fold_in(jax.random.PRNGKey(seed_b), step_b)
-    return jax.random.categorical(key, row)
-
-  return jax.vmap(draw)(seed, step, masked).astype(jnp.int32)
+  keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+  rows = jnp.arange(scaled.shape[0])[:, None]
+  return jnp.zeros_like(keep).at[rows, order].set(keep)

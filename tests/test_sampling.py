@@ -143,3 +143,16 @@ def test_a_rounding_difference_in_the_logits_rarely_moves_a_seeded_draw():
   nudged_draws = np.asarray(sample_tokens(jnp.asarray(nudged), *params))
   assert len(set(draws.tolist())) > 200  # a flat row: the seeds spread
   assert (draws != nudged_draws).sum() == 0
+
+
+def test_top_p_one_keeps_every_token_of_a_large_vocabulary():
+  """The float32 running sum of a 152k-token row reaches 1 before its
+  tail, and top_p 1 (no cut, the default) dropped those tokens."""
+  from lazyattn_jax.sampling import _kept_tokens
+  vocab = 151_936  # Qwen2's
+  row = np.random.default_rng(1).normal(size=vocab) * 3.0  # 3,280 dropped
+  scaled = jnp.asarray(np.stack([row, row]), jnp.float32)
+  top_p = jnp.array([1.0, 0.5], jnp.float32)
+  kept = np.asarray(_kept_tokens(scaled, jnp.zeros((2,), jnp.int32), top_p))
+  assert kept[0].all()
+  assert 0 < kept[1].sum() < vocab  # a cut below 1 still cuts
