@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,9 @@ class SamplingParams:
     if not 0.0 < self.top_p <= 1.0:
       raise InvalidRequestError(f"top_p must lie in (0, 1], got {self.top_p!r}")
     if self.stop_token_ids is not None:
-      if isinstance(self.stop_token_ids, (str, bytes, bytearray)) or not (
+      # A mapping would give its keys, which are no one's stop ids.
+      if isinstance(self.stop_token_ids,
+                    (str, bytes, bytearray, Mapping)) or not (
           isinstance(self.stop_token_ids, Iterable)) or getattr(
               self.stop_token_ids, "ndim", None) == 0:  # a 0-d array
         raise InvalidRequestError(

@@ -293,6 +293,8 @@ BAD_SAMPLING = [
     (dict(stop_token_ids=[1.5]), "stop_token_ids"),
     (dict(stop_token_ids="12"), "stop_token_ids"),
     (dict(stop_token_ids=np.array(5)), "stop_token_ids"),  # was TypeError
+    # was accepted, its keys the stop ids
+    (dict(stop_token_ids={2: "eos"}), "stop_token_ids must be a sequence"),
 ]
 
 
