@@ -132,6 +132,29 @@ def test_a_request_that_failed_in_the_engine_is_no_rejection(text_model):
   assert after[rejected] == before[rejected]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_engine_refused_to_queue_is_a_rejection(text_model,
+                                                               stream):
+  """A request the loop could not queue (`submit_prepared` raised) is a
+  rejected one with status 500, streamed or not; streamed, it was in
+  neither requests_total nor rejected."""
+  engine = make_engine(text_model)
+
+  def refuse(*_args, **_kwargs):
+    raise RuntimeError("injected submit fault")
+  engine.submit_prepared = refuse
+  with serving(engine) as (_app, url):
+    before = _counts(url)
+    response = httpx.post(url + "/v1/completions", timeout=60,
+                          json=completion_body(stream=stream))
+    assert "injected submit fault" in response.text
+    assert response.status_code == (200 if stream else 500)
+    after = _counts(url)
+  error, rejected = after.keys()
+  assert after[rejected] - before[rejected] == 1
+  assert after[error] == before[error]
+
+
 class _StoppedOutput:
   """A TextOutput that met its stop string after `tokens` tokens."""
   stopped, text = True, "cut"

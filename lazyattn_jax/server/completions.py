@@ -207,7 +207,10 @@ class CompletionService:
             yield builder.chunk(event.text, event.token_ids)
           continue
         if isinstance(event, Failed):
-          yield sse(_failure(event).body())
+          error = _failure(event)
+          if not error.ended_request:  # as app.error_response counts it
+            self.metrics.observe_rejected(error.status)
+          yield sse(error.body())
           break
         result = event.result
         try:
