@@ -89,7 +89,9 @@ def run_trace(engine, trace: Trace, args, progress=None):
 
 def summarize(mode, engine, results, seconds, extra) -> dict:
   """The row of one mode's run.  Failed and cancelled requests are counted
-  (`failed`) and left out of every other figure: their ttft_s is 0."""
+  (`failed`) and left out of every other figure: their ttft_s is 0.
+  Percentiles are numpy's default (linear interpolation between the two
+  nearest requests); `per_request_records` gives what they are taken over."""
   failed = sum(r.finish_reason not in ("stop", "length") for r in results)
   results = [r for r in results if r.finish_reason in ("stop", "length")]
   if not results:
@@ -122,6 +124,20 @@ def summarize(mode, engine, results, seconds, extra) -> dict:
                     max(engine.stats.decode_seconds, 1e-9)),
       compiles_total=engine.compile_count,
       **extra)
+
+
+def per_request_records(results) -> list[dict]:
+  """One record per measured request, in completion order, from which the
+  row's figures can be computed again (--per-request)."""
+  return [dict(request_id=r.request_id, finish_reason=r.finish_reason,
+               ttft_s=r.ttft_s, latency_s=r.latency_s,
+               output_tokens=len(r.token_ids),
+               decode_time_per_token_s=(r.decode_time_per_token_s
+                                        if len(r.token_ids) > 1 else None),
+               doc_hits=list(r.doc_hits),
+               prefill_tokens_before_first_token=(
+                   r.prefill_tokens_before_first_token))
+          for r in results]
 
 
 def run_mode(args, config, model, dtype, mode, cache_pages, warm, measured,
@@ -196,6 +212,8 @@ def _run_engine(args, engine, mode, cache_pages, warm, measured, tqdm,
       warm_cache_requests=(len(cache_warmer.requests) if cache_warmer
                            else 0),
       compiles_during_measurement=engine.compile_count - compiles_before))
+  if getattr(args, "per_request", False):
+    row["per_request"] = per_request_records(results)
   if getattr(args, "profile_replay_dir", ""):
     empty_and_warm_cache()
     row["profile"] = profile_replay(engine, measured, args, mode)

@@ -89,6 +89,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
   p.add_argument("--sink-len", type=int, default=16,
                  help="vectors of the sink in --quality-runs")
   p.add_argument("--out", default="", help="JSON output path")
+  p.add_argument("--per-request", action="store_true",
+                 help="add each row's per-request records (TTFT, latency, "
+                      "tokens, hits) to the report, to compute its "
+                      "percentiles again")
   p.add_argument("--plot-dir", default="", help="where to write PNG plots")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--prefill-tokens-per-step", type=int, default=0,

@@ -327,6 +327,8 @@ def direct_run(engine, requests) -> dict:
 
 
 def percentiles(values) -> dict:
+  """p50, p90 and p99 of the values that are not None: numpy's default
+  (linear interpolation between the two nearest), as rag_serving's."""
   values = np.asarray([v for v in values if v is not None], np.float64)
   if not values.size:
     return {}
@@ -401,7 +403,10 @@ def main(argv=None) -> int:
   print(json.dumps(report, indent=1))
   if args.out:
     with open(args.out, "w") as f:
-      json.dump(dict(report, metrics=out["metrics"]), f, indent=1)
+      # The client's records, from which the http figures can be computed
+      # again.
+      json.dump(dict(report, metrics=out["metrics"], records=out["records"]),
+                f, indent=1)
   accounting, check = report["accounting"], report["check"]
   passed = (accounting["free_plus_cached_equals_total"] and
             accounting["refcounts_equal_table"] and

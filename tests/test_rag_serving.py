@@ -23,7 +23,7 @@ def report(tmp_path_factory):
          "--cache-fraction", "1.0", "--add-working-pages",
          "--modes", "lazy,block,prefix,full",
          "--sweep-cache-fractions", "1.0", "--out", str(out),
-         "--plot-dir", str(plots), "--no-progress"]
+         "--plot-dir", str(plots), "--no-progress", "--per-request"]
   subprocess.run(cmd, check=True, timeout=900,
                  cwd=pathlib.Path(__file__).resolve().parents[1])
   return json.loads(out.read_text()), plots
@@ -48,6 +48,29 @@ def test_json_has_every_mode_and_field(report):
             <= r["prefill_tokens_computed"])
   for key in ("device", "jax", "date", "command"):
     assert data[key]
+
+
+def test_per_request_records_give_the_row_s_figures_again(report):
+  """The published figures can be computed again from the records (before,
+  none were kept), with numpy's default percentile."""
+  np = pytest.importorskip("numpy")
+  data, _ = report
+  for row in data["runs"]:
+    records = [r for r in row["per_request"]
+               if r["finish_reason"] in ("stop", "length")]
+    assert len(records) == row["requests"] == 10
+    ttft = [r["ttft_s"] for r in records]
+    for q in (50, 90, 99):
+      assert row[f"ttft_p{q}_s"] == pytest.approx(np.percentile(ttft, q),
+                                                  rel=1e-12)
+    tpot = [r["decode_time_per_token_s"] for r in records
+            if r["decode_time_per_token_s"] is not None]
+    assert row["tpot_p50_s"] == pytest.approx(np.percentile(tpot, 50),
+                                              rel=1e-12)
+    tokens = sum(r["output_tokens"] for r in records)
+    assert row["throughput_tok_s"] == pytest.approx(tokens / row["seconds"])
+    hits = [h for r in records for h in r["doc_hits"]]
+    assert row["doc_hit_rate"] == pytest.approx(np.mean(hits))
 
 
 def test_reuse_properties(report):

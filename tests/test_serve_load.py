@@ -29,3 +29,10 @@ def test_load_run_accounts_for_every_page_and_checks_answers(tmp_path):
   # A tenth misbehave on purpose: some get 400/404, none is a server error.
   kinds = {r.split("/")[0] for r in report["http"]["outcomes"]}
   assert "normal" in kinds and len(kinds) > 1
+  # The client's records are in the report, and give its TTFT again.
+  ok = [r for r in report["records"]
+        if r["kind"] == "normal" and r["outcome"] == "ok"]
+  assert len(ok) == report["http"]["requests"]
+  import numpy as np
+  assert report["http"]["ttft_s"]["p50"] == pytest.approx(
+      np.percentile([r["ttft_s"] for r in ok], 50), rel=1e-12)
