@@ -73,6 +73,12 @@ _PRE_TOKENIZER_SPLITS: dict[str, _PreTokenizerSpec] = {
     "qwen2": _QWEN2_SPEC,
 }
 
+# Pre-tokenizers after which llama.cpp puts BOS before a prompt when the file
+# has no tokenizer.ggml.add_bos_token key (its vocabulary loader's default;
+# every other BPE pre-tokenizer defaults to no BOS).
+PRE_TOKENIZERS_ADDING_BOS = frozenset({"llama-bpe", "llama3", "llama-v3",
+                                       "falcon3"})
+
 
 def _byte_to_unicode() -> dict[int, str]:
   """GPT-2's byte-level alphabet: each byte as one printable character.

@@ -24,7 +24,8 @@ import tokenizers
 from models.chat_template import compile_chat_template
 from models.errors import ModelFormatError, UnsupportedTokenizerError
 from models.json_files import read_json_object
-from models.gguf_tokenizer import bpe_from_gguf_metadata, read_gguf_fields
+from models.gguf_tokenizer import (PRE_TOKENIZERS_ADDING_BOS,
+                                   bpe_from_gguf_metadata, read_gguf_fields)
 
 __all__ = ["IncrementalDecoder", "LlamaTokenizer", "UnsupportedTokenizerError"]
 
@@ -60,6 +61,15 @@ def _post_processor_adds_bos(backend: tokenizers.Tokenizer,
       first = single[0] if isinstance(single[0], dict) else {}
       return (first.get("SpecialToken") or {}).get("id") == bos
   return False
+
+
+def _gguf_adds_bos(meta: dict[str, Any]) -> bool:
+  """tokenizer.ggml.add_bos_token, or where the file has none, llama.cpp's
+  default for its pre-tokenizer (BOS after Llama 3's)."""
+  flag = meta.get("tokenizer.ggml.add_bos_token")
+  if flag is not None:
+    return bool(flag)
+  return meta.get("tokenizer.ggml.pre") in PRE_TOKENIZERS_ADDING_BOS
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -165,8 +175,7 @@ class LlamaTokenizer:
                               "tokenizer.ggml.padding_token_id"),
                           extra_stop_token_ids=extra_stops,
                           chat_template=meta.get("tokenizer.chat_template"),
-                          add_bos_token=bool(meta.get(
-                              "tokenizer.ggml.add_bos_token", False)))
+                          add_bos_token=_gguf_adds_bos(meta))
 
   @classmethod
   def from_tokenizer_json(cls, path: str | os.PathLike) -> "LlamaTokenizer":

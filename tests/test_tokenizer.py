@@ -290,3 +290,19 @@ def test_broken_tokenizer_files_are_model_format_errors(hf, tmp_path):
       LlamaTokenizer.from_tokenizer_json(tmp_path)
   # Unsupported tokenizers are bad model files too.
   assert issubclass(UnsupportedTokenizerError, ModelFormatError)
+
+
+@pytest.mark.parametrize("pre, flag, adds", [
+    ("llama-bpe", None, True), ("llama3", None, True), ("smollm", None, False),
+    ("qwen2", None, False), ("llama-bpe", False, False),
+    ("smollm", True, True)])
+def test_a_gguf_without_add_bos_takes_llama_cpp_s_default(gguf_reader, pre,
+                                                          flag, adds):
+  """llama.cpp puts BOS before a prompt after Llama 3's pre-tokenizer when
+  the file has no add_bos_token key; before, such a file got none here."""
+  meta = {k: f.contents() for k, f in gguf_reader.fields.items()
+          if k.startswith("tokenizer.") and k != "tokenizer.ggml.add_bos_token"}
+  meta["tokenizer.ggml.pre"] = pre
+  if flag is not None:
+    meta["tokenizer.ggml.add_bos_token"] = flag
+  assert LlamaTokenizer.from_gguf_metadata(meta).add_bos_token is adds
