@@ -315,6 +315,8 @@ class Scheduler:
         return state, True
     for live in self.live:
       if live.request_id == request_id:
+        if live.done:  # ended (stop, length) and awaiting retirement
+          return state, False
         result = self._result(live, "cancelled")  # first, as take_finished
         self.live.remove(live)
         state = self.cache.finish(state, live.admission)

@@ -131,3 +131,26 @@ def test_a_step_inside_the_callback_is_refused_and_its_time_not_loop_time(
   assert [results[first].token_ids, results[second].token_ids] == want
   # The callback's 0.3 s are not decode-loop time.
   assert seconds < 0.3
+
+
+def test_a_request_that_ended_on_its_first_token_is_not_cancelled_by_the_callback(
+    model_and_config):
+  """A request whose first token is its last has ended when the callback
+  runs; cancel() returned True there and its result said "cancelled"
+  instead of "length" (or "stop")."""
+  _, config, _ = model_and_config
+  rng = np.random.default_rng(7)
+  doc = random_tokens(rng, 6, config.vocab_size)
+  query = random_tokens(rng, 3, config.vocab_size)
+  engine = make_engine(model_and_config)
+  ended = engine.submit(query, [doc], greedy(1))
+  running = engine.submit(query, [doc], greedy(5))
+  cancelled = {}
+
+  def cancel_both():
+    cancelled.update({rid: engine.cancel(rid) for rid in (ended, running)})
+  results = {r.request_id: r for r in engine.step(on_first_tokens=cancel_both)}
+  assert cancelled == {ended: False, running: True}
+  assert results[ended].finish_reason == "length"
+  assert len(results[ended].token_ids) == 1
+  assert results[running].finish_reason == "cancelled"
