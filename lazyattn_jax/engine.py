@@ -209,6 +209,7 @@ class LazyEngine:
   @property
   def state(self):
     """The cache: a `CacheState` pytree (pool, refcounts, document table)."""
+    self._check_open()
     return self.rounds.state
 
   @property

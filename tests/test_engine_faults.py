@@ -552,7 +552,7 @@ def test_an_engine_after_close_raises_a_clear_error(model_and_config):
                lambda: engine.pop_result(dropped),
                lambda: engine.tokens_so_far(dropped),
                lambda: engine.cancel(dropped),
-               lambda: engine.memory):
+               lambda: engine.memory, lambda: engine.state):
     with pytest.raises(EngineClosedError, match="closed"):
       call()
   assert not engine.has_work()
