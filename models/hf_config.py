@@ -160,9 +160,9 @@ def _max_position(hf: dict, family: Architecture, requested: int | None,
         f"{path}: max_position {requested} exceeds the model's sliding "
         f"window of {window} tokens; sliding-window attention is not "
         "supported beyond the window")
-  configured = requested or whole_number(
-      _field(hf, family, "max_position_embeddings", defaulted),
-      "max_position_embeddings")
+  configured = (whole_number(requested, "max_position") if requested else
+                whole_number(_field(hf, family, "max_position_embeddings",
+                                    defaulted), "max_position_embeddings"))
   return configured if window is None else min(configured, window)
 
 
