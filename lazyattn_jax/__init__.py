@@ -20,6 +20,7 @@ from lazyattn_jax.errors import (
     InvalidRequestError,
     LazyAttnError,
     RequestFailedError,
+    ResultTakenError,
 )
 from lazyattn_jax.quality_options import QualityOptions
 from lazyattn_jax.requests import GenerationResult, Request
@@ -38,6 +39,7 @@ __all__ = [
     "QualityOptions",
     "Request",
     "RequestFailedError",
+    "ResultTakenError",
     "RunnerConfig",
     "SamplingParams",
     "SchedulerConfig",

@@ -10,7 +10,8 @@ a closed stream) cancels what it left running.
 from __future__ import annotations
 
 from lazyattn_jax.errors import (CacheCapacityError, EngineClosedError,
-                                 InvalidRequestError, RequestFailedError)
+                                 InvalidRequestError, RequestFailedError,
+                                 ResultTakenError)
 from pallas_kernels.sizes import ceil_div
 
 
@@ -21,7 +22,8 @@ def run_to_completion(engine, requests) -> list:
   try:
     while True:
       for i in ids:
-        if i not in results and (result := engine.pop_result(i)) is not None:
+        if i not in results and (result := _result_if_ended(engine,
+                                                            i)) is not None:
           results[i] = result
       if len(results) == len(ids):
         return [results[i] for i in ids]
@@ -29,6 +31,22 @@ def run_to_completion(engine, requests) -> list:
   except BaseException:
     _abandon(engine, [i for i in ids if i not in results])
     raise
+
+
+def _result_if_ended(engine, request_id):
+  """The request's result once it has ended; None while it is in flight.
+
+  Raises:
+    ResultTakenError: it ended and another caller popped its result (the
+      wait would otherwise step an idle engine for ever).
+  """
+  with engine._lock:
+    result = engine.pop_result(request_id)
+    if result is None and not engine.scheduler.result_pending(request_id):
+      raise ResultTakenError(
+          f"request {request_id} ended and its result was taken by another "
+          "caller's pop_result")
+    return result
 
 
 def run_one(engine, request):
@@ -91,7 +109,7 @@ def stream_text(engine, request, arrival: float):
   request_id = engine.submit_prepared(request, arrival_time=arrival)
   sent = 0
   try:
-    while (result := engine.pop_result(request_id)) is None:
+    while (result := _result_if_ended(engine, request_id)) is None:
       engine.step()
       tokens = engine.tokens_so_far(request_id)
       if len(tokens) > sent:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 __all__ = ["LazyAttnError", "CacheCapacityError", "InvalidRequestError",
            "InvalidOptionError", "RequestFailedError", "EngineClosedError",
-           "TensorParallelError"]
+           "ResultTakenError", "TensorParallelError"]
 
 
 class LazyAttnError(Exception):
@@ -52,6 +52,12 @@ class RequestFailedError(LazyAttnError):
 
 class EngineClosedError(LazyAttnError):
   """The engine was closed (`LazyEngine.close`) and cannot serve."""
+
+
+class ResultTakenError(LazyAttnError, LookupError):
+  """A call waiting for its request's result (`generate`, a stream) found
+  the request ended and its result taken by another caller's
+  `pop_result`."""
 
 
 class TensorParallelError(LazyAttnError, ValueError):

@@ -98,6 +98,12 @@ class Scheduler:
       self._unreported = [r for r in self._unreported if r is not result]
     return result
 
+  def result_pending(self, request_id: int) -> bool:
+    """Whether the request is waiting or live, so its result is still to
+    come (a live request that has ended gets it when retired)."""
+    return (any(entry[0] == request_id for entry in self.waiting) or
+            any(live.request_id == request_id for live in self.live))
+
   def has_work(self) -> bool:
     return bool(self.waiting or self.live)
 

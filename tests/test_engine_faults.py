@@ -680,6 +680,34 @@ def test_closing_a_stream_early_cancels_its_request(model_and_config, corpus):
   assert "".join(full) == FakeChatTokenizer().decode(want.token_ids)
 
 
+def test_a_wait_whose_result_another_caller_took_raises(model_and_config,
+                                                        corpus):
+  """Another caller driving the engine as the server's loop does (step,
+  then pop_result of every result) takes a waiting call's result; the
+  generate or stream then stepped the idle engine for ever."""
+  from lazyattn_jax.errors import ResultTakenError
+  docs, queries = corpus
+  engine = engine_with_tokenizer(model_and_config, decode_steps=2)
+  stream = engine.generate_stream(queries[0], [docs["a"]], greedy(6))
+  assert next(stream)
+  while engine.has_work():
+    for result in engine.step():
+      engine.pop_result(result.request_id)
+  with pytest.raises(ResultTakenError, match="taken by another caller"):
+    list(stream)
+  step = engine.step
+
+  def step_and_pop_everything(**kwargs):
+    for result in step(**kwargs):
+      engine.pop_result(result.request_id)
+    return []
+  engine.step = step_and_pop_everything
+  with pytest.raises(ResultTakenError, match="taken by another caller"):
+    engine.generate(queries[1], [docs["a"]], greedy(3))
+  assert not engine.has_work()
+  assert_pages_accounted_for(engine)
+
+
 def test_a_stream_the_gc_drops_inside_a_round_is_cancelled_after_it(
     model_and_config, corpus, monkeypatch):
   """A started stream dropped in a reference cycle is closed by the garbage
