@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import time
 
 import numpy as np
@@ -314,6 +315,8 @@ class Scheduler:
 
   def cancel(self, state, request_id: int):
     """Ends a waiting or live request now; returns (state, found)."""
+    if not _can_name_a_request(request_id):
+      return state, False
     for entry in self.waiting:
       if entry[0] == request_id:
         self.waiting.remove(entry)
@@ -375,10 +378,8 @@ def _describe(error: BaseException) -> str:
 
 
 def _can_name_a_request(request_id) -> bool:
-  """False for an unhashable id, which names no request (a lookup would
-  raise TypeError)."""
-  try:
-    hash(request_id)
-  except TypeError:
-    return False
-  return True
+  """Whether `request_id` is an integer, as every id is: True or 1.0
+  compare equal to 1 but name no request, and an unhashable id would make
+  a lookup raise TypeError."""
+  return (isinstance(request_id, numbers.Integral) and
+          not isinstance(request_id, bool))

@@ -368,6 +368,16 @@ def test_calls_given_the_wrong_container_are_refused_or_find_nothing(
   assert engine.pop_result([request_id]) is None
   assert engine.pop_result(request_id).finish_reason == "length"
   assert not engine.has_work()
+  # True and 1.0 compare equal to 1 but are no request's id: they found
+  # and cancelled request 1.
+  first = engine.submit([5, 6], [[1, 2]], greedy(2))
+  second = engine.submit([5, 6], [[1, 2]], greedy(2))
+  assert second == 2
+  for not_an_id in (float(first), second == 2, np.float32(second)):
+    assert not engine.cancel(not_an_id)
+    assert engine.tokens_so_far(not_an_id) == []
+  assert engine.request_counts() == {"waiting": 2, "running": 0}
+  assert engine.cancel(np.int64(second))  # a numpy integer is an id
 
 
 def test_encode_documents_flags_a_repeat_as_its_first_occurrence(
