@@ -21,13 +21,12 @@ def merge_rows(paths) -> dict:
         rows[key] = row
         # The newest row's machine and date (they were the oldest's).
         header = {k: row[k] for k in ("device", "jax", "date", "model")}
-  if header is not None:
-    # Every command the kept rows came from: a file appended to by several
-    # runs may mix settings, which the report then shows.
-    header["commands"] = list(dict.fromkeys(
-        r.get("command") for r in rows.values() if r.get("command")))
   if header is None:
     raise SystemExit(f"no rows in {paths}")
+  # Every command the kept rows came from: a file appended to by several
+  # runs may mix settings, which the report then shows.
+  header["commands"] = list(dict.fromkeys(
+      r.get("command") for r in rows.values() if r.get("command")))
   by_kind = {"base": [], "rate": [], "cache": []}
   for row in rows.values():
     by_kind[row["kind"]].append(row)
