@@ -174,10 +174,16 @@ def _sample_sorted(logits, temperature, top_k, top_p, seed, step):
 
 def _kept_tokens(scaled, top_k, top_p):
   """bool[B, V], in vocabulary order: the tokens top-k and top-p keep of
-  each row of `scaled` (float32[B, V], temperature applied)."""
+  each row of `scaled` (float32[B, V], temperature applied).
+
+  The cuts are found on the row's values sorted high to low, and each
+  becomes a threshold: a token is kept when its value is at least the
+  last kept value's.  Tokens tied with that value are all kept (as
+  transformers' top-k keeps them), so no order among equal values
+  decides, and no sort permutation has to be scattered back.
+  """
   vocab = scaled.shape[-1]
-  order = jnp.argsort(-scaled, axis=-1)
-  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  sorted_logits = -jnp.sort(-scaled, axis=-1)
   rank = jnp.arange(vocab)[None, :]
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
   keep = rank < k[:, None]
@@ -187,5 +193,7 @@ def _kept_tokens(scaled, top_k, top_p):
   # reaches 1 before the tail of a large vocabulary, which it would cut.
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-  rows = jnp.arange(scaled.shape[0])[:, None]
-  return jnp.zeros_like(keep).at[rows, order].set(keep)
+  # `keep` is a prefix of the sorted row: its length names the last value.
+  last_kept = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True) - 1, 0)
+  threshold = jnp.take_along_axis(sorted_logits, last_kept, axis=-1)
+  return scaled >= threshold

@@ -156,3 +156,46 @@ def test_top_p_one_keeps_every_token_of_a_large_vocabulary():
   kept = np.asarray(_kept_tokens(scaled, jnp.zeros((2,), jnp.int32), top_p))
   assert kept[0].all()
   assert 0 < kept[1].sum() < vocab  # a cut below 1 still cuts
+
+
+def _kept_by_rank(row, top_k, top_p):
+  """float64 reference: the top-k, then top-p prefix of the row sorted high
+  to low, as a set of token ids (the row's values all distinct)."""
+  order = np.argsort(-row, kind="stable")
+  k = len(row) if top_k <= 0 else min(top_k, len(row))
+  values = row[order[:k]].astype(np.float64)
+  probs = np.exp(values - values.max())
+  probs /= probs.sum()
+  mass_before = np.cumsum(probs) - probs
+  n = k if top_p >= 1.0 else max(1, int((mass_before < top_p).sum()))
+  return set(order[:n].tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (1, 1.0), (5, 1.0),
+                                         (0, 0.3), (0, 0.9), (7, 0.5),
+                                         (64, 0.99), (100, 0.6)])
+def test_kept_tokens_match_the_sorted_prefix(top_k, top_p):
+  from lazyattn_jax.sampling import _kept_tokens
+  rows = np.asarray(_logits(16, seed=3))
+  kept = np.asarray(_kept_tokens(
+      jnp.asarray(rows), jnp.full((16,), top_k, jnp.int32),
+      jnp.full((16,), top_p, jnp.float32)))
+  for row, mask in zip(rows, kept):
+    assert set(np.flatnonzero(mask).tolist()) == _kept_by_rank(
+        row, top_k, top_p)
+
+
+def test_tokens_tied_at_the_cut_are_all_kept_whatever_their_order():
+  """A cut that falls inside a run of equal values keeps the whole run (as
+  transformers' top-k does), so which of them an argsort ranks first
+  cannot decide the draw."""
+  from lazyattn_jax.sampling import _kept_tokens
+  row = np.full((VOCAB,), -5.0, np.float32)
+  row[[3, 40, 17]] = 2.0  # three tokens tied at the top
+  row[9] = 4.0
+  scaled = jnp.asarray(np.stack([row, row[::-1]]))
+  kept = np.asarray(_kept_tokens(scaled, jnp.full((2,), 2, jnp.int32),
+                                 jnp.ones((2,), jnp.float32)))
+  assert set(np.flatnonzero(kept[0]).tolist()) == {3, 9, 17, 40}
+  assert set(np.flatnonzero(kept[1]).tolist()) == {
+      VOCAB - 1 - i for i in (3, 9, 17, 40)}
