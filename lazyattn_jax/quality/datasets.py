@@ -182,29 +182,81 @@ def hotpotqa_path(cache_dir: str | os.PathLike | None = None, *,
 def parse_hotpotqa(raw: Sequence[dict]) -> list[HotpotQAExample]:
   """Typed records from the JSON's list of questions.
 
-  Raises ValueError naming the first malformed entry (missing field, a
-  supporting title that is not in the context).
+  Every text field must be a string and every sentence list a list of
+  strings (no `str()` of another type: a sentence list given as one string
+  would read as one sentence per character), and each question needs at
+  least one supporting fact.
+
+  Raises ValueError naming the first malformed entry (a missing or
+  mistyped field, no supporting facts, a supporting title that is not in
+  the context), or when `raw` is not a list.
   """
+  if not isinstance(raw, list):
+    raise ValueError("a HotpotQA file holds a JSON list of questions, got "
+                     f"a {type(raw).__name__}")
   examples = []
   for n, entry in enumerate(raw):
     try:
-      paragraphs = tuple(Paragraph(str(title), tuple(map(str, sentences)))
-                         for title, sentences in entry["context"])
-      example = HotpotQAExample(
-          id=str(entry["_id"]), question=str(entry["question"]),
-          answer=str(entry["answer"]), type=str(entry.get("type", "")),
-          level=str(entry.get("level", "")), paragraphs=paragraphs,
-          supporting_facts=tuple((str(t), int(i))
-                                 for t, i in entry["supporting_facts"]))
-    except (KeyError, TypeError, ValueError) as err:
-      raise ValueError(f"HotpotQA entry {n} is malformed: {err!r}") from err
-    titles = {p.title for p in paragraphs}
+      example = _parse_entry(entry)
+    except KeyError as err:
+      raise ValueError(f"HotpotQA entry {n} is malformed: it has no field "
+                       f"{err}") from err
+    except (TypeError, ValueError) as err:
+      raise ValueError(f"HotpotQA entry {n} is malformed: {err}") from err
+    titles = {p.title for p in example.paragraphs}
     missing = {t for t, _ in example.supporting_facts} - titles
     if missing:
       raise ValueError(f"HotpotQA entry {n} ({example.id}): supporting "
                        f"titles {sorted(missing)} are not in its context")
     examples.append(example)
   return examples
+
+
+def _parse_entry(entry) -> HotpotQAExample:
+  """One question; TypeError or KeyError naming what is wrong."""
+  if not isinstance(entry, dict):
+    raise TypeError(f"a question is a JSON object, got a "
+                    f"{type(entry).__name__}")
+
+  def text(value, what):
+    if not isinstance(value, str):
+      raise TypeError(f"{what} must be a string, got {value!r}")
+    return value
+
+  def pair(value, what):
+    if not isinstance(value, list) or len(value) != 2:
+      raise TypeError(f"{what} must be a [title, ...] pair, got {value!r}")
+    return value
+
+  paragraphs = []
+  for title, sentences in (pair(c, "a context entry")
+                           for c in _listed(entry["context"], "context")):
+    title = text(title, "a context title")
+    paragraphs.append(Paragraph(title, tuple(
+        text(s, f"a sentence of {title!r}")
+        for s in _listed(sentences, f"the sentences of {title!r}"))))
+  facts = []
+  for title, index in (pair(f, "a supporting fact") for f in _listed(
+      entry["supporting_facts"], "supporting_facts")):
+    if isinstance(index, bool) or not isinstance(index, int):
+      raise TypeError(f"a supporting fact's sentence index must be an "
+                      f"integer, got {index!r}")
+    facts.append((text(title, "a supporting fact's title"), index))
+  if not facts:
+    raise ValueError("it has no supporting facts")
+  return HotpotQAExample(
+      id=text(entry["_id"], "_id"), question=text(entry["question"],
+                                                  "question"),
+      answer=text(entry["answer"], "answer"),
+      type=text(entry.get("type", ""), "type"),
+      level=text(entry.get("level", ""), "level"),
+      paragraphs=tuple(paragraphs), supporting_facts=tuple(facts))
+
+
+def _listed(value, what) -> list:
+  if not isinstance(value, list):
+    raise TypeError(f"{what} must be a list, got {value!r:.60}")
+  return value
 
 
 def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
