@@ -88,6 +88,70 @@ def test_parse_refuses_malformed_entries(tmp_path):
     ds.load_hotpotqa("all", path=bad)
 
 
+
+@pytest.mark.parametrize("top_level", ["5", "null", "true", "{}", '"x"'])
+def test_a_file_that_is_not_a_list_of_questions_is_refused(tmp_path,
+                                                           top_level):
+  """`5` raised a raw TypeError from enumerate, and `{}` loaded as zero
+  questions without a word."""
+  bad = tmp_path / "top.json"
+  bad.write_text(top_level)
+  with pytest.raises(ValueError, match="holds a JSON list of questions"):
+    ds.load_hotpotqa("all", path=bad)
+
+
+def _broken(edit):
+  raw = fake_hotpotqa(3)
+  edit(raw[1])
+  return raw
+
+
+@pytest.mark.parametrize("edit,message", [
+    # One string of sentences read as one sentence per character.
+    (lambda e: e["context"][0].__setitem__(1, "Paris is the capital."),
+     "the sentences of 'Title 1-0' must be a list"),
+    (lambda e: e["context"][0][1].append(None), "a sentence of 'Title 1-0'"),
+    (lambda e: e["context"][0].__setitem__(0, 7), "a context title"),
+    (lambda e: e["context"].append(["only a title"]), "a context entry"),
+    (lambda e: e.__setitem__("answer", None), "answer must be a string"),
+    (lambda e: e.__setitem__("question", ["Who?"]), "question must be"),
+    (lambda e: e.__setitem__("_id", 12), "_id must be a string"),
+    (lambda e: e["supporting_facts"][0].__setitem__(1, 1.7),
+     "sentence index must be an integer"),
+    (lambda e: e["supporting_facts"][0].__setitem__(1, True),
+     "sentence index must be an integer"),
+    (lambda e: e.__setitem__("supporting_facts", []), "no supporting facts"),
+    (lambda e: e.pop("context"), "has no field 'context'"),
+], ids=["sentences-string", "sentence-null", "title-int", "short-pair",
+        "answer-null", "question-list", "id-int", "index-float",
+        "index-bool", "no-facts", "no-context"])
+def test_each_mistyped_field_is_refused_by_name(edit, message):
+  """Values were passed through `str()`: a null answer became the gold
+  answer "None", and a question with no supporting facts parsed, then
+  raised a raw IndexError in the dataset layout."""
+  with pytest.raises(ValueError, match=f"entry 1 is malformed: .*{message}"):
+    ds.parse_hotpotqa(_broken(edit))
+
+
+@pytest.mark.parametrize("edit,gold", [
+    # Both facts in one paragraph: one supporting paragraph.
+    (lambda e: e["supporting_facts"].__setitem__(
+        1, [e["supporting_facts"][0][0], 0]), 1),
+    # A supporting title that names two paragraphs: three of them.
+    (lambda e: e["context"].__setitem__(
+        0, [e["supporting_facts"][0][0], ["Another text."]]), 3),
+], ids=["one-gold", "three-gold"])
+def test_the_sweep_leaves_out_a_question_without_two_gold_paragraphs(edit,
+                                                                    gold):
+  """The sweep moved whatever `gold_indices` held as if it were a pair:
+  9 documents with a distractor scored as gold, or 11 documents."""
+  (example,) = ds.parse_hotpotqa(_broken(edit)[1:2])
+  assert len(example.gold_indices) == gold
+  assert hq.gold_sweep(example, 4) == []
+  (item,) = hq.dataset_layout(example)
+  assert item.gold_slots == example.gold_indices
+
+
 # --- layouts -----------------------------------------------------------------
 def test_paragraph_text_and_gold():
   (example,) = ds.parse_hotpotqa(fake_hotpotqa(2)[1:])

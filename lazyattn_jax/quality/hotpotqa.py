@@ -14,8 +14,10 @@ Layouts (`LAYOUTS`):
   adjacent and in their dataset order, at slots p and p + 1, and the first
   k - 2 distractors, in their dataset order, in the other slots.  One item
   per p = 0 .. k - 2 (the item's position), so every position is measured
-  on the same questions; a question with fewer than k - 2 distractors is
-  left out of the sweep (`gold_sweep` returns nothing for it).
+  on the same questions; a question with fewer than k - 2 distractors, or
+  without exactly two supporting paragraphs (every question of the dev set
+  has two), is left out of the sweep (`gold_sweep` returns nothing for
+  it).
 """
 
 from __future__ import annotations
@@ -76,11 +78,16 @@ def gold_sweep(example: HotpotQAExample,
   """Items with the gold pair at slots (p, p + 1) for p = 0 .. num_docs - 2.
 
   The other slots hold the first num_docs - 2 distractors in the dataset's
-  order.  Returns [] when the question has fewer distractors than that.
+  order.  Returns [] when the question has fewer distractors than that, or
+  not exactly two supporting paragraphs (a custom file's question whose
+  facts sit in one paragraph, or whose supporting title names two): the
+  sweep moves a pair.
   """
   if num_docs < 2:
     raise ValueError(f"a gold sweep needs at least 2 documents, got {num_docs}")
   gold = example.gold_indices
+  if len(gold) != 2:
+    return []
   texts = [p.text for p in example.paragraphs]
   distractors = [t for i, t in enumerate(texts) if i not in gold]
   if len(distractors) < num_docs - 2:
