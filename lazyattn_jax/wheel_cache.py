@@ -109,7 +109,7 @@ def installed_path(spec: WheelFile) -> pathlib.Path | None:
 def cached_path(spec: WheelFile,
                 cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   """Where the extracted file lives in the cache (it may not exist yet)."""
-  root = (pathlib.Path(cache_dir) if cache_dir is not None
+  root = (pathlib.Path(cache_dir).expanduser() if cache_dir is not None
           else default_cache_dir())
   return root / spec.cache_name
 

