@@ -196,6 +196,8 @@ class LazyEngine:
         a known model name nor an existing path, or a directory without
         config.json.
       FileNotFoundError: a model directory without its weights.
+      lazyattn_jax.default_model.ModelUnavailableError: the default model's
+        name, when its file is neither installed, cached nor fetchable.
     """
     from lazyattn_jax.loading import engine_arguments
     return cls(**engine_arguments(
