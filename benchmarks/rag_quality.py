@@ -254,7 +254,11 @@ def main(argv=None):
   files = provenance.input_files(args.model, runs, args.hotpotqa_json)
   import jax
   if args.dataset == "hotpotqa":
-    items, data_info = hotpotqa_items(args)
+    from lazyattn_jax.quality.datasets import DatasetUnavailableError
+    try:
+      items, data_info = hotpotqa_items(args)
+    except (ValueError, DatasetUnavailableError) as err:  # a malformed file
+      parser.error(str(err).splitlines()[0])
   else:
     items, data_info = synthetic_items(args)
   if not items:

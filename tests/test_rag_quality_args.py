@@ -216,3 +216,16 @@ def test_the_report_records_the_code_and_the_files_given_by_path(
   assert model["files"]["config.json"]["sha256"] == sha(text / "config.json")
   assert model["files"]["config.json"]["size"] == (text /
                                                    "config.json").stat().st_size
+
+
+def test_a_malformed_hotpotqa_file_is_a_usage_error(tmp_path, capsys):
+  """It ended in a traceback: the data loads in `main`, outside the checks
+  of `parse_args`."""
+  bad = tmp_path / "hotpot.json"
+  bad.write_text('{"not": "a list"}')
+  with pytest.raises(SystemExit) as info:
+    main(["--no-progress", "--dataset", "hotpotqa", "--hotpotqa-json",
+          str(bad), "--out", str(tmp_path / "report.json")])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert "holds a JSON list of questions" in err and "Traceback" not in err
