@@ -67,6 +67,13 @@ def _rope_settings(hf: dict, family: Architecture,
   if not isinstance(settings, dict):
     raise ModelFormatError(f"{path}: rope settings must be a JSON object, "
                            f"got {settings!r}")
+  # transformers 5 may key them by layer type (beside `layer_types`); read
+  # flat, such a dict has no rope_type and would pass as plain RoPE.
+  nested = sorted(k for k, v in settings.items() if isinstance(v, dict))
+  if nested:
+    raise ModelFormatError(
+        f"{path}: rope settings keyed by layer type ({', '.join(nested)}) "
+        "are not supported (one setting for every layer is)")
   theta = (settings["rope_theta"] if "rope_theta" in settings
            else hf.get("rope_theta", 10000.0))
   # A null rope_type falls back to `type` (transformers fails on a null

@@ -91,6 +91,15 @@ def test_rope_settings_match_transformers(tmp_path, case):
     (dict(_LLAMA3, partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     (dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
      "partial_rotary_factor 0.25"),
+    # transformers 5's settings keyed by layer type were read flat: no
+    # rope_type, so plain RoPE at the top-level theta (the YaRN and the
+    # theta of 1e6 dropped).
+    (dict(full_attention=dict(rope_type="yarn", factor=4.0,
+                              rope_theta=1e6)),
+     r"keyed by layer type \(full_attention\)"),
+    (dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+          sliding_attention=dict(rope_type="default", rope_theta=1e4)),
+     r"\(full_attention, sliding_attention\)"),
 ])
 def test_rope_settings_nothing_runs_are_refused(settings, message):
   hf = dict(_BASE, model_type="llama", rope_scaling=settings)
