@@ -39,16 +39,13 @@ def code_version() -> dict | None:
 
 def _stat_record(path: str, st, budget: list) -> dict:
   """size, mtime (UTC) and, while `budget[0]` bytes remain, sha256."""
-  import hashlib
   import time
+
+  from lazyattn_jax.file_digest import file_sha256
   record = dict(size=st.st_size, mtime=time.strftime(
       "%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.st_mtime)))
   if st.st_size <= budget[0]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-      for block in iter(lambda: f.read(1 << 20), b""):
-        digest.update(block)
-    record["sha256"] = digest.hexdigest()
+    record["sha256"] = file_sha256(path)
     budget[0] -= st.st_size
   return record
 

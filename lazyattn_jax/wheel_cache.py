@@ -31,6 +31,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Sequence
 
+from lazyattn_jax.file_digest import file_sha256
 from lazyattn_jax.progress import progress_bar_class
 
 tqdm = progress_bar_class()
@@ -291,14 +292,10 @@ def is_intact(spec: WheelFile, path: pathlib.Path) -> bool:
     return False
   if spec.sha256 is None:
     return True
-  digest = hashlib.sha256()
   try:
-    with open(path, "rb") as f:
-      while chunk := f.read(_COPY_CHUNK_BYTES):
-        digest.update(chunk)
+    return file_sha256(path) == spec.sha256
   except OSError:
     return False
-  return digest.hexdigest() == spec.sha256
 
 
 def starts_with(magic: bytes) -> Callable[[pathlib.Path], bool]:

@@ -133,7 +133,8 @@ def test_an_unreadable_file_is_recorded_not_raised(tmp_path, monkeypatch):
   def refuse(*args, **kwargs):
     raise PermissionError(13, "Permission denied", str(secret))
 
-  monkeypatch.setattr(provenance, "open", refuse, raising=False)
+  from lazyattn_jax import file_digest  # where the file is read
+  monkeypatch.setattr(file_digest, "open", refuse, raising=False)
   record = file_record(str(secret))
   assert record["path"] == str(secret)
   assert record["error"].startswith("PermissionError")

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lazyattn_jax.file_digest import update_from_file
 from lazyattn_jax.training.errors import TrainingInputError
 from lazyattn_jax.training.forward import ModelFunctions
 from models.llama import Llama
@@ -101,9 +102,7 @@ def files_sha256(path) -> str:
       [p for p in path.glob("*.safetensors")] + [path / "config.json"])
   digest = hashlib.sha256()
   for file in files:
-    with open(file, "rb") as f:
-      while chunk := f.read(1 << 22):
-        digest.update(chunk)
+    update_from_file(digest, file)
   return digest.hexdigest()
 
 
