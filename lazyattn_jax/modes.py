@@ -161,11 +161,11 @@ class LazyMode(ReuseMode):
   With a preamble (QualityOptions.preamble), the preamble is the request's
   first cache entry: every document is encoded after it (positions P..)
   and read with shift S_d - P; the query reads the preamble once.  With
-  first-page recompute, the first k tokens of each document after the first
-  are prefilled by the request itself into private pages at their request
-  positions (attending to everything before them: causal masking by
-  position hides the document's own later pages), and the request reads
-  those instead of the shared first pages.
+  first-page recompute, the first k tokens of each document after the
+  request's first cache entry are prefilled by the request itself into
+  private pages at their request positions (attending to everything before
+  them: causal masking by position hides the document's own later pages),
+  and the request reads those instead of the shared first pages.
   """
   name = "lazy"
   has_document_step = True

@@ -9,9 +9,10 @@ remedies keep every document's pages shared (zero copy):
   chat template's prefix, or P learned vectors), whose KV is itself one
   cache entry; the query reads the preamble once;
 - first-page recompute (as in EPIC and MEPIC): per request, the first k
-  tokens of each document after the first are computed again, attending to
-  everything before them, into the request's private pages; the rest of
-  the document is read from the shared pages.
+  tokens of each document after the request's first cache entry (the
+  preamble, or a text query's chat prefix, else the first document) are
+  computed again, attending to everything before them, into the request's
+  private pages; the rest of the document is read from the shared pages.
 
 `LazyEngine.from_pretrained` turns them on by default in lazy and block
 modes (`default_quality`): first-page recompute for every model, and for
@@ -48,8 +49,9 @@ class QualityOptions:
       preamble whose KV is computed from these vectors instead of token
       embeddings (preamble="sink" only).
     recompute: recompute the first `recompute_tokens` tokens of each
-      document after the first per request, attending to everything before
-      them; the rest of the document stays shared.
+      document after the request's first cache entry (the preamble, or a
+      text query's chat prefix, else the first document), attending to
+      everything before them; the rest of the document stays shared.
     recompute_tokens: k, a multiple of the page size (None: one page); a
       shorter document is recomputed whole.
   """
