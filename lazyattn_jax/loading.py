@@ -171,7 +171,9 @@ def engine_arguments(name_or_path: str, *, dtype, cache_config, num_pages,
     takes = mode in MODES and MODES[mode].takes_quality_options
     quality = QualityOptions(recompute=takes)
   quality = split_quality(quality, dict(given))
-  scheduler, runner = split_settings(scheduler, runner, settings)
+  scheduler, runner = split_settings(
+      scheduler, runner, settings,
+      also_known=tuple(f.name for f in dataclasses.fields(QualityOptions)))
   page = cache_config.page_size if cache_config is not None else page_size
   check_quality(mode, page, quality)
   check_impl_page_size(page, runner.impl, name="cache_config.page_size"

@@ -71,8 +71,13 @@ def test_from_pretrained_checks_settings_before_loading():
     LazyEngine.from_pretrained("/does/not/exist.gguf", impl="bogus")
   with pytest.raises(ValueError, match="mode must be one of"):
     LazyEngine.from_pretrained("/does/not/exist.gguf", mode="lazzy")
-  with pytest.raises(TypeError, match="unknown engine settings"):
+  with pytest.raises(TypeError, match="unknown engine settings") as info:
     LazyEngine.from_pretrained("/does/not/exist.gguf", max_bach=2)
+  # The list of known settings holds every keyword it takes, the answer-
+  # quality fields included (they were left out).
+  for name in ("max_batch", "impl", "preamble", "sink", "recompute",
+               "recompute_tokens"):
+    assert f"'{name}'" in str(info.value)
 
 
 def test_a_cache_that_does_not_match_the_model_is_refused(model_and_config):
