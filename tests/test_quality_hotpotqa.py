@@ -100,6 +100,13 @@ def test_a_file_that_is_not_a_list_of_questions_is_refused(tmp_path,
     ds.load_hotpotqa("all", path=bad)
 
 
+def test_python_callers_may_pass_tuples():
+  raw = fake_hotpotqa(3)
+  as_tuples = tuple(dict(e, context=tuple(tuple(c) for c in e["context"]))
+                    for e in raw)
+  assert ds.parse_hotpotqa(as_tuples) == ds.parse_hotpotqa(raw)
+
+
 def _broken(edit):
   raw = fake_hotpotqa(3)
   edit(raw[1])

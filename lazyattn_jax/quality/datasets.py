@@ -191,7 +191,7 @@ def parse_hotpotqa(raw: Sequence[dict]) -> list[HotpotQAExample]:
   mistyped field, no supporting facts, a supporting title that is not in
   the context), or when `raw` is not a list.
   """
-  if not isinstance(raw, list):
+  if not isinstance(raw, (list, tuple)):
     raise ValueError("a HotpotQA file holds a JSON list of questions, got "
                      f"a {type(raw).__name__}")
   examples = []
@@ -224,7 +224,7 @@ def _parse_entry(entry) -> HotpotQAExample:
     return value
 
   def pair(value, what):
-    if not isinstance(value, list) or len(value) != 2:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
       raise TypeError(f"{what} must be a [title, ...] pair, got {value!r}")
     return value
 
@@ -254,7 +254,7 @@ def _parse_entry(entry) -> HotpotQAExample:
 
 
 def _listed(value, what) -> list:
-  if not isinstance(value, list):
+  if not isinstance(value, (list, tuple)):
     raise TypeError(f"{what} must be a list, got {value!r:.60}")
   return value
 
