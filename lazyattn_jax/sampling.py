@@ -32,7 +32,8 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_k: keep only the k most likely tokens (0 = no limit).
     top_p: nucleus sampling: keep the smallest set of tokens whose
-      probability reaches top_p, in (0, 1].
+      probability reaches top_p, in (0, 1].  Under either cut, tokens whose
+      logit equals the last kept one's are kept too.
     seed: random seed of this request, any 64-bit integer.  Inside the
       int32 range it is the PRNG seed itself; seeds outside it are mixed
       down to 32 bits (`step_packing.seed_int32`), so two of those may,
