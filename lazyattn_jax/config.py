@@ -49,9 +49,9 @@ class SchedulerConfig:
       one mixed step (`lazyattn_jax/mixed_step.py`), instead of waiting
       for the round's prefill to end.  Off by default, where the most
       tokens/s matter; `SchedulerConfig.interactive()` (whose settings
-      `lazyattn serve` starts from) turns it on with the settings that go with it
-      (benchmarks/RESULTS.md, "The mixed step"; docs/design.md, "Mixed
-      steps").
+      `lazyattn serve` starts from) turns it on with the settings that go
+      with it (benchmarks/RESULTS.md, "The mixed step"; docs/design.md,
+      "Mixed steps").
     decode_loops_to_first_finish: a decode loop runs only as many steps
       as the running request closest to its `max_new_tokens` still needs,
       rounded up to a power of two (at most `decode_steps`), so a request

@@ -220,12 +220,13 @@ def _parse_entry(entry) -> HotpotQAExample:
 
   def text(value, what):
     if not isinstance(value, str):
-      raise TypeError(f"{what} must be a string, got {value!r}")
+      raise TypeError(f"{what} must be a string, got {value!r:.60}")
     return value
 
   def pair(value, what):
     if not isinstance(value, (list, tuple)) or len(value) != 2:
-      raise TypeError(f"{what} must be a [title, ...] pair, got {value!r}")
+      raise TypeError(f"{what} must be a [title, ...] pair, got "
+                      f"{value!r:.60}")
     return value
 
   paragraphs = []
@@ -240,7 +241,7 @@ def _parse_entry(entry) -> HotpotQAExample:
       entry["supporting_facts"], "supporting_facts")):
     if isinstance(index, bool) or not isinstance(index, int):
       raise TypeError(f"a supporting fact's sentence index must be an "
-                      f"integer, got {index!r}")
+                      f"integer, got {index!r:.60}")
     facts.append((text(title, "a supporting fact's title"), index))
   if not facts:
     raise ValueError("it has no supporting facts")
