@@ -197,7 +197,7 @@ def _remove_stale_partials(spec: WheelFile, folder: pathlib.Path) -> None:
 
 
 def make_cache_folder(spec: WheelFile,
-                       cache_dir: str | os.PathLike | None) -> pathlib.Path:
+                      cache_dir: str | os.PathLike | None) -> pathlib.Path:
   """`cached_path`, after making its folder (spec.error if it cannot be)."""
   target = cached_path(spec, cache_dir)
   try:
