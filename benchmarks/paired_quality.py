@@ -14,6 +14,10 @@ item by item:
 
   python -m benchmarks.paired_quality REPORT.json \\
       --compare "lazy + sink" "lazy + sink fp8 pages" --metric accuracy
+
+Several reports (e.g. the held-out HotpotQA questions and `--split
+excluded`) pool: a label's runs are joined across them in the order given,
+and an item (question id and position) may appear in only one of them.
 """
 
 from __future__ import annotations
@@ -154,23 +158,64 @@ def compare(a: np.ndarray, b: np.ndarray, *, questions=None,
   return row
 
 
+def pooled_runs(reports: list[tuple[str, dict]]) -> dict[str, dict]:
+  """Each label's runs joined across (name, report) pairs, predictions in
+  the order given.  A label is kept only where every report has it; a run
+  without predictions in any report is left without.  ValueError: an item
+  (id, position) in two reports, which pooling would count twice."""
+  by_label = [{r["label"]: r for r in report["runs"]} for _, report in reports]
+  pooled = {}
+  for label in by_label[0]:
+    if not all(label in runs for runs in by_label):
+      continue
+    parts = [runs[label] for runs in by_label]
+    run = dict(parts[0])
+    run.pop("predictions", None)
+    if all("predictions" in part for part in parts):
+      run["predictions"] = [p for part in parts for p in part["predictions"]]
+      if len(parts) > 1:
+        _refuse_repeats(label, [name for name, _ in reports], parts)
+    pooled[label] = run
+  return pooled
+
+
+def _refuse_repeats(label, names, parts):
+  seen = {}
+  for name, part in zip(names, parts):
+    for p in part["predictions"]:
+      if not isinstance(p, dict) or p.get("id") is None:
+        continue
+      key = (p["id"], p.get("position"))
+      if seen.setdefault(key, name) != name:
+        raise ValueError(f"question {key[0]!r} (position {key[1]}) of run "
+                         f"{label!r} is in both {seen[key]} and {name}: "
+                         "pooling would count it twice")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("report")
+  p.add_argument("report", nargs="+",
+                 help="one rag_quality report, or several to pool")
   p.add_argument("--compare", nargs=2, action="append", required=True,
                  metavar=("LABEL_A", "LABEL_B"))
   p.add_argument("--metric", choices=METRICS, default="contained")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
-  with open(args.report) as f:
-    report = json.load(f)
-  runs = {r["label"]: r for r in report["runs"]}
+  reports = []
+  for path in args.report:
+    with open(path) as f:
+      reports.append((path, json.load(f)))
+  try:
+    runs = pooled_runs(reports)
+  except ValueError as err:
+    p.error(str(err))
   rows = []
   for label_a, label_b in args.compare:
     missing = [x for x in (label_a, label_b) if x not in runs]
     if missing:
-      p.error(f"no run labelled {missing[0]!r}; runs: {sorted(runs)}")
+      where = " in every report" if len(reports) > 1 else ""
+      p.error(f"no run labelled {missing[0]!r}{where}; runs: {sorted(runs)}")
     error = pairing_error(runs[label_a], runs[label_b])
     if error:
       p.error(error)
@@ -187,7 +232,8 @@ def main(argv=None):
           f"({args.metric}, {row['items']} items{extra})")
   if args.out:
     with open(args.out, "w") as f:
-      json.dump(dict(report=args.report, comparisons=rows), f, indent=2)
+      json.dump(dict(report=args.report[0] if len(args.report) == 1
+                     else args.report, comparisons=rows), f, indent=2)
   return rows
 
 

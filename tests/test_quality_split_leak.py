@@ -28,6 +28,10 @@ EVAL_IDS_SHA256 = (
 TRAIN_SIZE = 4353
 TRAIN_IDS_SHA256 = (
     "82f301e71b55df6253e35623e5c6547ecb2341cd3e86337d82648aeb27bbf2af")
+# The 1,489 left out of train: a second set never trained on.
+EXCLUDED_SIZE = 1489
+EXCLUDED_IDS_SHA256 = (
+    "db5b2fd940449b428e738b40b86d1ed7f82afce4bff924ceb24354a681a2e174")
 
 
 def _ids_sha256(examples) -> str:
@@ -86,7 +90,20 @@ def test_train_leaves_out_questions_sharing_a_held_out_paragraph(tmp_path):
   assert [e.id for e in held_out] == [held]
   assert [e.id for e in train] == sorted([clean, clean2], key=ds.split_key)
   assert not _keys(train) & _keys(held_out)
+  excluded = ds.load_hotpotqa("excluded", path=path)
+  assert [e.id for e in excluded] == sorted(
+      [gold_share, distractor_share, title_share, text_share],
+      key=ds.split_key)
   assert len(ds.load_hotpotqa("all", path=path)) == len(raw)
+  # The quality benchmark asks either part.
+  from benchmarks.rag_quality import build_parser, hotpotqa_items
+  for split, want in (("eval", held_out), ("excluded", excluded)):
+    args = build_parser().parse_args(
+        ["--dataset", "hotpotqa", "--hotpotqa-json", str(path), "--split",
+         split, "--no-progress"])
+    items, info = hotpotqa_items(args)
+    assert [i.example_id for i in items] == [e.id for e in want]
+    assert info["split"] == split and info["split_questions"] == len(want)
   # The same answer whatever the file's order.
   path.write_text(json.dumps(raw[::-1]))
   assert [e.id for e in ds.load_hotpotqa("train", path=path)] == [
@@ -101,18 +118,19 @@ def real_parts():
     pytest.skip(f"the HotpotQA dev set is not available here: {e}")
   return (ds.load_hotpotqa("eval", path=path),
           ds.load_hotpotqa("train", path=path),
-          ds.load_hotpotqa("all", path=path))
+          ds.load_hotpotqa("all", path=path),
+          ds.load_hotpotqa("excluded", path=path))
 
 
 def test_the_held_out_part_is_unchanged(real_parts):
-  held_out, _, every = real_parts
+  held_out, _, every, _ = real_parts
   assert len(held_out) == EVAL_SIZE
   assert _ids_sha256(held_out) == EVAL_IDS_SHA256
   assert len(every) == 7405
 
 
 def test_no_train_paragraph_is_in_a_held_out_prompt(real_parts):
-  held_out, train, every = real_parts
+  held_out, train, every, _ = real_parts
   assert not _keys(train) & _keys(held_out)
   # The texts the model reads, too.
   texts = lambda xs: {p.text for e in xs for p in e.paragraphs}
@@ -126,6 +144,19 @@ def test_no_train_paragraph_is_in_a_held_out_prompt(real_parts):
 
 
 def test_the_train_part_is_pinned(real_parts):
-  _, train, _ = real_parts
+  _, train, _, _ = real_parts
   assert len(train) == TRAIN_SIZE
   assert _ids_sha256(train) == TRAIN_IDS_SHA256
+
+
+def test_the_excluded_part_is_the_rest_of_train_and_pinned(real_parts):
+  held_out, train, every, excluded = real_parts
+  assert len(excluded) == EXCLUDED_SIZE
+  assert _ids_sha256(excluded) == EXCLUDED_IDS_SHA256
+  # Each shares a paragraph with a held-out prompt; none is trained on.
+  held_keys = _keys(held_out)
+  assert all(_keys([e]) & held_keys for e in excluded)
+  ids = lambda xs: {e.id for e in xs}
+  assert not ids(excluded) & (ids(train) | ids(held_out))
+  assert ids(excluded) | ids(train) == {
+      e.id for e in every if ds.split_of(e.id) == "train"}

@@ -40,7 +40,9 @@ the held-out gold paragraphs; leaving out only those would keep 5,369):
 the train part holds the other 4,353 (3,522 bridge, 831 comparison), still
 in digest order.  It depends on the held-out questions of the same file,
 so it is deterministic for a file; the eval part is exactly what it was
-before this exclusion.  "all" is every question, excluded ones included.
+before this exclusion.  "excluded" is those 1,489: never trained on, so a
+second unseen set beside the held-out one (their paragraphs recur in
+held-out prompts, and may in train prompts).  "all" is every question.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from collections.abc import Sequence
 
 from lazyattn_jax import wheel_cache
 
-SPLITS = ("train", "eval", "all")
+SPLITS = ("train", "eval", "excluded", "all")
 EVAL_MODULUS = 5  # one question in five is held out
 _SPLIT_SALT = "hotpotqa-split-v1:"
 
@@ -267,7 +269,8 @@ def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
   Args:
     split: "eval" (held out: every benchmark figure), "train" (the other
       questions, less those whose prompt shares a paragraph with a held-out
-      prompt; see the module doc), or "all" (every question).
+      prompt; see the module doc), "excluded" (the questions that rule
+      leaves out of "train": never trained on), or "all" (every question).
     path: a HotpotQA-format JSON file; by default `hotpotqa_path()`, which
       fetches the dev distractor set on first use.
     progress: progress bars while fetching.
@@ -290,10 +293,11 @@ def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
   ids = [e.id for e in examples]
   if len(set(ids)) != len(ids):
     raise ValueError(f"{path} repeats question ids")
-  if split == "train":
+  if split in ("train", "excluded"):
     held_out = held_out_paragraphs(examples)
+    leaves_out = split == "excluded"
     examples = [e for e in examples if split_of(e.id) == "train"
-                and not overlaps_held_out(e, held_out)]
+                and overlaps_held_out(e, held_out) == leaves_out]
   elif split == "eval":
     examples = [e for e in examples if split_of(e.id) == "eval"]
   return sorted(examples, key=lambda e: split_key(e.id))
