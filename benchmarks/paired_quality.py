@@ -158,38 +158,104 @@ def compare(a: np.ndarray, b: np.ndarray, *, questions=None,
   return row
 
 
-def pooled_runs(reports: list[tuple[str, dict]]) -> dict[str, dict]:
-  """Each label's runs joined across (name, report) pairs, predictions in
-  the order given.  A label is kept only where every report has it; a run
-  without predictions in any report is left without.  ValueError: an item
-  (id, position) in two reports, which pooling would count twice."""
+# Report fields that say what the items are: reports that differ in one
+# hold different kinds of items and are not pooled.
+ITEM_KIND_FIELDS = ("dataset", "layout", "sweep_docs")
+# A run's settings: pooled where they differ, with a warning naming them.
+RUN_SETTING_FIELDS = ("mode", "options")
+
+
+def load_report(path: str) -> dict:
+  """A rag_quality report: ValueError, one line, for a file that is
+  missing, not JSON, or without labelled runs."""
+  try:
+    with open(path) as f:
+      report = json.load(f)
+  except OSError as err:
+    raise ValueError(f"{path}: {err.strerror or err}") from err
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise ValueError(f"{path} is not a JSON report ({err})") from err
+  runs = report.get("runs") if isinstance(report, dict) else None
+  if not isinstance(runs, list) or not all(
+      isinstance(r, dict) and "label" in r for r in runs):
+    raise ValueError(f"{path} is not a rag_quality report (no list of "
+                     "labelled runs)")
+  return report
+
+
+def pooled_runs(reports: list[tuple[str, dict]], warn=None
+                ) -> dict[str, dict]:
+  """Each label's runs joined across (name, report) pairs: a run of its
+  label and its predictions, in the order given (no other field: a pooled
+  run has no one mode, score or time).  A label is kept only where every
+  report has it.  `warn(line)` hears of settings (model, mode, options)
+  that differ between the reports' runs.
+
+  ValueError: reports of different kinds of items (dataset, layout), a
+  synthetic report among several (its item ids are numbers per report),
+  a run with predictions in one report and not in another, or an item
+  (id, position) in two reports (or one report given twice), which
+  pooling would count twice."""
+  names = [name for name, _ in reports]
+  if len(reports) > 1:
+    _check_poolable(reports, warn)
   by_label = [{r["label"]: r for r in report["runs"]} for _, report in reports]
   pooled = {}
   for label in by_label[0]:
     if not all(label in runs for runs in by_label):
       continue
     parts = [runs[label] for runs in by_label]
-    run = dict(parts[0])
-    run.pop("predictions", None)
-    if all("predictions" in part for part in parts):
+    run = dict(label=label)
+    has = ["predictions" in part for part in parts]
+    if all(has):
       run["predictions"] = [p for part in parts for p in part["predictions"]]
       if len(parts) > 1:
-        _refuse_repeats(label, [name for name, _ in reports], parts)
+        _refuse_repeats(label, names, parts)
+    elif any(has):
+      raise ValueError(f"run {label!r} has no predictions in "
+                       f"{names[has.index(False)]} (run rag_quality with "
+                       "--save-predictions)")
+    if len(parts) > 1 and warn is not None:
+      for field in RUN_SETTING_FIELDS:
+        values = [part.get(field) for part in parts]
+        if any(v != values[0] for v in values):
+          warn(f"run {label!r} pooled with different {field}: " + "; ".join(
+              f"{name}: {value!r}" for name, value in zip(names, values)))
     pooled[label] = run
   return pooled
 
 
+def _check_poolable(reports, warn):
+  for field in ITEM_KIND_FIELDS:
+    values = [report.get(field) for _, report in reports]
+    if any(v != values[0] for v in values):
+      raise ValueError(f"the reports differ in {field} (" + ", ".join(
+          f"{name}: {value!r}" for (name, _), value in zip(reports, values))
+          + "): not items of one kind")
+  if any(report.get("dataset") == "synthetic" for _, report in reports):
+    raise ValueError("synthetic reports do not pool: their items are "
+                     "numbered afresh in each report, so one id names "
+                     "different questions")
+  models = [report.get("model") for _, report in reports]
+  if warn is not None and any(m != models[0] for m in models):
+    warn("pooling reports of different models: " + "; ".join(
+        f"{name}: {m!r}" for (name, _), m in zip(reports, models)))
+
+
 def _refuse_repeats(label, names, parts):
   seen = {}
-  for name, part in zip(names, parts):
+  for index, (name, part) in enumerate(zip(names, parts)):
     for p in part["predictions"]:
       if not isinstance(p, dict) or p.get("id") is None:
         continue
       key = (p["id"], p.get("position"))
-      if seen.setdefault(key, name) != name:
+      if seen.setdefault(key, index) != index:
+        first = names[seen[key]]
+        where = (f"both {first} and {name}" if first != name else
+                 f"{name}, given twice")
         raise ValueError(f"question {key[0]!r} (position {key[1]}) of run "
-                         f"{label!r} is in both {seen[key]} and {name}: "
-                         "pooling would count it twice")
+                         f"{label!r} is in {where}: pooling would count it "
+                         "twice")
 
 
 def main(argv=None):
@@ -202,19 +268,19 @@ def main(argv=None):
   p.add_argument("--metric", choices=METRICS, default="contained")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
-  reports = []
-  for path in args.report:
-    with open(path) as f:
-      reports.append((path, json.load(f)))
+  warn = lambda line: print(f"{p.prog}: warning: {line}", file=sys.stderr)
   try:
-    runs = pooled_runs(reports)
+    reports = [(path, load_report(path)) for path in args.report]
+    runs = pooled_runs(reports, warn)
   except ValueError as err:
     p.error(str(err))
   rows = []
   for label_a, label_b in args.compare:
     missing = [x for x in (label_a, label_b) if x not in runs]
     if missing:
-      where = " in every report" if len(reports) > 1 else ""
+      lacking = [name for name, report in reports
+                 if missing[0] not in {r["label"] for r in report["runs"]}]
+      where = f" in {', '.join(lacking)}" if len(reports) > 1 else ""
       p.error(f"no run labelled {missing[0]!r}{where}; runs: {sorted(runs)}")
     error = pairing_error(runs[label_a], runs[label_b])
     if error:

@@ -218,6 +218,8 @@ def check_values(p, args) -> None:
     if value is not None and value < low:
       p.error(f"{flag} must be >= {low}, got {value}")
   if args.dataset == "synthetic":
+    if args.split != "eval":
+      p.error(f"--split {args.split} applies to --dataset hotpotqa only")
     if not 1 <= args.people <= people:
       p.error(f"--people must lie in [1, {people}] (the made-up names), "
               f"got {args.people}")
@@ -339,7 +341,9 @@ def _plot_xlabel(args) -> str:
 
 def _plot_title(report, items) -> str:
   questions = len({i.example_id for i in items})
-  where = (f"HotpotQA dev distractor, held out, layout {report['layout']}"
+  part = {"eval": "held out", "excluded": "excluded from training"}
+  where = (f"HotpotQA dev distractor, {part[report.get('split', 'eval')]}, "
+           f"layout {report['layout']}"
            if report["dataset"] == "hotpotqa" else "synthetic fact lookup")
   model = os.path.basename(os.path.normpath(report["model"]))
   return (f"{where}: {questions} questions\n{model}, greedy, "

@@ -259,5 +259,94 @@ def test_pooling_refuses_an_item_twice_and_a_missing_label(tmp_path, capsys):
       dict(label="a", predictions=[_item("3")])])
   with pytest.raises(SystemExit):
     paired_quality.main([first, other, "--compare", "a", "b"])
-  assert ("no run labelled 'b' in every report; runs: ['a']"
+  assert (f"no run labelled 'b' in {other}; runs: ['a']"
           in capsys.readouterr().err)
+  # One report given twice counted every item twice.
+  with pytest.raises(SystemExit):
+    paired_quality.main([first, first, "--compare", "a", "b"])
+  assert (f"question '1' (position 0) of run 'a' is in {first}, given twice"
+          in capsys.readouterr().err)
+
+
+def _hotpot(tmp_path, name, runs, **fields):
+  report = dict(dataset="hotpotqa", layout="dataset", model="m", runs=runs)
+  report.update(fields)
+  path = tmp_path / name
+  path.write_text(json.dumps(report))
+  return str(path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(layout="gold-sweep"), "the reports differ in layout ("),
+    (dict(dataset="synthetic"), "the reports differ in dataset ("),
+])
+def test_pooling_refuses_items_of_another_kind(tmp_path, capsys, fields,
+                                               message):
+  run = lambda label, qid: dict(label=label, predictions=[_item(qid)])
+  first = _hotpot(tmp_path, "one.json", [run("a", "1"), run("b", "1")])
+  second = _hotpot(tmp_path, "two.json", [run("a", "2"), run("b", "2")],
+                   **fields)
+  with pytest.raises(SystemExit):
+    paired_quality.main([first, second, "--compare", "a", "b"])
+  assert message in capsys.readouterr().err
+
+
+def test_synthetic_reports_do_not_pool(tmp_path, capsys):
+  # Their ids are "0".."N-1" in every report: one id, two questions.
+  run = lambda label, qid: dict(label=label, predictions=[_item(qid)])
+  paths = [_hotpot(tmp_path, f"s{n}.json", [run("a", str(n)),
+                                            run("b", str(n))],
+                   dataset="synthetic") for n in range(2)]
+  with pytest.raises(SystemExit):
+    paired_quality.main(paths + ["--compare", "a", "b"])
+  assert "synthetic reports do not pool" in capsys.readouterr().err
+
+
+def test_pooling_names_the_report_without_predictions(tmp_path, capsys):
+  first = _hotpot(tmp_path, "one.json", [
+      dict(label="a", predictions=[_item("1")]),
+      dict(label="b", predictions=[_item("1")])])
+  second = _hotpot(tmp_path, "two.json", [
+      dict(label="a", mode="lazy"), dict(label="b", predictions=[_item("2")])])
+  with pytest.raises(SystemExit):
+    paired_quality.main([first, second, "--compare", "a", "b"])
+  assert f"run 'a' has no predictions in {second}" in capsys.readouterr().err
+
+
+def test_pooling_warns_of_settings_that_differ(tmp_path, capsys):
+  run = lambda label, qid, options: dict(
+      label=label, mode="lazy", options=options, contained=0.5,
+      predictions=[_item(qid)])
+  first = _hotpot(tmp_path, "one.json", [run("a", "1", {"sink": "x"}),
+                                         run("b", "1", {})])
+  second = _hotpot(tmp_path, "two.json", [run("a", "2", {"sink": "y"}),
+                                          run("b", "2", {})], model="other")
+  paired_quality.main([first, second, "--compare", "a", "b"])
+  err = capsys.readouterr().err
+  assert "warning: pooling reports of different models" in err
+  assert (f"warning: run 'a' pooled with different options: {first}: "
+          f"{{'sink': 'x'}}; {second}: {{'sink': 'y'}}") in err
+  assert "run 'b' pooled" not in err
+  runs = paired_quality.pooled_runs([
+      (first, json.loads(open(first).read())),
+      (second, json.loads(open(second).read()))])
+  # A pooled run keeps no one report's scores beside the pooled items.
+  assert set(runs["a"]) == {"label", "predictions"}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"),
+    ("not json", "is not a JSON report"),
+    (json.dumps({"comparisons": []}), "is not a rag_quality report"),
+    (json.dumps({"runs": [{"mode": "lazy"}]}), "is not a rag_quality report"),
+])
+def test_unreadable_reports_are_usage_errors(tmp_path, capsys, content,
+                                             message):
+  path = tmp_path / "r.json"
+  if content is not None:
+    path.write_text(content)
+  with pytest.raises(SystemExit) as info:
+    paired_quality.main([str(path), "--compare", "a", "b"])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert message in err and "Traceback" not in err

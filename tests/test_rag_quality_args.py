@@ -59,6 +59,9 @@ from benchmarks.rag_quality import main, parse_args
     (["--run", "lazy,quality=null"], "quality= is not a run option"),
     (["--modes", "lazy", "--engine-option", "quality=null"],
      "run 'lazy': quality= is not a run option"),
+    # It was accepted and ignored: the synthetic set has no such parts.
+    (["--split", "excluded"],
+     "--split excluded applies to --dataset hotpotqa only"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
   # parse_args alone: these must fail before any data or model loads.
@@ -229,3 +232,12 @@ def test_a_malformed_hotpotqa_file_is_a_usage_error(tmp_path, capsys):
   assert info.value.code == 2
   err = capsys.readouterr().err
   assert "holds a JSON list of questions" in err and "Traceback" not in err
+
+
+def test_the_plot_title_names_the_hotpotqa_part():
+  from benchmarks.rag_quality import _plot_title
+  report = dict(dataset="hotpotqa", layout="dataset", model="/m/model.gguf",
+                device="cpu", date="2026-12-06")
+  assert "held out, layout dataset" in _plot_title(report, [])
+  report["split"] = "excluded"
+  assert "excluded from training, layout dataset" in _plot_title(report, [])
