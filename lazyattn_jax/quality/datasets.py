@@ -22,8 +22,9 @@ questions in eval (1,243 bridge, 320 comparison; 103 answered yes/no; 14
 with fewer than 10 paragraphs), fixed by the ids alone (it does not depend
 on the file's order or on which other questions exist).  Within each part
 the questions are ordered by the same digest, a fixed shuffle, so the first
-N eval questions are a deterministic sample that grows by extension.  Every
-benchmark figure is on eval questions; training may use only train.
+N eval questions are a deterministic sample that grows by extension.  The
+benchmark figures are on eval questions (one pools the "excluded" part
+below with them, and says so); training may use only train.
 
 The train part leaves out every question whose prompt shares a paragraph
 with any held-out question's prompt (`overlaps_held_out`), gold or
@@ -267,7 +268,7 @@ def load_hotpotqa(split: str = "eval", *, path: str | os.PathLike | None = None,
   """The questions of one part of the fixed split, in split-digest order.
 
   Args:
-    split: "eval" (held out: every benchmark figure), "train" (the other
+    split: "eval" (held out: the benchmark figures), "train" (the other
       questions, less those whose prompt shares a paragraph with a held-out
       prompt; see the module doc), "excluded" (the questions that rule
       leaves out of "train": never trained on), or "all" (every question).
